@@ -1,0 +1,254 @@
+"""Unified diffs: parse git-style patches and apply them exactly.
+
+No fuzz, ever: every context and removed line of a hunk must match the target
+byte for byte. By default a hunk must also sit at the line its header names
+(``offset=False``); the rebase workflow asks for ``offset=True`` to learn
+whether a hunk still applies somewhere else, and reports the offsets.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(.*)$")
+_NO_NEWLINE = "\\ No newline at end of file"
+
+
+class DiffError(Exception):
+    """A patch text is not a well-formed unified diff."""
+
+
+class HunkError(Exception):
+    """A hunk does not apply exactly."""
+
+    def __init__(self, path: str, hunk_index: int, hunk: Hunk, reason: str):
+        self.path = path
+        self.hunk_index = hunk_index
+        self.hunk = hunk
+        self.reason = reason
+        super().__init__(
+            f"{path}: hunk #{hunk_index + 1} ({hunk.header}) does not apply: {reason}"
+        )
+
+
+@dataclass(frozen=True)
+class Hunk:
+    old_start: int
+    old_len: int
+    new_start: int
+    new_len: int
+    section: str
+    # (tag, text) with tag in " ", "-", "+"; text keeps its line ending.
+    lines: tuple[tuple[str, str], ...]
+
+    @property
+    def header(self) -> str:
+        old, new = (
+            f"{self.old_start},{self.old_len}",
+            f"{self.new_start},{self.new_len}",
+        )
+        return f"@@ -{old} +{new} @@"
+
+    def old_lines(self) -> list[str]:
+        return [text for tag, text in self.lines if tag != "+"]
+
+    def new_lines(self) -> list[str]:
+        return [text for tag, text in self.lines if tag != "-"]
+
+    def reversed(self) -> Hunk:
+        swap = {" ": " ", "-": "+", "+": "-"}
+        return Hunk(
+            old_start=self.new_start,
+            old_len=self.new_len,
+            new_start=self.old_start,
+            new_len=self.old_len,
+            section=self.section,
+            lines=tuple((swap[tag], text) for tag, text in self.lines),
+        )
+
+
+@dataclass(frozen=True)
+class FilePatch:
+    old_path: str
+    new_path: str
+    hunks: tuple[Hunk, ...]
+
+    @property
+    def path(self) -> str:
+        return self.new_path
+
+    def reversed(self) -> FilePatch:
+        return FilePatch(
+            old_path=self.new_path,
+            new_path=self.old_path,
+            hunks=tuple(h.reversed() for h in self.hunks),
+        )
+
+
+@dataclass(frozen=True)
+class AppliedHunk:
+    index: int
+    offset: int
+
+
+@dataclass
+class ApplyResult:
+    text: str
+    hunks: list[AppliedHunk] = field(default_factory=list)
+
+    @property
+    def max_offset(self) -> int:
+        return max((abs(h.offset) for h in self.hunks), default=0)
+
+
+def _strip_prefix(path: str) -> str:
+    path = path.split("\t", 1)[0].strip()
+    if path == "/dev/null":
+        return path
+    if path.startswith(("a/", "b/")):
+        return path[2:]
+    return path
+
+
+def parse_patch(text: str) -> list[FilePatch]:
+    """Parse the unified diff part of ``text`` (anything before the first
+    ``diff --git`` / ``---`` file header is ignored)."""
+    lines = text.splitlines(keepends=True)
+    files: list[FilePatch] = []
+    i = 0
+    n = len(lines)
+    while i < n:
+        line = lines[i]
+        is_header = line.startswith("--- ") and i + 1 < n
+        if not (is_header and lines[i + 1].startswith("+++ ")):
+            i += 1
+            continue
+        old_path = _strip_prefix(line[4:].rstrip("\r\n"))
+        new_path = _strip_prefix(lines[i + 1][4:].rstrip("\r\n"))
+        if old_path == "/dev/null" or new_path == "/dev/null":
+            raise DiffError(
+                f"line {i + 1}: creating or deleting files is not supported "
+                f"({old_path} -> {new_path})"
+            )
+        i += 2
+        hunks: list[Hunk] = []
+        while i < n and lines[i].startswith("@@"):
+            hunk, i = _parse_hunk(lines, i)
+            hunks.append(hunk)
+        if not hunks:
+            raise DiffError(f"{new_path}: file header without hunks")
+        files.append(FilePatch(old_path, new_path, tuple(hunks)))
+    if not files:
+        raise DiffError("no file diffs found")
+    seen: set[str] = set()
+    for fp in files:
+        if fp.path in seen:
+            raise DiffError(f"{fp.path}: appears twice in one patch")
+        seen.add(fp.path)
+    return files
+
+
+def _parse_hunk(lines: Sequence[str], i: int) -> tuple[Hunk, int]:
+    m = _HUNK_RE.match(lines[i].rstrip("\r\n"))
+    if not m:
+        raise DiffError(f"line {i + 1}: malformed hunk header {lines[i]!r}")
+    old_start, new_start = int(m.group(1)), int(m.group(3))
+    old_len = int(m.group(2)) if m.group(2) is not None else 1
+    new_len = int(m.group(4)) if m.group(4) is not None else 1
+    body: list[tuple[str, str]] = []
+    seen_old = seen_new = 0
+    i += 1
+    while seen_old < old_len or seen_new < new_len:
+        if i >= len(lines):
+            raise DiffError(f"hunk at -{old_start}: truncated")
+        line = lines[i]
+        tag = line[:1]
+        if line.rstrip("\r\n") == _NO_NEWLINE:
+            i += 1
+            continue
+        if tag not in (" ", "-", "+"):
+            if line in ("\n", "\r\n"):
+                # Some editors strip the space of empty context lines.
+                tag, line = " ", " " + line
+            else:
+                raise DiffError(f"line {i + 1}: unexpected line in hunk: {line!r}")
+        body.append((tag, line[1:]))
+        if tag != "+":
+            seen_old += 1
+        if tag != "-":
+            seen_new += 1
+        i += 1
+    if seen_old != old_len or seen_new != new_len:
+        raise DiffError(f"hunk at -{old_start}: line counts do not match its header")
+    # "\ No newline at end of file" after the last line of a side.
+    while i < len(lines) and lines[i].rstrip("\r\n") == _NO_NEWLINE:
+        prev_tag, prev_text = body[-1]
+        body[-1] = (prev_tag, prev_text.rstrip("\n"))
+        i += 1
+    section = m.group(5).strip()
+    return Hunk(old_start, old_len, new_start, new_len, section, tuple(body)), i
+
+
+def _matches_at(source: Sequence[str], start: int, expected: Sequence[str]) -> bool:
+    if start < 0 or start + len(expected) > len(source):
+        return False
+    return all(source[start + k] == expected[k] for k in range(len(expected)))
+
+
+def apply_file_patch(
+    text: str, patch: FilePatch, *, offset: bool = False
+) -> ApplyResult:
+    """Apply ``patch`` to ``text`` exactly; raise ``HunkError`` otherwise.
+
+    With ``offset=False`` every hunk must match at the line its header names.
+    With ``offset=True`` a hunk may match elsewhere (nearest position first),
+    after the previous hunk, still with every line identical.
+    """
+    source = text.splitlines(keepends=True)
+    out: list[str] = []
+    cursor = 0
+    applied: list[AppliedHunk] = []
+    for index, hunk in enumerate(patch.hunks):
+        old = hunk.old_lines()
+        # A zero-length old side names the line *after which* to insert.
+        expected = hunk.old_start - 1 if hunk.old_len else hunk.old_start
+        if _matches_at(source, expected, old) and expected >= cursor:
+            at = expected
+        elif offset:
+            at = _search(source, old, expected, cursor)
+            if at is None:
+                raise HunkError(patch.path, index, hunk, "context not found")
+        else:
+            found = _search(source, old, expected, cursor)
+            reason = (
+                f"context matches only at line {found + 1} (offset "
+                f"{found - expected:+d}); offsets are not accepted"
+                if found is not None
+                else "context differs from the target"
+            )
+            raise HunkError(patch.path, index, hunk, reason)
+        out.extend(source[cursor:at])
+        out.extend(hunk.new_lines())
+        cursor = at + len(old)
+        applied.append(AppliedHunk(index=index, offset=at - expected))
+    out.extend(source[cursor:])
+    return ApplyResult(text="".join(out), hunks=applied)
+
+
+def _search(
+    source: Sequence[str], old: Sequence[str], expected: int, lower: int
+) -> int | None:
+    limit = len(source) - len(old)
+    for distance in range(0, max(limit, 0) + len(source) + 1):
+        for at in (expected - distance, expected + distance):
+            if lower <= at <= limit and _matches_at(source, at, old):
+                return at
+        if expected - distance < lower and expected + distance > limit:
+            return None
+    return None
+
+
+def touched_paths(patches: Iterable[FilePatch]) -> list[str]:
+    return sorted({p.path for p in patches})

@@ -1,0 +1,107 @@
+"""The pin: which vLLM build the series is made for, down to each file's hash."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import tomli_w
+
+from vllm_overlay.errors import OverlayError
+
+PIN_FILE = "pin.toml"
+MODULE_DIR = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
+
+Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class PinError(OverlayError):
+    """The pin file is missing, malformed or incomplete."""
+
+
+class VllmBase(msgspec.Struct, forbid_unknown_fields=True):
+    version: Annotated[str, msgspec.Meta(pattern=r"^\d+\.\d+\.\d+\S*$")]
+    git_commit: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{7,40}$")]
+    wheel: Annotated[str, msgspec.Meta(pattern=r"^vllm-.+\.whl$")]
+    wheel_sha256: Sha256
+
+
+class ImageRef(msgspec.Struct, forbid_unknown_fields=True):
+    reference: Annotated[str, msgspec.Meta(pattern=r"^[\w.\-/:]+$")]
+    digest: Annotated[str, msgspec.Meta(pattern=r"^(sha256:[0-9a-f]{64})?$")] = ""
+
+    @property
+    def pull_ref(self) -> str:
+        """The reference to build from: by digest when the pin has one."""
+        if self.digest:
+            return f"{self.reference.split(':', 1)[0]}@{self.digest}"
+        return self.reference
+
+
+class Pin(msgspec.Struct, forbid_unknown_fields=True):
+    vllm: VllmBase
+    image: ImageRef
+    module: NonEmpty
+    # Path (relative to the directory holding the `vllm` package) -> sha256.
+    files: dict[str, Sha256]
+
+    def __post_init__(self) -> None:
+        if not self.files:
+            raise ValueError("`files` must name at least one file")
+        prefix = self.module.rstrip("/") + "/"
+        for path in self.files:
+            if not path.startswith(prefix):
+                raise ValueError(f"`files`: {path!r} is outside module {self.module!r}")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def decode_pin(data: bytes | str, source: str = PIN_FILE) -> Pin:
+    try:
+        return msgspec.toml.decode(data, type=Pin)
+    except msgspec.ValidationError as e:
+        raise PinError(f"{source}: invalid pin: {e}") from None
+    except msgspec.DecodeError as e:
+        raise PinError(f"{source}: not valid TOML: {e}") from None
+
+
+def load_pin(path: Path) -> Pin:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise PinError(f"{path}: cannot read pin: {e.strerror}") from None
+    return decode_pin(data, str(path))
+
+
+def encode_pin(pin: Pin) -> str:
+    header = (
+        "# The vLLM build the patch series is made for: every hash is checked\n"
+        "# before anything is applied. `vllm-overlay rebase` rewrites this file.\n"
+    )
+    return header + tomli_w.dumps(msgspec.to_builtins(pin))
+
+
+def module_files(root: Path, module: str) -> dict[str, str]:
+    """sha256 of every regular file of ``module`` below ``root`` (the
+    directory holding the ``vllm`` package), caches and overlay files aside."""
+    base = root / module
+    out: dict[str, str] = {}
+    for p in sorted(base.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if not p.is_file() or "__pycache__" in p.parts or p.name.startswith("."):
+            continue
+        out[rel] = sha256_file(p)
+    return out

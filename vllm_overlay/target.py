@@ -1,0 +1,59 @@
+"""Where vLLM lives: an installed package directory or a source checkout."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from vllm_overlay.errors import OverlayError
+
+
+class TargetError(OverlayError):
+    """The path given is not a vLLM tree."""
+
+
+@dataclass(frozen=True)
+class Target:
+    # The directory holding the `vllm` package: site-packages for an
+    # installed vLLM, the checkout for a source tree.
+    root: Path
+    kind: Literal["installed", "source"]
+
+    def file(self, rel: str) -> Path:
+        return self.root / rel
+
+    def describe(self) -> str:
+        what = "installed package" if self.kind == "installed" else "source tree"
+        return f"{self.root / 'vllm'} ({what})"
+
+
+def _is_vllm_package(path: Path) -> bool:
+    return (path / "__init__.py").is_file() and (path / "distributed").is_dir()
+
+
+def detect_target(path: Path) -> Target:
+    """Accept ``.../site-packages/vllm`` or a vLLM source root."""
+    path = path.resolve()
+    if not path.is_dir():
+        raise TargetError(f"{path}: no such directory")
+    if path.name == "vllm" and _is_vllm_package(path):
+        parent = path.parent
+        source = any((parent / n).exists() for n in ("setup.py", "pyproject.toml"))
+        return Target(parent, "source" if source else "installed")
+    if _is_vllm_package(path / "vllm"):
+        source = any((path / n).exists() for n in ("setup.py", "pyproject.toml"))
+        return Target(path, "source" if source else "installed")
+    raise TargetError(
+        f"{path}: neither an installed vllm package directory "
+        "(…/site-packages/vllm) nor a vLLM source root (a directory holding vllm/)"
+    )
+
+
+def installed_vllm() -> Path:
+    """The ``vllm`` package directory of this interpreter, without importing it."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError("no vllm package is installed in this Python environment")
+    return Path(next(iter(spec.submodule_search_locations)))
