@@ -1,0 +1,72 @@
+"""Reports that cross from one nox session to another (JSON on disk).
+
+`nox -s unit-base` writes a `RevertRedReport` to `.nox-reports/unit-base.json`:
+every test id run, which patch names it in its `Tests:` header ("" for none),
+and its outcome on the pinned base and with the overlay. `vllm-overlay export`
+reads it to fill a PR's test results; it never invents one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from vllm_overlay.errors import OverlayError
+
+REPORT_DIR = ".nox-reports"
+UNIT_BASE_REPORT = "unit-base.json"
+
+Outcome = Literal["passed", "failed", "error", "skipped"]
+
+
+class ReportError(OverlayError):
+    """A report is missing, unreadable, or for another series."""
+
+
+class RevertRedRow(msgspec.Struct, forbid_unknown_fields=True):
+    test_id: str
+    patch: str  # the patch whose Tests header names test_id, "" for none
+    base: Outcome
+    overlay: Outcome
+
+    @property
+    def revert_red(self) -> bool:
+        """Fails (or errors) on the base and passes with the overlay."""
+        return self.base in ("failed", "error") and self.overlay == "passed"
+
+
+class RevertRedReport(msgspec.Struct, forbid_unknown_fields=True):
+    vllm_version: str
+    series_id: str
+    generated_at: str  # ISO 8601, UTC
+    rows: list[RevertRedRow]
+
+    def rows_for(self, patch: str) -> list[RevertRedRow]:
+        return [r for r in self.rows if r.patch == patch]
+
+
+def unit_base_report_path(root: Path) -> Path:
+    return root / REPORT_DIR / UNIT_BASE_REPORT
+
+
+def encode_report(report: RevertRedReport) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n"
+
+
+def load_revert_red(path: Path) -> RevertRedReport:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ReportError(
+            f"{path}: no unit-base report; run `nox -s unit-base` first"
+        ) from None
+    except OSError as e:
+        raise ReportError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        return msgspec.json.decode(data, type=RevertRedReport)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ReportError(
+            f"{path}: not a unit-base report ({e}); re-run `nox -s unit-base`"
+        ) from None
