@@ -1,0 +1,95 @@
+"""status tells base, overlaid, partial and unknown apart."""
+
+from __future__ import annotations
+
+import json
+
+from tests.overlay.workspace import CONNECTOR, Workspace, replace_once
+from vllm_overlay.cli import main
+from vllm_overlay.pin import load_pin
+from vllm_overlay.series import load_series
+from vllm_overlay.status import tree_status
+from vllm_overlay.target import detect_target
+
+ANCHOR = "class MoRIIOConnectorScheduler:\n"
+
+
+def _state(ws: Workspace):
+    pin = load_pin(ws.repo / "pin.toml")
+    report, _ = tree_status(detect_target(ws.vllm), pin, load_series(ws.repo))
+    return report
+
+
+def _series(ws: Workspace) -> str:
+    first = ws.patch_from_edit(
+        "0001-a.patch", CONNECTOR, lambda t: replace_once(t, ANCHOR, "# a\n" + ANCHOR)
+    )
+    return ws.patch_from_edit(
+        "0002-b.patch",
+        CONNECTOR,
+        lambda t: replace_once(t, ANCHOR, "# b\n" + ANCHOR),
+        on=first,
+    )
+
+
+def test_base_tree(ws: Workspace) -> None:
+    _series(ws)
+    report = _state(ws)
+    assert report.state == "base"
+    assert {f.state for f in report.files} == {"base"}
+    assert len(report.files) == len(load_pin(ws.repo / "pin.toml").files)
+
+
+def test_overlaid_tree_names_the_patches(ws: Workspace, capsys) -> None:
+    _series(ws)
+    assert main(["--repo", str(ws.repo), "apply", "--target", str(ws.vllm)]) == 0
+    report = _state(ws)
+    assert report.state == "overlaid"
+    by_path = {f.path: f for f in report.files}
+    assert by_path[CONNECTOR].patches == ["0001-a.patch", "0002-b.patch"]
+    capsys.readouterr()
+    code = main(["--repo", str(ws.repo), "status", "--target", str(ws.vllm), "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["state"] == "overlaid"
+
+
+def test_partial_tree(ws: Workspace) -> None:
+    after_both = _series(ws)
+    first_only = replace_once(ws.base[CONNECTOR], ANCHOR, "# a\n" + ANCHOR)
+    assert first_only != after_both
+    (ws.site / CONNECTOR).write_text(first_only)
+    report = _state(ws)
+    assert report.state == "partial"
+    by_path = {f.path: f for f in report.files}
+    assert by_path[CONNECTOR].state == "partial"
+    assert by_path[CONNECTOR].patches == ["0001-a.patch"]
+    assert main(["--repo", str(ws.repo), "status", "--target", str(ws.vllm)]) == 1
+
+
+def test_unknown_file_shows_expected_and_actual(ws: Workspace, capsys) -> None:
+    _series(ws)
+    (ws.site / CONNECTOR).write_text(ws.base[CONNECTOR] + "# local edit\n")
+    report = _state(ws)
+    assert report.state == "unknown"
+    code = main(["--repo", str(ws.repo), "status", "--target", str(ws.vllm)])
+    out = capsys.readouterr().out
+    assert code == 1
+    pin = load_pin(ws.repo / "pin.toml")
+    assert pin.files[CONNECTOR] in out
+    assert "actual" in out and "unknown" in out
+
+
+def test_unpinned_file_in_module_is_drift(ws: Workspace) -> None:
+    _series(ws)
+    (ws.site / CONNECTOR).with_name("moriio_extra.py").write_text("x = 1\n")
+    report = _state(ws)
+    assert report.state == "unknown"
+    assert any(f.detail == "not in the pin" for f in report.files)
+
+
+def test_require_overlaid_fails_on_base(ws: Workspace) -> None:
+    _series(ws)
+    args = ["--repo", str(ws.repo), "status", "--target", str(ws.vllm)]
+    assert main([*args, "--require", "overlaid"]) == 1
+    assert main([*args, "--require", "base"]) == 0

@@ -1,0 +1,81 @@
+"""Helpers for overlay-machinery tests: throwaway checkouts and vLLM trees."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+COMMON = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_common.py"
+
+
+def make_diff(path: str, old: str, new: str) -> str:
+    lines = difflib.unified_diff(
+        old.splitlines(keepends=True),
+        new.splitlines(keepends=True),
+        fromfile=f"a/{path}",
+        tofile=f"b/{path}",
+    )
+    return f"diff --git a/{path} b/{path}\n" + "".join(lines)
+
+
+def header(subject: str, **overrides: str | None) -> str:
+    fields: dict[str, str | None] = {
+        "Subject": subject,
+        "Description": f"{subject}.\n A second line.",
+        "Origin": "vendor",
+        "Author": "tests",
+        "Forwarded": "not yet",
+        "Applied-Upstream": "",
+        "Remove-When": "never",
+        "Tests": "tests/overlay/conftest.py",
+    }
+    fields.update(overrides)
+    return "".join(
+        f"{key}: {value}\n".replace(": \n", ":\n")
+        for key, value in fields.items()
+        if value is not None
+    )
+
+
+def replace_once(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, f"anchor {old!r} not unique in the base"
+    return text.replace(old, new)
+
+
+@dataclass
+class Workspace:
+    """A throwaway overlay checkout (pin + patches/) and vLLM tree."""
+
+    repo: Path
+    site: Path  # plays site-packages: holds vllm/
+    base: dict[str, str]
+
+    @property
+    def vllm(self) -> Path:
+        return self.site / "vllm"
+
+    def add_patch(self, name: str, text: str, *, listed: bool = True) -> None:
+        (self.repo / "patches" / name).write_text(text)
+        if listed:
+            with (self.repo / "patches" / "series").open("a") as f:
+                f.write(name + "\n")
+
+    def patch_from_edit(
+        self, name: str, path: str, edit: Callable[[str], str], *, on: str | None = None
+    ) -> str:
+        """A patch turning ``on`` (default: the base text) into ``edit(on)``."""
+        old = self.base[path] if on is None else on
+        new = edit(old)
+        self.add_patch(name, header(name) + "---\n" + make_diff(path, old, new))
+        return new
+
+    def snapshot(self) -> dict[str, bytes]:
+        return {
+            p.relative_to(self.site).as_posix(): p.read_bytes()
+            for p in sorted(self.site.rglob("*"))
+            if p.is_file()
+        }
