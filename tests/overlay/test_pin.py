@@ -1,0 +1,81 @@
+"""The pin decodes with validation; a bad pin names the bad field."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.overlay.workspace import REPO
+from vllm_overlay.materialize import MaterializeError, base_from_wheel
+from vllm_overlay.pin import PinError, decode_pin, encode_pin, load_pin
+
+PIN_TEXT = (REPO / "pin.toml").read_text()
+
+
+def test_repo_pin_round_trips() -> None:
+    pin = load_pin(REPO / "pin.toml")
+    assert pin.vllm.version == "0.33.0"
+    assert pin.vllm.git_commit == "4ba787ec9"
+    assert all(p.startswith(pin.module + "/") for p in pin.files)
+    assert decode_pin(encode_pin(pin)) == pin
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (
+            lambda t: t.replace('git_commit = "4ba787ec9"', 'git_commit = "xyz"'),
+            "$.vllm.git_commit",
+        ),
+        (lambda t: t.replace('version = "0.33.0"\n', ""), "version"),
+        (lambda t: t.replace("[image]", "[imaje]"), "imaje"),
+        (lambda t: t.replace('= "e3b0c442', '= "E3B0C442'), "$.files"),
+        (
+            lambda t: t.replace(
+                "[files]", '[files]\n"vllm/other.py" = "' + "0" * 64 + '"'
+            ),
+            "outside module",
+        ),
+    ],
+)
+def test_bad_pin_names_the_field(edit, field: str) -> None:
+    with pytest.raises(PinError) as exc:
+        decode_pin(edit(PIN_TEXT), "pin.toml")
+    assert field in str(exc.value)
+    assert str(exc.value).startswith("pin.toml: invalid pin")
+
+
+def test_not_toml() -> None:
+    with pytest.raises(PinError, match="not valid TOML"):
+        decode_pin("[vllm\n", "pin.toml")
+
+
+def test_missing_pin(tmp_path: Path) -> None:
+    with pytest.raises(PinError, match="cannot read pin"):
+        load_pin(tmp_path / "pin.toml")
+
+
+def _wheel() -> Path:
+    value = os.environ.get("VLLM_OVERLAY_WHEEL")
+    if not value:
+        pytest.fail(
+            "VLLM_OVERLAY_WHEEL is not set: run the tests with `nox -s unit`, "
+            "which downloads the pinned wheel"
+        )
+    return Path(value)
+
+
+def test_wheel_files_match_the_pin() -> None:
+    pin = load_pin(REPO / "pin.toml")
+    bases = base_from_wheel(_wheel(), pin)
+    assert set(bases) == set(pin.files)
+
+
+def test_wrong_wheel_is_refused(tmp_path: Path) -> None:
+    pin = load_pin(REPO / "pin.toml")
+    fake = tmp_path / pin.vllm.wheel
+    fake.write_bytes(b"PK")
+    with pytest.raises(MaterializeError, match=pin.vllm.wheel_sha256):
+        base_from_wheel(fake, pin)
