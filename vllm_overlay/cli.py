@@ -16,7 +16,10 @@ from vllm_overlay.materialize import (
     base_from_wheel,
     materialize,
 )
+from vllm_overlay.outcomes import load_outcomes
 from vllm_overlay.pin import PIN_FILE, Pin, load_pin
+from vllm_overlay.reports import encode_report, unit_base_report_path
+from vllm_overlay.revert_red import build_report, format_table, gate
 from vllm_overlay.series import PATCH_DIR, SERIES_FILE, Series, SeriesError, load_series
 from vllm_overlay.series import check_series as run_series_check
 from vllm_overlay.status import format_status, tree_status
@@ -115,6 +118,36 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_revert_red(args: argparse.Namespace) -> int:
+    repo, pin, series = load_repo(args)
+    report = build_report(
+        series,
+        pin.vllm.version,
+        load_outcomes(args.base_outcomes),
+        load_outcomes(args.overlay_outcomes),
+    )
+    out = args.out or unit_base_report_path(repo)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(encode_report(report))
+    print(format_table(report, only_named=True))
+    red_elsewhere = [r for r in report.rows if not r.patch and r.base != "passed"]
+    if red_elsewhere:
+        print(f"{len(red_elsewhere)} test(s) no patch names also fail on the base:")
+        for r in red_elsewhere:
+            print(f"  {r.test_id}  base={r.base} overlay={r.overlay}")
+    problems = gate(report, series)
+    for problem in problems:
+        print(f"gate: {problem}")
+    named = sum(1 for r in report.rows if r.patch)
+    proven = sum(1 for r in report.rows if r.patch and r.revert_red)
+    verdict = "FAILED" if problems else "ok"
+    print(
+        f"revert-red: {verdict}; {proven}/{named} named tests fail on the base and "
+        f"pass overlaid; {len(report.rows)} tests in all; report {out}"
+    )
+    return 1 if problems else 0
+
+
 Register = Callable[[argparse._SubParsersAction], None]
 
 
@@ -181,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     mat.add_argument("--base", action="store_true", help="write the base files")
     mat.add_argument("--upto", type=int, default=None, help="apply the first N only")
     mat.set_defaults(func=cmd_materialize)
+
+    rr = sub.add_parser(
+        "revert-red", help="compare a base and an overlay test run (unit-base)"
+    )
+    rr.add_argument("--base-outcomes", type=Path, required=True)
+    rr.add_argument("--overlay-outcomes", type=Path, required=True)
+    rr.add_argument("--out", type=Path, default=None, help="the JSON report")
+    rr.set_defaults(func=cmd_revert_red)
 
     for register in _extensions():
         register(sub)

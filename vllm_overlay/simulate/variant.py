@@ -1,0 +1,45 @@
+"""Load the moriio package from another directory inside this process.
+
+Private stand-in until ``vllm_overlay.variant`` lands: it must run before
+anything imports ``moriio_connector``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sys
+from pathlib import Path
+
+MORIIO_PKG = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
+MORIIO_FILES = ("moriio_connector.py", "moriio_common.py")
+
+
+def installed_moriio_dir() -> Path:
+    spec = importlib.util.find_spec(MORIIO_PKG)
+    assert spec is not None and spec.submodule_search_locations
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def use_moriio_dir(directory: Path) -> None:
+    """Point the moriio package at ``directory`` (which holds every module)."""
+    loaded = [m for m in sys.modules if m.startswith(MORIIO_PKG + ".")]
+    if loaded:
+        raise RuntimeError(f"moriio modules already imported: {sorted(loaded)}")
+    pkg = importlib.import_module(MORIIO_PKG)
+    pkg.__path__ = [str(directory)]
+
+
+def build_variant_dir(dest: Path, overlay_files: dict[str, str] | None) -> Path:
+    """Copy the installed moriio package to ``dest`` and overwrite files.
+
+    ``overlay_files`` maps a file name (e.g. ``moriio_connector.py``) to its
+    text; ``None`` keeps the installed (base) files.
+    """
+    src = installed_moriio_dir()
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    for name, text in (overlay_files or {}).items():
+        (dest / name).write_text(text)
+    return dest
