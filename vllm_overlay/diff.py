@@ -8,8 +8,10 @@ whether a hunk still applies somewhere else, and reports the offsets.
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(.*)$")
@@ -166,6 +168,10 @@ def _parse_hunk(lines: Sequence[str], i: int) -> tuple[Hunk, int]:
         line = lines[i]
         tag = line[:1]
         if line.rstrip("\r\n") == _NO_NEWLINE:
+            # The line before has no final newline (one side ends there).
+            if body:
+                prev_tag, prev_text = body[-1]
+                body[-1] = (prev_tag, prev_text.rstrip("\n"))
             i += 1
             continue
         if tag not in (" ", "-", "+"):
@@ -252,3 +258,66 @@ def _search(
 
 def touched_paths(patches: Iterable[FilePatch]) -> list[str]:
     return sorted({p.path for p in patches})
+
+
+def git_blob_sha1(data: bytes) -> str:
+    """The object id git gives ``data`` as a blob (``git hash-object``)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def unified_diff(path: str, old: str, new: str, *, context: int = 3) -> str:
+    """A git-style diff (``diff --git``, ``a/``/``b/`` paths) from ``old`` to
+    ``new``; empty when they are equal. Exact: ``parse_patch`` of the result
+    applied to ``old`` gives ``new``, final newlines included."""
+    if old == new:
+        return ""
+    body = difflib.unified_diff(
+        old.splitlines(keepends=True),
+        new.splitlines(keepends=True),
+        fromfile=f"a/{path}",
+        tofile=f"b/{path}",
+        n=context,
+    )
+    out = [f"diff --git a/{path} b/{path}\n"]
+    for line in body:
+        out.append(line)
+        if not line.endswith("\n"):
+            out.append(f"\n{_NO_NEWLINE}\n")
+    return "".join(out)
+
+
+def shift_hunk_headers(text: str, shifts: Mapping[str, Sequence[int]]) -> str:
+    """``text`` (a diff, anything around it kept byte for byte) with the hunk
+    headers of file ``path`` moved by ``shifts[path][k]`` lines, hunk ``k``.
+
+    Only the ``@@ -a,b +c,d @@`` numbers change; a file not in ``shifts``
+    keeps its headers. Hunk bodies are untouched, so the result applies
+    exactly wherever the original applied at those offsets."""
+    lines = text.splitlines(keepends=True)
+    out: list[str] = []
+    current: list[int] | None = None
+    k = 0
+    for i, line in enumerate(lines):
+        if line.startswith("+++ ") and i > 0 and lines[i - 1].startswith("--- "):
+            path = _strip_prefix(line[4:].rstrip("\r\n"))
+            current = list(shifts[path]) if path in shifts else None
+            k = 0
+        elif current is not None and line.startswith("@@"):
+            m = _HUNK_RE.match(line.rstrip("\r\n"))
+            if m is None:
+                raise DiffError(f"malformed hunk header {line!r}")
+            if k >= len(current):
+                raise DiffError(f"more hunks than shifts ({len(current)})")
+            delta = current[k]
+            k += 1
+            old_start = int(m.group(1)) + delta
+            new_start = int(m.group(3)) + delta
+            old_len = "" if m.group(2) is None else f",{m.group(2)}"
+            new_len = "" if m.group(4) is None else f",{m.group(4)}"
+            ending = line[len(line.rstrip("\r\n")) :]
+            line = (
+                f"@@ -{old_start}{old_len} +{new_start}{new_len} @@{m.group(5)}"
+                + ending
+            )
+        out.append(line)
+    return "".join(out)

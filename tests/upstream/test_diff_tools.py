@@ -1,0 +1,81 @@
+"""diff.py additions used by export and rebase: exact diffs, header shifts."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_overlay.diff import (
+    apply_file_patch,
+    git_blob_sha1,
+    parse_patch,
+    shift_hunk_headers,
+    unified_diff,
+)
+
+OLD = "".join(f"line {i}\n" for i in range(1, 41))
+
+
+def test_unified_diff_round_trips_and_is_empty_for_equal_texts() -> None:
+    new = OLD.replace("line 10\n", "line ten\n").replace("line 30\n", "")
+    text = unified_diff("x/f.py", OLD, new)
+    assert text.startswith("diff --git a/x/f.py b/x/f.py\n--- a/x/f.py\n+++ b/x/f.py\n")
+    (fp,) = parse_patch(text)
+    assert apply_file_patch(OLD, fp).text == new
+    assert unified_diff("x/f.py", OLD, OLD) == ""
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("a\nb\nc", "a\nb\nc\n"), ("a\nb\nc\n", "a\nb\nc"), ("a\nb", "a\nB")],
+)
+def test_unified_diff_missing_final_newline(old: str, new: str) -> None:
+    text = unified_diff("f", old, new)
+    assert "\\ No newline at end of file" in text
+    (fp,) = parse_patch(text)
+    assert apply_file_patch(old, fp).text == new
+    assert apply_file_patch(new, fp.reversed()).text == old
+
+
+lines = st.lists(st.sampled_from(["a\n", "b\n", "c\n", "d\n", "e\n"]), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lines, lines)
+def test_unified_diff_is_exact(old: list[str], new: list[str]) -> None:
+    a, b = "".join(old), "".join(new)
+    text = unified_diff("f", a, b)
+    if a == b:
+        assert text == ""
+        return
+    (fp,) = parse_patch(text)
+    assert apply_file_patch(a, fp).text == b
+
+
+def test_shift_hunk_headers_moves_only_the_numbers() -> None:
+    new = OLD.replace("line 10\n", "line ten\n").replace("line 30\n", "")
+    text = "Subject: x\n---\n" + unified_diff("f", OLD, new)
+    shifted_base = "top 1\ntop 2\ntop 3\n" + OLD
+    (fp,) = parse_patch(text)
+    offsets = [h.offset for h in apply_file_patch(shifted_base, fp, offset=True).hunks]
+    assert offsets == [3, 3]
+    out = shift_hunk_headers(text, {"f": offsets})
+    assert out.startswith("Subject: x\n---\n")
+    assert "@@ -10,7 +10,7 @@" in out and "@@ -10,7 +10,7 @@" not in text
+    (moved,) = parse_patch(out)
+    assert [h.lines for h in moved.hunks] == [h.lines for h in fp.hunks]
+    assert apply_file_patch(shifted_base, moved).text == "top 1\ntop 2\ntop 3\n" + new
+    assert shift_hunk_headers(text, {}) == text
+
+
+def test_git_blob_sha1_matches_git(tmp_path: Path) -> None:
+    f = tmp_path / "blob"
+    f.write_bytes(b"hello\nworld\n")
+    expected = subprocess.run(
+        ["git", "hash-object", str(f)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert git_blob_sha1(b"hello\nworld\n") == expected
