@@ -1,0 +1,211 @@
+"""The harness's health wait and teardown against a real vllm-router on
+127.0.0.1, started with the generated arguments; the P and D servers are
+stand-ins that register through vLLM's own MoRIIO heartbeat."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_heartbeat import (
+    MoRIIOHeartbeat,
+)
+
+from vllm_overlay.e2e.config import PairConfig, Reach
+from vllm_overlay.e2e.launch import (
+    HealthTimeout,
+    Launcher,
+    LaunchError,
+    probe,
+    wait_healthy,
+)
+from vllm_overlay.e2e.plan import Plan, build_plan
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def loopback_pair(config: PairConfig, health_s: float) -> PairConfig:
+    """The sample pair moved onto 127.0.0.1 with free ports, the router as a
+    local process."""
+    router = msgspec.structs.replace(
+        config.router,
+        address=LOOPBACK,
+        bind=LOOPBACK,
+        port=free_port(),
+        proxy_ping_port=free_port(),
+        prometheus_port=free_port(),
+        container=False,
+        reach=Reach(),
+    )
+    legs = {
+        leg: msgspec.structs.replace(
+            getattr(config, leg), address=LOOPBACK, http_port=free_port(), reach=Reach()
+        )
+        for leg in ("prefill", "decode")
+    }
+    timeouts = msgspec.structs.replace(config.timeouts, health_s=health_s, poll_s=0.5)
+    return msgspec.structs.replace(config, router=router, timeouts=timeouts, **legs)
+
+
+def router_plan(config: PairConfig) -> Plan:
+    return build_plan(config).only({"router"})
+
+
+def heartbeat_for(plan_config: PairConfig, role: str) -> MoRIIOHeartbeat:
+    """What the leg's MoRIIO worker sends, addressed from its generated
+    --kv-transfer-config."""
+    start = next(s for s in build_plan(plan_config).setup if s.role == role and s.inner)
+    kv = json.loads(start.inner[start.inner.index("--kv-transfer-config") + 1])
+    extra = kv["kv_connector_extra_config"]
+    payload = {
+        "type": "P" if kv["kv_role"] == "kv_producer" else "D",
+        "http_address": f"{extra['host_ip']}:{extra['http_port']}",
+        "zmq_address": (
+            f"host:{extra['host_ip']},handshake:{extra['handshake_port']},"
+            f"notify:{extra['notify_port']}"
+        ),
+        "dp_size": 1,
+        "tp_size": 1,
+        "transfer_mode": "READ" if extra["read_mode"] else "WRITE",
+    }
+    endpoint = f"tcp://{extra['proxy_ip']}:{extra['proxy_ping_port']}"
+    return MoRIIOHeartbeat(endpoint, payload, interval=0.5, max_retries=100)
+
+
+@pytest.fixture
+def heartbeats() -> Iterator[list[MoRIIOHeartbeat]]:
+    beats: list[MoRIIOHeartbeat] = []
+    yield beats
+    for b in beats:
+        b.shutdown()
+
+
+def test_router_args_parse_with_vllm_router(example_config: PairConfig) -> None:
+    from vllm_router.launch_router import parse_router_args
+
+    plan = build_plan(example_config)
+    start = next(s for s in plan.setup if s.role == "router" and s.inner)
+    args = parse_router_args(start.inner[1:])
+    args._validate_router_args()
+    assert args.vllm_pd_disaggregation is True
+    assert args.kv_connector == "moriio"
+    assert args.vllm_discovery_address == "0.0.0.0:36367"
+    assert args.port == example_config.router.port
+
+
+def test_health_wait_passes_once_both_legs_register(
+    example_config: PairConfig, tmp_path: Path, heartbeats: list[MoRIIOHeartbeat]
+) -> None:
+    config = loopback_pair(example_config, health_s=120)
+    plan = router_plan(config)
+    url = f"http://{LOOPBACK}:{config.router.port}/health"
+    heartbeats += [heartbeat_for(config, "prefill"), heartbeat_for(config, "decode")]
+    with Launcher(plan, tmp_path, poll_s=0.5, say=lambda _: None) as launcher:
+        launcher.setup()
+        assert url in launcher.waited
+        assert probe(url, 5)[0] == 200
+        proc = launcher.processes["router"]
+        assert proc.poll() is None
+    assert proc.poll() is not None  # terminated by the teardown
+    assert probe(url, 2)[0] == 0  # nothing listens any more
+    assert b"Add Decode" in (tmp_path / "router.log").read_bytes()
+
+
+def test_health_wait_times_out_and_tears_down(
+    example_config: PairConfig, tmp_path: Path, heartbeats: list[MoRIIOHeartbeat]
+) -> None:
+    # Only the prefill registers: the router stays unhealthy.
+    config = loopback_pair(example_config, health_s=8)
+    heartbeats.append(heartbeat_for(config, "prefill"))
+    launcher = Launcher(router_plan(config), tmp_path, poll_s=0.5, say=lambda _: None)
+    with pytest.raises(HealthTimeout, match="Waiting for discovered workers"), launcher:
+        launcher.setup()
+    assert launcher.processes == {}
+    assert probe(f"http://{LOOPBACK}:{config.router.port}/liveness", 2)[0] == 0
+
+
+def test_dead_process_fails_the_wait(
+    example_config: PairConfig, tmp_path: Path
+) -> None:
+    config = loopback_pair(example_config, health_s=120)
+    bad = msgspec.structs.replace(config.router, extra_args=["--no-such-flag"])
+    plan = router_plan(msgspec.structs.replace(config, router=bad))
+    launcher = Launcher(plan, tmp_path, poll_s=0.5, say=lambda _: None)
+    with pytest.raises(LaunchError, match="router process exited"), launcher:
+        launcher.setup()
+
+
+def test_wait_is_bounded_without_a_server() -> None:
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    with pytest.raises(HealthTimeout, match="not healthy after 30s"):
+        wait_healthy(
+            f"http://{LOOPBACK}:{free_port()}/health", 30, 5,
+            clock=lambda: now[0], sleep=sleep,
+        )  # fmt: skip
+    assert now[0] <= 31
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_tears_down(
+    example_config: PairConfig, tmp_path: Path, sig: signal.Signals
+) -> None:
+    config = loopback_pair(example_config, health_s=600)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_bytes(msgspec.json.encode(router_plan(config)))
+    script = textwrap.dedent(
+        f"""
+        import sys, msgspec
+        from pathlib import Path
+        from vllm_overlay.e2e.launch import Launcher, sigterm_raises
+        from vllm_overlay.e2e.plan import Plan
+        plan = msgspec.json.decode(Path({str(plan_file)!r}).read_bytes(), type=Plan)
+        class Spy(Launcher):
+            def check_processes(self):
+                print("waiting", self.processes["router"].pid, flush=True)
+                super().check_processes()
+        try:
+            say = lambda m: print(m, file=sys.stderr)
+            with sigterm_raises(), Spy(plan, Path({str(tmp_path)!r}), 0.5, say) as l:
+                l.setup()
+        except BaseException as e:
+            print("interrupted:", type(e).__name__, flush=True)
+            sys.exit(3)
+        """
+    )
+    harness = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        # Blocks until the harness is inside the health wait (or has died).
+        first = harness.stdout.readline() if harness.stdout else ""
+        assert first.startswith("waiting"), first
+        router_pid = int(first.split()[1])
+        os.kill(router_pid, 0)  # alive
+        harness.send_signal(sig)
+        out, _ = harness.communicate(timeout=60)
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+    assert harness.returncode == 3
+    assert "interrupted" in out
+    with pytest.raises(ProcessLookupError):
+        os.kill(router_pid, 0)
