@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -244,17 +245,21 @@ def build_plan(config: PairConfig) -> Plan:
     return Plan(config.name, c.image, setup, collect, teardown)
 
 
-def format_plan(plan: Plan) -> str:
-    """Every command with its host, in order: the dry run."""
+def format_plan(plan: Plan, checks: Sequence[str] = ()) -> str:
+    """Every command with its host, in order: the dry run. ``checks`` are
+    lines describing what the harness sends once everything is healthy."""
     lines = [f"# e2e plan {plan.name}: image {plan.image}"]
     n = 0
     for title, steps in (
         ("setup", plan.setup),
-        ("checks: prompt sweep, needle, full-local-hit repeat", []),
+        ("checks", None),
         ("collect logs", plan.collect),
         ("teardown (also on failure and Ctrl-C)", plan.teardown),
     ):
         lines.append(f"## {title}")
+        if steps is None:
+            lines += [f"- {line}" for line in checks]
+            continue
         for step in steps:
             n += 1
             lines.append(f"{n:2d}. [{step.role} @ {step.where}] {step.describe()}")

@@ -1,0 +1,157 @@
+"""Prompts built to exact token lengths with the model's own tokenizer.
+
+Prompts are sent as token ids, so a prompt of length N is exactly N tokens on
+the server. Key-value lookup prompts exercise the prompt-length sweep; the
+needle-in-a-haystack prompts exercise long transfers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+from tokenizers import Tokenizer
+
+# Lengths that failed in the field or in review; always in the sweep.
+REQUIRED_LENGTHS = (251, 377, 384, 440, 447, 636, 832, 895)
+
+HEADER = "Below is a list of keys and their values. Remember them.\n"
+FILLER_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
+
+
+class Prompt(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    kind: Literal["kv", "plain", "needle"]
+    token_ids: list[int]
+    expected: str = ""  # the answer a correct model gives (kv, needle)
+    words: int = 0  # haystack words (needle)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+def load_tokenizer(path: Path | str) -> Tokenizer:
+    return Tokenizer.from_file(str(path))
+
+
+def special_prefix(tok: Tokenizer) -> list[int]:
+    """What the tokenizer prepends to a prompt (e.g. BOS), as ids."""
+    return list(tok.encode("", add_special_tokens=True).ids)
+
+
+def encode(tok: Tokenizer, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False).ids)
+
+
+def sweep_lengths(
+    block_sizes: Iterable[int],
+    max_len: int,
+    offsets: Sequence[int] = (-1, 0, 1, 2),
+    min_count: int = 100,
+    required: Iterable[int] = REQUIRED_LENGTHS,
+) -> list[int]:
+    """Every required length, ``k*B + offset`` for every block size B and
+    every block boundary up to ``max_len``, topped up with evenly spaced
+    lengths to at least ``min_count``."""
+    lengths = {n for n in required if n <= max_len}
+    for b in set(block_sizes):
+        for k in range(1, max_len // b + 1):
+            lengths.update(k * b + o for o in offsets if 2 <= k * b + o <= max_len)
+    step = max(max_len // min_count, 1)
+    n = 2
+    while len(lengths) < min_count and n <= max_len:
+        lengths.add(n)
+        n += step
+        if n > max_len and len(lengths) < min_count:
+            step = max(step // 2, 1)
+            n = 3
+    if len(lengths) < min_count:
+        raise ValueError(f"only {len(lengths)} lengths fit in {max_len} tokens")
+    return sorted(lengths)
+
+
+def kv_prompt(tok: Tokenizer, length: int, seed: int = 0) -> Prompt:
+    """A key-value lookup prompt of exactly ``length`` tokens.
+
+    The asked pair plus as many other pairs as fit, in random order; newline
+    tokens pad to the exact length. Lengths too short for one pair and the
+    question get a plain counting prompt of the same length.
+    """
+    rng = random.Random(f"{seed}:{length}")
+    prefix = special_prefix(tok) + encode(tok, HEADER)
+    pad = encode(tok, "\n")[-1:]
+
+    def pair() -> tuple[str, str, list[int]]:
+        key, value = f"{rng.randrange(10**4):04d}", f"{rng.randrange(10**6):06d}"
+        return key, value, encode(tok, f"key {key}: value {value}\n")
+
+    target_key, target_value, target_line = pair()
+    question = encode(tok, f"\nWhat is the value of key {target_key}? The value is")
+    budget = length - len(prefix) - len(question)
+    if len(target_line) > budget:
+        return plain_prompt(tok, length)
+    lines = [target_line]
+    used = len(target_line)
+    seen = {target_key}
+    while True:
+        key, _, line = pair()
+        if key in seen:
+            continue
+        if used + len(line) > budget:
+            break
+        lines.append(line)
+        used += len(line)
+        seen.add(key)
+    rng.shuffle(lines)
+    body = [t for line in lines for t in line]
+    ids = prefix + body + pad * (budget - used) + question
+    return Prompt(f"kv-{length}", "kv", ids, expected=target_value)
+
+
+def plain_prompt(tok: Tokenizer, length: int) -> Prompt:
+    text = " ".join(str(i) for i in range(1, 4 * length + 2))
+    ids = (special_prefix(tok) + encode(tok, text))[:length]
+    if len(ids) < length:
+        raise ValueError(f"cannot build a {length}-token prompt with this tokenizer")
+    return Prompt(f"plain-{length}", "plain", ids)
+
+
+def haystack(words: int) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while len(out) < words:
+        out.extend(FILLER_SENTENCES[i % len(FILLER_SENTENCES)].split())
+        i += 1
+    return out[:words]
+
+
+def needle_prompt(
+    tok: Tokenizer, words: int, seed: int = 0, depth: float = 0.5
+) -> Prompt:
+    """A haystack of exactly ``words`` filler words with one needle sentence
+    at ``depth``, then the question."""
+    rng = random.Random(f"needle:{seed}:{words}")
+    number = f"{rng.randrange(10**7):07d}"
+    hay = haystack(words)
+    at = int(len(hay) * depth)
+    needle = f"The special magic number is {number}."
+    text = " ".join([*hay[:at], needle, *hay[at:]])
+    question = "\nWhat is the special magic number in the text above? It is"
+    ids = special_prefix(tok) + encode(tok, text + question)
+    return Prompt(f"needle-{words}", "needle", ids, expected=number, words=words)
+
+
+def sweep_prompts(
+    tok: Tokenizer, lengths: Iterable[int], seed: int = 0
+) -> list[Prompt]:
+    return [kv_prompt(tok, n, seed) for n in lengths]

@@ -1,0 +1,68 @@
+"""The run report: JSON and Markdown under the run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from vllm_overlay.e2e.checks import Section
+
+MAX_ROWS = 400
+
+
+class Report(msgspec.Struct, forbid_unknown_fields=True):
+    image: str
+    series_id: str
+    config: dict[str, Any]
+    sections: list[Section]
+    error: str = ""  # the run stopped early (launch failure, interruption)
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and all(s.status != "fail" for s in self.sections)
+
+
+def markdown(report: Report) -> str:
+    verdict = "PASS" if report.ok else "FAIL"
+    lines = [
+        f"# MoRIIO E2E: {verdict}",
+        "",
+        f"- image: `{report.image}`",
+        f"- series: `{report.series_id or 'unknown'}`",
+        f"- pair: `{report.config.get('name', '')}`",
+    ]
+    if report.error:
+        lines.append(f"- stopped early: {report.error}")
+    lines += ["", "## Sections", "", "| section | status | summary |", "|---|---|---|"]
+    for s in report.sections:
+        summary = ", ".join(f"{k}={v}" for k, v in s.summary.items() if v != "")
+        lines.append(f"| {s.name} | {s.status} | {summary} |")
+    for s in report.sections:
+        lines += ["", f"## {s.name}: {s.status}", ""]
+        lines += ["| case | length | status | detail |", "|---|---|---|---|"]
+        rows = sorted(s.cases, key=lambda c: c.status != "fail")[:MAX_ROWS]
+        for c in rows:
+            detail = c.detail.replace("|", "\\|").replace("\n", "\\n")
+            if c.first_mismatch >= 0:
+                detail = f"first mismatch at output token {c.first_mismatch}: {detail}"
+            lines.append(f"| {c.id} | {c.length or ''} | {c.status} | {detail} |")
+        if len(s.cases) > MAX_ROWS:
+            lines.append(f"| ... | | | {len(s.cases) - MAX_ROWS} more in report.json |")
+    lines += ["", "## Config", "", "```json"]
+    lines.append(msgspec.json.format(msgspec.json.encode(report.config)).decode())
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def write_report(report: Report, run_dir: Path) -> tuple[Path, Path]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    js, md = run_dir / "report.json", run_dir / "report.md"
+    js.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
+    md.write_text(markdown(report))
+    return js, md
+
+
+def read_report(path: Path) -> Report:
+    return msgspec.json.decode(path.read_bytes(), type=Report)
