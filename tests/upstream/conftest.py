@@ -9,6 +9,7 @@ An older real vLLM for the conflict case comes from the wheel named by
 from __future__ import annotations
 
 import os
+import shutil
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -92,6 +93,8 @@ def make_repo(tmp_path: Path, pin: Pin) -> MakeRepo:
         root = tmp_path / "repo"
         (root / "patches").mkdir(parents=True)
         (root / PIN_FILE).write_text(encode_pin(the_pin))
+        (root / "ci").mkdir()
+        shutil.copy(REPO / "ci" / "ruff-vllm.toml", root / "ci" / "ruff-vllm.toml")
         series = "# test series\n" + "".join(f"{name}\n" for name in patches)
         (root / "patches" / "series").write_text(series)
         for name, text in patches.items():

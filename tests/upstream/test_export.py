@@ -1,0 +1,394 @@
+"""`vllm-overlay export` on a throwaway series made against the real base.
+
+The series, its tests and its unit-base report are made here: the export
+machinery is what is under test (the real series is exported by
+`nox -s export` at integration). The report is an input the test writes;
+export must use it as given and refuse a missing or foreign one.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.upstream.conftest import (
+    COMMON,
+    CONNECTOR,
+    MakeRepo,
+    diff,
+    edit,
+    patch_text,
+)
+from vllm_overlay.cli import main
+from vllm_overlay.export import ExportError, export, find_ruff, load_context
+from vllm_overlay.gitmail import Identity
+from vllm_overlay.pin import Pin
+from vllm_overlay.reports import (
+    RevertRedReport,
+    RevertRedRow,
+    encode_report,
+    unit_base_report_path,
+)
+from vllm_overlay.series import load_series
+from vllm_overlay.testport import SPDX_HEADER
+
+RUFF = "/tmp/tools/bin/ruff"
+CONFIG = Path(__file__).resolve().parents[2] / "ci" / "ruff-vllm.toml"
+SPDX = "# SPDX-License-Identifier: Apache-2.0\n"
+ANCHOR = "def get_port_offset(dp_rank: int, tp_rank: int, tp_size: int = 1) -> int:\n"
+
+CONFTEST = '''"""Builders."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+UNUSED_CONSTANT = 3
+RANKS = (0, 1)
+
+
+def make_offsets(tp_size: int) -> list[int]:
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
+        get_port_offset,
+    )
+
+    return [get_port_offset(0, r, tp_size) for r in range(tp_size)]
+
+
+def never_used() -> None:
+    raise AssertionError
+
+
+@pytest.fixture
+def tp_size() -> int:
+    return len(RANKS)
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+'''
+
+TESTS = '''"""Patch 0001: port offsets are distinct per TP rank.
+
+More words.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_offsets
+
+
+def test_offsets_distinct(tp_size: int) -> None:
+    offsets = make_offsets(tp_size)
+    assert len(set(offsets)) == tp_size
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_offsets_count(n: int) -> None:
+    assert len(make_offsets(n)) == n
+'''
+
+TEST_IDS = [
+    "tests/patches/test_0001_ports.py::test_offsets_distinct",
+    "tests/patches/test_0001_ports.py::test_offsets_count",
+]
+
+
+def _series(base: dict[str, str], *, line: str = "    # Ranks never share a port.\n"):
+    common1 = edit(base[COMMON], ANCHOR, ANCHOR + line)
+    conn = edit(
+        base[CONNECTOR],
+        "def is_moriio_available() -> bool:\n",
+        "def is_moriio_available() -> bool:\n    # Checked once per process.\n",
+    )
+    common2 = edit(common1, ANCHOR + line, ANCHOR + line + "    # And stay stable.\n")
+    return {
+        "0001-port-offsets.patch": patch_text(
+            "distinct port offsets per TP rank",
+            [
+                diff(COMMON, base[COMMON], common1),
+                diff(CONNECTOR, base[CONNECTOR], conn),
+            ],
+            tests=" ".join(TEST_IDS),
+        ),
+        "0002-stable-offsets.patch": patch_text(
+            "stable port offsets",
+            [diff(COMMON, common1, common2)],
+            tests=TEST_IDS[1],
+        ),
+    }
+
+
+def _write_tests(root: Path) -> None:
+    d = root / "tests" / "patches"
+    d.mkdir(parents=True)
+    (d / "conftest.py").write_text(CONFTEST)
+    (d / "test_0001_ports.py").write_text(TESTS)
+
+
+def _report(root: Path, *, base: str = "failed", series_id: str | None = None) -> None:
+    series = load_series(root)
+    rows = [
+        RevertRedRow(f"{TEST_IDS[0]}", "0001-port-offsets.patch", base, "passed"),
+        RevertRedRow(
+            f"{TEST_IDS[1]}[1]", "0002-stable-offsets.patch", "failed", "passed"
+        ),
+        RevertRedRow(
+            f"{TEST_IDS[1]}[2]", "0002-stable-offsets.patch", "error", "passed"
+        ),
+        RevertRedRow("tests/patches/test_other.py::test_x", "", "passed", "passed"),
+    ]
+    report = RevertRedReport(
+        "0.33.0", series_id or series.series_id, "2026-11-29T13:00:00Z", rows
+    )
+    path = unit_base_report_path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(encode_report(report))
+
+
+def _site(tmp_path: Path, base: dict[str, str]) -> Path:
+    from tests.upstream.conftest import write_tree
+
+    return write_tree(tmp_path / "site", base)
+
+
+@pytest.fixture
+def repo(make_repo: MakeRepo, base_texts: dict[str, str]) -> Path:
+    root = make_repo(_series(base_texts))
+    _write_tests(root)
+    _report(root)
+    return root
+
+
+def _export(
+    root: Path, tmp_path: Path, base: dict[str, str], *names: str
+) -> list[Path]:
+    ctx = load_context(
+        root, wheel=None, source=_site(tmp_path, base), ruff=RUFF, run_tests=False
+    )
+    return export(ctx, list(names), root / "dist" / "upstream")
+
+
+def test_bundle_for_a_standalone_patch(
+    repo: Path, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    written = _export(repo, tmp_path, base_texts)
+    out = repo / "dist" / "upstream"
+    assert sorted(p.relative_to(out).as_posix() for p in written) == [
+        "0001-port-offsets/0001-port-offsets.patch",
+        "0001-port-offsets/PR.md",
+        "0001-port-offsets/checks.log",
+        "0002-stable-offsets/0002-stable-offsets.patch",
+        "0002-stable-offsets/PR.md",
+        "0002-stable-offsets/checks.log",
+    ]
+    mail = (out / "0001-port-offsets" / "0001-port-offsets.patch").read_text()
+    lines = mail.splitlines()
+    assert re.fullmatch(r"From [0-9a-f]{40} Mon Sep 17 00:00:00 2001", lines[0])
+    assert lines[1] == "From: overlay-tests <overlay-tests@users.noreply.github.com>"
+    assert lines[2] == "Date: Sun, 29 Nov 2026 00:00:00 +0000"
+    assert lines[3] == (
+        "Subject: [PATCH] [KV Connector][ROCm] MoRIIO: distinct port offsets per TP"
+    )
+    assert " 3 files changed" in mail
+    upstream_test = "tests/v1/kv_connector/unit/test_moriio_ports.py"
+    assert f"create mode 100644 {upstream_test}" in mail
+    # The same export twice gives the same bytes (fixed dates and ids).
+    again = tmp_path / "again"
+    again.mkdir()
+    ctx = load_context(
+        repo, wheel=None, source=_site(again, base_texts), ruff=RUFF, run_tests=False
+    )
+    export(ctx, ["0001-port-offsets"], again / "out")
+    assert (
+        again / "out" / "0001-port-offsets" / "0001-port-offsets.patch"
+    ).read_text() == mail
+
+    # git itself (not our checker) applies the mail to the pinned files and
+    # keeps the vLLM-style subject.
+    git = tmp_path / "git"
+    git.mkdir()
+
+    def run(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(git), *args], check=True, capture_output=True, text=True,
+            env={"HOME": str(git), "PATH": "/usr/bin:/bin", "GIT_AUTHOR_NAME": "t",
+                 "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                 "GIT_COMMITTER_EMAIL": "t@t"},
+        ).stdout  # fmt: skip
+
+    run("init", "-q")
+    for path in (COMMON, CONNECTOR):
+        (git / path).parent.mkdir(parents=True, exist_ok=True)
+        (git / path).write_text(base_texts[path])
+    run("add", "-A")
+    run("commit", "-qm", "base")
+    mbox = tmp_path / "m.patch"
+    mbox.write_text(mail)
+    run("am", "--keep-non-patch", str(mbox))
+    assert run("log", "-1", "--format=%s") == (
+        "[KV Connector][ROCm] MoRIIO: distinct port offsets per TP rank\n"
+    )
+    series = load_series(repo)
+    for fp in series.patches[0].files:
+        from vllm_overlay.diff import apply_file_patch
+
+        assert (git / fp.path).read_text() == apply_file_patch(
+            base_texts[fp.path], fp
+        ).text
+    ported = (git / upstream_test).read_text()
+    assert ported.startswith(SPDX_HEADER)
+    assert "conftest" not in ported
+    assert "def make_offsets" in ported and "def tp_size" in ported
+    assert "def _cpu" in ported  # autouse fixtures come along
+    assert "never_used" not in ported and "UNUSED_CONSTANT" not in ported
+    assert "RANKS = (0, 1)" in ported
+    assert '"""Port offsets are distinct per TP rank.' in ported or (
+        '"""Patch 0001: port offsets' in ported
+    )
+    for args in (["check"], ["format", "--check"]):
+        lint = subprocess.run(
+            [RUFF, *args, "--config", str(CONFIG), "--no-cache", upstream_test],
+            cwd=git, capture_output=True, text=True,
+        )  # fmt: skip
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+
+    body = (out / "0001-port-offsets" / "PR.md").read_text()
+    for section in ("## Purpose", "## Root cause", "## Changes", "## Test Plan",
+                    "## Test Result"):  # fmt: skip
+        assert f"\n{section}\n" in f"\n{body}"
+    assert "Root cause: the test needs one." not in body  # label stripped
+    assert "the test needs one." in body
+    assert f"pytest -v {upstream_test}" in body
+    assert f"| `{upstream_test}::test_offsets_distinct` | failed | passed |" in body
+    # The other test of the file (named by 0002) is listed as run, too.
+    assert f"| `{upstream_test}::test_offsets_count[1]` | failed | passed |" in body
+    assert "test_other" not in body
+    assert "ruff 0.14.0" in body and "both pass" in body
+    assert "2026-11-29T13:00:00Z" in body
+    assert "applies on top of" not in body
+    log = (out / "0001-port-offsets" / "checks.log").read_text()
+    assert "[ok] applies to the pinned base alone" in log
+    assert "[FAIL]" not in log
+
+
+def test_dependent_patch_is_stacked_on_its_predecessor(
+    repo: Path, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    _export(repo, tmp_path, base_texts, "0002-stable-offsets.patch")
+    d = repo / "dist" / "upstream" / "0002-stable-offsets"
+    log = (d / "checks.log").read_text()
+    assert "[ok] applies after its predecessors" in log
+    assert "[ok] applies only after 0001-port-offsets.patch" in log
+    body = (d / "PR.md").read_text()
+    assert "This change applies on top of: 0001-port-offsets.patch" in body
+    mail = (d / "0002-stable-offsets.patch").read_text()
+    assert "+    # And stay stable.\n" in mail
+    # Stacked: the mail's context holds 0001's line.
+    assert "\n     # Ranks never share a port.\n" in mail
+    assert not (repo / "dist" / "upstream" / "0001-port-offsets").exists()
+
+
+def test_no_report_no_export(
+    repo: Path, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    unit_base_report_path(repo).unlink()
+    with pytest.raises(Exception, match=r"run `nox -s unit-base` first"):
+        _export(repo, tmp_path, base_texts)
+    _report(repo, series_id="0123456789ab")
+    with pytest.raises(ExportError, match=r"series 0123456789ab, not the current"):
+        _export(repo, tmp_path, base_texts)
+    assert not (repo / "dist").exists()
+
+
+def test_named_test_passing_on_the_base_stops_the_export(
+    repo: Path, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    _report(repo, base="passed")
+    with pytest.raises(ExportError, match="test_offsets_distinct: passed on the base"):
+        _export(repo, tmp_path, base_texts)
+    assert not (repo / "dist").exists()
+
+
+def test_ruff_failure_stops_the_export(
+    make_repo: MakeRepo, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    long_line = "    x = " + "1 + " * 30 + "1  # too long for vLLM's 88 columns\n"
+    root = make_repo(_series(base_texts, line=long_line))
+    _write_tests(root)
+    _report(root)
+    with pytest.raises(
+        ExportError,
+        match=r"0001-port-offsets.patch: ruff check fails: .*common.py:\d+:89: E501",
+    ):
+        _export(root, tmp_path, base_texts)
+    assert not (root / "dist").exists()
+
+
+def test_oversized_body_and_bad_subject(
+    make_repo: MakeRepo, tmp_path: Path, base_texts: dict[str, str], repo: Path
+) -> None:
+    patches = _series(base_texts)
+    name = "0001-port-offsets.patch"
+    huge = "".join(f" Root cause detail {i} " + "x" * 80 + "\n" for i in range(800))
+    patches[name] = patches[name].replace(
+        " Changes: one line.\n", " Changes: one line.\n .\n" + huge
+    )
+    root = repo.parent / "big"
+    (root / "patches").mkdir(parents=True)
+    shutil.copytree(repo / "ci", root / "ci")
+    (root / "pin.toml").write_text((repo / "pin.toml").read_text())
+    (root / "patches" / "series").write_text("".join(f"{n}\n" for n in patches))
+    for n, t in patches.items():
+        (root / "patches" / n).write_text(t)
+    _write_tests(root)
+    _report(root)
+    with pytest.raises(ExportError, match=r"PR body is \d+ characters, over 65536"):
+        _export(root, tmp_path, base_texts, name)
+    text = (root / "patches" / name).read_text()
+    (root / "patches" / name).write_text(
+        text.replace("Subject: [KV Connector][ROCm] MoRIIO: ", "Subject: ")
+    )
+    _report(root)
+    with pytest.raises(ExportError, match="not '\\[Tag\\]... Title'"):
+        _export(root, tmp_path, base_texts, name)
+
+
+def test_cli_export_and_run_tests_precondition(
+    repo: Path,
+    tmp_path: Path,
+    base_texts: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    site = _site(tmp_path, base_texts)
+    argv = ["--repo", str(repo), "export", "--from", str(site), "--ruff", RUFF]
+    assert main([*argv, "--patch", "0001-port-offsets"]) == 0
+    out = capsys.readouterr().out
+    assert "export: 1 bundle(s)" in out
+    # The installed vLLM does not carry this test series: --run-tests refuses.
+    assert main([*argv, "--run-tests"]) == 2
+    assert "not overlaid with series" in capsys.readouterr().err
+
+
+def test_identity_and_ruff_version(tmp_path: Path) -> None:
+    assert (
+        str(Identity.parse("MIR-AMD")) == "MIR-AMD <MIR-AMD@users.noreply.github.com>"
+    )
+    assert str(Identity.parse("A B <a@b.org>")) == "A B <a@b.org>"
+    fake = tmp_path / "ruff"
+    fake.write_text("#!/bin/sh\necho ruff 0.6.0\n")
+    fake.chmod(0o755)
+    with pytest.raises(ExportError, match="is ruff 0.6.0; export needs ruff 0.14.0"):
+        find_ruff(str(fake), CONFIG)
+
+
+def test_pin_fixture_is_the_real_pin(pin: Pin) -> None:
+    assert pin.vllm.version == "0.33.0"

@@ -1,0 +1,498 @@
+"""`vllm-overlay export`: each patch as an upstream-ready vLLM pull request.
+
+For patch N the bundle ``dist/upstream/<nn>-<slug>/`` holds:
+
+- ``<nn>-<slug>.patch``: a ``git format-patch`` mail (made by git) with the
+  header's author, its Last-Update as date, its Subject as title and its
+  Description as commit message; the diff changes the vLLM files and adds
+  the patch's tests, ported to ``tests/v1/kv_connector/unit/`` with vLLM's
+  SPDX header and every builder inlined (see ``testport``);
+- ``PR.md``: the pull-request body (see ``prbody``), with the revert-red
+  rows of the last ``nox -s unit-base`` run and this run's ruff result;
+- ``checks.log``: every check below and its outcome.
+
+The mail's "before" tree is the pinned base when patch N applies to it alone
+(a standalone pull request). When it does not, but applies after its
+predecessors, the mail is made against the base with patches 1..N-1 (a
+stacked pull request); the bundle says "applies only after" the earlier
+patches touching the same files, and PR.md names them. A patch that applies
+in neither way fails the export.
+
+Checks, all before anything is written, for every exported patch; one
+failure stops the export with its message and writes nothing:
+
+1. applies with zero fuzz, no offset: to the pinned base alone, or (stacked)
+   after its predecessors; always after its predecessors;
+2. the Subject is in vLLM's PR-title style ("[Tag]... Title");
+3. a unit-base report exists for this very series, and every test the
+   header names failed (or errored) on the base and passed overlaid;
+4. the tests port (self-contained) and, with the changed vLLM files, pass
+   ``ruff check`` and ``ruff format --check`` (ruff 0.14.0, vLLM's config);
+5. ``git am --keep-non-patch`` of the mail onto the "before" files gives
+   exactly the expected files, subject and author;
+6. the PR body is within GitHub's 65536 characters;
+7. with ``--run-tests``: each ported file, alone in a vLLM-like test layout
+   (no conftest), passes in this Python, whose vLLM must carry the overlay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_overlay.diff import HunkError, apply_file_patch
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.gitmail import Identity, am_check, format_patch
+from vllm_overlay.materialize import base_from_target, base_from_wheel
+from vllm_overlay.pin import PIN_FILE, Pin, load_pin
+from vllm_overlay.prbody import (
+    GITHUB_BODY_LIMIT,
+    BodyError,
+    BodyInputs,
+    FileChange,
+    commit_message,
+    pr_body,
+    split_description,
+)
+from vllm_overlay.reports import (
+    RevertRedReport,
+    load_revert_red,
+    unit_base_report_path,
+)
+from vllm_overlay.series import Series, SeriesPatch, load_series
+from vllm_overlay.status import tree_status
+from vllm_overlay.target import detect_target, installed_vllm
+from vllm_overlay.testport import port_test, upstream_test_path
+
+RUFF_VERSION = "0.14.0"
+RUFF_CONFIG = "ci/ruff-vllm.toml"
+DEFAULT_OUT = Path("dist/upstream")
+_SUBJECT_RE = re.compile(r"^(\[[^\]\n]+\])+ \S.*$")
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+class ExportError(OverlayError):
+    """A check failed; nothing was written."""
+
+
+@dataclass
+class Bundle:
+    patch: SeriesPatch
+    mail: str
+    body: str
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def dirname(self) -> str:
+        return self.patch.slug
+
+
+@dataclass(frozen=True)
+class Ruff:
+    exe: str
+    config: Path
+
+    def run(self, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [self.exe, *args, "--config", str(self.config), "--no-cache"],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+        )
+
+
+def find_ruff(explicit: str | None, config: Path) -> Ruff:
+    if not config.is_file():
+        raise ExportError(f"{config}: vLLM's ruff configuration is missing")
+    candidates = [explicit] if explicit else []
+    if not explicit:
+        candidates += [str(Path(sys.executable).parent / "ruff"), shutil.which("ruff")]
+    for exe in candidates:
+        if exe and Path(exe).is_file():
+            run = subprocess.run([exe, "--version"], capture_output=True, text=True)
+            version = run.stdout.strip()
+            if version != f"ruff {RUFF_VERSION}":
+                raise ExportError(
+                    f"{exe} is {version or 'not runnable'}; export needs ruff "
+                    f"{RUFF_VERSION} (pip install ruff=={RUFF_VERSION}, or --ruff)"
+                )
+            return Ruff(exe, config)
+    raise ExportError(f"ruff {RUFF_VERSION} not found; pass --ruff PATH")
+
+
+def _fail(patch: SeriesPatch, log: list[str], message: str) -> ExportError:
+    log.append(f"[FAIL] {message}")
+    return ExportError(f"{patch.name}: {message}; nothing was written")
+
+
+def _apply(texts: dict[str, str], patch: SeriesPatch) -> dict[str, str]:
+    out = dict(texts)
+    for fp in patch.files:
+        out[fp.path] = apply_file_patch(out[fp.path], fp).text
+    return out
+
+
+def _revert_red_rows(
+    patch: SeriesPatch, report: RevertRedReport, log: list[str]
+) -> tuple[list, list]:
+    named, problems = [], []
+    for test_id in patch.header.tests:
+        rows = [
+            r
+            for r in report.rows
+            if r.test_id == test_id or r.test_id.startswith(test_id + "[")
+        ]
+        if not rows:
+            problems.append(f"{test_id} is not in the report")
+        for r in rows:
+            if not r.revert_red:
+                problems.append(
+                    f"{r.test_id}: {r.base} on the base, {r.overlay} overlaid"
+                )
+            named.append(r)
+    if problems:
+        raise _fail(
+            patch,
+            log,
+            "the unit-base report does not show the named tests failing on the "
+            "base and passing overlaid (" + "; ".join(problems[:5]) + "); run "
+            "`nox -s unit-base` again or fix the Tests header",
+        )
+    files = {r.test_id.split("::", 1)[0] for r in named}
+    seen = {r.test_id for r in named}
+    others = [
+        r
+        for r in report.rows
+        if r.test_id.split("::", 1)[0] in files and r.test_id not in seen
+    ]
+    return named, others
+
+
+def _port(
+    root: Path, patch: SeriesPatch, ruff: Ruff, log: list[str]
+) -> tuple[dict[str, str], dict[str, str], str]:
+    """Ported test texts by upstream path, the id map, the test summary."""
+    files = sorted({t.split("::", 1)[0] for t in patch.header.tests})
+    ported: dict[str, str] = {}
+    id_map: dict[str, str] = {}
+    summary = ""
+    for rel in files:
+        src = root / rel
+        if not src.is_file():
+            raise _fail(patch, log, f"Tests names {rel}, which does not exist")
+        try:
+            raw = port_test(src)
+        except OverlayError as e:
+            raise _fail(patch, log, f"cannot port {rel}: {e}") from None
+        dest = upstream_test_path(src)
+        with tempfile.TemporaryDirectory(prefix="vllm-overlay-port-") as tmp:
+            f = Path(tmp) / "port.py"
+            f.write_text(raw)
+            for args in (
+                ("check", "--select", "I,F401", "--fix", "-q", str(f)),
+                ("format", "-q", str(f)),
+            ):
+                run = ruff.run(*args, cwd=Path(tmp))
+                if run.returncode != 0:
+                    out = (run.stdout + run.stderr).strip()
+                    raise _fail(
+                        patch, log, f"ruff {args[0]} on the port of {rel}: {out}"
+                    )
+            ported[dest] = f.read_text()
+        id_map[rel] = dest
+        doc = ast.get_docstring(ast.parse(ported[dest])) or ""
+        if not summary and doc:
+            summary = re.sub(r"^Patch \d{4}:\s*", "", doc.split("\n\n", 1)[0])
+            summary = summary[:1].upper() + summary[1:]
+        tests = [
+            n.name
+            for n in ast.parse(ported[dest]).body
+            if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+        ]
+        log.append(f"[ok] ported {rel} -> {dest} ({len(tests)} test functions)")
+    return ported, id_map, summary
+
+
+def _lint(patch: SeriesPatch, files: dict[str, str], ruff: Ruff, log: list[str]) -> str:
+    with tempfile.TemporaryDirectory(prefix="vllm-overlay-lint-") as tmp:
+        for path, text in files.items():
+            dest = Path(tmp) / path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text)
+        names = sorted(files)
+        for args in (("check",), ("format", "--check")):
+            extra = ("--output-format", "concise") if args == ("check",) else ()
+            run = ruff.run(*args, *extra, *names, cwd=Path(tmp))
+            out = (run.stdout + run.stderr).strip()
+            if run.returncode != 0:
+                found = "; ".join(out.splitlines()[:6])
+                raise _fail(patch, log, f"ruff {' '.join(args)} fails: {found}")
+            log.append(f"[ok] ruff {RUFF_VERSION} {' '.join(args)}: {out}")
+    listed = ", ".join(f"`{n}`" for n in names)
+    return (
+        f"Lint: ruff {RUFF_VERSION} with vLLM's ruff settings, `ruff check` and "
+        f"`ruff format --check` on {listed}: both pass."
+    )
+
+
+def _file_changes(
+    patch: SeriesPatch, after: dict[str, str], new: list[str]
+) -> list[FileChange]:
+    out = []
+    for fp in patch.files:
+        added = sum(1 for h in fp.hunks for tag, _ in h.lines if tag == "+")
+        removed = sum(1 for h in fp.hunks for tag, _ in h.lines if tag == "-")
+        functions = []
+        for h in fp.hunks:
+            m = re.match(r"(?:async\s+)?(?:def|class)\s+(\w+)", h.section)
+            if m and m.group(1) not in functions:
+                functions.append(m.group(1))
+        out.append(FileChange(fp.path, added, removed, functions))
+    out += [FileChange(p, after[p].count("\n"), 0, [], new=True) for p in new]
+    return out
+
+
+def _run_ported(patch: SeriesPatch, ported: dict[str, str], log: list[str]) -> str:
+    with tempfile.TemporaryDirectory(prefix="vllm-overlay-upstream-tests-") as tmp:
+        for path, text in ported.items():
+            dest = Path(tmp) / path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text)
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        cmd += ["--rootdir", tmp, *sorted(ported)]
+        run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
+    tail = [ln for ln in run.stdout.strip().splitlines() if ln.strip()][-1:]
+    summary = tail[0].strip("= ") if tail else f"exit {run.returncode}"
+    if run.returncode != 0:
+        raise _fail(patch, log, f"the ported tests fail in isolation: {summary}")
+    log.append(f"[ok] ported tests ran alone (no conftest): {summary}")
+    return f"The ported test file, run alone in vLLM's test layout: {summary}."
+
+
+@dataclass(frozen=True)
+class Context:
+    root: Path
+    pin: Pin
+    series: Series
+    bases: dict[str, str]
+    base_source: str
+    report: RevertRedReport
+    ruff: Ruff
+    run_tests: bool
+
+
+def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
+    log = [
+        f"export {patch.name} (series {ctx.series.series_id}, vLLM "
+        f"{ctx.pin.vllm.version} {ctx.pin.vllm.git_commit}, base from "
+        f"{ctx.base_source})"
+    ]
+    h = patch.header
+    predecessors = ctx.series.patches[: patch.index - 1]
+    after_preds = dict(ctx.bases)
+    for p in predecessors:
+        after_preds = _apply(after_preds, p)
+    try:
+        _apply(after_preds, patch)
+    except HunkError as e:
+        raise _fail(patch, log, f"does not apply after its predecessors: {e}") from None
+    if predecessors:
+        log.append("[ok] applies after its predecessors (zero fuzz, no offset)")
+    try:
+        _apply(ctx.bases, patch)
+        before, depends = ctx.bases, []
+        log.append("[ok] applies to the pinned base alone (zero fuzz, no offset)")
+    except HunkError as e:
+        touched = {fp.path for fp in patch.files}
+        deps = [p for p in predecessors if touched & {fp.path for fp in p.files}]
+        before = after_preds
+        depends = [
+            f"{p.name}"
+            + (f" ({p.header.forwarded})" if "://" in p.header.forwarded else "")
+            for p in deps
+        ]
+        log.append(
+            f"[ok] applies only after {', '.join(p.name for p in deps)} "
+            f"(alone: {e}); the mail is stacked on its predecessors"
+        )
+    after = _apply(before, patch)
+    if not _SUBJECT_RE.match(h.subject):
+        raise _fail(patch, log, f"Subject {h.subject!r} is not '[Tag]... Title'")
+    log.append("[ok] subject in vLLM PR-title style")
+    if not _DATE_RE.match(h.last_update):
+        raise _fail(patch, log, "Last-Update (YYYY-MM-DD) is needed as the date")
+    try:
+        split_description(h)
+    except BodyError as e:
+        raise _fail(patch, log, str(e)) from None
+    named, others = _revert_red_rows(patch, ctx.report, log)
+    log.append(
+        f"[ok] revert-red: {len(named)} named test(s) fail on the base and pass "
+        f"overlaid (unit-base report {ctx.report.generated_at})"
+    )
+    ported, id_map, summary = _port(ctx.root, patch, ctx.ruff, log)
+    changed = {fp.path: after[fp.path] for fp in patch.files}
+    lint = _lint(patch, {**changed, **ported}, ctx.ruff, log)
+    pr_after = {**changed, **ported}
+    pr_before = {p: before[p] for p in changed}
+    author = Identity.parse(h.author)
+    mail = format_patch(
+        pr_before, pr_after, author, f"{h.last_update}T00:00:00+00:00",
+        commit_message(h),
+    )  # fmt: skip
+    am = am_check(pr_before, mail, sorted(pr_after))
+    if am.files != pr_after or am.subject != h.subject or am.author != str(author):
+        raise _fail(patch, log, "git am of the mail does not give the expected tree")
+    log.append("[ok] git am --keep-non-patch onto the before files: exact tree")
+    ported_run = _run_ported(patch, ported, log) if ctx.run_tests else ""
+    if not ctx.run_tests:
+        log.append("[--] ported tests not run alone (--run-tests not given)")
+    n = len(ctx.series.patches)
+    note = ""
+    if n > 1:
+        note = (
+            f'"With this change" ran with the whole series of {n} MoRIIO '
+            "changes this one belongs to applied."
+        )
+    body = pr_body(
+        BodyInputs(
+            header=h,
+            files=_file_changes(patch, pr_after, sorted(ported)),
+            test_path=sorted(ported),
+            test_summary=summary,
+            named=named,
+            others=others,
+            report=ctx.report,
+            id_map=id_map,
+            base_label=f"vLLM {ctx.pin.vllm.version} ({ctx.pin.vllm.git_commit})",
+            lint=lint,
+            ported_run=ported_run,
+            depends_on=depends,
+            overlay_note=note,
+        )
+    )
+    if len(body) > GITHUB_BODY_LIMIT:
+        raise _fail(
+            patch,
+            log,
+            f"the PR body is {len(body)} characters, over {GITHUB_BODY_LIMIT}",
+        )
+    log.append(f"[ok] PR body {len(body)} characters (limit {GITHUB_BODY_LIMIT})")
+    log.append(
+        f"open it: git am --keep-non-patch {patch.slug}.patch; "
+        f"gh pr create --title {h.subject!r} --body-file PR.md"
+    )
+    return Bundle(patch, mail, body, log)
+
+
+def load_context(
+    root: Path,
+    *,
+    wheel: Path | None,
+    source: Path | None,
+    ruff: str | None,
+    run_tests: bool,
+) -> Context:
+    pin = load_pin(root / PIN_FILE)
+    series = load_series(root)
+    if not series.patches:
+        raise ExportError("the series is empty: nothing to export")
+    report = load_revert_red(unit_base_report_path(root))
+    if report.series_id != series.series_id:
+        raise ExportError(
+            f"{unit_base_report_path(root)} is for series {report.series_id}, not "
+            f"the current {series.series_id}; run `nox -s unit-base` first"
+        )
+    if wheel is not None:
+        bases, what = base_from_wheel(wheel, pin), f"wheel {wheel.name}"
+    else:
+        target = detect_target(source if source is not None else installed_vllm())
+        bases, what = base_from_target(target, pin, series), target.describe()
+    if run_tests:
+        state, _ = tree_status(detect_target(installed_vllm()), pin, series)
+        if state.state != "overlaid":
+            raise ExportError(
+                f"--run-tests runs the ported tests in this Python, whose vLLM is "
+                f"{state.state}, not overlaid with series {series.series_id}; run "
+                "`vllm-overlay apply` first"
+            )
+    return Context(
+        root, pin, series, bases, what, report, find_ruff(ruff, root / RUFF_CONFIG),
+        run_tests,
+    )  # fmt: skip
+
+
+def export(ctx: Context, names: Sequence[str], out: Path) -> list[Path]:
+    """Check every selected patch, then write the bundles (all or none)."""
+    chosen = [
+        p for p in ctx.series.patches if not names or p.name in names or p.slug in names
+    ]
+    unknown = set(names) - {p.name for p in chosen} - {p.slug for p in chosen}
+    if unknown:
+        raise ExportError(f"not in the series: {', '.join(sorted(unknown))}")
+    bundles = [build_bundle(ctx, p) for p in chosen]
+    written = []
+    for b in bundles:
+        d = out / b.dirname
+        d.mkdir(parents=True, exist_ok=True)
+        for name, text in (
+            (f"{b.dirname}.patch", b.mail),
+            ("PR.md", b.body),
+            ("checks.log", "\n".join(b.log) + "\n"),
+        ):
+            (d / name).write_text(text)
+            written.append(d / name)
+    return written
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from vllm_overlay.cli import find_repo
+
+    root = args.repo or find_repo()
+    wheel = args.wheel
+    if wheel is None and os.environ.get("VLLM_OVERLAY_WHEEL"):
+        wheel = Path(os.environ["VLLM_OVERLAY_WHEEL"])
+    ctx = load_context(
+        root, wheel=wheel, source=args.source, ruff=args.ruff, run_tests=args.run_tests
+    )
+    out = args.out if args.out.is_absolute() else root / args.out
+    written = export(ctx, args.patch or [], out)
+    for path in written:
+        if path.name == "checks.log":
+            print(path.read_text().rstrip("\n"))
+        print(f"  wrote {path}")
+    print(f"export: {len(written) // 3} bundle(s) in {out}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export", help="upstream-ready patch mails and PR bodies under dist/upstream"
+    )
+    p.add_argument(
+        "--patch", action="append", default=None, help="a patch name or slug (repeat)"
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--wheel", type=Path, default=None,
+        help="the pinned wheel (default: $VLLM_OVERLAY_WHEEL, else this Python's vllm)",
+    )  # fmt: skip
+    src.add_argument("--from", dest="source", type=Path, default=None)
+    p.add_argument("--ruff", default=None, help=f"the ruff {RUFF_VERSION} executable")
+    p.add_argument(
+        "--run-tests",
+        action="store_true",
+        help="also run each ported test file alone (this Python's vLLM overlaid)",
+    )
+    p.set_defaults(func=cmd_export)

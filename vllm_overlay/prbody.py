@@ -1,0 +1,179 @@
+"""The upstream pull-request body (Markdown) and commit message of a patch.
+
+Built only from the patch header, the diff, the ported test file and results
+of real runs handed in by the caller (the unit-base revert-red rows, the
+ruff run, the ported-test run). The description is read as: its first line
+is the purpose; the paragraph starting with "Root cause" (else the first
+paragraph after the summary) is the root cause; every other paragraph
+describes the changes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from vllm_overlay.reports import RevertRedReport, RevertRedRow
+from vllm_overlay.series import PatchHeader
+
+GITHUB_BODY_LIMIT = 65536
+_LIST_ITEM = re.compile(r"^(?:[-*+]|\d+[.)])\s")
+_ROOT_CAUSE = re.compile(r"^root cause\s*[:\-—]?\s*", re.I)
+_URL = re.compile(r"https?://\S+")
+
+
+class BodyError(ValueError):
+    """The header does not hold what a PR body needs."""
+
+
+@dataclass(frozen=True)
+class Sections:
+    purpose: str
+    root_cause: list[str]
+    changes: list[str]
+
+
+def split_description(header: PatchHeader) -> Sections:
+    lines = header.description.split("\n")
+    rest = "\n".join(lines[1:]).strip("\n")
+    paragraphs = [p.strip("\n") for p in re.split(r"\n\s*\n", rest) if p.strip()]
+    if not paragraphs:
+        raise BodyError(
+            "the Description holds only its summary line; the PR body needs the "
+            "root cause and the changes (continuation lines of Description)"
+        )
+    root = [p for p in paragraphs if _ROOT_CAUSE.match(p)]
+    if root:
+        root_cause = [_ROOT_CAUSE.sub("", p, count=1) for p in root]
+        changes = [p for p in paragraphs if p not in root]
+    else:
+        root_cause, changes = paragraphs[:1], paragraphs[1:]
+    return Sections(lines[0].strip(), root_cause, changes)
+
+
+def unwrap(paragraph: str) -> str:
+    """Join hard-wrapped lines (GitHub renders newlines as breaks); list
+    items and their continuation lines stay items."""
+    out: list[str] = []
+    for line in paragraph.split("\n"):
+        stripped = line.strip()
+        if not out or _LIST_ITEM.match(stripped):
+            out.append(stripped)
+        else:
+            out[-1] += " " + stripped
+    return "\n".join(out)
+
+
+def commit_message(header: PatchHeader) -> str:
+    """Subject, blank line, the description as written (already wrapped)."""
+    body = header.description.split("\n", 1)
+    text = header.subject + "\n\n" + body[0].strip() + "\n"
+    if len(body) > 1 and body[1].strip():
+        text += "\n" + body[1].strip("\n") + "\n"
+    return text
+
+
+@dataclass(frozen=True)
+class FileChange:
+    path: str
+    added: int
+    removed: int
+    functions: list[str]  # hunk section headers, in order, unique
+    new: bool = False
+
+
+@dataclass(frozen=True)
+class BodyInputs:
+    header: PatchHeader
+    files: list[FileChange]
+    test_path: list[str]  # upstream paths of the ported test files
+    test_summary: str  # first paragraph of the test module's docstring
+    named: list[RevertRedRow]  # rows of the tests the header names
+    others: list[RevertRedRow]  # other rows of the same test files
+    report: RevertRedReport
+    id_map: dict[str, str]  # overlay test file -> upstream test file
+    base_label: str  # e.g. "vLLM 0.33.0 (4ba787ec9)"
+    lint: str  # one line: what ruff ran on and its result
+    ported_run: str  # one line: the ported tests' own run, or ""
+    depends_on: list[str]  # "0001-x.patch (URL)" when stacked
+    overlay_note: str = ""  # what "with this change" ran with, when more
+
+
+def _upstream_id(test_id: str, id_map: dict[str, str]) -> str:
+    path, sep, rest = test_id.partition("::")
+    return id_map.get(path, path) + sep + rest
+
+
+def _links(header: PatchHeader) -> list[str]:
+    links = []
+    for label, value in (
+        ("Origin", header.origin),
+        ("Forwarded", header.forwarded),
+        ("Bug", header.bug),
+    ):
+        for url in _URL.findall(value):
+            entry = f"- {label}: {url}"
+            if entry not in links:
+                links.append(entry)
+    return links
+
+
+def pr_body(b: BodyInputs) -> str:
+    s = split_description(b.header)
+    out = ["## Purpose", "", s.purpose, ""]
+    links = _links(b.header)
+    if b.depends_on:
+        out += [
+            "This change applies on top of: "
+            + "; ".join(b.depends_on)
+            + " (stacked: merge that first).",
+            "",
+        ]
+    if links:
+        out += ["Related:", *links, ""]
+    out += ["## Root cause", ""]
+    for p in s.root_cause:
+        out += [unwrap(p), ""]
+    out += ["## Changes", ""]
+    for p in s.changes:
+        out += [unwrap(p), ""]
+    for f in b.files:
+        what = "new file" if f.new else f"+{f.added} −{f.removed}"
+        line = f"- `{f.path}` ({what})"
+        if f.functions:
+            line += ": " + ", ".join(f"`{fn}`" for fn in f.functions)
+        out.append(line)
+    out += ["", "## Test Plan", ""]
+    if b.test_summary:
+        out += [unwrap(b.test_summary), ""]
+    out += ["```bash", *(f"pytest -v {p}" for p in b.test_path), "```", ""]
+    out += [
+        "Tests that fail before this change and pass with it:",
+        *(f"- `{_upstream_id(r.test_id, b.id_map)}`" for r in b.named),
+        "",
+    ]
+    if b.others:
+        out += [
+            f"The other {len(b.others)} test(s) in the file pin behaviour that "
+            "must not change; they pass before and after.",
+            "",
+        ]
+    out += ["## Test Result", ""]
+    out += [
+        f"Each test run on {b.base_label} and with the change (CPU, "
+        f"`VLLM_TARGET_DEVICE=cpu`), report of {b.report.generated_at}:",
+        "",
+        f"| Test | {b.base_label} | With this change |",
+        "| --- | --- | --- |",
+    ]
+    for r in [*b.named, *b.others]:
+        out.append(
+            f"| `{_upstream_id(r.test_id, b.id_map)}` | {r.base} | {r.overlay} |"
+        )
+    out.append("")
+    if b.overlay_note:
+        out += [b.overlay_note, ""]
+    out += [b.lint, ""]
+    if b.ported_run:
+        out += [b.ported_run, ""]
+    return "\n".join(out).rstrip("\n") + "\n"
