@@ -60,7 +60,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
     MoRIIOError,
 )
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -70,6 +72,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
     SparseCacheRole,
     UniformTypeKVCacheSpecs,
+    iter_layer_specs,
 )
 from vllm.v1.request import RequestStatus
 
@@ -759,6 +762,60 @@ def test_write_mode_still_rejects_sliding_window(llama_model_dir, wrapped) -> No
         make_scheduler_connector(
             config, make_kv_cache_config(_wrapped_window_groups(wrapped))
         )
+
+
+def _glm5_next_layer_specs() -> dict[str, KVCacheSpec]:
+    """Per-layer specs shaped like 0.33.0's GLM5-next caches: MLA, the kpool
+    indexer (``tokens_per_state``), the ``CircularBufferSpec`` tail ring, KDA."""
+    specs: dict[str, KVCacheSpec] = {}
+    for i in ("0", "1", "2", "4", "5", "6"):
+        specs[f"layers.{i}.kda"] = kda_mamba_spec(
+            block_size=B, num_speculative_blocks=1, shapes=((3, 513), (4, 64, 64))
+        )
+    for i in ("3", "7", "mtp"):
+        draft = i == "mtp"
+        specs[f"layers.{i}.mla"] = mla_spec(B, is_draft=draft)
+        specs[f"layers.{i}.indexer"] = MLAAttentionSpec(
+            block_size=B,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=128,
+            dtype=torch.uint8,
+            cache_role=SparseCacheRole.INDEXER,
+            tokens_per_state=4,
+            is_draft=draft,
+        )
+        specs[f"layers.{i}.tail"] = CircularBufferSpec(
+            block_size=8,
+            num_kv_heads=2,
+            head_size=128,
+            head_size_v=0,
+            dtype=torch.bfloat16,
+            dcp_sharded=False,
+            is_draft=draft,
+        )
+    return specs
+
+
+@pytest.mark.parametrize("layout", ["BLNHC", "LBNHC"])
+def test_pinned_glm5_next_grouping_fails_closed(mtp_vllm_configs, layout) -> None:
+    """vLLM 0.33.0's own grouping of GLM5-next-shaped caches yields a
+    CircularBufferSpec tail ring, which neither the base nor #60867 transfers:
+    the connector must refuse it at startup rather than move wrong blocks."""
+    p_config, d_config = mtp_vllm_configs
+    previous = p_config.cache_config.kv_cache_layout
+    p_config.cache_config.kv_cache_layout = layout
+    try:
+        groups = get_kv_cache_groups(p_config, _glm5_next_layer_specs())
+    finally:
+        p_config.cache_config.kv_cache_layout = previous
+    assert any(
+        isinstance(spec, CircularBufferSpec)
+        for group in groups
+        for spec in iter_layer_specs(group.kv_cache_spec)
+    )
+    with pytest.raises((MoRIIOError, NotImplementedError)):
+        make_scheduler_connector(d_config, make_kv_cache_config(groups))
 
 
 def test_write_mode_hybrid_still_rejects_mtp(deepseek_mtp_model_dir) -> None:
