@@ -44,11 +44,28 @@ def split_description(header: PatchHeader) -> Sections:
         )
     root = [p for p in paragraphs if _ROOT_CAUSE.match(p)]
     if root:
-        root_cause = [_ROOT_CAUSE.sub("", p, count=1) for p in root]
+        root_cause = [_capitalize(_ROOT_CAUSE.sub("", p, count=1)) for p in root]
         changes = [p for p in paragraphs if p not in root]
     else:
         root_cause, changes = paragraphs[:1], paragraphs[1:]
-    return Sections(lines[0].strip(), root_cause, changes)
+    return Sections(_capitalize(lines[0].strip()), root_cause, changes)
+
+
+_CHANGES_LABEL = re.compile(r"^(?:what changes|changes?)\s*:\s*", re.I)
+_OTHER_LABEL = re.compile(r"^([A-Z][\w-]*(?: [\w-]+){0,3}):\s")
+
+
+def label_changes(paragraph: str) -> str:
+    """ "What changes:" / "Changes:" dropped (the section says it); another
+    short leading label ("Contract change:") set in bold."""
+    stripped = _CHANGES_LABEL.sub("", paragraph, count=1)
+    if stripped != paragraph:
+        return _capitalize(stripped)
+    return _OTHER_LABEL.sub(r"**\1:** ", paragraph, count=1)
+
+
+def _capitalize(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def unwrap(paragraph: str) -> str:
@@ -136,7 +153,7 @@ def pr_body(b: BodyInputs) -> str:
         out += [unwrap(p), ""]
     out += ["## Changes", ""]
     for p in s.changes:
-        out += [unwrap(p), ""]
+        out += [label_changes(unwrap(p)), ""]
     for f in b.files:
         what = "new file" if f.new else f"+{f.added} −{f.removed}"
         line = f"- `{f.path}` ({what})"

@@ -266,7 +266,7 @@ def test_bundle_for_a_standalone_patch(
                     "## Test Result"):  # fmt: skip
         assert f"\n{section}\n" in f"\n{body}"
     assert "Root cause: the test needs one." not in body  # label stripped
-    assert "the test needs one." in body
+    assert "\n\nThe test needs one.\n\n## Changes\n\nOne line.\n" in body
     assert f"pytest -v {upstream_test}" in body
     assert f"| `{upstream_test}::test_offsets_distinct` | failed | passed |" in body
     # The other test of the file (named by 0002) is listed as run, too.
