@@ -547,3 +547,30 @@ def test_property_pages_read_are_pages_missing(
             read = plan.pages(index)
             assert set(missing_pages(num_prompt_tokens, drafter_hit, page)) <= set(read)
             assert read == all_pages(num_prompt_tokens, page)
+
+
+def test_recorded_local_hit_is_released(llama_model_dir: Path):
+    """The hit recorded by get_num_new_matched_tokens is dropped once the
+    request is allocated, and when it finishes without an allocation."""
+    groups = [Group("target", 64), Group("kda")]
+    consumer = connector(llama_model_dir, groups, 1, "kv_consumer")
+    scheduler = consumer.connector_scheduler
+    assert scheduler is not None
+    for allocate in (True, False):
+        request_id = f"req-{next(_request_ids)}"
+        params = finish_prefill(llama_model_dir, groups, 1, request_id, 64 * 4 + 3)
+        decode = make_request(request_id, 64 * 4 + 3, params)
+        consumer.get_num_new_matched_tokens(decode, 64)
+        assert scheduler._local_hit_tokens == {request_id: 64}
+        if allocate:
+            tables = [
+                table(_DECODE_BASE, i, g, 64 * 5, 1) for i, g in enumerate(groups)
+            ]
+            external = 64 * 4 + 3 - 1 - 64
+            consumer.update_state_after_alloc(
+                decode, make_kv_cache_blocks(tables), external
+            )
+        else:
+            decode.status = RequestStatus.FINISHED_ABORTED
+            consumer.request_finished_all_groups(decode, ([], []))
+        assert scheduler._local_hit_tokens == {}
