@@ -180,10 +180,6 @@ class Leg:
         return self.page_of[block_id]
 
 
-def _spec_block_size(spec: KVCacheSpec) -> int:
-    return spec.block_size
-
-
 def _is_window(spec: KVCacheSpec) -> bool:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         spec = spec.first_spec
@@ -206,7 +202,7 @@ def build_leg(
     leg = Leg(tables=[])
     for group in groups:
         spec = group.kv_cache_spec
-        bs = _spec_block_size(spec)
+        bs = spec.block_size
         num_pages = cdiv(num_table_tokens, bs)
         table: list[int] = []
         if isinstance(spec, MambaSpec):
