@@ -13,69 +13,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.overlay.workspace import header, make_diff
+from tests.image.conftest import ENGINE, REPO
 from vllm_overlay.manifest import MANIFEST_NAME, Manifest
-from vllm_overlay.materialize import base_from_target, materialize
-from vllm_overlay.pin import PIN_FILE, Pin, load_pin
-from vllm_overlay.series import Series, load_series
-from vllm_overlay.target import detect_target, installed_vllm
+from vllm_overlay.materialize import materialize
+from vllm_overlay.pin import PIN_FILE, Pin
+from vllm_overlay.series import Series
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "docker" / "apply-overlay.sh"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
-MODULE = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
-ENGINE = f"{MODULE}/moriio_engine.py"
-COMMON = f"{MODULE}/moriio_common.py"
-
-
-@pytest.fixture(scope="module")
-def pin() -> Pin:
-    return load_pin(REPO / PIN_FILE)
-
-
-@pytest.fixture(scope="module")
-def bases(pin: Pin) -> dict[str, str]:
-    return base_from_target(detect_target(installed_vllm()), pin, load_series(REPO))
-
-
-@pytest.fixture(params=["one-patch", "project"])
-def overlay_repo(
-    request: pytest.FixtureRequest, tmp_path: Path, bases: dict[str, str]
-) -> Path:
-    """An overlay checkout: a throwaway one with one patch, or this project."""
-    if request.param == "project":
-        if not load_series(REPO).patches:
-            pytest.skip("the project's series is empty right now")
-        return REPO
-    repo = tmp_path / "repo"
-    (repo / "patches").mkdir(parents=True)
-    shutil.copy(REPO / PIN_FILE, repo / PIN_FILE)
-    old = bases[COMMON]
-    new = old.replace("\nclass MoRIIOError(", "\n# Overlaid.\nclass MoRIIOError(", 1)
-    assert new != old
-    name = "0001-image-test.patch"
-    (repo / "patches" / name).write_text(
-        header("MoRIIO: image test", Tests="tests/image/test_apply_overlay.py")
-        + "---\n"
-        + make_diff(COMMON, old, new)
-    )
-    (repo / "patches" / "series").write_text(f"{name}\n")
-    return repo
-
-
-@pytest.fixture
-def series(overlay_repo: Path) -> Series:
-    return load_series(overlay_repo)
-
-
-@pytest.fixture
-def site(tmp_path: Path, bases: dict[str, str]) -> Path:
-    """A fake site-packages whose vllm holds only the pinned base files."""
-    site = tmp_path / "site-packages"
-    (site / "vllm" / "distributed").mkdir(parents=True)
-    (site / "vllm" / "__init__.py").write_text("")
-    materialize(bases, Series(REPO, ()), site, overlay=False)
-    return site
 
 
 def run_script(

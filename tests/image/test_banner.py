@@ -1,0 +1,80 @@
+"""The start-up banner: which overlay runs, read from the manifest apply wrote
+and checked against the files."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.image.conftest import COMMON
+from vllm_overlay.apply import apply_series
+from vllm_overlay.banner import installed_version, overlay_line
+from vllm_overlay.e2e.checks import BANNER
+from vllm_overlay.pin import Pin
+from vllm_overlay.series import load_series
+from vllm_overlay.target import detect_target, installed_vllm
+
+
+def test_overlaid_tree_names_its_series(
+    site: Path, one_patch_repo: Path, pin: Pin
+) -> None:
+    series = load_series(one_patch_repo)
+    apply_series(detect_target(site / "vllm"), pin, series)
+    level, text = overlay_line(site / "vllm", "0.33.0")
+    assert level == logging.INFO
+    assert text == (
+        f"vllm-moriio-overlay: series {series.series_id} (0001-image-test) "
+        "on vLLM 0.33.0"
+    )
+    m = BANNER.search(text)
+    assert m is not None and m.group(1) == series.series_id
+
+
+def test_base_tree_says_so(site: Path) -> None:
+    level, text = overlay_line(site / "vllm", "0.33.0")
+    assert level == logging.INFO
+    assert "no overlay manifest" in text and "base" in text
+    assert BANNER.search(text) is None
+
+
+def test_files_changed_after_apply_are_unknown(
+    site: Path, one_patch_repo: Path, pin: Pin
+) -> None:
+    apply_series(detect_target(site / "vllm"), pin, load_series(one_patch_repo))
+    for rel in (COMMON,):  # the files the series touches are recorded
+        f = site / rel
+        original = f.read_text()
+        f.write_text(original + "# edited in the image\n")
+        level, text = overlay_line(site / "vllm", "0.33.0")
+        assert level == logging.WARNING
+        assert f"{rel} does not match the manifest" in text
+        assert BANNER.search(text) is None
+        f.write_text(original)
+    assert overlay_line(site / "vllm", "0.33.0")[0] == logging.INFO
+
+
+def test_vllm_plugin_loader_logs_the_banner() -> None:
+    """With logging configured as `vllm serve` does, vLLM's own general-plugin
+    loading runs the entry point and the line reaches vLLM's log output."""
+    code = (
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "configure_logging(LoggingConfig())\n"
+        "load_general_plugins()\n"
+    )
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "INFO"}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    _, expected = overlay_line(installed_vllm(), installed_version())
+    out = result.stdout + result.stderr
+    assert expected in out, out[-2000:]
