@@ -1,0 +1,146 @@
+"""Check what the decoder holds for its last prompt token.
+
+For a prompt of N tokens the decoder computes position N-1 itself and needs:
+full attention, every position < N-1; a window W, positions [N-W, N-1);
+a Mamba/KDA state, the state after N-1 tokens in the block the kernel reads
+(align mode: block index (N-2) // block_size). A page is "lacked" when the
+decoder's own page does not hold what is needed before the READ; the
+lacked pages are the minimum READ.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import msgspec
+
+from vllm_overlay.simulate.pages import PageStore, holds_positions, holds_state
+
+FULL = "full"
+WINDOW = "window"
+STATE_KIND = "state"
+
+
+class GroupInfo(NamedTuple):
+    kind: str
+    block_tokens: int
+    """Positions per block (block size x DCP when sharded)."""
+    window: int
+    page_bytes: int
+
+
+class Need(NamedTuple):
+    group: int
+    index: int
+    """Block index in the group's position-indexed table."""
+    lo: int
+    hi: int
+    """Positions [lo, hi) for attention; ``lo`` = token count for a state."""
+
+
+class CaseResult(msgspec.Struct, frozen=True):
+    n: int
+    hit_fraction: float
+    local_hit_tokens: int
+    wrong: bool
+    wrong_groups: list[int]
+    pages_read: int
+    min_pages: int
+    bytes_read: int
+    min_bytes: int
+    extra_reads: int
+    """Pages read that the decoder did not lack (already held or not needed)."""
+    duplicate_reads: int
+    unread: int
+    """Lacked pages the READ did not fill with the right contents."""
+    error: str | None = None
+
+
+def needs(groups: Sequence[GroupInfo], n: int) -> list[Need]:
+    out: list[Need] = []
+    last = n - 1  # the position the decoder computes itself
+    for g, info in enumerate(groups):
+        bt = info.block_tokens
+        if info.kind == STATE_KIND:
+            if last > 0:
+                out.append(Need(g, (last - 1) // bt, last, 0))
+            continue
+        start = 0 if info.kind == FULL else max(0, n - info.window)
+        if start >= last:
+            continue
+        for index in range(start // bt, (last - 1) // bt + 1):
+            lo = max(start, index * bt)
+            hi = min(last, (index + 1) * bt)
+            out.append(Need(g, index, lo, hi))
+    return out
+
+
+def _satisfied(store: PageStore, table: Sequence[int], need: Need, uid: int) -> bool:
+    if need.index >= len(table):
+        return False
+    page = store.get(table[need.index])
+    if need.hi == 0:
+        return holds_state(page, need.group, uid, need.lo)
+    return holds_positions(page, need.group, uid, need.lo, need.hi)
+
+
+class ReadCheck:
+    """Snapshot the decoder's lacked pages, then judge the READ."""
+
+    def __init__(
+        self,
+        groups: Sequence[GroupInfo],
+        tables: Sequence[Sequence[int]],
+        store: PageStore,
+        n: int,
+        uid: int,
+    ) -> None:
+        self.groups = groups
+        self.tables = tables
+        self.n = n
+        self.uid = uid
+        self.needs = needs(groups, n)
+        self.lacked: set[tuple[int, int]] = set()
+        for need in self.needs:
+            if not _satisfied(store, tables[need.group], need, uid):
+                table = tables[need.group]
+                dst = table[need.index] if need.index < len(table) else -1
+                self.lacked.add((need.group, dst))
+
+    def judge(
+        self,
+        store: PageStore,
+        reads: Sequence[tuple[int, int]],
+        hit_fraction: float,
+        local_hit_tokens: int,
+    ) -> CaseResult:
+        """``reads``: (group, local block id) per page the READ copied."""
+        wrong_groups = sorted(
+            {
+                need.group
+                for need in self.needs
+                if not _satisfied(store, self.tables[need.group], need, self.uid)
+            }
+        )
+        counts = Counter(reads)
+        read_set = set(counts)
+        unread = 0
+        for group, dst in self.lacked:
+            if (group, dst) not in read_set:
+                unread += 1
+        return CaseResult(
+            n=self.n,
+            hit_fraction=hit_fraction,
+            local_hit_tokens=local_hit_tokens,
+            wrong=bool(wrong_groups),
+            wrong_groups=wrong_groups,
+            pages_read=len(reads),
+            min_pages=len(self.lacked),
+            bytes_read=sum(self.groups[g].page_bytes for g, _ in reads),
+            min_bytes=sum(self.groups[g].page_bytes for g, _ in self.lacked),
+            extra_reads=sum(c for key, c in counts.items() if key not in self.lacked),
+            duplicate_reads=sum(c - 1 for c in counts.values()),
+            unread=unread,
+        )

@@ -1,0 +1,333 @@
+"""Drive one prompt through both legs and READ it page by page.
+
+Order per case: optional decoder warm-up sharing a prefix of the prompt;
+prefill on P until it returns ``kv_transfer_params``; the same prompt on D
+with those params; D's first step carries the ``ReqMeta`` and the block
+table: snapshot what D lacks, READ, check; D samples its token and
+finishes; P gets ``finished_sending`` and frees; both prefix caches reset.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vllm_overlay.simulate.check import (
+    FULL,
+    STATE_KIND,
+    WINDOW,
+    CaseResult,
+    GroupInfo,
+    ReadCheck,
+)
+from vllm_overlay.simulate.layouts import Layout
+from vllm_overlay.simulate.legs import Leg, build_leg
+from vllm_overlay.simulate.pages import PageStore
+
+RemapFn = Callable[[list[list[int]]], list[list[int]]]
+"""Test hook: rewrites the remote lists of a ReqMeta before the READ."""
+
+_VOCAB = 60000
+
+
+def prompt_tokens(uid: int, n: int, shared: int = -1, salt: int = 0) -> list[int]:
+    """Tokens of prompt ``uid``; positions >= ``shared`` differ (warm-up)."""
+    base = uid * 1_000_003
+    out = [(base + i * 7919) % _VOCAB + 1 for i in range(n)]
+    if 0 <= shared < n:
+        alt = base + 104_729 * (salt + 1)
+        out[shared:] = [(alt + i * 7919) % _VOCAB + 1 for i in range(shared, n)]
+    return out
+
+
+def group_infos(leg: Leg) -> list[GroupInfo]:
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    out = []
+    for g, group in enumerate(leg.kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            kind, window = STATE_KIND, 0
+        elif isinstance(spec, SlidingWindowSpec):
+            kind, window = WINDOW, spec.sliding_window
+        else:
+            kind, window = FULL, 0
+        out.append(
+            GroupInfo(kind, leg.group_block_tokens[g], window, leg.group_page_bytes[g])
+        )
+    return out
+
+
+class Pair:
+    """A prefill/decode scheduler pair that runs cases one after another."""
+
+    def __init__(self, layout: Layout, max_model_len: int, port: int = 40000):
+        self.layout = layout
+        self.max_model_len = max_model_len
+        self.port = port
+        self._build()
+
+    def _build(self) -> None:
+        self.p = build_leg(self.layout, "kv_producer", self.port, self.max_model_len)
+        self.d = build_leg(
+            self.layout, "kv_consumer", self.port + 100, self.max_model_len
+        )
+        self.groups = group_infos(self.d)
+        self.p_store = PageStore(self._null_id(self.p))
+        self.d_store = PageStore(self._null_id(self.d))
+        self.payload_groups = self._payload_groups(self.d)
+        self._seq = 0
+        self._external: dict[str, int] = {}
+        connector = self.d.scheduler.connector
+        update = connector.update_state_after_alloc
+
+        def spy(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            self._external[request.request_id] = num_external_tokens
+            return update(request, blocks, num_external_tokens)
+
+        connector.update_state_after_alloc = spy
+
+    @staticmethod
+    def _null_id(leg: Leg) -> int:
+        return leg.scheduler.kv_cache_manager.block_pool.null_block.block_id
+
+    @staticmethod
+    def _payload_groups(leg: Leg) -> list[int]:
+        """kv_cache_groups index of each list in the connector's payload."""
+        cfg = leg.kv_cache_config
+        transfer = [
+            next(i for i, g in enumerate(cfg.kv_cache_groups) if g is tg)
+            for tg in cfg.transfer_groups
+        ]
+        conn = leg.scheduler.connector.connector_scheduler
+        mamba = list(getattr(conn, "_mamba_group_ids", []))
+        if mamba:
+            attn = list(conn._attn_group_ids)
+            return [transfer[i] for i in (*attn, *mamba)]
+        return transfer
+
+    # -- stepping ---------------------------------------------------------
+
+    def _request(self, leg: Leg, rid: str, tokens: list[int], params: Any) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = {"kv_transfer_params": params} if params is not None else None
+        return Request(
+            rid,
+            list(tokens),
+            SamplingParams(max_tokens=1, ignore_eos=True, extra_args=extra),
+            None,
+            block_hasher=leg.block_hasher,
+        )
+
+    def _compute(
+        self, leg: Leg, store: PageStore, so: Any, meta: dict[str, tuple[int, int]]
+    ) -> None:
+        """Write the pages each scheduled request computes in this step."""
+        manager = leg.scheduler.kv_cache_manager
+        for rid, k in so.num_scheduled_tokens.items():
+            if rid not in meta:
+                continue
+            uid, valid = meta[rid]
+            req = leg.scheduler.requests[rid]
+            end = req.num_computed_tokens
+            start = end - k
+            tables = manager.get_block_ids(rid)
+            for g, info in enumerate(self.groups):
+                table = tables[g]
+                bt = info.block_tokens
+                if info.kind == STATE_KIND:
+                    idx = -(-end // bt) - 1
+                    prev = (start - 1) // bt
+                    ok = start == 0 or (
+                        prev < len(table)
+                        and _state_ok(store, table[prev], g, uid, start)
+                    )
+                    if idx < len(table):
+                        store.write_state(table[idx], g, uid if ok else -1, valid, end)
+                    continue
+                for index in range(start // bt, (end - 1) // bt + 1):
+                    if index >= len(table):
+                        break
+                    lo = max(start, index * bt)
+                    hi = min(end, (index + 1) * bt)
+                    store.write_positions(table[index], g, uid, valid, lo, hi)
+
+    def _step(
+        self,
+        leg: Leg,
+        store: PageStore,
+        meta: dict[str, tuple[int, int]],
+        finished_sending: set[str] | None = None,
+        before_compute: Callable[[Any], None] | None = None,
+    ) -> list[Any]:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        sched = leg.scheduler
+        so = sched.schedule()
+        if before_compute is not None:
+            before_compute(so)
+        self._compute(leg, store, so, meta)
+        ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = sched.requests[rid]
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled.append([7] if done else [])
+        out = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=(
+                KVConnectorOutput(finished_sending=finished_sending)
+                if finished_sending
+                else None
+            ),
+        )
+        outputs = sched.update_from_output(so, out)
+        return [o for eco in outputs.values() for o in eco.outputs]
+
+    def _run_local(self, leg: Leg, store: PageStore, rid: str, tokens, uid, valid):
+        leg.scheduler.add_request(self._request(leg, rid, tokens, None))
+        for _ in range(64):
+            outs = self._step(leg, store, {rid: (uid, valid)})
+            if any(o.request_id == rid and o.finish_reason for o in outs):
+                return
+        raise RuntimeError(f"local request {rid} did not finish")
+
+    # -- one case ---------------------------------------------------------
+
+    def run_case(
+        self, n: int, hit_fraction: float, remap: RemapFn | None = None
+    ) -> CaseResult:
+        try:
+            return self._run_case(n, hit_fraction, remap)
+        except Exception as exc:  # fail-closed refusals and crashes alike
+            self._build()
+            return CaseResult(
+                n=n,
+                hit_fraction=hit_fraction,
+                local_hit_tokens=0,
+                wrong=False,
+                wrong_groups=[],
+                pages_read=0,
+                min_pages=0,
+                bytes_read=0,
+                min_bytes=0,
+                extra_reads=0,
+                duplicate_reads=0,
+                unread=0,
+                error=f"{type(exc).__name__}: {exc}"[:300],
+            )
+
+    def _run_case(
+        self, n: int, hit_fraction: float, remap: RemapFn | None
+    ) -> CaseResult:
+        self._seq += 1
+        uid = self._seq
+        tokens = prompt_tokens(uid, n)
+        shared = round(n * hit_fraction)
+        if shared > 0:
+            warm = prompt_tokens(uid, shared + 1, shared=shared)
+            self._run_local(self.d, self.d_store, f"w{uid}", warm, uid, shared)
+
+        rid = f"r{uid}"
+        self.p.scheduler.add_request(
+            self._request(self.p, rid, tokens, {"do_remote_decode": True})
+        )
+        params = None
+        for _ in range(64):
+            for o in self._step(self.p, self.p_store, {rid: (uid, n)}):
+                if o.request_id == rid and o.kv_transfer_params:
+                    params = o.kv_transfer_params
+            if params is not None:
+                break
+        if params is None:
+            raise RuntimeError("prefill returned no kv_transfer_params")
+
+        d_params = copy.deepcopy(params)
+        d_params["do_remote_prefill"] = True
+        self.d.scheduler.add_request(self._request(self.d, rid, tokens, d_params))
+        box: dict[str, CaseResult] = {}
+
+        def read_and_check(so: Any) -> None:
+            box["result"] = self._read_and_check(so, rid, n, uid, hit_fraction, remap)
+
+        self._step(self.d, self.d_store, {rid: (uid, n)}, before_compute=read_and_check)
+        for _ in range(8):
+            if rid not in self.d.scheduler.requests:
+                break
+            self._step(self.d, self.d_store, {rid: (uid, n)})
+        self._step(self.p, self.p_store, {}, finished_sending={rid})
+        if rid in self.p.scheduler.requests:
+            raise RuntimeError("prefill did not free the request")
+        # Every case has its own tokens, so earlier cases' cached pages are
+        # never a hit; they stay evictable, as in a running server. Reset
+        # now and then to keep the hash maps small.
+        if self._seq % 64 == 0 and not (
+            self.p.scheduler.reset_prefix_cache()
+            and self.d.scheduler.reset_prefix_cache()
+        ):
+            raise RuntimeError("reset_prefix_cache refused")
+        if "result" not in box:
+            raise RuntimeError("decoder did not schedule the request")
+        return box["result"]
+
+    def _read_and_check(
+        self,
+        so: Any,
+        rid: str,
+        n: int,
+        uid: int,
+        hit_fraction: float,
+        remap: RemapFn | None,
+    ) -> CaseResult:
+        if rid not in so.num_scheduled_tokens:
+            raise RuntimeError("decoder did not schedule the request")
+        req = self.d.scheduler.requests[rid]
+        computed = req.num_computed_tokens - so.num_scheduled_tokens[rid]
+        local_hit = computed - self._external.pop(rid, 0)
+        tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
+        check = ReadCheck(self.groups, tables, self.d_store, n, uid)
+        reads: list[tuple[int, int]] = []
+        meta = so.kv_connector_metadata
+        req_meta = meta.reqs_to_recv.get(rid) if meta is not None else None
+        if req_meta is not None:
+            local = [list(x) for x in req_meta.local_block_ids]
+            remote = [list(x) for x in req_meta.remote_block_ids]
+            if remap is not None:
+                remote = remap(remote)
+            reads = self._read(local, remote)
+        # Zeroing a READ destination races the READ: count it as lost.
+        self.d_store.zero(list(so.new_block_ids_to_zero or []))
+        return check.judge(self.d_store, reads, hit_fraction, local_hit)
+
+    def _read(
+        self, local: Sequence[list[int]], remote: Sequence[list[int]]
+    ) -> list[tuple[int, int]]:
+        """Copy pages as the worker's ``_read_blocks`` pairs them.
+
+        No local destination at all means no READ (the worker only releases
+        the producer); otherwise each group's lists are zipped in order.
+        """
+        if not any(local):
+            return []
+        if len(local) != len(remote) or len(local) != len(self.payload_groups):
+            raise RuntimeError(
+                f"ReqMeta group count mismatch: local={len(local)} "
+                f"remote={len(remote)} payload={len(self.payload_groups)}"
+            )
+        reads = []
+        for g, loc, rem in zip(self.payload_groups, local, remote, strict=True):
+            for dst, src in zip(loc, rem, strict=False):
+                self.d_store.put(dst, self.p_store.get(src))
+                reads.append((g, dst))
+        return reads
+
+
+def _state_ok(store: PageStore, block_id: int, group: int, uid: int, t: int) -> bool:
+    from vllm_overlay.simulate.pages import holds_state
+
+    return holds_state(store.get(block_id), group, uid, t)

@@ -1,0 +1,249 @@
+"""Model-like KV cache layouts, as per-layer vLLM spec objects.
+
+The specs go through vLLM's real planner (``legs.build_leg``); nothing here
+builds groups by hand. Shapes are small; only block sizes, windows, group
+structure and slot counts matter to the scheduler and the connector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+_REGISTERED: set[str] = set()
+
+
+@dataclass(frozen=True)
+class SpecSlots:
+    """Slot counts a leg's speculative config gives the scheduler/connector."""
+
+    num_speculative_tokens: int = 0
+    num_lookahead_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    block_size: int
+    build_specs: Callable[[int], dict[str, Any]]
+    """dcp -> {layer name: KVCacheSpec}."""
+    dcp: int = 1
+    has_state: bool = False
+    """Mamba/KDA state groups present (mamba_cache_mode="align")."""
+    prefill_slots: SpecSlots = field(default_factory=SpecSlots)
+    decode_slots: SpecSlots = field(default_factory=SpecSlots)
+    note: str = ""
+
+    def layer_specs(self) -> dict[str, Any]:
+        return self.build_specs(self.dcp)
+
+    def register_specs(self) -> None:
+        _register_tail_ring_spec()
+
+
+def _bf16() -> Any:
+    import torch
+
+    return torch.bfloat16
+
+
+def _full(block: int) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(
+        block_size=block, num_kv_heads=1, head_size=128, dtype=_bf16()
+    )
+
+
+def _sw(block: int, window: int) -> Any:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(
+        block_size=block,
+        num_kv_heads=1,
+        head_size=128,
+        dtype=_bf16(),
+        sliding_window=window,
+    )
+
+
+def _mla(block: int, head_size: int = 576) -> Any:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(
+        block_size=block, num_kv_heads=1, head_size=head_size, dtype=_bf16()
+    )
+
+
+def _kda(block: int, page_bytes: int, scratch: int) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(
+        block_size=block,
+        shapes=((4, 64), (2, 64, 64)),
+        dtypes=(torch.float32, torch.float32),
+        page_size_padded=page_bytes,
+        mamba_cache_mode="align",
+        num_speculative_blocks=scratch,
+    )
+
+
+_TAIL_RING_CLS: list[Any] = []
+
+
+def _register_tail_ring_spec() -> Any:
+    """A per-request tail ring: a window spec whose pages are never a hit.
+
+    Stands in for GLM-5.3-Flash's kpool tail (a ``SlidingWindowSpec``
+    subclass that is not prefix-cacheable); vLLM 0.33.0 does not ship it.
+    """
+    from dataclasses import dataclass as _dc
+
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    if not _TAIL_RING_CLS:
+
+        @_dc(frozen=True, kw_only=True)
+        class TailRingSpec(SlidingWindowMLASpec):
+            @property
+            def prefix_cacheable(self) -> bool:
+                return False
+
+        _TAIL_RING_CLS.append(TailRingSpec)
+    cls = _TAIL_RING_CLS[0]
+    KVCacheSpecRegistry.register(
+        cls, SlidingWindowManager, uniform_type_base_spec=SlidingWindowMLASpec
+    )
+    return cls
+
+
+def _tail_ring(block: int, window: int, head_size: int) -> Any:
+    cls = _register_tail_ring_spec()
+    return cls(
+        block_size=block,
+        num_kv_heads=1,
+        head_size=head_size,
+        dtype=_bf16(),
+        sliding_window=window,
+    )
+
+
+def _llama(dcp: int) -> dict[str, Any]:
+    del dcp
+    return {f"model.layers.{i}.self_attn.attn": _full(16) for i in range(2)}
+
+
+def _gemma(dcp: int) -> dict[str, Any]:
+    del dcp
+    specs = {}
+    for i in range(6):
+        full = i % 6 == 5
+        specs[f"model.layers.{i}.self_attn.attn"] = _full(16) if full else _sw(16, 512)
+    return specs
+
+
+def _dsv4(dcp: int) -> dict[str, Any]:
+    del dcp
+    specs = {}
+    for i in range(4):
+        specs[f"model.layers.{i}.attn.full"] = _full(64)
+        specs[f"model.layers.{i}.attn.swa"] = _sw(64, 128)
+    return specs
+
+
+_KIMI_BLOCK = 64
+
+
+def _kimi(dcp: int) -> dict[str, Any]:
+    del dcp
+    mla = _mla(_KIMI_BLOCK)
+    specs: dict[str, Any] = {}
+    for i in range(4):
+        if i % 4 == 3:
+            specs[f"model.layers.{i}.self_attn.attn"] = mla
+        else:
+            specs[f"model.layers.{i}.linear_attn.kda"] = _kda(
+                _KIMI_BLOCK, mla.page_size_bytes, scratch=1
+            )
+    return specs
+
+
+def _glm(dcp: int) -> dict[str, Any]:
+    del dcp
+    block = 64
+    mla = _mla(block)
+    tail = _tail_ring(block, 16, 576)
+    kda = _kda(block, mla.page_size_bytes, scratch=1)
+    # Three layers per kind, so the planner makes one group per kind:
+    # G0 = MLA (target + MTP drafter), G1 = tail ring, G2 = KDA.
+    specs: dict[str, Any] = {}
+    for i in range(2):
+        specs[f"model.layers.{2 * i}.linear_attn.kda"] = kda
+        specs[f"model.layers.{2 * i + 1}.self_attn.attn"] = mla
+        specs[f"model.layers.{2 * i + 1}.self_attn.kpool_tail"] = tail
+    specs["model.layers.4.linear_attn.kda"] = kda
+    specs["mtp.layers.0.self_attn.attn"] = mla
+    specs["mtp.layers.0.self_attn.kpool_tail"] = tail
+    return specs
+
+
+_KIMI_SLOTS = SpecSlots(num_speculative_tokens=1, num_lookahead_tokens=1)
+_GLM_SLOTS = SpecSlots(num_speculative_tokens=1, num_lookahead_tokens=1)
+
+BASE_LAYOUTS: dict[str, Layout] = {
+    "llama": Layout("llama", 16, _llama, note="full attention, block 16"),
+    "gemma": Layout("gemma", 16, _gemma, note="full + SW 512, block 16"),
+    "dsv4": Layout(
+        "dsv4",
+        64,
+        _dsv4,
+        decode_slots=SpecSlots(num_lookahead_tokens=9),
+        note="full + SW 128, block 64, decode lookahead 9, prefill none",
+    ),
+    "kimi": Layout(
+        "kimi",
+        _KIMI_BLOCK,
+        _kimi,
+        has_state=True,
+        prefill_slots=_KIMI_SLOTS,
+        decode_slots=_KIMI_SLOTS,
+        note="MLA + KDA (1 scratch slot), DSpark-like slots",
+    ),
+    "glm": Layout(
+        "glm",
+        64,
+        _glm,
+        has_state=True,
+        prefill_slots=_GLM_SLOTS,
+        decode_slots=_GLM_SLOTS,
+        note="MLA+indexer, 1-block tail ring, KDA, MTP-like slots",
+    ),
+}
+
+DCP_SIZES: dict[str, tuple[int, ...]] = {
+    "llama": (1, 2, 4),
+    # vLLM 0.33.0 asserts "DCP not support sliding window" at start.
+    "gemma": (1,),
+    "dsv4": (1,),
+    "kimi": (1, 2, 4),
+    "glm": (1, 2, 4),
+}
+
+
+def expand(names: list[str] | None = None) -> list[Layout]:
+    """All layouts, one per allowed DCP size (``name`` or ``name/dcpN``)."""
+    from dataclasses import replace
+
+    out: list[Layout] = []
+    for base in names or list(BASE_LAYOUTS):
+        key, _, dcp_part = base.partition("/dcp")
+        layout = BASE_LAYOUTS[key]
+        sizes = (int(dcp_part),) if dcp_part else DCP_SIZES[key]
+        for dcp in sizes:
+            name = key if dcp == 1 else f"{key}/dcp{dcp}"
+            out.append(replace(layout, name=name, dcp=dcp))
+    return out

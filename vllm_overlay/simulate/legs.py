@@ -1,0 +1,215 @@
+"""Build the prefill (kv_producer) and decode (kv_consumer) legs.
+
+Each leg is a real vLLM ``Scheduler`` whose ``KVCacheConfig`` comes out of
+vLLM's own planner, the way the engine core builds it, with the MoRIIO
+connector in READ mode (no sockets, no threads).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_overlay.simulate.layouts import Layout, SpecSlots
+
+# Page-sized pools: enough for a few max-length requests per leg.
+_POOL_REQUESTS = 4
+
+_MODEL_JSON = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "vocab_size": 65536,
+    "max_position_embeddings": 65536,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+}
+
+
+def _model_dir() -> str:
+    path = Path(tempfile.gettempdir()) / "vllm-overlay-sim-model"
+    path.mkdir(exist_ok=True)
+    cfg = path / "config.json"
+    text = json.dumps(_MODEL_JSON)
+    if not cfg.exists() or cfg.read_text() != text:
+        cfg.write_text(text)
+    return str(path)
+
+
+def _with_spec_slots(vllm_config: Any, slots: SpecSlots) -> Any:
+    """Give one leg the slot counts a speculative config would give it.
+
+    Scheduler, KV cache manager and connector read these two ``VllmConfig``
+    properties; the drafter itself is not modelled.
+    """
+    if slots.num_speculative_tokens == 0 and slots.num_lookahead_tokens == 0:
+        return vllm_config
+    base = type(vllm_config)
+    sub = type(
+        f"{base.__name__}WithSpecSlots",
+        (base,),
+        {
+            "num_speculative_tokens": property(
+                lambda self: slots.num_speculative_tokens
+            ),
+            "num_lookahead_tokens": property(lambda self: slots.num_lookahead_tokens),
+        },
+    )
+    vllm_config.__class__ = sub
+    return vllm_config
+
+
+@dataclass
+class Leg:
+    """One leg: its scheduler, config and the resolved block geometry."""
+
+    role: str
+    vllm_config: Any
+    scheduler: Any
+    kv_cache_config: Any
+    block_hasher: Any
+    group_block_tokens: list[int]
+    """Positions one block holds per KV cache group (block size x DCP)."""
+    group_page_bytes: list[int]
+    """Bytes of one page per group, summed over the group's layers."""
+
+
+def build_leg(layout: Layout, role: str, port: int, max_model_len: int) -> Leg:
+    """Build one leg; raises whatever vLLM or the connector raise at start."""
+    import torch  # noqa: F401  (vLLM expects torch imported first)
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_planning import (
+        get_global_kv_cache_groups,
+        get_kv_cache_configs,
+    )
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_request_block_hasher,
+        init_none_hash,
+        resolve_cache_hit_alignment_tokens,
+        resolve_dcp_kv_block_size,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    dcp = layout.dcp
+    extra = {
+        "handshake_port": port,
+        "notify_port": port + 1,
+        "proxy_ip": "127.0.0.1",
+        "http_port": port + 2,
+        "read_mode": True,
+        "host_ip": "127.0.0.1",
+    }
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=_model_dir(), skip_tokenizer_init=True, max_model_len=max_model_len
+        ),
+        cache_config=CacheConfig(
+            block_size=layout.block_size,
+            enable_prefix_caching=True,
+            mamba_cache_mode="align" if layout.has_state else "none",
+        ),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=dcp, decode_context_parallel_size=dcp
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=max_model_len,
+            max_num_seqs=8,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="MoRIIOConnector",
+            kv_role=role,
+            kv_connector_extra_config=extra,
+        ),
+    )
+    slots = layout.decode_slots if role == "kv_consumer" else layout.prefill_slots
+    vllm_config = _with_spec_slots(vllm_config, slots)
+    vllm_config.cache_config.kv_cache_layout = "LBNHC"
+
+    register_all_kvcache_specs(vllm_config)
+    layout.register_specs()
+    specs = layout.layer_specs()
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
+    # Size the pool through the planner: bytes for a few max-length requests.
+    probe = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)[0]
+    bytes_per_block = sum(t.size for t in probe.kv_cache_tensors) // probe.num_blocks
+    blocks_per_req = sum(
+        -(-max_model_len // resolve_dcp_kv_block_size(g.kv_cache_spec, dcp)) + 4
+        for g in probe.kv_cache_groups
+    )
+    memory = bytes_per_block * (blocks_per_req * _POOL_REQUESTS + 1)
+    configs = get_kv_cache_configs(vllm_config, [specs], [memory], groups)
+    for cfg in configs:
+        cfg.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+    sched_cfg = generate_scheduler_kv_cache_config(configs)
+    vllm_config.cache_config.num_gpu_blocks = sched_cfg.num_blocks
+    participating = [
+        g.kv_cache_spec.block_size
+        for g in sched_cfg.kv_cache_groups
+        if g.kv_cache_spec.prefix_cacheable
+    ]
+    vllm_config.cache_config.block_size = min(
+        participating or [g.kv_cache_spec.block_size for g in sched_cfg.kv_cache_groups]
+    )
+    vllm_config.validate_block_size()
+    sched_bs, hash_bs = resolve_kv_cache_block_sizes(sched_cfg, vllm_config)
+    align = resolve_cache_hit_alignment_tokens(
+        sched_cfg, vllm_config, sched_bs, hash_bs
+    )
+    for cfg in (*configs, sched_cfg):
+        cfg.hash_block_size = hash_bs
+        cfg.cache_hit_alignment_tokens = align
+
+    with set_current_vllm_config(vllm_config):
+        scheduler = Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=sched_cfg,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=sched_bs,
+            hash_block_size=hash_bs,
+        )
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(
+        hash_bs, hash_fn, vllm_config.num_hash_lookahead_tokens
+    )
+
+    worker_groups = configs[0].kv_cache_groups
+    page_bytes = []
+    for group in worker_groups:
+        per_layer = [specs[name].page_size_bytes for name in group.layer_names]
+        page_bytes.append(sum(per_layer))
+    return Leg(
+        role=role,
+        vllm_config=vllm_config,
+        scheduler=scheduler,
+        kv_cache_config=sched_cfg,
+        block_hasher=hasher,
+        group_block_tokens=[
+            resolve_dcp_kv_block_size(g.kv_cache_spec, dcp)
+            for g in sched_cfg.kv_cache_groups
+        ],
+        group_page_bytes=page_bytes,
+    )

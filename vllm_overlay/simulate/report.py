@@ -1,0 +1,159 @@
+"""Report structs (cross the worker process boundary and --json) and table."""
+
+from __future__ import annotations
+
+import msgspec
+
+from vllm_overlay.simulate.check import CaseResult
+
+
+class Progress(msgspec.Struct, tag="progress"):
+    variant: str
+    layout: str
+    done: int
+    total: int
+
+
+class LayoutReport(msgspec.Struct, tag="layout"):
+    variant: str
+    layout: str
+    note: str
+    lengths_tried: int = 0
+    cases: int = 0
+    refused_at_start: str | None = None
+    wrong_cases: int = 0
+    wrong_lengths: list[int] = []
+    """Lengths with wrong KV at any hit fraction, ascending."""
+    wrong_lengths_by_hit: dict[str, list[int]] = {}
+    error_cases: int = 0
+    first_errors: list[str] = []
+    pages_read: int = 0
+    min_pages: int = 0
+    bytes_read: int = 0
+    min_bytes: int = 0
+    extra_reads: int = 0
+    duplicate_reads: int = 0
+    unread: int = 0
+    seconds: float = 0.0
+
+    def add(self, result: CaseResult) -> None:
+        self.cases += 1
+        if result.error is not None:
+            self.error_cases += 1
+            if len(self.first_errors) < 3 and result.error not in self.first_errors:
+                self.first_errors.append(result.error)
+            return
+        key = f"{result.hit_fraction * 100:g}"
+        if result.wrong:
+            self.wrong_cases += 1
+            self.wrong_lengths_by_hit.setdefault(key, []).append(result.n)
+        self.pages_read += result.pages_read
+        self.min_pages += result.min_pages
+        self.bytes_read += result.bytes_read
+        self.min_bytes += result.min_bytes
+        self.extra_reads += result.extra_reads
+        self.duplicate_reads += result.duplicate_reads
+        self.unread += result.unread
+
+    def finish(self) -> None:
+        self.wrong_lengths = sorted(
+            {n for ns in self.wrong_lengths_by_hit.values() for n in ns}
+        )
+
+
+class SweepReport(msgspec.Struct):
+    lengths: str
+    hits: list[float]
+    variants: dict[str, str]
+    """Variant name -> where its moriio files came from."""
+    layouts: list[LayoutReport]
+    wall_seconds: float
+
+
+WorkerLine = Progress | LayoutReport
+
+
+def _ratio(num: int, den: int) -> str:
+    if den == 0:
+        return "-" if num == 0 else "inf"
+    return f"{num / den:.2f}"
+
+
+def _first(ns: list[int], k: int = 6) -> str:
+    head = ", ".join(str(n) for n in ns[:k])
+    return head + (", ..." if len(ns) > k else "")
+
+
+def format_table(report: SweepReport) -> str:
+    rows = [
+        (
+            "layout",
+            "variant",
+            "lengths",
+            "wrong-KV lengths",
+            "pages read/min",
+            "bytes",
+            "extra/dup/unread",
+            "errors",
+        )
+    ]
+    for r in report.layouts:
+        if r.refused_at_start is not None:
+            rows.append(
+                (
+                    r.layout,
+                    r.variant,
+                    "-",
+                    "refused at start: " + r.refused_at_start[:90],
+                    "",
+                    "",
+                    "",
+                    "",
+                )
+            )
+            continue
+        wrong = f"{len(r.wrong_lengths)}"
+        if r.wrong_lengths:
+            wrong += f" ({_first(r.wrong_lengths)})"
+        rows.append(
+            (
+                r.layout,
+                r.variant,
+                str(r.lengths_tried),
+                wrong,
+                f"{r.pages_read}/{r.min_pages} = {_ratio(r.pages_read, r.min_pages)}",
+                _ratio(r.bytes_read, r.min_bytes),
+                f"{r.extra_reads}/{r.duplicate_reads}/{r.unread}",
+                str(r.error_cases)
+                + (f" ({r.first_errors[0][:60]})" if r.first_errors else ""),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for i, row in enumerate(rows):
+        lines.append(
+            "  ".join(
+                cell.ljust(w) for cell, w in zip(row, widths, strict=True)
+            ).rstrip()
+        )
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summary_line(report: SweepReport) -> str:
+    parts = []
+    for variant in report.variants:
+        rs = [r for r in report.layouts if r.variant == variant]
+        refused = sum(r.refused_at_start is not None for r in rs)
+        wrong = sum(bool(r.wrong_lengths) for r in rs)
+        over = sum(
+            r.refused_at_start is None and r.pages_read > r.min_pages for r in rs
+        )
+        errors = sum(r.error_cases > 0 for r in rs)
+        parts.append(
+            f"{variant}: {wrong} layout(s) with wrong KV, {over} reading more than "
+            f"the minimum, {errors} with errors, {refused} refused at start"
+        )
+    cases = sum(r.cases for r in report.layouts)
+    return f"{cases} cases; " + "; ".join(parts) + f"; wall {report.wall_seconds:.1f} s"

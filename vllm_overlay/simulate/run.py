@@ -1,0 +1,239 @@
+"""Sweep: base and overlay side by side, each in its own processes.
+
+Each variant's moriio package is materialized into a directory (base files
+from the pinned wheel, overlay files from the patch stack) and loaded there
+by ``worker.py``; layouts are split across processes to use both cores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from vllm_overlay.simulate.layouts import expand
+from vllm_overlay.simulate.report import (
+    LayoutReport,
+    Progress,
+    SweepReport,
+    WorkerLine,
+)
+from vllm_overlay.simulate.variant import MORIIO_FILES, build_variant_dir
+from vllm_overlay.simulate.worker import MARK
+
+MORIIO_REL = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
+DEFAULT_WHEEL = Path("/tmp/wheels/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl")
+DEFAULT_BASE_VENV = Path(
+    "/tmp/venv/lib/python3.11/site-packages/vllm/distributed/kv_transfer/"
+    "kv_connector/v1/moriio"
+)
+DEFAULT_STACK = Path("/work/scratch/stack")
+STACK_BRANCHES = ("p0003", "p0002", "p0001")
+DEFAULT_LENGTHS = "1-4096/13"
+DEFAULT_HITS = "0,50,89.7,100"
+
+# Relative cost per case, to balance layouts across processes.
+_COST = {"llama": 1.0, "gemma": 2.0, "dsv4": 0.6, "kimi": 1.0, "glm": 1.2}
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``1-4096``, ``1-4096/13`` (every 13th), ``251,377`` or a mix."""
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        rng, _, step = part.partition("/")
+        lo, _, hi = rng.partition("-")
+        first, last = int(lo), int(hi or lo)
+        out.update(range(first, last + 1, int(step or 1)))
+    if not out or min(out) < 1:
+        raise ValueError(f"bad --lengths {text!r}")
+    return sorted(out)
+
+
+def parse_hits(text: str) -> list[float]:
+    """Percentages, e.g. ``0,50,89.7,100`` -> fractions."""
+    hits = [float(x) / 100 for x in text.split(",") if x.strip()]
+    if not hits or any(h < 0 or h > 1 for h in hits):
+        raise ValueError(f"bad --hits {text!r}")
+    return hits
+
+
+def base_files(source: Path | None = None) -> tuple[dict[str, str], str]:
+    """The two base moriio files: from the pinned wheel, else /tmp/venv."""
+    src = source or (DEFAULT_WHEEL if DEFAULT_WHEEL.exists() else DEFAULT_BASE_VENV)
+    if src.suffix == ".whl":
+        with zipfile.ZipFile(src) as whl:
+            files = {
+                name: whl.read(f"{MORIIO_REL}/{name}").decode() for name in MORIIO_FILES
+            }
+        return files, f"wheel {src.name}"
+    return {name: (src / name).read_text() for name in MORIIO_FILES}, str(src)
+
+
+def overlay_files(source: str | None = None) -> tuple[dict[str, str], str] | None:
+    """Overlay files: a directory, ``REPO@REF``, or the most advanced stack
+    branch present (p0003, p0002, p0001)."""
+    if source and Path(source).is_dir():
+        d = Path(source)
+        return {name: (d / name).read_text() for name in MORIIO_FILES}, str(d)
+    repo, ref = DEFAULT_STACK, None
+    if source:
+        repo_s, _, ref = source.partition("@")
+        repo = Path(repo_s)
+    refs = [ref] if ref else list(STACK_BRANCHES)
+    for candidate in refs:
+        try:
+            files = {
+                name: subprocess.run(
+                    [
+                        "git",
+                        "-C",
+                        str(repo),
+                        "show",
+                        f"{candidate}:{MORIIO_REL}/{name}",
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                for name in MORIIO_FILES
+            }
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            continue
+        commit = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", candidate],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        return files, f"{repo}@{candidate} ({commit})"
+    return None
+
+
+def _split(layouts: list[str], parts: int) -> list[list[str]]:
+    buckets: list[list[str]] = [[] for _ in range(parts)]
+    loads = [0.0] * parts
+    for name in sorted(layouts, key=lambda n: -_COST.get(n.split("/")[0], 1.0)):
+        i = loads.index(min(loads))
+        buckets[i].append(name)
+        loads[i] += _COST.get(name.split("/")[0], 1.0)
+    return [b for b in buckets if b]
+
+
+def _reader(
+    proc: subprocess.Popen[str],
+    sink: Callable[[WorkerLine], None],
+    tail: list[str],
+) -> None:
+    decoder = msgspec.json.Decoder(WorkerLine)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(MARK):
+            sink(decoder.decode(line[len(MARK) :]))
+        else:
+            tail.append(line)
+            del tail[:-20]
+
+
+def run_sweep(
+    layouts: list[str],
+    lengths: str,
+    hits: str,
+    variants: list[str],
+    base_source: Path | None = None,
+    overlay_source: str | None = None,
+    processes_per_variant: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SweepReport:
+    start = time.monotonic()
+    names = [layout.name for layout in expand(layouts or None)]
+    parse_lengths(lengths)
+    parse_hits(hits)
+    sources: dict[str, tuple[dict[str, str], str]] = {}
+    if "base" in variants:
+        sources["base"] = base_files(base_source)
+    if "overlay" in variants:
+        found = overlay_files(overlay_source)
+        if found is None:
+            raise SystemExit("no overlay files found (give --overlay-from)")
+        sources["overlay"] = found
+
+    root = Path(tempfile.mkdtemp(prefix="vllm-overlay-sim-"))
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
+    )
+    results: list[LayoutReport] = []
+    state: dict[tuple[str, str], tuple[int, int]] = {}
+    lock = threading.Lock()
+
+    def sink(line: WorkerLine) -> None:
+        with lock:
+            if isinstance(line, Progress):
+                state[(line.variant, line.layout)] = (line.done, line.total)
+            else:
+                results.append(line)
+                state.pop((line.variant, line.layout), None)
+            if progress is not None:
+                busy = ", ".join(
+                    f"{v}:{lay} {d}/{t}" for (v, lay), (d, t) in sorted(state.items())
+                )
+                progress(f"[{len(results)}/{len(names) * len(sources)} done] {busy}")
+
+    if processes_per_variant is None:
+        # Each process pays ~20 s of imports: one per variant when both run.
+        processes_per_variant = max(1, (os.cpu_count() or 2) // len(sources))
+    procs = []
+    for v_index, (variant, (files, _)) in enumerate(sources.items()):
+        moriio_dir = build_variant_dir(root / variant / "moriio", files)
+        for p_index, chunk in enumerate(_split(names, processes_per_variant)):
+            port = 20000 + 4000 * v_index + 2000 * p_index
+            cmd = [
+                sys.executable,
+                "-m",
+                "vllm_overlay.simulate.worker",
+                f"--moriio-dir={moriio_dir}",
+                f"--variant={variant}",
+                f"--layouts={','.join(chunk)}",
+                f"--lengths={lengths}",
+                f"--hits={hits}",
+                f"--port={port}",
+            ]
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
+            tail: list[str] = []
+            thread = threading.Thread(target=_reader, args=(proc, sink, tail))
+            thread.start()
+            procs.append((proc, thread, tail, variant, chunk))
+    for proc, thread, tail, variant, chunk in procs:
+        proc.wait()
+        thread.join()
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"simulator worker {variant} {chunk} exited {proc.returncode}:\n"
+                + "".join(tail)
+            )
+    order = {name: i for i, name in enumerate(names)}
+    vorder = {v: i for i, v in enumerate(sources)}
+    results.sort(key=lambda r: (order.get(r.layout, 0), vorder[r.variant]))
+    return SweepReport(
+        lengths=lengths,
+        hits=[h * 100 for h in parse_hits(hits)],
+        variants={v: where for v, (_, where) in sources.items()},
+        layouts=results,
+        wall_seconds=time.monotonic() - start,
+    )

@@ -1,0 +1,88 @@
+"""One simulator process: one moriio variant, some layouts.
+
+Run as ``python -m vllm_overlay.simulate.worker`` by ``run.py``. Writes one
+``Progress`` / ``LayoutReport`` per line to stdout, each prefixed with
+``MARK`` (vLLM may print its own lines too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from vllm_overlay.simulate.report import LayoutReport, Progress, WorkerLine
+
+MARK = "@@simulate "
+_ENCODER = msgspec.json.Encoder()
+
+
+def emit(line: WorkerLine) -> None:
+    sys.stdout.write(MARK + _ENCODER.encode(line).decode() + "\n")
+    sys.stdout.flush()
+
+
+def run_layout(
+    variant: str,
+    layout_name: str,
+    lengths: list[int],
+    hits: list[float],
+    port: int,
+    progress_every: int = 200,
+) -> LayoutReport:
+    from vllm_overlay.simulate.drive import Pair
+    from vllm_overlay.simulate.layouts import expand
+
+    layout = expand([layout_name])[0]
+    report = LayoutReport(variant=variant, layout=layout.name, note=layout.note)
+    start = time.monotonic()
+    try:
+        pair = Pair(layout, max(lengths) + 64, port=port)
+    except Exception as exc:  # the connector or vLLM refuses this layout
+        report.refused_at_start = f"{type(exc).__name__}: {exc}"
+        report.seconds = time.monotonic() - start
+        return report
+    report.lengths_tried = len(lengths)
+    total = len(lengths) * len(hits)
+    done = 0
+    for hit in hits:
+        for n in lengths:
+            report.add(pair.run_case(n, hit))
+            done += 1
+            if done % progress_every == 0:
+                emit(Progress(variant, layout.name, done, total))
+    report.finish()
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moriio-dir", type=Path, required=True)
+    ap.add_argument("--variant", required=True)
+    ap.add_argument("--layouts", required=True)
+    ap.add_argument("--lengths", required=True)
+    ap.add_argument("--hits", required=True)
+    ap.add_argument("--port", type=int, default=40000)
+    args = ap.parse_args(argv)
+
+    from vllm_overlay.simulate.run import parse_hits, parse_lengths
+    from vllm_overlay.simulate.variant import use_moriio_dir
+
+    use_moriio_dir(args.moriio_dir)
+    lengths = parse_lengths(args.lengths)
+    hits = parse_hits(args.hits)
+    for i, name in enumerate(args.layouts.split(",")):
+        emit(run_layout(args.variant, name, lengths, hits, port=args.port + 1000 * i))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    # vLLM's exit handlers take seconds and add nothing here.
+    os._exit(code)
