@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_overlay.diff import HunkError, apply_file_patch
+from vllm_overlay.diff import Hunk, HunkError, apply_file_patch
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gitmail import Identity, am_check, format_patch
 from vllm_overlay.materialize import base_from_target, base_from_wheel
@@ -244,6 +244,43 @@ def _lint(patch: SeriesPatch, files: dict[str, str], ruff: Ruff, log: list[str])
     )
 
 
+_DEF_RE = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)")
+
+
+def _first_change(hunk: Hunk) -> int:
+    """Lines of the new side before the hunk's first changed line."""
+    k = 0
+    for tag, _ in hunk.lines:
+        if tag != " ":
+            return k
+        k += 1
+    return k
+
+
+def _enclosing_def(lines: list[str], at: int) -> str:
+    """The def or class line ``at`` is, or the innermost one holding it."""
+    at = min(at, len(lines) - 1)
+    while at > 0 and not lines[at].strip():
+        at -= 1
+    if at < 0:
+        return ""
+    m = _DEF_RE.match(lines[at])
+    if m:
+        return m.group(1)
+    indent = len(lines[at]) - len(lines[at].lstrip())
+    for i in range(at - 1, -1, -1):
+        line = lines[i]
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        if depth < indent:
+            m = _DEF_RE.match(line)
+            if m:
+                return m.group(1)
+            indent = depth
+    return ""
+
+
 def _file_changes(
     patch: SeriesPatch, after: dict[str, str], new: list[str]
 ) -> list[FileChange]:
@@ -252,10 +289,11 @@ def _file_changes(
         added = sum(1 for h in fp.hunks for tag, _ in h.lines if tag == "+")
         removed = sum(1 for h in fp.hunks for tag, _ in h.lines if tag == "-")
         functions = []
+        lines = after[fp.path].splitlines()
         for h in fp.hunks:
-            m = re.match(r"(?:async\s+)?(?:def|class)\s+(\w+)", h.section)
-            if m and m.group(1) not in functions:
-                functions.append(m.group(1))
+            name = _enclosing_def(lines, h.new_start - 1 + _first_change(h))
+            if name and name not in functions:
+                functions.append(name)
         out.append(FileChange(fp.path, added, removed, functions))
     out += [FileChange(p, after[p].count("\n"), 0, [], new=True) for p in new]
     return out

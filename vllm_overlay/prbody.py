@@ -121,6 +121,14 @@ def _upstream_id(test_id: str, id_map: dict[str, str]) -> str:
     return id_map.get(path, path) + sep + rest
 
 
+def _short_id(test_id: str, b: BodyInputs) -> str:
+    """The id without its file when the PR adds a single test file."""
+    full = _upstream_id(test_id, b.id_map)
+    if len(b.test_path) == 1 and full.startswith(b.test_path[0] + "::"):
+        return full.split("::", 1)[1]
+    return full
+
+
 def _links(header: PatchHeader) -> list[str]:
     links = []
     for label, value in (
@@ -128,7 +136,8 @@ def _links(header: PatchHeader) -> list[str]:
         ("Forwarded", header.forwarded),
         ("Bug", header.bug),
     ):
-        for url in _URL.findall(value):
+        for found in _URL.findall(value):
+            url = found.rstrip(").,;:'\"")
             entry = f"- {label}: {url}"
             if entry not in links:
                 links.append(entry)
@@ -166,7 +175,7 @@ def pr_body(b: BodyInputs) -> str:
     out += ["```bash", *(f"pytest -v {p}" for p in b.test_path), "```", ""]
     out += [
         "Tests that fail before this change and pass with it:",
-        *(f"- `{_upstream_id(r.test_id, b.id_map)}`" for r in b.named),
+        *(f"- `{_short_id(r.test_id, b)}`" for r in b.named),
         "",
     ]
     if b.others:
@@ -184,9 +193,7 @@ def pr_body(b: BodyInputs) -> str:
         "| --- | --- | --- |",
     ]
     for r in [*b.named, *b.others]:
-        out.append(
-            f"| `{_upstream_id(r.test_id, b.id_map)}` | {r.base} | {r.overlay} |"
-        )
+        out.append(f"| `{_short_id(r.test_id, b)}` | {r.base} | {r.overlay} |")
     out.append("")
     if b.overlay_note:
         out += [b.overlay_note, ""]

@@ -268,13 +268,15 @@ def test_bundle_for_a_standalone_patch(
     assert "Root cause: the test needs one." not in body  # label stripped
     assert "\n\nThe test needs one.\n\n## Changes\n\nOne line.\n" in body
     assert f"pytest -v {upstream_test}" in body
-    assert f"| `{upstream_test}::test_offsets_distinct` | failed | passed |" in body
+    assert "| `test_offsets_distinct` | failed | passed |" in body
     # The other test of the file (named by 0002) is listed as run, too.
-    assert f"| `{upstream_test}::test_offsets_count[1]` | failed | passed |" in body
+    assert "| `test_offsets_count[1]` | failed | passed |" in body
     assert "test_other" not in body
     assert "ruff 0.14.0" in body and "both pass" in body
     assert "2026-11-29T13:00:00Z" in body
     assert "applies on top of" not in body
+    assert f"- `{COMMON}` (+1 −0): `get_port_offset`\n" in body
+    assert f"- `{CONNECTOR}` (+1 −0): `is_moriio_available`\n" in body
     log = (out / "0001-port-offsets" / "checks.log").read_text()
     assert "[ok] applies to the pinned base alone" in log
     assert "[FAIL]" not in log
