@@ -52,7 +52,7 @@ def split_description(header: PatchHeader) -> Sections:
 
 
 _CHANGES_LABEL = re.compile(r"^(?:what changes|changes?)\s*:\s*", re.I)
-_OTHER_LABEL = re.compile(r"^([A-Z][\w-]*(?: [\w-]+){0,3}):\s")
+_OTHER_LABEL = re.compile(r"^([A-Z][\w-]*(?: [\w-]+){0,3}(?: \([^)\n]*\))?):\s")
 
 
 def label_changes(paragraph: str) -> str:
@@ -130,7 +130,7 @@ def _short_id(test_id: str, b: BodyInputs) -> str:
 
 
 def _links(header: PatchHeader) -> list[str]:
-    links = []
+    labels: dict[str, list[str]] = {}
     for label, value in (
         ("Origin", header.origin),
         ("Forwarded", header.forwarded),
@@ -138,10 +138,9 @@ def _links(header: PatchHeader) -> list[str]:
     ):
         for found in _URL.findall(value):
             url = found.rstrip(").,;:'\"")
-            entry = f"- {label}: {url}"
-            if entry not in links:
-                links.append(entry)
-    return links
+            if label not in labels.setdefault(url, []):
+                labels[url].append(label)
+    return [f"- {', '.join(names)}: {url}" for url, names in labels.items()]
 
 
 def pr_body(b: BodyInputs) -> str:

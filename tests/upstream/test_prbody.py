@@ -48,6 +48,24 @@ def test_sections_and_labels() -> None:
     )
 
 
+def test_parenthesised_label_and_links() -> None:
+    from vllm_overlay.prbody import _links, label_changes
+
+    assert label_changes("What changes (one file only): x") == (
+        "**What changes (one file only):** x"
+    )
+    header = parse_header(
+        HEAD.replace(
+            "Forwarded: not yet",
+            "Forwarded: https://github.com/vllm-project/vllm/pull/1",
+        ).replace("pull/1\nAuthor", "pull/1);\nAuthor"),
+        "x.patch",
+    )
+    assert _links(header) == [
+        "- Origin, Forwarded: https://github.com/vllm-project/vllm/pull/1"
+    ]
+
+
 def test_first_paragraph_is_the_root_cause_without_a_label() -> None:
     text = HEAD.replace("Root cause: the decoder", "The decoder")
     s = split_description(parse_header(text, "x.patch"))
