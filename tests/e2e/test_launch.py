@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,7 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_heartbeat import
     MoRIIOHeartbeat,
 )
 
-from vllm_overlay.e2e.config import PairConfig, Reach
+from tests.e2e.conftest import LOOPBACK, free_port, loopback_pair
+from vllm_overlay.e2e.config import PairConfig
 from vllm_overlay.e2e.launch import (
     HealthTimeout,
     Launcher,
@@ -29,37 +29,6 @@ from vllm_overlay.e2e.launch import (
     wait_healthy,
 )
 from vllm_overlay.e2e.plan import Plan, build_plan
-
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
-def loopback_pair(config: PairConfig, health_s: float) -> PairConfig:
-    """The sample pair moved onto 127.0.0.1 with free ports, the router as a
-    local process."""
-    router = msgspec.structs.replace(
-        config.router,
-        address=LOOPBACK,
-        bind=LOOPBACK,
-        port=free_port(),
-        proxy_ping_port=free_port(),
-        prometheus_port=free_port(),
-        container=False,
-        reach=Reach(),
-    )
-    legs = {
-        leg: msgspec.structs.replace(
-            getattr(config, leg), address=LOOPBACK, http_port=free_port(), reach=Reach()
-        )
-        for leg in ("prefill", "decode")
-    }
-    timeouts = msgspec.structs.replace(config.timeouts, health_s=health_s, poll_s=0.5)
-    return msgspec.structs.replace(config, router=router, timeouts=timeouts, **legs)
 
 
 def router_plan(config: PairConfig) -> Plan:
