@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from tokenizers import Tokenizer
 
 from tests.e2e.tokenizer import build_tokenizer
+from vllm_overlay.e2e.config import ConfigError
 from vllm_overlay.e2e.prompts import (
     REQUIRED_LENGTHS,
     kv_prompt,
@@ -79,3 +82,8 @@ def test_needle_prompt_word_count_and_needle(tok: Tokenizer, words: int) -> None
     assert question.startswith("What is the special magic number")
     # Encoding is not compositional, so the length is the tokenizer's.
     assert p.length == len(tok.encode(text).ids)
+
+
+def test_a_missing_tokenizer_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model.tokenizer .*: cannot load"):
+        load_tokenizer(tmp_path / "nope.json")

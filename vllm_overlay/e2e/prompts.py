@@ -15,6 +15,8 @@ from typing import Literal
 import msgspec
 from tokenizers import Tokenizer
 
+from vllm_overlay.e2e.config import ConfigError
+
 # Lengths that failed in the field or in review; always in the sweep.
 REQUIRED_LENGTHS = (251, 377, 384, 440, 447, 636, 832, 895)
 
@@ -41,7 +43,11 @@ class Prompt(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def load_tokenizer(path: Path | str) -> Tokenizer:
-    return Tokenizer.from_file(str(path))
+    """The model's tokenizer.json; one clear error when it cannot be used."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception subclasses
+        raise ConfigError(f"model.tokenizer {path}: cannot load: {e}") from None
 
 
 def special_prefix(tok: Tokenizer) -> list[int]:
