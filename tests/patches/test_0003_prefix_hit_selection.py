@@ -67,6 +67,7 @@ class Group:
     kind: str
     block_size: int = 16
     dcp_sharded: bool = False
+    host_resident: bool = False
 
     def spec(self) -> KVCacheSpec:
         if self.kind == "target":
@@ -80,7 +81,10 @@ class Group:
 
     def group_spec(self, index: int) -> KVCacheGroupSpec:
         return KVCacheGroupSpec(
-            [f"layer.{index}"], self.spec(), is_eagle_group=self.kind == "drafter"
+            [f"layer.{index}"],
+            self.spec(),
+            is_eagle_group=self.kind == "drafter",
+            host_resident=self.host_resident,
         )
 
     def page_tokens(self, dcp: int) -> int:
@@ -381,6 +385,24 @@ def test_target_groups_sharing_a_spec_read_only_missing_pages(llama_model_dir: P
     expected = missing_pages(num_prompt_tokens, hit_tokens, 64)
     assert plan.pages(0) == expected
     assert plan.pages(2) == expected
+
+
+def test_target_spec_in_another_block_pool_reads_every_page(llama_model_dir: Path):
+    """An equal spec in the host pool is looked up apart from the device
+    groups, so its hit can be shorter: it reads every prompt page."""
+    host = Group("target", 64, host_resident=True)
+    groups = [Group("target", 64), host, Group("kda")]
+    num_prompt_tokens = 64 * 10 + 9
+    hit_tokens = 64 * 6
+    plan = run_transfer(
+        llama_model_dir,
+        groups,
+        dcp=1,
+        num_prompt_tokens=num_prompt_tokens,
+        local_hit_tokens=hit_tokens,
+    )
+    assert plan.pages(0) == missing_pages(num_prompt_tokens, hit_tokens, 64)
+    assert plan.pages(1) == all_pages(num_prompt_tokens, 64)
 
 
 @pytest.mark.parametrize("drafter_block", [64, 128])
