@@ -113,8 +113,8 @@ class Ruff:
 def find_ruff(explicit: str | None, config: Path) -> Ruff:
     if not config.is_file():
         raise ExportError(f"{config}: vLLM's ruff configuration is missing")
-    candidates = [explicit] if explicit else []
-    if not explicit:
+    candidates = [explicit or os.environ.get("VLLM_OVERLAY_RUFF")]
+    if not candidates[0]:
         candidates += [str(Path(sys.executable).parent / "ruff"), shutil.which("ruff")]
     for exe in candidates:
         if exe and Path(exe).is_file():

@@ -36,7 +36,6 @@ from vllm_overlay.reports import (
 from vllm_overlay.series import load_series
 from vllm_overlay.testport import SPDX_HEADER
 
-RUFF = "/tmp/tools/bin/ruff"
 CONFIG = Path(__file__).resolve().parents[2] / "ci" / "ruff-vllm.toml"
 SPDX = "# SPDX-License-Identifier: Apache-2.0\n"
 ANCHOR = "def get_port_offset(dp_rank: int, tp_rank: int, tp_size: int = 1) -> int:\n"
@@ -168,11 +167,19 @@ def repo(make_repo: MakeRepo, base_texts: dict[str, str]) -> Path:
     return root
 
 
+def _ruff() -> str:
+    """ruff 0.14.0: $VLLM_OVERLAY_RUFF, next to this Python, or on PATH."""
+    try:
+        return find_ruff(None, CONFIG).exe
+    except ExportError as e:
+        pytest.fail(f"{e} (install ruff==0.14.0 in the test environment)")
+
+
 def _export(
     root: Path, tmp_path: Path, base: dict[str, str], *names: str
 ) -> list[Path]:
     ctx = load_context(
-        root, wheel=None, source=_site(tmp_path, base), ruff=RUFF, run_tests=False
+        root, wheel=None, source=_site(tmp_path, base), ruff=_ruff(), run_tests=False
     )
     return export(ctx, list(names), root / "dist" / "upstream")
 
@@ -205,7 +212,7 @@ def test_bundle_for_a_standalone_patch(
     again = tmp_path / "again"
     again.mkdir()
     ctx = load_context(
-        repo, wheel=None, source=_site(again, base_texts), ruff=RUFF, run_tests=False
+        repo, wheel=None, source=_site(again, base_texts), ruff=_ruff(), run_tests=False
     )
     export(ctx, ["0001-port-offsets"], again / "out")
     assert (
@@ -256,7 +263,7 @@ def test_bundle_for_a_standalone_patch(
     )
     for args in (["check"], ["format", "--check"]):
         lint = subprocess.run(
-            [RUFF, *args, "--config", str(CONFIG), "--no-cache", upstream_test],
+            [_ruff(), *args, "--config", str(CONFIG), "--no-cache", upstream_test],
             cwd=git, capture_output=True, text=True,
         )  # fmt: skip
         assert lint.returncode == 0, lint.stdout + lint.stderr
@@ -371,7 +378,7 @@ def test_cli_export_and_run_tests_precondition(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     site = _site(tmp_path, base_texts)
-    argv = ["--repo", str(repo), "export", "--from", str(site), "--ruff", RUFF]
+    argv = ["--repo", str(repo), "export", "--from", str(site), "--ruff", _ruff()]
     assert main([*argv, "--patch", "0001-port-offsets"]) == 0
     out = capsys.readouterr().out
     assert "export: 1 bundle(s)" in out
