@@ -452,7 +452,13 @@ def rebase_plan(
         posts: dict[str, str] = {}
         for fp in patch.files:
             old_pre = old_chain[fp.path]
-            old_post = apply_file_patch(old_pre, fp).text
+            try:
+                old_post = apply_file_patch(old_pre, fp).text
+            except HunkError as e:
+                raise RebaseError(
+                    f"{patch.name} does not apply to the pinned base ({e}); "
+                    "fix the series first (`vllm-overlay series check`, `apply`)"
+                ) from None
             posts[fp.path] = old_post
             if fp.path in blocked:
                 outcomes.append(
@@ -633,7 +639,8 @@ def cmd_rebase(args: argparse.Namespace) -> int:
         target = detect_target(args.old if args.old is not None else installed_vllm())
         old_bases = base_from_target(target, pin, series)
     new = resolve_new_base(args.to, pin.module, args.cache)
-    workdir = args.workdir / new.version
+    workdir = args.workdir if args.workdir.is_absolute() else root / args.workdir
+    workdir = workdir / new.version
     report, plan = rebase_plan(
         pin, series, old_bases, new, workdir, git_commit=args.git_commit
     )
