@@ -12,7 +12,13 @@ set -eu
 PYTHON="${PYTHON:-python3}"
 OVERLAY_REPO="${OVERLAY_REPO:-$(cd "$(dirname "$0")/.." && pwd)}"
 if [ -z "${TARGET:-}" ]; then
-    TARGET="$("$PYTHON" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("vllm").origin))')"
+    TARGET="$("$PYTHON" -c '
+import importlib.util, os, sys
+spec = importlib.util.find_spec("vllm")
+if spec is None or spec.origin is None:
+    sys.exit(f"apply-overlay: no vllm package in {sys.executable}; set TARGET")
+print(os.path.dirname(spec.origin))
+')"
 fi
 
 overlay() {

@@ -27,7 +27,8 @@ def run_script(
     env_extra: dict[str, str], repo: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("TARGET", "OVERLAY_REPO")}
-    env.update(PYTHON=sys.executable, OVERLAY_REPO=str(repo), **env_extra)
+    env.update(PYTHON=sys.executable, OVERLAY_REPO=str(repo))
+    env.update(env_extra)
     return subprocess.run(
         ["sh", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300
     )
@@ -150,3 +151,12 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
     bad.write_text("FROM ubuntu\nRUN apt-get install curl\n")
     result = subprocess.run([hadolint(), str(bad)], capture_output=True, text=True)
     assert result.returncode != 0
+
+
+def test_script_says_so_when_python_has_no_vllm(tmp_path: Path) -> None:
+    bare = tmp_path / "python-without-site"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    result = run_script({"PYTHON": str(bare)})
+    assert result.returncode != 0
+    assert f"no vllm package in {sys.executable}; set TARGET" in result.stderr
