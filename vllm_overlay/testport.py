@@ -337,6 +337,9 @@ def port_test(test_file: Path) -> str:
             if k in used and k not in imports.runtime
         }
     )
+    if type_only:
+        flag = imports.runtime.get("TYPE_CHECKING", "from typing import TYPE_CHECKING")
+        runtime = sorted({*runtime, flag})
     out = [SPDX_HEADER]
     first = test.tree.body[0] if test.tree.body else None
     if first is not None and _is_docstring(first):
@@ -346,8 +349,6 @@ def port_test(test_file: Path) -> str:
         out.append("from __future__ import annotations\n\n")
     out.extend(line + "\n" for line in runtime)
     if type_only:
-        if "TYPE_CHECKING" not in imports.runtime:
-            out.append("from typing import TYPE_CHECKING\n")
         out.append("\nif TYPE_CHECKING:\n")
         out.extend(f"    {line}\n" for line in type_only)
     out.append("\n\n")

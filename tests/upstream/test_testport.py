@@ -1,0 +1,145 @@
+"""Porting a patch's tests to one self-contained vLLM test file."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from vllm_overlay.series import load_series
+from vllm_overlay.testport import SPDX_HEADER, PortError, port_test, upstream_test_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+CONFTEST = '''"""Builders."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from helpers import shared_helper
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+BLOCK = 16
+
+
+def build(xs: Sequence[int]) -> list[int]:
+    return [shared_helper(x) for x in xs]
+'''
+
+HELPERS = '''"""Helpers, also a script."""
+
+import sys
+
+
+def shared_helper(x: int) -> int:
+    return x * BLOCK_FACTOR
+
+
+BLOCK_FACTOR = 2
+
+
+def main() -> None:
+    print(sys.argv)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+TEST = '''"""Patch 0042: the thing works."""
+
+import pytest
+from conftest import build as make
+from tests.patches.helpers import shared_helper
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_thing(n: int) -> None:
+    assert make([n]) == [shared_helper(n)]
+'''
+
+
+def _layout(tmp_path: Path, **files: str) -> Path:
+    d = tmp_path / "tests" / "patches"
+    d.mkdir(parents=True)
+    for name, text in files.items():
+        (d / f"{name}.py").write_text(text)
+    return d
+
+
+def test_port_inlines_across_local_modules(tmp_path: Path) -> None:
+    d = _layout(tmp_path, conftest=CONFTEST, helpers=HELPERS, test_0042_thing=TEST)
+    out = port_test(d / "test_0042_thing.py")
+    assert out.startswith(SPDX_HEADER + '"""The thing works."""\n')
+    tree = ast.parse(out)
+    defined = {
+        n.name if isinstance(n, ast.FunctionDef) else ast.unparse(n.targets[0])
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef | ast.Assign)
+    }
+    assert defined == {"build", "shared_helper", "BLOCK_FACTOR", "make", "test_thing"}
+    assert "BLOCK = 16" not in out and "def main" not in out
+    assert "make = build" in out
+    assert "if TYPE_CHECKING:\n    from collections.abc import Sequence" in out
+    assert "conftest" not in out and "helpers" not in out and "tests." not in out
+    # It runs: the inlined definitions resolve at call time.
+    namespace: dict[str, object] = {}
+    exec(compile(out, "ported.py", "exec"), namespace)
+    namespace["test_thing"](3)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("test", "message"),
+    [
+        (
+            "import helpers\n\n\ndef test_x():\n    helpers.shared_helper(1)\n",
+            "uses a local",
+        ),
+        (
+            "from vllm_overlay.pin import Pin\n\n\ndef test_x():\n    Pin\n",
+            "'vllm_overlay', which is not in vLLM's tree",
+        ),
+        (
+            "from tests.overlay.workspace import REPO\n\n\ndef test_x():\n    REPO\n",
+            "'tests', which is not in vLLM's tree",
+        ),
+    ],
+)
+def test_unportable_tests_are_refused(tmp_path: Path, test: str, message: str) -> None:
+    d = _layout(tmp_path, conftest=CONFTEST, helpers=HELPERS, test_0042_x=test)
+    with pytest.raises(PortError, match=message):
+        port_test(d / "test_0042_x.py")
+
+
+def test_a_name_defined_by_two_local_modules_is_refused(tmp_path: Path) -> None:
+    clash = HELPERS + "\n\ndef build(xs):\n    return xs\n"
+    d = _layout(tmp_path, conftest=CONFTEST, helpers=clash, test_0042_thing=TEST)
+    with pytest.raises(PortError, match="'build' is defined by both"):
+        port_test(d / "test_0042_thing.py")
+
+
+def test_upstream_names() -> None:
+    assert upstream_test_path(
+        Path("tests/patches/test_0001_hybrid_multi_group.py")
+    ) == ("tests/v1/kv_connector/unit/test_moriio_hybrid_multi_group.py")
+    assert upstream_test_path(Path("tests/patches/test_moriio_x.py")) == (
+        "tests/v1/kv_connector/unit/test_moriio_x.py"
+    )
+
+
+def test_every_series_test_file_ports() -> None:
+    """The real series' test files port (what `export` will need)."""
+    series = load_series(REPO)
+    files = sorted(
+        {t.split("::", 1)[0] for p in series.patches for t in p.header.tests}
+    )
+    assert files or not series.patches
+    for rel in files:
+        out = port_test(REPO / rel)
+        assert out.startswith(SPDX_HEADER)
+        ast.parse(out)
+        assert "conftest" not in out.split('"""', 2)[-1]
