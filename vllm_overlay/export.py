@@ -174,6 +174,14 @@ def _revert_red_rows(
         for r in report.rows
         if r.test_id.split("::", 1)[0] in files and r.test_id not in seen
     ]
+    foreign = sorted({f"{r.test_id} ({r.patch})" for r in others if r.patch})
+    if foreign:
+        raise _fail(
+            patch,
+            log,
+            "its test file also holds tests another patch names, which would "
+            "fail upstream without that patch: " + ", ".join(foreign[:3]),
+        )
     return named, others
 
 

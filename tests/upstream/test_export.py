@@ -95,10 +95,20 @@ def test_offsets_count(n: int) -> None:
     assert len(make_offsets(n)) == n
 '''
 
+TESTS_0002 = '''"""Port offsets stay stable."""
+
+from conftest import make_offsets
+
+
+def test_offsets_stable() -> None:
+    assert make_offsets(2) == make_offsets(2)
+'''
+
 TEST_IDS = [
     "tests/patches/test_0001_ports.py::test_offsets_distinct",
     "tests/patches/test_0001_ports.py::test_offsets_count",
 ]
+TEST_0002 = "tests/patches/test_0002_stable.py::test_offsets_stable"
 
 
 def _series(base: dict[str, str], *, line: str = "    # Ranks never share a port.\n"):
@@ -121,7 +131,7 @@ def _series(base: dict[str, str], *, line: str = "    # Ranks never share a port
         "0002-stable-offsets.patch": patch_text(
             "stable port offsets",
             [diff(COMMON, common1, common2)],
-            tests=TEST_IDS[1],
+            tests=TEST_0002,
         ),
     }
 
@@ -131,18 +141,22 @@ def _write_tests(root: Path) -> None:
     d.mkdir(parents=True)
     (d / "conftest.py").write_text(CONFTEST)
     (d / "test_0001_ports.py").write_text(TESTS)
+    (d / "test_0002_stable.py").write_text(TESTS_0002)
 
 
-def _report(root: Path, *, base: str = "failed", series_id: str | None = None) -> None:
+def _report(
+    root: Path,
+    *,
+    base: str = "failed",
+    series_id: str | None = None,
+    count_owner: str = "0001-port-offsets.patch",
+) -> None:
     series = load_series(root)
     rows = [
         RevertRedRow(f"{TEST_IDS[0]}", "0001-port-offsets.patch", base, "passed"),
-        RevertRedRow(
-            f"{TEST_IDS[1]}[1]", "0002-stable-offsets.patch", "failed", "passed"
-        ),
-        RevertRedRow(
-            f"{TEST_IDS[1]}[2]", "0002-stable-offsets.patch", "error", "passed"
-        ),
+        RevertRedRow(f"{TEST_IDS[1]}[1]", count_owner, "failed", "passed"),
+        RevertRedRow(f"{TEST_IDS[1]}[2]", count_owner, "error", "passed"),
+        RevertRedRow(TEST_0002, "0002-stable-offsets.patch", "failed", "passed"),
         RevertRedRow("tests/patches/test_other.py::test_x", "", "passed", "passed"),
     ]
     report = RevertRedReport(
@@ -276,7 +290,6 @@ def test_bundle_for_a_standalone_patch(
     assert "\n\nThe test needs one.\n\n## Changes\n\nOne line.\n" in body
     assert f"pytest -v {upstream_test}" in body
     assert "| `test_offsets_distinct` | failed | passed |" in body
-    # The other test of the file (named by 0002) is listed as run, too.
     assert "| `test_offsets_count[1]` | failed | passed |" in body
     assert "test_other" not in body
     assert "ruff 0.14.0" in body and "both pass" in body
@@ -324,6 +337,20 @@ def test_named_test_passing_on_the_base_stops_the_export(
     _report(repo, base="passed")
     with pytest.raises(ExportError, match="test_offsets_distinct: passed on the base"):
         _export(repo, tmp_path, base_texts)
+    assert not (repo / "dist").exists()
+
+
+def test_test_file_shared_with_another_patch_stops_the_export(
+    repo: Path, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    # 0002 names a test that lives in 0001's test file.
+    p1 = repo / "patches" / "0001-port-offsets.patch"
+    p1.write_text(p1.read_text().replace(" ".join(TEST_IDS), TEST_IDS[0]))
+    p2 = repo / "patches" / "0002-stable-offsets.patch"
+    p2.write_text(p2.read_text().replace(TEST_0002, f"{TEST_0002} {TEST_IDS[1]}"))
+    _report(repo, count_owner="0002-stable-offsets.patch")
+    with pytest.raises(ExportError, match="also holds tests another patch names"):
+        _export(repo, tmp_path, base_texts, "0001-port-offsets.patch")
     assert not (repo / "dist").exists()
 
 
