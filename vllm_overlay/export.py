@@ -459,6 +459,11 @@ def load_context(
             f"{unit_base_report_path(root)} is for series {report.series_id}, not "
             f"the current {series.series_id}; run `nox -s unit-base` first"
         )
+    if report.vllm_version != pin.vllm.version:
+        raise ExportError(
+            f"{unit_base_report_path(root)} was run on vLLM {report.vllm_version}, "
+            f"the pin is {pin.vllm.version}; run `nox -s unit-base` first"
+        )
     if wheel is not None:
         bases, what = base_from_wheel(wheel, pin), f"wheel {wheel.name}"
     else:
