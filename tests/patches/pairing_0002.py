@@ -1,0 +1,435 @@
+"""Exchange prompts between a real MoRIIO READ producer and consumer scheduler
+side and judge the block pairing by position (patch 0002).
+
+A position-indexed block table holds positions ``[k*S, (k+1)*S)`` in block
+``k`` (``S``: the group's spec block size, times the DCP size when the group
+is DCP-sharded). A pair (decoder block, prefiller block) is correct only when
+both hold the same positions. The decoder recomputes the last prompt token
+(position ``N-1``) and needs from the prefiller every position below it (full
+attention) or every position of its window below it, ``[N-W, N-1)``.
+
+Run as a script, this module sweeps prompt lengths against the MoRIIO package
+in ``--moriio-dir`` (e.g. the pinned base, while the installed vLLM carries
+the overlay) and prints the wrong prompt lengths per case as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (
+        MoRIIOConnector,
+    )
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# Block ids encode (leg, group, block index); 0 is vLLM's null block.
+_PREFILL_BASE = 1_000_000
+_DECODE_BASE = 2_000_000
+_GROUP_STRIDE = 100_000
+
+BlockLists = list[tuple[list[int], list[int]]]
+"""Per transfer group: the decoder's and the prefiller's block lists, which
+the workers pair element-wise."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Full attention, optionally with one sliding-window group.
+
+    ``dcp`` shards the full-attention group's positions; vLLM accepts a
+    sliding-window group under DCP only when it is replicated.
+    """
+
+    block_size: int
+    window: int | None
+    dcp: int = 1
+
+    @property
+    def spans(self) -> tuple[int, ...]:
+        """Tokens one block holds, per transfer group."""
+        full = self.block_size * self.dcp
+        return (full,) if self.window is None else (full, self.block_size)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return (None,) if self.window is None else (None, self.window)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A layout plus the lookahead slots each leg allocates past the prompt."""
+
+    name: str
+    layout: Layout
+    prefill_tail: int
+    decode_tail: int
+
+
+class CaseSpec(msgspec.Struct, frozen=True):
+    name: str
+    block_size: int
+    window: int | None
+    dcp: int
+    prefill_tail: int
+    decode_tail: int
+
+
+class SweepRequest(msgspec.Struct, frozen=True):
+    """What the script sweeps: every prompt length 1..max_prompt_tokens."""
+
+    cases: list[CaseSpec]
+    max_prompt_tokens: int
+
+
+class SweepResult(msgspec.Struct, frozen=True):
+    """Wrong prompt lengths per case name (what the script prints)."""
+
+    wrong: dict[str, list[int]]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def prefill_id(group: int, index: int) -> int:
+    return _PREFILL_BASE + group * _GROUP_STRIDE + index
+
+
+def decode_id(group: int, index: int) -> int:
+    return _DECODE_BASE + group * _GROUP_STRIDE + index
+
+
+def allocation(
+    layout: Layout, num_tokens: int, make_id: Callable[[int, int], int]
+) -> list[list[int]]:
+    """Position-indexed block ids for ``num_tokens`` slots, per group."""
+    return [
+        [make_id(g, k) for k in range(cdiv(num_tokens, span))]
+        for g, span in enumerate(layout.spans)
+    ]
+
+
+def needed_blocks(num_prompt_tokens: int, span: int, window: int | None) -> range:
+    """Block indices holding positions the last prompt token reads from P."""
+    if num_prompt_tokens < 2:
+        return range(0)
+    last = num_prompt_tokens - 2
+    first = 0 if window is None else max(0, num_prompt_tokens - window)
+    return range(first // span, last // span + 1)
+
+
+def pairing_errors(
+    layout: Layout, num_prompt_tokens: int, lists: Sequence[tuple[list[int], list[int]]]
+) -> list[str]:
+    """Why a pairing is wrong; empty when every pair is positional and every
+    needed decoder block is paired."""
+    if len(lists) != len(layout.spans):
+        return [f"{len(lists)} groups paired, layout has {len(layout.spans)}"]
+    errors: list[str] = []
+    for g, (span, window) in enumerate(zip(layout.spans, layout.windows, strict=True)):
+        local_ids, remote_ids = lists[g]
+        if local_ids and len(local_ids) != len(remote_ids):
+            errors.append(
+                f"group {g}: {len(local_ids)} decoder blocks, "
+                f"{len(remote_ids)} prefiller blocks"
+            )
+        n = min(len(local_ids), len(remote_ids))
+        # Block index within this group's table (out of range: another group).
+        local = [b - decode_id(g, 0) for b in local_ids[:n]]
+        remote = [b - prefill_id(g, 0) for b in remote_ids[:n]]
+        in_group = not local or 0 <= min(local) <= max(local) < _GROUP_STRIDE
+        if local != remote or not in_group:
+            errors.extend(
+                f"group {g}: decoder block id {lb} <- prefiller block id {rb}"
+                for lb, rb, lk, rk in zip(
+                    local_ids[:n], remote_ids[:n], local, remote, strict=True
+                )
+                if lk != rk or not 0 <= lk < _GROUP_STRIDE
+            )
+        needed = needed_blocks(num_prompt_tokens, span, window)
+        if needed and not (
+            local
+            and local[0] <= needed.start
+            and needed.stop - 1 <= local[-1]
+            and local == list(range(local[0], local[0] + len(local)))
+        ):
+            missing = sorted(set(needed) - set(local))
+            if missing:
+                errors.append(f"group {g}: needed decoder blocks {missing} not read")
+    return errors
+
+
+def predicted_wrong_on_base(
+    layout: Layout,
+    num_prompt_tokens: int,
+    prefill_lens: Sequence[int],
+    decode_lens: Sequence[int],
+) -> bool:
+    """The base's mispairing, from the table lengths each leg hands over.
+
+    Each leg clips its own table: a sliding-window group to its last
+    ``cdiv(W, S) + 1`` blocks, a full-attention group not at all. The consumer
+    then pairs the lists from their ends: a longer consumer list keeps its
+    head, a longer producer list gives its suffix. So the pairs shift when the
+    decoder's table is the longer one and longer than the clip (both clipped
+    lists end one block apart), or whenever the prefiller's is the longer one
+    (its suffix starts one block later than the decoder's list). With equal
+    tables the pairs hold, but a clip counted from a table end past the
+    prompt's blocks can start after the window's first block.
+    """
+    if num_prompt_tokens < 2:
+        return False
+    for span, window, p_len, d_len in zip(
+        layout.spans, layout.windows, prefill_lens, decode_lens, strict=True
+    ):
+        clip = d_len if window is None else cdiv(window, span) + 1
+        if p_len > d_len or (d_len > p_len and d_len > clip):
+            return True
+        first_needed = needed_blocks(num_prompt_tokens, span, window).start
+        if p_len == d_len and d_len - clip > first_needed:
+            return True
+    return False
+
+
+def predicted(case: Case, prompt_lengths: Iterable[int]) -> list[int]:
+    spans = case.layout.spans
+    return [
+        n
+        for n in prompt_lengths
+        if predicted_wrong_on_base(
+            case.layout,
+            n,
+            [cdiv(n + case.prefill_tail, s) for s in spans],
+            [cdiv(n + case.decode_tail, s) for s in spans],
+        )
+    ]
+
+
+_SAMPLING: list[Any] = []
+
+
+def make_request(
+    request_id: str, num_prompt_tokens: int, params: dict[str, Any]
+) -> Request:
+    """A real ``Request`` carrying ``params`` as its kv_transfer_params, the
+    way ``Request`` reads them from ``SamplingParams.extra_args``. Sweeps build
+    tens of thousands, so the (unchanging) sampling params are shared."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    if not _SAMPLING:
+        _SAMPLING.append(SamplingParams(max_tokens=1, ignore_eos=True))
+    request = Request(request_id, [1] * num_prompt_tokens, _SAMPLING[0], None)
+    request.kv_transfer_params = params
+    return request
+
+
+@dataclass
+class LegPair:
+    """A real producer and consumer scheduler side for one layout."""
+
+    layout: Layout
+    producer: MoRIIOConnector
+    consumer: MoRIIOConnector
+    kv_cache_config: KVCacheConfig
+    decode_blocks: list[list[KVCacheBlock]]
+    counter: itertools.count[int] = field(default_factory=itertools.count)
+
+    def prefill(
+        self, num_prompt_tokens: int, table: Sequence[Sequence[int]]
+    ) -> dict[str, Any]:
+        """P's ``request_finished_all_groups``: the params D receives."""
+        from vllm.v1.request import RequestStatus
+
+        i = next(self.counter)
+        request = make_request(
+            f"p-{i}",
+            num_prompt_tokens,
+            {"do_remote_decode": True, "transfer_id": f"t-{i}"},
+        )
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = self.producer.request_finished_all_groups(
+            request, tuple(list(group) for group in table)
+        )
+        assert params is not None and "remote_block_ids" in params
+        return params
+
+    def decode(
+        self, num_prompt_tokens: int, params: dict[str, Any], decode_tail: int
+    ) -> str:
+        """D's admission with ``decode_tail`` lookahead slots; the request id."""
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+        request = make_request(f"d-{next(self.counter)}", num_prompt_tokens, params)
+        num_external, _ = self.consumer.get_num_new_matched_tokens(request, 0)
+        blocks = KVCacheBlocks(
+            tuple(
+                group[: cdiv(num_prompt_tokens + decode_tail, span)]
+                for group, span in zip(
+                    self.decode_blocks, self.layout.spans, strict=True
+                )
+            )
+        )
+        self.consumer.update_state_after_alloc(request, blocks, num_external)
+        return request.request_id
+
+    def reads(self) -> dict[str, BlockLists]:
+        """D's ``build_connector_meta``: per request, the block lists READ."""
+        from vllm.v1.core.sched.output import SchedulerOutput
+
+        meta = self.consumer.build_connector_meta(SchedulerOutput.make_empty())
+        return {
+            req_id: [
+                (list(local), list(remote))
+                for local, remote in zip(
+                    req.local_block_ids, req.remote_block_ids, strict=True
+                )
+            ]
+            for req_id, req in meta.reqs_to_recv.items()  # type: ignore[attr-defined]
+        }
+
+    def exchange(
+        self,
+        num_prompt_tokens: int,
+        prefill_table: Sequence[Sequence[int]],
+        decode_tail: int,
+    ) -> BlockLists:
+        params = self.prefill(num_prompt_tokens, prefill_table)
+        req_id = self.decode(num_prompt_tokens, dict(params), decode_tail)
+        return self.reads()[req_id]
+
+
+def build_leg_pair(model_dir: Path, layout: Layout, max_tokens: int) -> LegPair:
+    """Producer and consumer for ``layout``; D's blocks cover ``max_tokens``."""
+    from conftest import (
+        full_attention_spec,
+        make_kv_cache_config,
+        make_scheduler_connector,
+        make_vllm_config,
+        moriio_kv_transfer_config,
+        sliding_window_spec,
+    )
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    groups: list[tuple[list[str], Any]] = [
+        (["model.layers.0.self_attn.attn"], full_attention_spec(layout.block_size))
+    ]
+    if layout.window is not None:
+        sw = sliding_window_spec(
+            layout.block_size, layout.window, dcp_sharded=layout.dcp == 1
+        )
+        groups.append((["model.layers.1.self_attn.attn"], sw))
+    kv_cache_config = make_kv_cache_config(groups)
+    legs = []
+    for role in ("kv_producer", "kv_consumer"):
+        vllm_config = make_vllm_config(
+            model_dir, moriio_kv_transfer_config(role), block_size=layout.block_size
+        )
+        # The scheduler side reads only the size; a real DCP config needs as
+        # many TP workers.
+        vllm_config.parallel_config.decode_context_parallel_size = layout.dcp
+        legs.append(make_scheduler_connector(vllm_config, kv_cache_config))
+    decode_blocks = [
+        [KVCacheBlock(block_id=decode_id(g, k)) for k in range(cdiv(max_tokens, span))]
+        for g, span in enumerate(layout.spans)
+    ]
+    return LegPair(layout, legs[0], legs[1], kv_cache_config, decode_blocks)
+
+
+def sweep(
+    pair: LegPair, cases: Sequence[Case], prompt_lengths: Iterable[int]
+) -> dict[str, list[int]]:
+    """Wrong prompt lengths per case, both legs' tables shaped as the KV cache
+    manager allocates them (prompt plus lookahead slots). Cases sharing a
+    prefiller tail share its ``request_finished``."""
+    assert all(c.layout == pair.layout for c in cases)
+    wrong: dict[str, list[int]] = {c.name: [] for c in cases}
+    by_tail: dict[int, list[Case]] = {}
+    for c in cases:
+        by_tail.setdefault(c.prefill_tail, []).append(c)
+    pending: list[tuple[Case, int, str]] = []
+
+    def judge() -> None:
+        reads = pair.reads()
+        for case, n, req_id in pending:
+            if pairing_errors(pair.layout, n, reads[req_id]):
+                wrong[case.name].append(n)
+        pending.clear()
+
+    for n in prompt_lengths:
+        for p_tail, tail_cases in by_tail.items():
+            table = allocation(pair.layout, n + p_tail, prefill_id)
+            params = pair.prefill(n, table)
+            for case in tail_cases:
+                pending.append(
+                    (case, n, pair.decode(n, dict(params), case.decode_tail))
+                )
+        if len(pending) >= 512:
+            judge()
+    judge()
+    return {name: sorted(ns) for name, ns in wrong.items()}
+
+
+def sweep_cases(
+    model_dir: Path, cases: Sequence[Case], max_prompt_tokens: int
+) -> dict[str, list[int]]:
+    """Every prompt length 1..max_prompt_tokens, one scheduler pair per layout."""
+    wrong: dict[str, list[int]] = {}
+    layouts = list(dict.fromkeys(c.layout for c in cases))
+    max_tail = max((max(c.prefill_tail, c.decode_tail) for c in cases), default=0)
+    for layout in layouts:
+        pair = build_leg_pair(model_dir, layout, max_prompt_tokens + max_tail)
+        layout_cases = [c for c in cases if c.layout == layout]
+        wrong.update(sweep(pair, layout_cases, range(1, max_prompt_tokens + 1)))
+    return wrong
+
+
+def encode_request(cases: Sequence[Case], max_prompt_tokens: int) -> str:
+    specs = [
+        CaseSpec(
+            c.name,
+            c.layout.block_size,
+            c.layout.window,
+            c.layout.dcp,
+            c.prefill_tail,
+            c.decode_tail,
+        )
+        for c in cases
+    ]
+    return msgspec.json.encode(SweepRequest(specs, max_prompt_tokens)).decode()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--moriio-dir", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("request", help="a SweepRequest as JSON")
+    args = parser.parse_args(argv)
+    from vllm_overlay.variant import use_moriio_dir
+
+    use_moriio_dir(args.moriio_dir)
+    spec = msgspec.json.decode(args.request, type=SweepRequest)
+    cases = [
+        Case(
+            c.name, Layout(c.block_size, c.window, c.dcp), c.prefill_tail, c.decode_tail
+        )
+        for c in spec.cases
+    ]
+    wrong = sweep_cases(args.model_dir, cases, spec.max_prompt_tokens)
+    sys.stdout.write(msgspec.json.encode(SweepResult(wrong)).decode() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

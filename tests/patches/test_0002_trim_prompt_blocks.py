@@ -1,0 +1,219 @@
+"""Patch 0002: trim every transfer group to the prompt's blocks before the
+sliding-window clip, at both exchange points.
+
+Each leg's table is shaped as vLLM's KV cache manager allocates it: the
+prompt's blocks plus the blocks of the lookahead slots that leg reserves.
+P's ``request_finished_all_groups`` builds ``remote_block_ids``; D's
+``update_state_after_alloc`` pairs them with its own table; D's
+``build_connector_meta`` hands the pairs to the workers. Every pair must hold
+the same positions on both legs, and every decoder block holding a position
+the last prompt token needs must be read (see ``pairing_0002``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+from pairing_0002 import (
+    Case,
+    Layout,
+    LegPair,
+    SweepResult,
+    allocation,
+    build_leg_pair,
+    cdiv,
+    encode_request,
+    pairing_errors,
+    predicted,
+    prefill_id,
+    sweep,
+)
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_PROMPT_TOKENS = 4096
+# Prompt lengths upstream saw answered wrongly on DeepSeek-V4-Pro (block 64,
+# window 128, 9 decode lookahead slots).
+UPSTREAM_WRONG_LENGTHS = (251, 377, 384, 440, 447, 636, 832, 895)
+
+DSV4 = Layout(block_size=64, window=128)
+SMALL = Layout(block_size=16, window=32)
+
+SWEEPS: dict[str, tuple[Case, ...]] = {
+    "b64-w128": (
+        Case("b64-w128-d9", DSV4, 0, 9),
+        Case("b64-w128-p9d9", DSV4, 9, 9),
+    ),
+    "b16-w32-d1to8": tuple(Case(f"b16-w32-d{k}", SMALL, 0, k) for k in range(1, 9)),
+    **{
+        f"dcp{dcp}-b64-w128": (
+            Case(f"dcp{dcp}-b64-w128-d9", Layout(64, 128, dcp), 0, 9),
+            Case(f"dcp{dcp}-b64-w128-p9", Layout(64, 128, dcp), 9, 0),
+        )
+        for dcp in (2, 4)
+    },
+}
+ALL_SWEEP_CASES = tuple(c for cases in SWEEPS.values() for c in cases)
+
+
+@pytest.fixture(scope="module")
+def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
+    """One real producer/consumer pair per layout, reused across tests."""
+    pairs: dict[Layout, LegPair] = {}
+
+    def get(layout: Layout) -> LegPair:
+        if layout not in pairs:
+            pairs[layout] = build_leg_pair(
+                llama_model_dir, layout, MAX_PROMPT_TOKENS + 64
+            )
+        return pairs[layout]
+
+    return get
+
+
+def assert_paired(pair: LegPair, n: int, prefill_tail: int, decode_tail: int) -> None:
+    table = allocation(pair.layout, n + prefill_tail, prefill_id)
+    lists = pair.exchange(n, table, decode_tail)
+    errors = pairing_errors(pair.layout, n, lists)
+    assert not errors, f"N={n}: " + "; ".join(errors)
+
+
+# Prompt lengths that end a block's last 8 slots, past the 3-block window clip.
+_TAIL_LENGTHS = (57, 109, 256, 1001)
+
+
+@pytest.mark.parametrize(
+    ("prefill_tail", "decode_tail"),
+    [(0, 0), (0, 8), (8, 0), (8, 8)],
+    ids=["neither", "only_decoder", "only_prefiller", "both"],
+)
+def test_tail_combinations_pair_by_position(
+    leg_pairs: Callable[[Layout], LegPair], prefill_tail: int, decode_tail: int
+) -> None:
+    pair = leg_pairs(SMALL)
+    for n in _TAIL_LENGTHS:
+        # Each tail really adds a block past the prompt's blocks.
+        assert cdiv(n + 8, SMALL.block_size) == cdiv(n, SMALL.block_size) + 1
+        assert_paired(pair, n, prefill_tail, decode_tail)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sweep_name", list(SWEEPS))
+def test_sweep_reads_every_needed_block(
+    leg_pairs: Callable[[Layout], LegPair], sweep_name: str
+) -> None:
+    cases = SWEEPS[sweep_name]
+    wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, MAX_PROMPT_TOKENS + 1))
+    summary = {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
+    assert not summary, f"wrong prompt lengths (count, first): {summary}"
+
+
+def _materialize_base(out: Path) -> Path:
+    """The pinned base MoRIIO files, recovered from the installed vLLM."""
+    from vllm_overlay.materialize import base_from_target, materialize
+    from vllm_overlay.pin import PIN_FILE, load_pin
+    from vllm_overlay.series import load_series
+    from vllm_overlay.target import detect_target, installed_vllm
+
+    pin = load_pin(REPO / PIN_FILE)
+    series = load_series(REPO)
+    bases = base_from_target(detect_target(installed_vllm()), pin, series)
+    written = materialize(bases, series, out, overlay=False)
+    [connector] = [p for p in written if p.name == "moriio_connector.py"]
+    return connector.parent
+
+
+def sweep_base(
+    cases: Sequence[Case], model_dir: Path, work: Path
+) -> dict[str, list[int]]:
+    """Sweep ``cases`` against the pinned base in a separate interpreter."""
+    moriio_dir = _materialize_base(work / "base")
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).parent), str(REPO), env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "pairing_0002.py"),
+            "--moriio-dir",
+            str(moriio_dir),
+            "--model-dir",
+            str(model_dir),
+            encode_request(cases, MAX_PROMPT_TOKENS),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    last_line = proc.stdout.strip().splitlines()[-1]
+    return msgspec.json.decode(last_line, type=SweepResult).wrong
+
+
+@pytest.mark.slow
+def test_base_wrong_lengths_match_the_mechanism(
+    llama_model_dir: Path, tmp_path: Path
+) -> None:
+    """The base's wrong prompt lengths are exactly those where one leg's table
+    ends one block past the other's in a way the base's clip-then-align turns
+    into a shift (``predicted_wrong_on_base``): our model of the bug holds."""
+    wrong = sweep_base(ALL_SWEEP_CASES, llama_model_dir, tmp_path)
+    lengths = range(1, MAX_PROMPT_TOKENS + 1)
+    for case in ALL_SWEEP_CASES:
+        expected = predicted(case, lengths)
+        assert expected, f"{case.name}: the sweep would not discriminate"
+        observed = wrong[case.name]
+        assert observed == expected, (
+            f"{case.name}: only observed {sorted(set(observed) - set(expected))[:8]}, "
+            f"only predicted {sorted(set(expected) - set(observed))[:8]}"
+        )
+    assert set(UPSTREAM_WRONG_LENGTHS) <= set(wrong["b64-w128-d9"])
+
+
+def scheduler_handoff(
+    pair: LegPair, table: Sequence[Sequence[int]], num_computed_tokens: int
+) -> list[list[int]]:
+    """P's table as vLLM's scheduler hands it to ``request_finished``: its own
+    clip to the computed tokens (``KVCacheManager.get_block_ids_for_computed_
+    tokens``), which divides by the spec block size without the DCP factor."""
+    manager = SimpleNamespace(
+        get_block_ids=lambda request_id: tuple(list(g) for g in table),
+        kv_cache_config=pair.kv_cache_config,
+    )
+    return [
+        list(g)
+        for g in KVCacheManager.get_block_ids_for_computed_tokens(
+            manager,  # type: ignore[arg-type]
+            request_id="p",
+            num_computed_tokens=num_computed_tokens,
+        )
+    ]
+
+
+@pytest.mark.parametrize("dcp", [1, 2], ids=["dcp1", "dcp2"])
+@pytest.mark.parametrize("handoff", ["allocation", "scheduler"])
+def test_full_attention_prefiller_tail(
+    leg_pairs: Callable[[Layout], LegPair], handoff: str, dcp: int
+) -> None:
+    """Only the prefiller holds lookahead slots (8 past the prompt)."""
+    layout = Layout(block_size=16, window=None, dcp=dcp)
+    pair = leg_pairs(layout)
+    span = layout.spans[0]
+    wrong: list[str] = []
+    for n in range(1, 4 * span + 1):
+        table = allocation(layout, n + 8, prefill_id)
+        if handoff == "scheduler":
+            table = scheduler_handoff(pair, table, n)
+        errors = pairing_errors(layout, n, pair.exchange(n, table, 0))
+        if errors:
+            wrong.append(f"N={n}: {errors[0]}")
+    assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"
