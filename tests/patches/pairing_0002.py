@@ -45,7 +45,8 @@ the workers pair element-wise."""
 
 @dataclass(frozen=True)
 class Layout:
-    """Full attention, optionally with one sliding-window group.
+    """Full attention, optionally with one sliding-window group, optionally
+    followed by one KDA-like Mamba group (hybrid READ).
 
     ``dcp`` shards the full-attention group's positions; vLLM accepts a
     sliding-window group under DCP only when it is replicated.
@@ -54,6 +55,14 @@ class Layout:
     block_size: int
     window: int | None
     dcp: int = 1
+    mamba: bool = False
+
+    def num_prefilled(self, num_prompt_tokens: int) -> int:
+        """Prompt tokens the prefiller computes: a hybrid prefiller drops the
+        last one (``on_new_request``)."""
+        if self.mamba and num_prompt_tokens > 1:
+            return num_prompt_tokens - 1
+        return num_prompt_tokens
 
     @property
     def spans(self) -> tuple[int, ...]:
@@ -113,11 +122,16 @@ def decode_id(group: int, index: int) -> int:
 def allocation(
     layout: Layout, num_tokens: int, make_id: Callable[[int, int], int]
 ) -> list[list[int]]:
-    """Position-indexed block ids for ``num_tokens`` slots, per group."""
-    return [
+    """Position-indexed block ids for ``num_tokens`` slots, per group; a
+    Mamba group's table holds its running-state slot last."""
+    tables = [
         [make_id(g, k) for k in range(cdiv(num_tokens, span))]
         for g, span in enumerate(layout.spans)
     ]
+    if layout.mamba:
+        pages = cdiv(num_tokens, layout.block_size)
+        tables.append([0] * (pages - 1) + [make_id(len(tables), pages - 1)])
+    return tables
 
 
 def needed_blocks(num_prompt_tokens: int, span: int, window: int | None) -> range:
@@ -134,9 +148,17 @@ def pairing_errors(
 ) -> list[str]:
     """Why a pairing is wrong; empty when every pair is positional and every
     needed decoder block is paired."""
-    if len(lists) != len(layout.spans):
-        return [f"{len(lists)} groups paired, layout has {len(layout.spans)}"]
+    num_groups = len(layout.spans) + layout.mamba
+    if len(lists) != num_groups:
+        return [f"{len(lists)} groups paired, layout has {num_groups}"]
     errors: list[str] = []
+    if layout.mamba:
+        m = len(layout.spans)
+        local_ids, remote_ids = lists[m]
+        d_slot = [(b - decode_id(m, 0)) // _GROUP_STRIDE for b in local_ids]
+        p_slot = [(b - prefill_id(m, 0)) // _GROUP_STRIDE for b in remote_ids]
+        if (d_slot, p_slot) != ([0], [0]):
+            errors.append(f"Mamba: {local_ids} <- {remote_ids}, not one state slot")
     for g, (span, window) in enumerate(zip(layout.spans, layout.windows, strict=True)):
         local_ids, remote_ids = lists[g]
         if local_ids and len(local_ids) != len(remote_ids):
@@ -258,6 +280,7 @@ class LegPair:
             num_prompt_tokens,
             {"do_remote_decode": True, "transfer_id": f"t-{i}"},
         )
+        self.producer.on_new_request(request)
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         _, params = self.producer.request_finished_all_groups(
             request, tuple(list(group) for group in table)
@@ -270,17 +293,23 @@ class LegPair:
     ) -> str:
         """D's admission with ``decode_tail`` lookahead slots; the request id."""
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
         request = make_request(f"d-{next(self.counter)}", num_prompt_tokens, params)
         num_external, _ = self.consumer.get_num_new_matched_tokens(request, 0)
-        blocks = KVCacheBlocks(
-            tuple(
-                group[: cdiv(num_prompt_tokens + decode_tail, span)]
-                for group, span in zip(
-                    self.decode_blocks, self.layout.spans, strict=True
-                )
+        num_tokens = num_prompt_tokens + decode_tail
+        groups = [
+            group[: cdiv(num_tokens, span)]
+            for group, span in zip(self.decode_blocks, self.layout.spans, strict=True)
+        ]
+        if self.layout.mamba:
+            pages = cdiv(num_tokens, self.layout.block_size)
+            m = len(self.layout.spans)
+            groups.append(
+                [KVCacheBlock(block_id=0)] * (pages - 1)
+                + [KVCacheBlock(block_id=decode_id(m, pages - 1))]
             )
-        )
+        blocks = KVCacheBlocks(tuple(groups))
         self.consumer.update_state_after_alloc(request, blocks, num_external)
         return request.request_id
 
@@ -314,6 +343,7 @@ def build_leg_pair(model_dir: Path, layout: Layout, max_tokens: int) -> LegPair:
     """Producer and consumer for ``layout``; D's blocks cover ``max_tokens``."""
     from conftest import (
         full_attention_spec,
+        kda_mamba_spec,
         make_kv_cache_config,
         make_scheduler_connector,
         make_vllm_config,
@@ -330,6 +360,10 @@ def build_leg_pair(model_dir: Path, layout: Layout, max_tokens: int) -> LegPair:
             layout.block_size, layout.window, dcp_sharded=layout.dcp == 1
         )
         groups.append((["model.layers.1.self_attn.attn"], sw))
+    if layout.mamba:
+        groups.append(
+            (["model.layers.2.linear_attn"], kda_mamba_spec(layout.block_size))
+        )
     kv_cache_config = make_kv_cache_config(groups)
     legs = []
     for role in ("kv_producer", "kv_consumer"):
@@ -369,7 +403,9 @@ def sweep(
 
     for n in prompt_lengths:
         for p_tail, tail_cases in by_tail.items():
-            table = allocation(pair.layout, n + p_tail, prefill_id)
+            table = allocation(
+                pair.layout, pair.layout.num_prefilled(n) + p_tail, prefill_id
+            )
             params = pair.prefill(n, table)
             for case in tail_cases:
                 pending.append(

@@ -79,7 +79,9 @@ def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
 
 
 def assert_paired(pair: LegPair, n: int, prefill_tail: int, decode_tail: int) -> None:
-    table = allocation(pair.layout, n + prefill_tail, prefill_id)
+    table = allocation(
+        pair.layout, pair.layout.num_prefilled(n) + prefill_tail, prefill_id
+    )
     lists = pair.exchange(n, table, decode_tail)
     errors = pairing_errors(pair.layout, n, lists)
     assert not errors, f"N={n}: " + "; ".join(errors)
@@ -217,3 +219,37 @@ def test_full_attention_prefiller_tail(
         if errors:
             wrong.append(f"N={n}: {errors[0]}")
     assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"
+
+
+@pytest.mark.parametrize(
+    ("window", "prefill_tail", "decode_tail", "dcp"),
+    [
+        (128, 0, 9, 1),
+        (128, 9, 0, 1),
+        (128, 9, 0, 2),
+        (None, 0, 9, 1),
+        (None, 9, 0, 2),
+    ],
+    ids=[
+        "only_decoder",
+        "only_prefiller",
+        "only_prefiller-dcp2",
+        "full-only_decoder",
+        "full-only_prefiller-dcp2",
+    ],
+)
+def test_hybrid_read_one_sided_tail(
+    leg_pairs: Callable[[Layout], LegPair],
+    window: int | None,
+    prefill_tail: int,
+    decode_tail: int,
+    dcp: int,
+) -> None:
+    """Hybrid READ (full attention, a sliding-window group unless ``window``
+    is None, and a KDA group): the prefiller computes the prompt without its
+    last token, and both legs trim to those tokens' blocks before the window
+    clip."""
+    layout = Layout(block_size=64, window=window, dcp=dcp, mamba=True)
+    case = Case("hybrid", layout, prefill_tail, decode_tail)
+    wrong = sweep(leg_pairs(layout), [case], range(1, 1025))["hybrid"]
+    assert not wrong, f"{len(wrong)} wrong prompt lengths, first {wrong[:8]}"
