@@ -2,10 +2,13 @@
 
 For a prompt of N tokens the decoder computes position N-1 itself and needs:
 full attention, every position < N-1; a window W, positions [N-W, N-1);
-a Mamba/KDA state, the state after N-1 tokens in the block the kernel reads
-(align mode: block index (N-2) // block_size). A page is "lacked" when the
-decoder's own page does not hold what is needed before the READ; the
-lacked pages are the minimum READ.
+a Mamba/KDA state, the state after N-1 tokens in the block its step runs
+on. In align mode that is block index (N-1) // block_size; before the step
+the worker copies block (N-2) // block_size into it when they differ
+(``preprocess_mamba``, which runs before ``start_load_kv``: the copy sees
+the pre-READ contents). A page is "lacked" when the decoder's own page does
+not hold what is needed before the READ (after that copy); the lacked pages
+are the minimum READ.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def needs(groups: Sequence[GroupInfo], n: int) -> list[Need]:
         bt = info.block_tokens
         if info.kind == STATE_KIND:
             if last > 0:
-                out.append(Need(g, (last - 1) // bt, last, 0))
+                out.append(Need(g, last // bt, last, 0))
             continue
         start = 0 if info.kind == FULL else max(0, n - info.window)
         if start >= last:
@@ -84,6 +87,26 @@ def _satisfied(store: PageStore, table: Sequence[int], need: Need, uid: int) -> 
     if need.hi == 0:
         return holds_state(page, need.group, uid, need.lo)
     return holds_positions(page, need.group, uid, need.lo, need.hi)
+
+
+def precopy_states(
+    groups: Sequence[GroupInfo],
+    tables: Sequence[Sequence[int]],
+    store: PageStore,
+    n: int,
+) -> None:
+    """Align-mode state precopy of the decoder's first step, pre-READ."""
+    last = n - 1
+    if last <= 0:
+        return
+    for g, info in enumerate(groups):
+        if info.kind != STATE_KIND:
+            continue
+        prev, curr = (last - 1) // info.block_tokens, last // info.block_tokens
+        table = tables[g]
+        if prev != curr and curr < len(table):
+            src = store.get(table[prev]) if prev < len(table) else None
+            store.put(table[curr], src)
 
 
 class ReadCheck:

@@ -20,13 +20,15 @@ from vllm_overlay.simulate.check import (
     CaseResult,
     GroupInfo,
     ReadCheck,
+    precopy_states,
 )
 from vllm_overlay.simulate.layouts import Layout
 from vllm_overlay.simulate.legs import Leg, build_leg
 from vllm_overlay.simulate.pages import PageStore
 
-RemapFn = Callable[[list[list[int]]], list[list[int]]]
-"""Test hook: rewrites the remote lists of a ReqMeta before the READ."""
+Lists = list[list[int]]
+RewriteFn = Callable[[Lists, Lists, Lists], tuple[Lists, Lists]]
+"""Test hook: (local, remote, decoder tables) -> the (local, remote) to READ."""
 
 _VOCAB = 60000
 
@@ -167,6 +169,11 @@ class Pair:
 
         sched = leg.scheduler
         so = sched.schedule()
+        # Worker order: zero fresh blocks, apply copy-on-write copies, then
+        # (in ``start_load_kv``) READ, then the forward.
+        store.zero(list(so.new_block_ids_to_zero or []))
+        for copy_op in so.kv_cache_block_copies or []:
+            store.put(copy_op.dst_block_id, store.get(copy_op.src_block_id))
         if before_compute is not None:
             before_compute(so)
         self._compute(leg, store, so, meta)
@@ -200,10 +207,10 @@ class Pair:
     # -- one case ---------------------------------------------------------
 
     def run_case(
-        self, n: int, hit_fraction: float, remap: RemapFn | None = None
+        self, n: int, hit_fraction: float, rewrite: RewriteFn | None = None
     ) -> CaseResult:
         try:
-            return self._run_case(n, hit_fraction, remap)
+            return self._run_case(n, hit_fraction, rewrite)
         except Exception as exc:  # fail-closed refusals and crashes alike
             self._build()
             return CaseResult(
@@ -223,7 +230,7 @@ class Pair:
             )
 
     def _run_case(
-        self, n: int, hit_fraction: float, remap: RemapFn | None
+        self, n: int, hit_fraction: float, rewrite: RewriteFn | None
     ) -> CaseResult:
         self._seq += 1
         uid = self._seq
@@ -253,7 +260,7 @@ class Pair:
         box: dict[str, CaseResult] = {}
 
         def read_and_check(so: Any) -> None:
-            box["result"] = self._read_and_check(so, rid, n, uid, hit_fraction, remap)
+            box["result"] = self._read_and_check(so, rid, n, uid, hit_fraction, rewrite)
 
         self._step(self.d, self.d_store, {rid: (uid, n)}, before_compute=read_and_check)
         for _ in range(8):
@@ -282,7 +289,7 @@ class Pair:
         n: int,
         uid: int,
         hit_fraction: float,
-        remap: RemapFn | None,
+        rewrite: RewriteFn | None,
     ) -> CaseResult:
         if rid not in so.num_scheduled_tokens:
             raise RuntimeError("decoder did not schedule the request")
@@ -290,6 +297,7 @@ class Pair:
         computed = req.num_computed_tokens - so.num_scheduled_tokens[rid]
         local_hit = computed - self._external.pop(rid, 0)
         tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
+        precopy_states(self.groups, tables, self.d_store, n)
         check = ReadCheck(self.groups, tables, self.d_store, n, uid)
         reads: list[tuple[int, int]] = []
         meta = so.kv_connector_metadata
@@ -297,11 +305,12 @@ class Pair:
         if req_meta is not None:
             local = [list(x) for x in req_meta.local_block_ids]
             remote = [list(x) for x in req_meta.remote_block_ids]
-            if remap is not None:
-                remote = remap(remote)
+            if rewrite is not None:
+                local, remote = rewrite(local, remote, tables)
             reads = self._read(local, remote)
         # Zeroing a READ destination races the READ: count it as lost.
-        self.d_store.zero(list(so.new_block_ids_to_zero or []))
+        read_dsts = {dst for _, dst in reads}
+        self.d_store.zero([b for b in so.new_block_ids_to_zero or [] if b in read_dsts])
         return check.judge(self.d_store, reads, hit_fraction, local_hit)
 
     def _read(

@@ -7,6 +7,14 @@ import msgspec
 from vllm_overlay.simulate.check import CaseResult
 
 
+class PlanItem(msgspec.Struct):
+    """One layout's share of a worker's job."""
+
+    layout: str
+    lengths: str
+    hits: str
+
+
 class Progress(msgspec.Struct, tag="progress"):
     variant: str
     layout: str

@@ -22,6 +22,7 @@ import msgspec
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     LayoutReport,
+    PlanItem,
     Progress,
     SweepReport,
     WorkerLine,
@@ -144,6 +145,59 @@ def _reader(
             del tail[:-20]
 
 
+def _start_worker(
+    moriio_dir: Path, variant: str, plan: list[PlanItem], port: int
+) -> subprocess.Popen[str]:
+    env = dict(
+        os.environ,
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_LOGGING_LEVEL="ERROR",
+        # One thread per process: two workers on two cores otherwise spin.
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+    )
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_overlay.simulate.worker",
+        f"--moriio-dir={moriio_dir}",
+        f"--variant={variant}",
+        "--plan=" + msgspec.json.encode(plan).decode(),
+        f"--port={port}",
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+
+def run_variant(
+    variant: str,
+    files: dict[str, str],
+    plan: list[PlanItem],
+    port: int = 30000,
+) -> list[LayoutReport]:
+    """Run one plan in one worker process whose moriio files are ``files``."""
+    root = Path(tempfile.mkdtemp(prefix="vllm-overlay-sim-"))
+    moriio_dir = build_variant_dir(root / variant / "moriio", files)
+    proc = _start_worker(moriio_dir, variant, plan, port)
+    results: list[LayoutReport] = []
+    tail: list[str] = []
+
+    def sink(line: WorkerLine) -> None:
+        if isinstance(line, LayoutReport):
+            results.append(line)
+
+    _reader(proc, sink, tail)
+    if proc.wait() != 0:
+        raise RuntimeError(
+            f"simulator worker exited {proc.returncode}:\n" + "".join(tail)
+        )
+    return results
+
+
 def run_sweep(
     layouts: list[str],
     lengths: str,
@@ -168,10 +222,6 @@ def run_sweep(
         sources["overlay"] = found
 
     root = Path(tempfile.mkdtemp(prefix="vllm-overlay-sim-"))
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
-    )
     results: list[LayoutReport] = []
     state: dict[tuple[str, str], tuple[int, int]] = {}
     lock = threading.Lock()
@@ -197,24 +247,8 @@ def run_sweep(
         moriio_dir = build_variant_dir(root / variant / "moriio", files)
         for p_index, chunk in enumerate(_split(names, processes_per_variant)):
             port = 20000 + 4000 * v_index + 2000 * p_index
-            cmd = [
-                sys.executable,
-                "-m",
-                "vllm_overlay.simulate.worker",
-                f"--moriio-dir={moriio_dir}",
-                f"--variant={variant}",
-                f"--layouts={','.join(chunk)}",
-                f"--lengths={lengths}",
-                f"--hits={hits}",
-                f"--port={port}",
-            ]
-            proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-            )
+            plan = [PlanItem(name, lengths, hits) for name in chunk]
+            proc = _start_worker(moriio_dir, variant, plan, port)
             tail: list[str] = []
             thread = threading.Thread(target=_reader, args=(proc, sink, tail))
             thread.start()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from vllm_overlay.simulate.report import LayoutReport, Progress, WorkerLine
+from vllm_overlay.simulate.report import LayoutReport, PlanItem, Progress, WorkerLine
 
 MARK = "@@simulate "
 _ENCODER = msgspec.json.Encoder()
@@ -64,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--moriio-dir", type=Path, required=True)
     ap.add_argument("--variant", required=True)
-    ap.add_argument("--layouts", required=True)
-    ap.add_argument("--lengths", required=True)
-    ap.add_argument("--hits", required=True)
+    ap.add_argument("--plan", required=True, help="JSON list of PlanItem")
     ap.add_argument("--port", type=int, default=40000)
     args = ap.parse_args(argv)
 
@@ -74,10 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_overlay.simulate.variant import use_moriio_dir
 
     use_moriio_dir(args.moriio_dir)
-    lengths = parse_lengths(args.lengths)
-    hits = parse_hits(args.hits)
-    for i, name in enumerate(args.layouts.split(",")):
-        emit(run_layout(args.variant, name, lengths, hits, port=args.port + 1000 * i))
+    plan = msgspec.json.decode(args.plan, type=list[PlanItem])
+    for i, item in enumerate(plan):
+        emit(
+            run_layout(
+                args.variant,
+                item.layout,
+                parse_lengths(item.lengths),
+                parse_hits(item.hits),
+                port=args.port + 1000 * i,
+            )
+        )
     return 0
 
 

@@ -1,0 +1,62 @@
+"""On the base vLLM files the simulator finds the bugs the seeds describe.
+
+The base moriio files come from the pinned wheel (or /tmp/venv), loaded in a
+worker process of their own, so this holds whatever the test venv carries.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_overlay.simulate.report import PlanItem
+from vllm_overlay.simulate.run import base_files, run_variant
+
+SEED_001_EXAMPLES = (251, 377, 384, 440, 447, 636, 832, 895)
+
+
+@pytest.fixture(scope="module")
+def base_reports():
+    files, _ = base_files()
+    plan = [
+        PlanItem("dsv4", "1-1024", "0"),
+        PlanItem("kimi", "3001-4096/73", "89.7"),
+        PlanItem("glm", "100", "0"),
+    ]
+    return {r.layout: r for r in run_variant("base", files, plan, port=46000)}
+
+
+def test_dsv4_wrong_lengths_include_upstream_examples(base_reports):
+    report = base_reports["dsv4"]
+    assert report.error_cases == 0
+    assert set(SEED_001_EXAMPLES) <= set(report.wrong_lengths)
+
+
+def test_dsv4_wrong_lengths_match_seed_001_mechanism(base_reports):
+    """Seed 001: B=64, W=128, decode lookahead 9, prefill none: N with
+    (N-1) % 64 >= 55 reads a window shifted by one block.
+
+    One difference, explained: the shift needs the decoder's SW list to be
+    clipped, i.e. more than blocks_per_sw = cdiv(128, 64) + 1 = 3 blocks
+    including the 9 lookahead slots (N + 9 > 192). Below that both lists are
+    kept whole and ``_align_read_blocks`` drops the decoder's extra tail, so
+    N = 56..64 and 120..128 are right. (The prefiller also frees the block
+    holding position N-W when it is that block's last slot, N % 64 == 63;
+    those N already satisfy the predicate.)
+    """
+    report = base_reports["dsv4"]
+    seed = {n for n in range(1, 1025) if (n - 1) % 64 >= 55}
+    clipped = {n for n in seed if n + 9 > 3 * 64}
+    assert set(report.wrong_lengths) == clipped
+    assert seed - clipped == set(range(56, 65)) | set(range(120, 129))
+
+
+def test_kimi_at_89_7_percent_hit_reads_far_more_than_the_minimum(base_reports):
+    report = base_reports["kimi"]
+    assert report.error_cases == 0 and report.wrong_cases == 0
+    assert report.pages_read >= 3 * report.min_pages > 0
+
+
+def test_glm_is_refused_at_start(base_reports):
+    refusal = base_reports["glm"].refused_at_start
+    assert refusal is not None
+    assert "exactly one transferable attention group" in refusal

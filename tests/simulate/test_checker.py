@@ -1,0 +1,117 @@
+"""The checker on its own: synthetic tables and page stores, no vLLM."""
+
+from vllm_overlay.simulate.check import (
+    FULL,
+    STATE_KIND,
+    WINDOW,
+    GroupInfo,
+    ReadCheck,
+    needs,
+    precopy_states,
+)
+from vllm_overlay.simulate.pages import PageStore
+
+FULL16 = GroupInfo(FULL, 16, 0, 100)
+SW = GroupInfo(WINDOW, 16, 20, 100)
+STATE = GroupInfo(STATE_KIND, 16, 0, 1000)
+
+
+def _computed(store: PageStore, table: list[int], uid: int, n: int, group=0):
+    for index, block in enumerate(table):
+        lo, hi = index * 16, min(n, (index + 1) * 16)
+        if lo < hi:
+            store.write_positions(block, group, uid, n, lo, hi)
+
+
+def test_needs_full_window_state():
+    assert [(x.index, x.lo, x.hi) for x in needs([FULL16], 33)] == [
+        (0, 0, 16),
+        (1, 16, 32),
+    ]
+    # A window of 20 for position 40 needs positions [21, 40).
+    assert [(x.index, x.lo, x.hi) for x in needs([SW], 41)] == [
+        (1, 21, 32),
+        (2, 32, 40),
+    ]
+    # The state after 32 tokens, in the block the step for position 32 uses.
+    assert [(x.index, x.lo) for x in needs([STATE], 33)] == [(2, 32)]
+    assert needs([FULL16, SW, STATE], 1) == []
+
+
+def test_exact_read_is_right_and_minimal():
+    p, d = PageStore(0), PageStore(0)
+    _computed(p, [5, 6, 7], uid=1, n=40)
+    table = [11, 12, 13]
+    check = ReadCheck([FULL16], [table], d, 40, uid=1)
+    for src, dst in zip([5, 6, 7], table, strict=True):
+        d.put(dst, p.get(src))
+    result = check.judge(d, [(0, 11), (0, 12), (0, 13)], 0.0, 0)
+    assert not result.wrong
+    assert (result.pages_read, result.min_pages) == (3, 3)
+    assert result.extra_reads == result.duplicate_reads == result.unread == 0
+
+
+def test_shifted_pairing_is_wrong_kv():
+    p, d = PageStore(0), PageStore(0)
+    _computed(p, [5, 6, 7], uid=1, n=40)
+    table = [11, 12, 13]
+    check = ReadCheck([FULL16], [table], d, 40, uid=1)
+    for src, dst in zip([6, 7, 5], table, strict=True):
+        d.put(dst, p.get(src))
+    result = check.judge(d, [(0, 11), (0, 12), (0, 13)], 0.0, 0)
+    assert result.wrong and result.wrong_groups == [0]
+
+
+def test_reading_a_cached_page_raises_the_byte_ratio():
+    p, d = PageStore(0), PageStore(0)
+    _computed(p, [5, 6, 7], uid=1, n=40)
+    table = [11, 12, 13]
+    _computed(d, [11], uid=1, n=40)  # the decoder's own prefix hit
+    check = ReadCheck([FULL16], [table], d, 40, uid=1)
+    for src, dst in zip([5, 6, 7], table, strict=True):
+        d.put(dst, p.get(src))
+    result = check.judge(d, [(0, 11), (0, 12), (0, 13)], 0.5, 16)
+    assert not result.wrong
+    assert (result.min_pages, result.min_bytes) == (2, 200)
+    assert (result.pages_read, result.bytes_read) == (3, 300)
+    assert result.extra_reads == 1
+
+
+def test_duplicate_and_unread_pages_count():
+    p, d = PageStore(0), PageStore(0)
+    _computed(p, [5, 6, 7], uid=1, n=40)
+    table = [11, 12, 13]
+    check = ReadCheck([FULL16], [table], d, 40, uid=1)
+    d.put(11, p.get(5))
+    d.put(12, p.get(6))
+    d.put(12, p.get(6))
+    result = check.judge(d, [(0, 11), (0, 12), (0, 12)], 0.0, 0)
+    assert result.wrong
+    assert (result.duplicate_reads, result.unread) == (1, 1)
+
+
+def test_freed_or_reused_block_holds_nothing_of_the_request():
+    p = PageStore(0)
+    _computed(p, [5, 6, 7], uid=1, n=40)
+    p.write_positions(6, 0, 2, 40, 0, 16)  # block 6 reused by another prompt
+    d = PageStore(0)
+    table = [11, 12, 13]
+    check = ReadCheck([FULL16], [table], d, 40, uid=1)
+    for src, dst in zip([5, 6, 7], table, strict=True):
+        d.put(dst, p.get(src))
+    assert check.judge(d, [(0, 11), (0, 12), (0, 13)], 0.0, 0).wrong
+    # The null block never holds anything.
+    p.write_positions(0, 0, 1, 40, 0, 16)
+    assert p.get(0) is None
+
+
+def test_state_precopy_uses_the_pre_read_contents():
+    d = PageStore(0)
+    # 33 tokens: the step for position 32 runs on block index 2; the worker
+    # first copies index 1 into it.
+    table = [0, 21, 22]
+    d.write_state(21, 0, 1, 33, 32)
+    precopy_states([STATE], [table], d, 33)
+    check = ReadCheck([STATE], [table], d, 33, uid=1)
+    result = check.judge(d, [], 1.0, 32)
+    assert not result.wrong and result.min_pages == 0

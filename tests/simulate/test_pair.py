@@ -1,0 +1,43 @@
+"""The simulator's own checks, on real schedulers (installed moriio files).
+
+Full-attention Llama-like READ is right on the base and on the overlay, so
+these tests hold for either; they prove the checker sees what it must.
+"""
+
+from __future__ import annotations
+
+
+def _shift_by_one_page(local, remote, tables):
+    del tables
+    return local, [r[1:] + r[:1] for r in remote]
+
+
+def test_correct_read_is_not_wrong_kv(llama_pair):
+    result = llama_pair.run_case(100, 0.0)
+    assert result.error is None
+    assert not result.wrong
+    assert result.pages_read == result.min_pages == 7
+
+
+def test_shifted_pairing_is_reported_as_wrong_kv(llama_pair):
+    result = llama_pair.run_case(100, 0.0, rewrite=_shift_by_one_page)
+    assert result.error is None
+    assert result.wrong and result.wrong_groups == [0]
+
+
+def test_read_of_an_already_cached_page_shows_in_the_bytes(llama_pair):
+    # 50 % hit on 200 tokens: the decoder caches pages 0..5 itself.
+    plain = llama_pair.run_case(200, 0.5)
+
+    def also_read_cached_page(local, remote, tables):
+        # Add one pair whose destination is the decoder's cached page 0.
+        return [[tables[0][0], *local[0]]], [[remote[0][0], *remote[0]]]
+
+    extra = llama_pair.run_case(200, 0.5, rewrite=also_read_cached_page)
+    assert plain.error is None and extra.error is None
+    assert not extra.wrong
+    assert extra.local_hit_tokens == plain.local_hit_tokens > 0
+    assert extra.min_bytes == plain.min_bytes
+    assert extra.bytes_read == plain.bytes_read + extra.bytes_read // extra.pages_read
+    assert extra.extra_reads == plain.extra_reads + 1
+    assert extra.bytes_read / extra.min_bytes > plain.bytes_read / plain.min_bytes
