@@ -544,10 +544,18 @@ def layouts(draw: st.DrawFn) -> tuple[list[Group], int, int, int, int]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(layout=layouts())
+@given(
+    layout=layouts(),
+    decode_tail_tokens=st.integers(1, 40),
+    prefill_tail_pages=st.integers(0, 1),
+)
 def test_property_pages_read_are_pages_missing(
-    llama_model_dir: Path, layout: tuple[list[Group], int, int, int, int]
+    llama_model_dir: Path,
+    layout: tuple[list[Group], int, int, int, int],
+    decode_tail_tokens: int,
+    prefill_tail_pages: int,
 ):
+    """Lookahead slots past the prompt on either leg change nothing."""
     groups, dcp, num_prompt_tokens, hit_tokens, lag_pages = layout
     plan = run_transfer(
         llama_model_dir,
@@ -555,6 +563,8 @@ def test_property_pages_read_are_pages_missing(
         dcp=dcp,
         num_prompt_tokens=num_prompt_tokens,
         local_hit_tokens=hit_tokens,
+        decode_tail_tokens=decode_tail_tokens,
+        prefill_tail_pages=prefill_tail_pages,
     )
     for index, group in enumerate(groups):
         if group.kind == "kda":
