@@ -111,6 +111,7 @@ class Ruff:
 
 
 def find_ruff(explicit: str | None, config: Path) -> Ruff:
+    config = config.resolve()
     if not config.is_file():
         raise ExportError(f"{config}: vLLM's ruff configuration is missing")
     candidates = [explicit or os.environ.get("VLLM_OVERLAY_RUFF")]
@@ -449,6 +450,7 @@ def load_context(
     ruff: str | None,
     run_tests: bool,
 ) -> Context:
+    root = root.resolve()
     pin = load_pin(root / PIN_FILE)
     series = load_series(root)
     if not series.patches:

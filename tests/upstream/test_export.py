@@ -399,13 +399,15 @@ def test_oversized_body_and_bad_subject(
 
 
 def test_cli_export_and_run_tests_precondition(
+    monkeypatch: pytest.MonkeyPatch,
     repo: Path,
     tmp_path: Path,
     base_texts: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     site = _site(tmp_path, base_texts)
-    argv = ["--repo", str(repo), "export", "--from", str(site), "--ruff", _ruff()]
+    monkeypatch.chdir(repo.parent)  # a relative --repo, as `--repo .` gives
+    argv = ["--repo", repo.name, "export", "--from", str(site), "--ruff", _ruff()]
     assert main([*argv, "--patch", "0001-port-offsets"]) == 0
     out = capsys.readouterr().out
     assert "export: 1 bundle(s)" in out
