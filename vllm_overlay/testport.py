@@ -226,6 +226,8 @@ def port_test(test_file: Path) -> str:
     modules: dict[str, _Module] = {}
     imports = _Imports()
     aliases: list[str] = []
+    # Per module: a name imported from a local module -> (module, name).
+    links: dict[str, dict[str, tuple[str, str]]] = {}
 
     def load(name: str) -> _Module:
         if name not in modules:
@@ -234,6 +236,7 @@ def port_test(test_file: Path) -> str:
         return modules[name]
 
     def scan_imports(mod: _Module) -> None:
+        table = links.setdefault(mod.name, {})
         for stmt in mod.tree.body:
             group = [stmt]
             type_only = False
@@ -249,10 +252,11 @@ def port_test(test_file: Path) -> str:
                     if isinstance(s, ast.Import):
                         raise PortError(
                             f"{where}: `import {target}` uses a local module as a "
-                            "module; import the names (`from {target} import ...`)"
+                            f"module; import the names (`from {target} import ...`)"
                         )
                     load(target)
                     for alias in s.names:
+                        table[alias.asname or alias.name] = (target, alias.name)
                         if alias.asname and alias.asname != alias.name:
                             aliases.append(f"{alias.asname} = {alias.name}\n")
                     continue
@@ -269,21 +273,29 @@ def port_test(test_file: Path) -> str:
                     )
                 imports.add(s, type_only, where)
 
+    modules[test.name] = test
     scan_imports(test)
     if "conftest" in local:
         load("conftest")
 
-    # Every top-level definition of the local modules, by name.
-    defs: dict[str, tuple[str, ast.stmt]] = {}
-    for mod in modules.values():
-        for stmt in mod.tree.body:
-            for name in _bound_names(stmt):
-                if name in defs and defs[name][0] != mod.name:
-                    other = defs[name][0]
-                    raise PortError(
-                        f"{name!r} is defined by both {other}.py and {mod.name}.py"
-                    )
-                defs[name] = (mod.name, stmt)
+    # Each module's top-level definitions, by name.
+    defs: dict[str, dict[str, ast.stmt]] = {
+        m.name: {n: st for st in m.tree.body for n in _bound_names(st)}
+        for m in modules.values()
+    }
+
+    def resolve(module: str, name: str) -> tuple[str, ast.stmt] | None:
+        """Where ``name`` used in ``module`` is defined: the module itself,
+        a local module it imports the name from, else conftest (fixtures)."""
+        for _ in range(len(modules) + 1):
+            if name in defs[module]:
+                return module, defs[module][name]
+            if name not in links.get(module, {}):
+                break
+            module, name = links[module][name]
+        if "conftest" in defs and name in defs["conftest"]:
+            return "conftest", defs["conftest"][name]
+        return None
 
     body = [
         s
@@ -293,42 +305,59 @@ def port_test(test_file: Path) -> str:
         and not _is_type_checking(s)
     ]
     own = {n for s in body for n in _bound_names(s)}
-    needed: set[int] = set()
-    todo: list[str] = sorted({n for s in body for n in _referenced(s)} - own)
+    needed: dict[int, tuple[str, ast.stmt]] = {}
+    todo = [(test.name, n) for n in sorted({n for s in body for n in _referenced(s)})]
     for mod in modules.values():
         for stmt in mod.tree.body:
-            if _is_autouse_fixture(stmt):
-                needed.add(id(stmt))
-                todo.extend(_referenced(stmt))
-    for line in aliases:
-        todo.append(line.split(" = ")[1].strip())
-    seen: set[str] = set()
+            if mod is not test and _is_autouse_fixture(stmt):
+                needed[id(stmt)] = (mod.name, stmt)
+                todo.extend((mod.name, n) for n in _referenced(stmt))
+    seen: set[tuple[str, str]] = set()
     while todo:
-        name = todo.pop()
-        if name in seen or name in own:
+        module, name = todo.pop()
+        if (module, name) in seen or (module == test.name and name in own):
             continue
-        seen.add(name)
-        if name in defs:
-            stmt = defs[name][1]
-            if id(stmt) not in needed:
-                needed.add(id(stmt))
-                todo.extend(_referenced(stmt))
+        seen.add((module, name))
+        found = resolve(module, name)
+        if found is None or found[0] == test.name:
+            continue
+        where, stmt = found
+        if id(stmt) not in needed:
+            needed[id(stmt)] = (where, stmt)
+            todo.extend((where, n) for n in _referenced(stmt))
+
+    by_name: dict[str, str] = {}
+    for where, stmt in needed.values():
+        for name in _bound_names(stmt):
+            if by_name.setdefault(name, where) != where:
+                raise PortError(
+                    f"{name!r} is needed from both {by_name[name]}.py and "
+                    f"{where}.py; rename one of them"
+                )
+    for where, stmt in [*needed.values(), *((test.name, s) for s in body)]:
+        for node in ast.walk(stmt):
+            value = getattr(node, "value", None)
+            if isinstance(node, ast.Constant) and isinstance(value, str):
+                hit = [m for m in local if f"{m}.py" in value]
+                if hit:
+                    raise PortError(
+                        f"{where}.py runs or reads {hit[0]}.py as a file, which "
+                        "vLLM's tree does not have"
+                    )
 
     inlined: list[str] = []
     for mod in modules.values():
         chosen = [s for s in mod.tree.body if id(s) in needed]
-        if chosen:
+        if chosen and mod is not test:
             inlined.append("# Builders the tests below share.\n")
             inlined.extend(mod.segment(s) + "\n\n" for s in chosen)
     test_body = [test.segment(s) + "\n\n" for s in body]
 
-    used: set[str] = set(seen)
+    used: set[str] = {name for _, name in seen}
     for stmt in body:
         used |= _referenced(stmt)
-    for mod in modules.values():
-        for stmt in mod.tree.body:
-            if id(stmt) in needed:
-                used |= _referenced(stmt)
+    for _, stmt in needed.values():
+        used |= _referenced(stmt)
     runtime = sorted({v for k, v in imports.runtime.items() if k in used})
     type_only = sorted(
         {

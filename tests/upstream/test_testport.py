@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_overlay.series import load_series
 from vllm_overlay.testport import SPDX_HEADER, PortError, port_test, upstream_test_path
-
-REPO = Path(__file__).resolve().parents[2]
 
 CONFTEST = '''"""Builders."""
 
@@ -115,11 +112,30 @@ def test_unportable_tests_are_refused(tmp_path: Path, test: str, message: str) -
         port_test(d / "test_0042_x.py")
 
 
-def test_a_name_defined_by_two_local_modules_is_refused(tmp_path: Path) -> None:
+def test_a_name_two_local_modules_define(tmp_path: Path) -> None:
+    # helpers.py also defines `build`: fine while only conftest's is needed.
     clash = HELPERS + "\n\ndef build(xs):\n    return xs\n"
     d = _layout(tmp_path, conftest=CONFTEST, helpers=clash, test_0042_thing=TEST)
-    with pytest.raises(PortError, match="'build' is defined by both"):
+    out = port_test(d / "test_0042_thing.py")
+    assert out.count("def build(") == 1 and "shared_helper(x) for x in xs" in out
+    # Both needed: refused, naming both modules.
+    both = (
+        TEST + "\n\nfrom helpers import build as hb\n\n\ndef test_b():\n    hb([1])\n"
+    )
+    (d / "test_0042_thing.py").write_text(both)
+    with pytest.raises(PortError, match="'build' is needed from both"):
         port_test(d / "test_0042_thing.py")
+
+
+def test_a_test_running_a_local_module_as_a_file_is_refused(tmp_path: Path) -> None:
+    script = (
+        "import subprocess\nimport sys\nfrom pathlib import Path\n\n\n"
+        "def test_x():\n    subprocess.run([sys.executable, "
+        'str(Path(__file__).parent / "helpers.py")], check=True)\n'
+    )
+    d = _layout(tmp_path, conftest=CONFTEST, helpers=HELPERS, test_0042_x=script)
+    with pytest.raises(PortError, match="runs or reads helpers.py as a file"):
+        port_test(d / "test_0042_x.py")
 
 
 def test_upstream_names() -> None:
@@ -129,17 +145,3 @@ def test_upstream_names() -> None:
     assert upstream_test_path(Path("tests/patches/test_moriio_x.py")) == (
         "tests/v1/kv_connector/unit/test_moriio_x.py"
     )
-
-
-def test_every_series_test_file_ports() -> None:
-    """The real series' test files port (what `export` will need)."""
-    series = load_series(REPO)
-    files = sorted(
-        {t.split("::", 1)[0] for p in series.patches for t in p.header.tests}
-    )
-    assert files or not series.patches
-    for rel in files:
-        out = port_test(REPO / rel)
-        assert out.startswith(SPDX_HEADER)
-        ast.parse(out)
-        assert "conftest" not in out.split('"""', 2)[-1]
