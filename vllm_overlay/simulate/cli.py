@@ -40,13 +40,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--base-from",
         type=Path,
-        help="wheel or directory holding the base moriio files "
-        "(default: the pinned wheel in /tmp/wheels, else /tmp/venv)",
+        help="the pinned wheel or a vLLM tree (base or a known overlay) "
+        "(default: $VLLM_OVERLAY_WHEEL, else the installed vLLM)",
     )
     p.add_argument(
         "--overlay-from",
-        help="directory holding overlaid moriio files, or REPO@REF "
-        "(default: the most advanced of p0003/p0002/p0001 in /work/scratch/stack)",
+        default="series",
+        help="'series' (this checkout's patches on the base; default), a "
+        "directory holding overlaid moriio files, or REPO@REF (a stack branch)",
     )
     p.add_argument(
         "--processes",

@@ -13,7 +13,6 @@ import sys
 import tempfile
 import threading
 import time
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,13 +31,7 @@ from vllm_overlay.simulate.worker import MARK
 
 MORIIO_REL = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
 DEFAULT_WHEEL = Path("/tmp/wheels/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl")
-DEFAULT_BASE_VENV = Path(
-    "/tmp/venv/lib/python3.11/site-packages/vllm/distributed/kv_transfer/"
-    "kv_connector/v1/moriio"
-)
-DEFAULT_STACK = Path("/work/scratch/stack")
-STACK_BRANCHES = ("p0003", "p0002", "p0001")
-DEFAULT_LENGTHS = "1-4096/13"
+DEFAULT_LENGTHS = "1-4096/17"
 DEFAULT_HITS = "0,50,89.7,100"
 
 # Relative cost per case, to balance layouts across processes.
@@ -69,55 +62,85 @@ def parse_hits(text: str) -> list[float]:
     return hits
 
 
+def _by_name(texts: dict[str, str]) -> dict[str, str]:
+    return {Path(path).name: text for path, text in texts.items()}
+
+
+def _repo() -> Path:
+    from vllm_overlay.cli import find_repo
+
+    return find_repo()
+
+
 def base_files(source: Path | None = None) -> tuple[dict[str, str], str]:
-    """The two base moriio files: from the pinned wheel, else /tmp/venv."""
-    src = source or (DEFAULT_WHEEL if DEFAULT_WHEEL.exists() else DEFAULT_BASE_VENV)
-    if src.suffix == ".whl":
-        with zipfile.ZipFile(src) as whl:
-            files = {
-                name: whl.read(f"{MORIIO_REL}/{name}").decode() for name in MORIIO_FILES
-            }
-        return files, f"wheel {src.name}"
-    return {name: (src / name).read_text() for name in MORIIO_FILES}, str(src)
+    """The pinned base moriio files, checked against the pin.
+
+    ``source``: the pinned wheel or a vLLM tree (base or a known overlay).
+    Default: ``$VLLM_OVERLAY_WHEEL``, else the installed vLLM, else the
+    wheel in /tmp/wheels.
+    """
+    from vllm_overlay.materialize import base_from_target, base_from_wheel
+    from vllm_overlay.pin import PIN_FILE, load_pin
+    from vllm_overlay.series import load_series
+    from vllm_overlay.target import detect_target, installed_vllm
+
+    repo = _repo()
+    pin = load_pin(repo / PIN_FILE)
+    if source is None and os.environ.get("VLLM_OVERLAY_WHEEL"):
+        source = Path(os.environ["VLLM_OVERLAY_WHEEL"])
+    if source is not None and source.suffix == ".whl":
+        return _by_name(base_from_wheel(source, pin)), f"wheel {source.name}"
+    try:
+        target = detect_target(source if source is not None else installed_vllm())
+        texts = base_from_target(target, pin, load_series(repo))
+    except Exception:
+        if source is not None or not DEFAULT_WHEEL.exists():
+            raise
+        return _by_name(base_from_wheel(DEFAULT_WHEEL, pin)), DEFAULT_WHEEL.name
+    return _by_name(texts), f"base recovered from {target.describe()}"
 
 
-def overlay_files(source: str | None = None) -> tuple[dict[str, str], str] | None:
-    """Overlay files: a directory, ``REPO@REF``, or the most advanced stack
-    branch present (p0003, p0002, p0001)."""
-    if source and Path(source).is_dir():
+def overlay_files(
+    base: dict[str, str], source: str | None = None
+) -> tuple[dict[str, str], str]:
+    """Overlaid moriio files.
+
+    ``source``: ``series`` (default: this checkout's patch series applied to
+    ``base``), a directory holding the files, or ``REPO@REF`` (a patch-stack
+    branch, e.g. ``/work/scratch/stack@p0003``).
+    """
+    if source is None or source == "series":
+        from vllm_overlay.apply import overlay_texts
+        from vllm_overlay.pin import PIN_FILE, load_pin
+        from vllm_overlay.series import load_series
+
+        repo = _repo()
+        pin = load_pin(repo / PIN_FILE)
+        series = load_series(repo)
+        full = {path: base[Path(path).name] for path in pin.files}
+        texts = dict(base)
+        texts.update(_by_name(overlay_texts(full, series)))
+        names = ", ".join(p.name.split("-")[0] for p in series.patches)
+        return texts, f"series {series.series_id} ({names or 'empty'})"
+    if Path(source).is_dir():
         d = Path(source)
         return {name: (d / name).read_text() for name in MORIIO_FILES}, str(d)
-    repo, ref = DEFAULT_STACK, None
-    if source:
-        repo_s, _, ref = source.partition("@")
-        repo = Path(repo_s)
-    refs = [ref] if ref else list(STACK_BRANCHES)
-    for candidate in refs:
-        try:
-            files = {
-                name: subprocess.run(
-                    [
-                        "git",
-                        "-C",
-                        str(repo),
-                        "show",
-                        f"{candidate}:{MORIIO_REL}/{name}",
-                    ],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                ).stdout
-                for name in MORIIO_FILES
-            }
-        except (subprocess.CalledProcessError, FileNotFoundError):
-            continue
-        commit = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--short", candidate],
+    repo_s, _, ref = source.partition("@")
+    files = {
+        name: subprocess.run(
+            ["git", "-C", repo_s, "show", f"{ref}:{MORIIO_REL}/{name}"],
+            check=True,
             capture_output=True,
             text=True,
-        ).stdout.strip()
-        return files, f"{repo}@{candidate} ({commit})"
-    return None
+        ).stdout
+        for name in MORIIO_FILES
+    }
+    commit = subprocess.run(
+        ["git", "-C", repo_s, "rev-parse", "--short", ref],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return files, f"{repo_s}@{ref} ({commit})"
 
 
 def _split(layouts: list[str], parts: int) -> list[list[str]]:
@@ -213,13 +236,11 @@ def run_sweep(
     parse_lengths(lengths)
     parse_hits(hits)
     sources: dict[str, tuple[dict[str, str], str]] = {}
+    base = base_files(base_source)
     if "base" in variants:
-        sources["base"] = base_files(base_source)
+        sources["base"] = base
     if "overlay" in variants:
-        found = overlay_files(overlay_source)
-        if found is None:
-            raise SystemExit("no overlay files found (give --overlay-from)")
-        sources["overlay"] = found
+        sources["overlay"] = overlay_files(base[0], overlay_source)
 
     root = Path(tempfile.mkdtemp(prefix="vllm-overlay-sim-"))
     results: list[LayoutReport] = []

@@ -1,14 +1,14 @@
-"""Load the moriio package from another directory inside this process.
+"""Write a complete moriio package directory for one variant.
 
-Private stand-in until ``vllm_overlay.variant`` lands: it must run before
-anything imports ``moriio_connector``.
+``vllm_overlay.variant.use_moriio_dir`` replaces the package's search path,
+so the directory holds every module: the installed ones, with the two files
+the series touches replaced.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 MORIIO_PKG = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
@@ -19,15 +19,6 @@ def installed_moriio_dir() -> Path:
     spec = importlib.util.find_spec(MORIIO_PKG)
     assert spec is not None and spec.submodule_search_locations
     return Path(next(iter(spec.submodule_search_locations)))
-
-
-def use_moriio_dir(directory: Path) -> None:
-    """Point the moriio package at ``directory`` (which holds every module)."""
-    loaded = [m for m in sys.modules if m.startswith(MORIIO_PKG + ".")]
-    if loaded:
-        raise RuntimeError(f"moriio modules already imported: {sorted(loaded)}")
-    pkg = importlib.import_module(MORIIO_PKG)
-    pkg.__path__ = [str(directory)]
 
 
 def build_variant_dir(dest: Path, overlay_files: dict[str, str] | None) -> Path:
