@@ -21,6 +21,16 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+from conftest import (
+    full_attention_spec,
+    make_kv_cache_blocks,
+    make_kv_cache_config,
+    make_request,
+    make_scheduler_connector,
+    make_scheduler_output,
+    make_vllm_config,
+    moriio_kv_transfer_config,
+)
 from pairing_0002 import (
     Case,
     Layout,
@@ -253,3 +263,44 @@ def test_hybrid_read_one_sided_tail(
     case = Case("hybrid", layout, prefill_tail, decode_tail)
     wrong = sweep(leg_pairs(layout), [case], range(1, 1025))["hybrid"]
     assert not wrong, f"{len(wrong)} wrong prompt lengths, first {wrong[:8]}"
+
+
+@pytest.mark.parametrize("dcp", [1, 2], ids=["dcp1", "dcp2"])
+def test_write_save_clamps_to_prompt_blocks(llama_model_dir: Path, dcp: int) -> None:
+    """WRITE producer (full attention): the blocks it pushes are the prompt's
+    blocks only, without its 8 lookahead slots, whose blocks the consumer
+    never allocated."""
+    layout = Layout(block_size=16, window=None, dcp=dcp)
+    vllm_config = make_vllm_config(
+        llama_model_dir, moriio_kv_transfer_config("kv_producer", read_mode=False)
+    )
+    vllm_config.parallel_config.decode_context_parallel_size = dcp
+    producer = make_scheduler_connector(
+        vllm_config,
+        make_kv_cache_config(
+            [(["model.layers.0.self_attn.attn"], full_attention_spec(16))]
+        ),
+    )
+    params = {
+        "do_remote_decode": True,
+        "remote_block_ids": [],
+        "remote_engine_id": "decode",
+        "remote_host": "127.0.0.1",
+        "remote_handshake_port": 1,
+        "remote_notify_port": 2,
+    }
+    wrong: list[str] = []
+    for n in range(1, 4 * layout.spans[0] + 1):
+        request = make_request(f"w-{n}", n, {**params, "transfer_id": f"w-{n}"})
+        table = allocation(layout, n + 8, prefill_id)
+        producer.update_state_after_alloc(request, make_kv_cache_blocks(table), 0)
+        output = make_scheduler_output()
+        output.num_scheduled_tokens = {request.request_id: n}
+        meta = producer.build_connector_meta(output)
+        saved = meta.reqs_to_save[request.request_id].local_block_ids
+        expected = [table[0][: cdiv(n, layout.spans[0])]]
+        if [list(g) for g in saved] != expected:
+            wrong.append(
+                f"N={n}: saved {len(saved[0])} blocks, expected {len(expected[0])}"
+            )
+    assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"
