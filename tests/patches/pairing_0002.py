@@ -16,6 +16,7 @@ the overlay) and prints the wrong prompt lengths per case as JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (
         MoRIIOConnector,
     )
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -238,21 +240,22 @@ def predicted(case: Case, prompt_lengths: Iterable[int]) -> list[int]:
     ]
 
 
-_SAMPLING: list[Any] = []
+@functools.cache
+def _sampling_params() -> SamplingParams:
+    from vllm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=1, ignore_eos=True)
 
 
 def make_request(
     request_id: str, num_prompt_tokens: int, params: dict[str, Any]
 ) -> Request:
-    """A real ``Request`` carrying ``params`` as its kv_transfer_params, the
-    way ``Request`` reads them from ``SamplingParams.extra_args``. Sweeps build
-    tens of thousands, so the (unchanging) sampling params are shared."""
-    from vllm.sampling_params import SamplingParams
+    """A real ``Request`` whose kv_transfer_params (the attribute ``Request``
+    fills from ``SamplingParams.extra_args``) are ``params``. Sweeps build tens
+    of thousands, so they share one unchanging ``SamplingParams``."""
     from vllm.v1.request import Request
 
-    if not _SAMPLING:
-        _SAMPLING.append(SamplingParams(max_tokens=1, ignore_eos=True))
-    request = Request(request_id, [1] * num_prompt_tokens, _SAMPLING[0], None)
+    request = Request(request_id, [1] * num_prompt_tokens, _sampling_params(), None)
     request.kv_transfer_params = params
     return request
 
