@@ -127,7 +127,7 @@ def allocation(
     """Position-indexed block ids for ``num_tokens`` slots, per group; a
     Mamba group's table holds its running-state slot last."""
     tables = [
-        [make_id(g, k) for k in range(cdiv(num_tokens, span))]
+        list(range(make_id(g, 0), make_id(g, cdiv(num_tokens, span))))
         for g, span in enumerate(layout.spans)
     ]
     if layout.mamba:
