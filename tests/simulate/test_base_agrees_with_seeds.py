@@ -21,6 +21,7 @@ def base_reports():
         PlanItem("dsv4", "1-1024", "0"),
         PlanItem("kimi", "3001-4096/73", "89.7"),
         PlanItem("glm", "100", "0"),
+        PlanItem("gemma", "500-620", "0"),
     ]
     return {r.layout: r for r in run_variant("base", files, plan, port=46000)}
 
@@ -60,3 +61,18 @@ def test_glm_is_refused_at_start(base_reports):
     refusal = base_reports["glm"].refused_at_start
     assert refusal is not None
     assert "exactly one transferable attention group" in refusal
+
+
+def test_gemma_loses_the_window_start_the_prefiller_freed(base_reports):
+    """Not in the seeds; found by the simulator (base and overlay alike).
+
+    Before ``request_finished`` the prefiller frees out-of-window blocks for
+    its next token N (``Scheduler._connector_finished``): positions below
+    N - W + 1. The decoder recomputes token N-1, whose window starts at N-W.
+    When N-W is the last slot of its block (B=16, W=512: N % 16 == 15), that
+    block is the null block in the prefiller's list and the decoder reads it.
+    """
+    report = base_reports["gemma"]
+    assert report.error_cases == 0
+    expected = {n for n in range(500, 621) if n - 512 >= 0 and (n - 512) % 16 == 15}
+    assert set(report.wrong_lengths) == expected
