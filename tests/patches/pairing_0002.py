@@ -449,6 +449,31 @@ def encode_request(cases: Sequence[Case], max_prompt_tokens: int) -> str:
     return msgspec.json.encode(SweepRequest(specs, max_prompt_tokens)).decode()
 
 
+MAX_PROMPT_TOKENS = 4096
+# Prompt lengths upstream saw answered wrongly on DeepSeek-V4-Pro (block 64,
+# window 128, 9 decode lookahead slots).
+UPSTREAM_WRONG_LENGTHS = (251, 377, 384, 440, 447, 636, 832, 895)
+
+DSV4 = Layout(block_size=64, window=128)
+SMALL = Layout(block_size=16, window=32)
+
+SWEEPS: dict[str, tuple[Case, ...]] = {
+    "b64-w128": (
+        Case("b64-w128-d9", DSV4, 0, 9),
+        Case("b64-w128-p9d9", DSV4, 9, 9),
+    ),
+    "b16-w32-d1to8": tuple(Case(f"b16-w32-d{k}", SMALL, 0, k) for k in range(1, 9)),
+    **{
+        f"dcp{dcp}-b64-w128": (
+            Case(f"dcp{dcp}-b64-w128-d9", Layout(64, 128, dcp), 0, 9),
+            Case(f"dcp{dcp}-b64-w128-p9", Layout(64, 128, dcp), 9, 0),
+        )
+        for dcp in (2, 4)
+    },
+}
+ALL_SWEEP_CASES = tuple(c for cases in SWEEPS.values() for c in cases)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--moriio-dir", type=Path, required=True)

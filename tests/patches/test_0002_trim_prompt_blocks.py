@@ -12,14 +12,10 @@ the last prompt token needs must be read (see ``pairing_0002``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 from conftest import (
     full_attention_spec,
@@ -32,45 +28,20 @@ from conftest import (
     moriio_kv_transfer_config,
 )
 from pairing_0002 import (
+    MAX_PROMPT_TOKENS,
+    SMALL,
+    SWEEPS,
     Case,
     Layout,
     LegPair,
-    SweepResult,
     allocation,
     build_leg_pair,
     cdiv,
-    encode_request,
     pairing_errors,
-    predicted,
     prefill_id,
     sweep,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-REPO = Path(__file__).resolve().parents[2]
-MAX_PROMPT_TOKENS = 4096
-# Prompt lengths upstream saw answered wrongly on DeepSeek-V4-Pro (block 64,
-# window 128, 9 decode lookahead slots).
-UPSTREAM_WRONG_LENGTHS = (251, 377, 384, 440, 447, 636, 832, 895)
-
-DSV4 = Layout(block_size=64, window=128)
-SMALL = Layout(block_size=16, window=32)
-
-SWEEPS: dict[str, tuple[Case, ...]] = {
-    "b64-w128": (
-        Case("b64-w128-d9", DSV4, 0, 9),
-        Case("b64-w128-p9d9", DSV4, 9, 9),
-    ),
-    "b16-w32-d1to8": tuple(Case(f"b16-w32-d{k}", SMALL, 0, k) for k in range(1, 9)),
-    **{
-        f"dcp{dcp}-b64-w128": (
-            Case(f"dcp{dcp}-b64-w128-d9", Layout(64, 128, dcp), 0, 9),
-            Case(f"dcp{dcp}-b64-w128-p9", Layout(64, 128, dcp), 9, 0),
-        )
-        for dcp in (2, 4)
-    },
-}
-ALL_SWEEP_CASES = tuple(c for cases in SWEEPS.values() for c in cases)
 
 
 @pytest.fixture(scope="module")
@@ -125,70 +96,6 @@ def test_sweep_reads_every_needed_block(
     wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, MAX_PROMPT_TOKENS + 1))
     summary = {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
     assert not summary, f"wrong prompt lengths (count, first): {summary}"
-
-
-def _materialize_base(out: Path) -> Path:
-    """The pinned base MoRIIO files, recovered from the installed vLLM."""
-    from vllm_overlay.materialize import base_from_target, materialize
-    from vllm_overlay.pin import PIN_FILE, load_pin
-    from vllm_overlay.series import load_series
-    from vllm_overlay.target import detect_target, installed_vllm
-
-    pin = load_pin(REPO / PIN_FILE)
-    series = load_series(REPO)
-    bases = base_from_target(detect_target(installed_vllm()), pin, series)
-    written = materialize(bases, series, out, overlay=False)
-    [connector] = [p for p in written if p.name == "moriio_connector.py"]
-    return connector.parent
-
-
-def sweep_base(
-    cases: Sequence[Case], model_dir: Path, work: Path
-) -> dict[str, list[int]]:
-    """Sweep ``cases`` against the pinned base in a separate interpreter."""
-    moriio_dir = _materialize_base(work / "base")
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).parent), str(REPO), env.get("PYTHONPATH", "")]
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).parent / "pairing_0002.py"),
-            "--moriio-dir",
-            str(moriio_dir),
-            "--model-dir",
-            str(model_dir),
-            encode_request(cases, MAX_PROMPT_TOKENS),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    last_line = proc.stdout.strip().splitlines()[-1]
-    return msgspec.json.decode(last_line, type=SweepResult).wrong
-
-
-@pytest.mark.slow
-def test_base_wrong_lengths_match_the_mechanism(
-    llama_model_dir: Path, tmp_path: Path
-) -> None:
-    """The base's wrong prompt lengths are exactly those where one leg's table
-    ends one block past the other's in a way the base's clip-then-align turns
-    into a shift (``predicted_wrong_on_base``): our model of the bug holds."""
-    wrong = sweep_base(ALL_SWEEP_CASES, llama_model_dir, tmp_path)
-    lengths = range(1, MAX_PROMPT_TOKENS + 1)
-    for case in ALL_SWEEP_CASES:
-        expected = predicted(case, lengths)
-        assert expected, f"{case.name}: the sweep would not discriminate"
-        observed = wrong[case.name]
-        assert observed == expected, (
-            f"{case.name}: only observed {sorted(set(observed) - set(expected))[:8]}, "
-            f"only predicted {sorted(set(expected) - set(observed))[:8]}"
-        )
-    assert set(UPSTREAM_WRONG_LENGTHS) <= set(wrong["b64-w128-d9"])
 
 
 def scheduler_handoff(

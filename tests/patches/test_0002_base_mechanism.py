@@ -1,0 +1,93 @@
+"""Patch 0002's model of the bug, checked against the pinned base itself.
+
+The base's wrong prompt lengths must be exactly the ones the mechanism of
+seed 001 predicts (``pairing_0002.predicted_wrong_on_base``). The sweep runs
+the base MoRIIO files in a separate interpreter, so this file is ours only:
+`vllm-overlay export` ports the patch's own tests, not this one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import pytest
+from pairing_0002 import (
+    ALL_SWEEP_CASES,
+    MAX_PROMPT_TOKENS,
+    UPSTREAM_WRONG_LENGTHS,
+    Case,
+    SweepResult,
+    encode_request,
+    predicted,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _materialize_base(out: Path) -> Path:
+    """The pinned base MoRIIO files, recovered from the installed vLLM."""
+    from vllm_overlay.materialize import base_from_target, materialize
+    from vllm_overlay.pin import PIN_FILE, load_pin
+    from vllm_overlay.series import load_series
+    from vllm_overlay.target import detect_target, installed_vllm
+
+    pin = load_pin(REPO / PIN_FILE)
+    series = load_series(REPO)
+    bases = base_from_target(detect_target(installed_vllm()), pin, series)
+    written = materialize(bases, series, out, overlay=False)
+    [connector] = [p for p in written if p.name == "moriio_connector.py"]
+    return connector.parent
+
+
+def sweep_base(
+    cases: Sequence[Case], model_dir: Path, work: Path
+) -> dict[str, list[int]]:
+    """Sweep ``cases`` against the pinned base in a separate interpreter."""
+    moriio_dir = _materialize_base(work / "base")
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).parent), str(REPO), env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "pairing_0002.py"),
+            "--moriio-dir",
+            str(moriio_dir),
+            "--model-dir",
+            str(model_dir),
+            encode_request(cases, MAX_PROMPT_TOKENS),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    last_line = proc.stdout.strip().splitlines()[-1]
+    return msgspec.json.decode(last_line, type=SweepResult).wrong
+
+
+@pytest.mark.slow
+def test_base_wrong_lengths_match_the_mechanism(
+    llama_model_dir: Path, tmp_path: Path
+) -> None:
+    """The base's wrong prompt lengths are exactly those where one leg's table
+    ends one block past the other's in a way the base's clip-then-align turns
+    into a shift (``predicted_wrong_on_base``): our model of the bug holds."""
+    wrong = sweep_base(ALL_SWEEP_CASES, llama_model_dir, tmp_path)
+    lengths = range(1, MAX_PROMPT_TOKENS + 1)
+    for case in ALL_SWEEP_CASES:
+        expected = predicted(case, lengths)
+        assert expected, f"{case.name}: the sweep would not discriminate"
+        observed = wrong[case.name]
+        assert observed == expected, (
+            f"{case.name}: only observed {sorted(set(observed) - set(expected))[:8]}, "
+            f"only predicted {sorted(set(expected) - set(observed))[:8]}"
+        )
+    assert set(UPSTREAM_WRONG_LENGTHS) <= set(wrong["b64-w128-d9"])
