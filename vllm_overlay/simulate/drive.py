@@ -24,7 +24,7 @@ from vllm_overlay.simulate.check import (
 )
 from vllm_overlay.simulate.layouts import Layout
 from vllm_overlay.simulate.legs import Leg, build_leg
-from vllm_overlay.simulate.pages import PageStore
+from vllm_overlay.simulate.pages import Page, PageStore
 
 Lists = list[list[int]]
 RewriteFn = Callable[[Lists, Lists, Lists], tuple[Lists, Lists]]
@@ -150,12 +150,21 @@ class Pair:
                     if idx < len(table):
                         store.write_state(table[idx], g, uid if ok else -1, valid, end)
                     continue
-                for index in range(start // bt, (end - 1) // bt + 1):
-                    if index >= len(table):
-                        break
-                    lo = max(start, index * bt)
-                    hi = min(end, (index + 1) * bt)
-                    store.write_positions(table[index], g, uid, valid, lo, hi)
+                first = start // bt
+                last = min((end - 1) // bt, len(table) - 1)
+                if first > last:
+                    continue
+                # The first block may continue a partly written page.
+                store.write_positions(
+                    table[first], g, uid, valid, start, min(end, (first + 1) * bt)
+                )
+                pages, null = store.pages, store.null_block_id
+                for index in range(first + 1, last + 1):
+                    block = table[index]
+                    if block != null:
+                        pages[block] = Page(
+                            g, uid, valid, index * bt, min(end, (index + 1) * bt)
+                        )
 
     def _step(
         self,
