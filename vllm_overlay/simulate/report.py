@@ -93,12 +93,14 @@ def _first(ns: list[int], k: int = 6) -> str:
 
 
 def format_table(report: SweepReport) -> str:
+    hits = report.hits
     rows = [
         (
             "layout",
             "variant",
             "lengths",
             "wrong-KV lengths",
+            "wrong per hit %",
             "pages read/min",
             "bytes",
             "extra/dup/unread",
@@ -117,18 +119,23 @@ def format_table(report: SweepReport) -> str:
                     "",
                     "",
                     "",
+                    "",
                 )
             )
             continue
         wrong = f"{len(r.wrong_lengths)}"
         if r.wrong_lengths:
-            wrong += f" ({_first(r.wrong_lengths)})"
+            wrong += f" ({_first(r.wrong_lengths, 5)})"
         rows.append(
             (
                 r.layout,
                 r.variant,
                 str(r.lengths_tried),
                 wrong,
+                " ".join(
+                    f"{hit}:{len(r.wrong_lengths_by_hit.get(hit, []))}"
+                    for hit in (f"{h:g}" for h in hits)
+                ),
                 f"{r.pages_read}/{r.min_pages} = {_ratio(r.pages_read, r.min_pages)}",
                 _ratio(r.bytes_read, r.min_bytes),
                 f"{r.extra_reads}/{r.duplicate_reads}/{r.unread}",
