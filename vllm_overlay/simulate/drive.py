@@ -4,7 +4,9 @@ Order per case: optional decoder warm-up sharing a prefix of the prompt;
 prefill on P until it returns ``kv_transfer_params``; the same prompt on D
 with those params; D's first step carries the ``ReqMeta`` and the block
 table: snapshot what D lacks, READ, check; D samples its token and
-finishes; P gets ``finished_sending`` and frees; both prefix caches reset.
+finishes; P gets ``finished_sending`` and frees. Each case has tokens of its
+own, so earlier cases never give a hit; their pages stay in the pools as
+stale contents, and the prefix caches are reset every 64 cases.
 """
 
 from __future__ import annotations

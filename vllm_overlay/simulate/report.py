@@ -114,7 +114,7 @@ def format_table(report: SweepReport) -> str:
                     r.layout,
                     r.variant,
                     "-",
-                    "refused at start: " + r.refused_at_start[:90],
+                    "refused at start: " + r.refused_at_start[:70],
                     "",
                     "",
                     "",
