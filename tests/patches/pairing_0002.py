@@ -344,7 +344,7 @@ class LegPair:
 
 def build_leg_pair(model_dir: Path, layout: Layout, max_tokens: int) -> LegPair:
     """Producer and consumer for ``layout``; D's blocks cover ``max_tokens``."""
-    from conftest import (
+    from tests.patches.conftest import (
         full_attention_spec,
         kda_mamba_spec,
         make_kv_cache_config,

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from conftest import (
+from tests.patches.conftest import (
     block_id_source,
     full_attention_spec,
     kda_mamba_spec,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from pairing_0002 import (
+from tests.patches.pairing_0002 import (
     ALL_SWEEP_CASES,
     MAX_PROMPT_TOKENS,
     UPSTREAM_WRONG_LENGTHS,

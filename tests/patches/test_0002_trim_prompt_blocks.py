@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import (
+from tests.patches.conftest import (
     full_attention_spec,
     make_kv_cache_blocks,
     make_kv_cache_config,
@@ -27,7 +27,7 @@ from conftest import (
     make_vllm_config,
     moriio_kv_transfer_config,
 )
-from pairing_0002 import (
+from tests.patches.pairing_0002 import (
     MAX_PROMPT_TOKENS,
     SMALL,
     SWEEPS,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import (
+from tests.patches.conftest import (
     full_attention_spec,
     kda_mamba_spec,
     make_kv_cache_blocks,
