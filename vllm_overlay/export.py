@@ -147,11 +147,7 @@ def _revert_red_rows(
 ) -> tuple[list, list]:
     named, problems = [], []
     for test_id in patch.header.tests:
-        rows = [
-            r
-            for r in report.rows
-            if r.test_id == test_id or r.test_id.startswith(test_id + "[")
-        ]
+        rows = report.rows_named(test_id)
         if not rows:
             problems.append(f"{test_id} is not in the report")
         for r in rows:

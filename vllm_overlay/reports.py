@@ -46,6 +46,15 @@ class RevertRedReport(msgspec.Struct, forbid_unknown_fields=True):
     def rows_for(self, patch: str) -> list[RevertRedRow]:
         return [r for r in self.rows if r.patch == patch]
 
+    def rows_named(self, test_id: str) -> list[RevertRedRow]:
+        """The rows a ``Tests:`` header entry names: the id itself, or every
+        parametrization of it."""
+        return [
+            r
+            for r in self.rows
+            if r.test_id == test_id or r.test_id.startswith(test_id + "[")
+        ]
+
 
 def unit_base_report_path(root: Path) -> Path:
     return root / REPORT_DIR / UNIT_BASE_REPORT

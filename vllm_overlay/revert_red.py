@@ -41,11 +41,7 @@ def gate(report: RevertRedReport, series: Series) -> list[str]:
     problems = [] if report.rows else ["no test ran"]
     for patch in series.patches:
         for named in patch.header.tests:
-            rows = [
-                r
-                for r in report.rows
-                if r.test_id == named or r.test_id.startswith(named + "[")
-            ]
+            rows = report.rows_named(named)
             if not rows:
                 problems.append(f"{patch.name}: {named} was not run")
             for r in rows:

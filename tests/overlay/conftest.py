@@ -13,21 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.overlay.workspace import REPO, Workspace
-from vllm_overlay.materialize import base_from_target
-from vllm_overlay.pin import PIN_FILE, Pin, load_pin
-from vllm_overlay.series import load_series
-from vllm_overlay.target import detect_target, installed_vllm
-
-
-@pytest.fixture(scope="session")
-def pin() -> Pin:
-    return load_pin(REPO / PIN_FILE)
-
-
-@pytest.fixture(scope="session")
-def base_texts(pin: Pin) -> dict[str, str]:
-    target = detect_target(installed_vllm())
-    return base_from_target(target, pin, load_series(REPO))
+from vllm_overlay.pin import PIN_FILE, Pin
 
 
 @pytest.fixture

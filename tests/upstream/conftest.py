@@ -17,27 +17,13 @@ from pathlib import Path
 import pytest
 
 from vllm_overlay.diff import unified_diff
-from vllm_overlay.materialize import base_from_target
-from vllm_overlay.pin import PIN_FILE, Pin, encode_pin, load_pin
-from vllm_overlay.series import load_series
-from vllm_overlay.target import detect_target, installed_vllm
+from vllm_overlay.pin import PIN_FILE, Pin, encode_pin
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
 CONNECTOR = f"{MODULE}/moriio_connector.py"
 COMMON = f"{MODULE}/moriio_common.py"
 OLD_WHEEL_ENV = "VLLM_OVERLAY_TEST_OLD_WHEEL"
-
-
-@pytest.fixture(scope="session")
-def pin() -> Pin:
-    return load_pin(REPO / PIN_FILE)
-
-
-@pytest.fixture(scope="session")
-def base_texts(pin: Pin) -> dict[str, str]:
-    target = detect_target(installed_vllm())
-    return base_from_target(target, pin, load_series(REPO))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,30 @@
+"""Fixtures every test directory may use: the pin and the real base files.
+
+The base files are the pinned vLLM's, taken from the vLLM installed in the
+test environment (peeled back to the base when that install is overlaid), so
+tests run against the exact bytes the series is made for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_overlay.materialize import base_from_target
+from vllm_overlay.pin import PIN_FILE, Pin, load_pin
+from vllm_overlay.series import load_series
+from vllm_overlay.target import detect_target, installed_vllm
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def pin() -> Pin:
+    return load_pin(REPO / PIN_FILE)
+
+
+@pytest.fixture(scope="session")
+def base_texts(pin: Pin) -> dict[str, str]:
+    target = detect_target(installed_vllm())
+    return base_from_target(target, pin, load_series(REPO))
