@@ -11,8 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-_REGISTERED: set[str] = set()
-
 
 @dataclass(frozen=True)
 class SpecSlots:
@@ -26,8 +24,8 @@ class SpecSlots:
 class Layout:
     name: str
     block_size: int
-    build_specs: Callable[[int], dict[str, Any]]
-    """dcp -> {layer name: KVCacheSpec}."""
+    build_specs: Callable[[], dict[str, Any]]
+    """{layer name: KVCacheSpec}; DCP shards attention specs via the config."""
     dcp: int = 1
     has_state: bool = False
     """Mamba/KDA state groups present (mamba_cache_mode="align")."""
@@ -36,7 +34,7 @@ class Layout:
     note: str = ""
 
     def layer_specs(self) -> dict[str, Any]:
-        return self.build_specs(self.dcp)
+        return self.build_specs()
 
     def register_specs(self) -> None:
         _register_tail_ring_spec()
@@ -132,13 +130,11 @@ def _tail_ring(block: int, window: int, head_size: int) -> Any:
     )
 
 
-def _llama(dcp: int) -> dict[str, Any]:
-    del dcp
+def _llama() -> dict[str, Any]:
     return {f"model.layers.{i}.self_attn.attn": _full(16) for i in range(2)}
 
 
-def _gemma(dcp: int) -> dict[str, Any]:
-    del dcp
+def _gemma() -> dict[str, Any]:
     specs = {}
     for i in range(6):
         full = i % 6 == 5
@@ -146,8 +142,7 @@ def _gemma(dcp: int) -> dict[str, Any]:
     return specs
 
 
-def _dsv4(dcp: int) -> dict[str, Any]:
-    del dcp
+def _dsv4() -> dict[str, Any]:
     specs = {}
     for i in range(4):
         specs[f"model.layers.{i}.attn.full"] = _full(64)
@@ -158,8 +153,7 @@ def _dsv4(dcp: int) -> dict[str, Any]:
 _KIMI_BLOCK = 64
 
 
-def _kimi(dcp: int) -> dict[str, Any]:
-    del dcp
+def _kimi() -> dict[str, Any]:
     mla = _mla(_KIMI_BLOCK)
     specs: dict[str, Any] = {}
     for i in range(4):
@@ -172,8 +166,7 @@ def _kimi(dcp: int) -> dict[str, Any]:
     return specs
 
 
-def _glm(dcp: int) -> dict[str, Any]:
-    del dcp
+def _glm() -> dict[str, Any]:
     block = 64
     mla = _mla(block)
     tail = _tail_ring(block, 16, 576)
