@@ -247,7 +247,7 @@ def _sampling_params() -> SamplingParams:
     return SamplingParams(max_tokens=1, ignore_eos=True)
 
 
-def make_request(
+def make_sweep_request(
     request_id: str, num_prompt_tokens: int, params: dict[str, Any]
 ) -> Request:
     """A real ``Request`` whose kv_transfer_params (the attribute ``Request``
@@ -278,7 +278,7 @@ class LegPair:
         from vllm.v1.request import RequestStatus
 
         i = next(self.counter)
-        request = make_request(
+        request = make_sweep_request(
             f"p-{i}",
             num_prompt_tokens,
             {"do_remote_decode": True, "transfer_id": f"t-{i}"},
@@ -298,7 +298,9 @@ class LegPair:
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-        request = make_request(f"d-{next(self.counter)}", num_prompt_tokens, params)
+        request = make_sweep_request(
+            f"d-{next(self.counter)}", num_prompt_tokens, params
+        )
         num_external, _ = self.consumer.get_num_new_matched_tokens(request, 0)
         num_tokens = num_prompt_tokens + decode_tail
         groups = [
