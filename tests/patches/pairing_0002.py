@@ -8,32 +8,40 @@ both hold the same positions. The decoder recomputes the last prompt token
 (position ``N-1``) and needs from the prefiller every position below it (full
 attention) or every position of its window below it, ``[N-W, N-1)``.
 
-Run as a script, this module sweeps prompt lengths against the MoRIIO package
-in ``--moriio-dir`` (e.g. the pinned base, while the installed vLLM carries
-the overlay) and prints the wrong prompt lengths per case as JSON.
+``run_sweep_request`` sweeps prompt lengths for the base-mechanism test,
+which runs it against the pinned base files in a separate interpreter.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (
-        MoRIIOConnector,
-    )
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (
+    MoRIIOConnector,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.request import Request, RequestStatus
+
+from tests.patches.conftest import (
+    full_attention_spec,
+    kda_mamba_spec,
+    make_kv_cache_config,
+    make_scheduler_connector,
+    make_vllm_config,
+    moriio_kv_transfer_config,
+    sliding_window_spec,
+)
 
 # Block ids encode (leg, group, block index); 0 is vLLM's null block.
 _PREFILL_BASE = 1_000_000
@@ -242,8 +250,6 @@ def predicted(case: Case, prompt_lengths: Iterable[int]) -> list[int]:
 
 @functools.cache
 def _sampling_params() -> SamplingParams:
-    from vllm.sampling_params import SamplingParams
-
     return SamplingParams(max_tokens=1, ignore_eos=True)
 
 
@@ -253,8 +259,6 @@ def make_sweep_request(
     """A real ``Request`` whose kv_transfer_params (the attribute ``Request``
     fills from ``SamplingParams.extra_args``) are ``params``. Sweeps build tens
     of thousands, so they share one unchanging ``SamplingParams``."""
-    from vllm.v1.request import Request
-
     request = Request(request_id, [1] * num_prompt_tokens, _sampling_params(), None)
     request.kv_transfer_params = params
     return request
@@ -275,8 +279,6 @@ class LegPair:
         self, num_prompt_tokens: int, table: Sequence[Sequence[int]]
     ) -> dict[str, Any]:
         """P's ``request_finished_all_groups``: the params D receives."""
-        from vllm.v1.request import RequestStatus
-
         i = next(self.counter)
         request = make_sweep_request(
             f"p-{i}",
@@ -295,9 +297,6 @@ class LegPair:
         self, num_prompt_tokens: int, params: dict[str, Any], decode_tail: int
     ) -> str:
         """D's admission with ``decode_tail`` lookahead slots; the request id."""
-        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-        from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
         request = make_sweep_request(
             f"d-{next(self.counter)}", num_prompt_tokens, params
         )
@@ -320,8 +319,6 @@ class LegPair:
 
     def reads(self) -> dict[str, BlockLists]:
         """D's ``build_connector_meta``: per request, the block lists READ."""
-        from vllm.v1.core.sched.output import SchedulerOutput
-
         meta = self.consumer.build_connector_meta(SchedulerOutput.make_empty())
         return {
             req_id: [
@@ -346,17 +343,6 @@ class LegPair:
 
 def build_leg_pair(model_dir: Path, layout: Layout, max_tokens: int) -> LegPair:
     """Producer and consumer for ``layout``; D's blocks cover ``max_tokens``."""
-    from tests.patches.conftest import (
-        full_attention_spec,
-        kda_mamba_spec,
-        make_kv_cache_config,
-        make_scheduler_connector,
-        make_vllm_config,
-        moriio_kv_transfer_config,
-        sliding_window_spec,
-    )
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
     groups: list[tuple[list[str], Any]] = [
         (["model.layers.0.self_attn.attn"], full_attention_spec(layout.block_size))
     ]
@@ -476,26 +462,16 @@ SWEEPS: dict[str, tuple[Case, ...]] = {
 ALL_SWEEP_CASES = tuple(c for cases in SWEEPS.values() for c in cases)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--moriio-dir", type=Path, required=True)
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("request", help="a SweepRequest as JSON")
-    args = parser.parse_args(argv)
-    from vllm_overlay.variant import use_moriio_dir
-
-    use_moriio_dir(args.moriio_dir)
-    spec = msgspec.json.decode(args.request, type=SweepRequest)
+def run_sweep_request(model_dir: Path, request: str) -> str:
+    """Run a JSON ``SweepRequest``; return the ``SweepResult`` as JSON. The
+    base-mechanism test calls it in an interpreter whose MoRIIO package was
+    redirected to the base files first."""
+    spec = msgspec.json.decode(request, type=SweepRequest)
     cases = [
         Case(
             c.name, Layout(c.block_size, c.window, c.dcp), c.prefill_tail, c.decode_tail
         )
         for c in spec.cases
     ]
-    wrong = sweep_cases(args.model_dir, cases, spec.max_prompt_tokens)
-    sys.stdout.write(msgspec.json.encode(SweepResult(wrong)).decode() + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    wrong = sweep_cases(model_dir, cases, spec.max_prompt_tokens)
+    return msgspec.json.encode(SweepResult(wrong)).decode()

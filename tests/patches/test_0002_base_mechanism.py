@@ -51,15 +51,22 @@ def sweep_base(
     moriio_dir = _materialize_base(work / "base")
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).parent), str(REPO), env.get("PYTHONPATH", "")]
+        [str(REPO), env.get("PYTHONPATH", "")]
+    )
+    # Redirect the MoRIIO package to the base files before anything imports it.
+    code = (
+        "import sys; from pathlib import Path; "
+        "from vllm_overlay.variant import use_moriio_dir; "
+        "use_moriio_dir(Path(sys.argv[1])); "
+        "from tests.patches.pairing_0002 import run_sweep_request; "
+        "print(run_sweep_request(Path(sys.argv[2]), sys.argv[3]))"
     )
     proc = subprocess.run(
         [
             sys.executable,
-            str(Path(__file__).parent / "pairing_0002.py"),
-            "--moriio-dir",
+            "-c",
+            code,
             str(moriio_dir),
-            "--model-dir",
             str(model_dir),
             encode_request(cases, MAX_PROMPT_TOKENS),
         ],
@@ -67,6 +74,7 @@ def sweep_base(
         capture_output=True,
         text=True,
         check=False,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     last_line = proc.stdout.strip().splitlines()[-1]
