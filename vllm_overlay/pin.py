@@ -10,6 +10,7 @@ import msgspec
 import tomli_w
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.structs import decode_toml, read_toml
 
 PIN_FILE = "pin.toml"
 MODULE_DIR = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
@@ -70,20 +71,11 @@ def sha256_file(path: Path) -> str:
 
 
 def decode_pin(data: bytes | str, source: str = PIN_FILE) -> Pin:
-    try:
-        return msgspec.toml.decode(data, type=Pin)
-    except msgspec.ValidationError as e:
-        raise PinError(f"{source}: invalid pin: {e}") from None
-    except msgspec.DecodeError as e:
-        raise PinError(f"{source}: not valid TOML: {e}") from None
+    return decode_toml(data, Pin, source, "pin", PinError)
 
 
 def load_pin(path: Path) -> Pin:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise PinError(f"{path}: cannot read pin: {e.strerror}") from None
-    return decode_pin(data, str(path))
+    return read_toml(path, Pin, "pin", PinError)
 
 
 def encode_pin(pin: Pin) -> str:

@@ -8,6 +8,7 @@ from typing import Annotated
 import msgspec
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.structs import decode_toml, read_toml
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -161,20 +162,11 @@ class PairConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def decode_config(data: bytes | str, source: str = "<config>") -> PairConfig:
-    try:
-        return msgspec.toml.decode(data, type=PairConfig)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: invalid pair config: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    return decode_toml(data, PairConfig, source, "pair config", ConfigError)
 
 
 def load_config(path: Path) -> PairConfig:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
-    return decode_config(data, str(path))
+    return read_toml(path, PairConfig, "config", ConfigError)
 
 
 def encode_config(config: PairConfig) -> dict[str, object]:
