@@ -8,6 +8,7 @@ by ``worker.py``; layouts are split across processes to use both cores.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -213,8 +214,12 @@ def run_variant(
         if isinstance(line, LayoutReport):
             results.append(line)
 
-    _reader(proc, sink, tail)
-    if proc.wait() != 0:
+    try:
+        _reader(proc, sink, tail)
+        proc.wait()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if proc.returncode != 0:
         raise RuntimeError(
             f"simulator worker exited {proc.returncode}:\n" + "".join(tail)
         )
@@ -274,9 +279,11 @@ def run_sweep(
             thread = threading.Thread(target=_reader, args=(proc, sink, tail))
             thread.start()
             procs.append((proc, thread, tail, variant, chunk))
-    for proc, thread, tail, variant, chunk in procs:
+    for proc, thread, *_ in procs:
         proc.wait()
         thread.join()
+    shutil.rmtree(root, ignore_errors=True)
+    for proc, _, tail, variant, chunk in procs:
         if proc.returncode != 0:
             raise RuntimeError(
                 f"simulator worker {variant} {chunk} exited {proc.returncode}:\n"
