@@ -217,11 +217,13 @@ def dev(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def simulate(session: nox.Session) -> None:
-    """The CPU prefill/decode simulator: base vs overlay for every layout."""
+    """The CPU prefill/decode simulator: base vs overlay for every layout.
+    `nox -s simulate -- --lengths 1-4096` tries every length (about 14 min)."""
     python = cpu_env(session, CPU_ENV)
+    args = session.posargs or ["--json", str(REPORTS / "simulate.json")]
     session.run(
-        str(python), "-m", "vllm_overlay.cli", "simulate", *session.posargs,
-        env=TEST_ENV, external=True,
+        str(python), "-m", "vllm_overlay.cli", "simulate", *args, env=TEST_ENV,
+        external=True,
     )  # fmt: skip
 
 
