@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.overlay.workspace import COMMON, CONNECTOR, Workspace, replace_once
+from tests.overlay.workspace import ANCHOR, COMMON, CONNECTOR, Workspace, replace_once
 from vllm_overlay import apply as apply_mod
 from vllm_overlay.apply import ApplyError, apply_series, revert_series
 from vllm_overlay.manifest import MANIFEST_NAME
@@ -14,8 +14,6 @@ from vllm_overlay.pin import load_pin
 from vllm_overlay.series import load_series
 from vllm_overlay.status import tree_status
 from vllm_overlay.target import detect_target
-
-ANCHOR = "class MoRIIOConnectorScheduler:\n"
 
 
 def _mark(tag: str):

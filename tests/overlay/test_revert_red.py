@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.overlay.workspace import CONNECTOR, Workspace, replace_once
+from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
 from vllm_overlay.cli import main
 from vllm_overlay.reports import load_revert_red
 from vllm_overlay.revert_red import build_report, gate
 from vllm_overlay.series import load_series
 
-ANCHOR = "class MoRIIOConnectorScheduler:\n"
 NAMED = "tests/overlay/conftest.py::test_fix"
 
 

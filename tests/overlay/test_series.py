@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.overlay.workspace import CONNECTOR, Workspace, header, replace_once
+from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, header, replace_once
 from vllm_overlay.cli import main
 from vllm_overlay.pin import load_pin
 from vllm_overlay.series import SeriesError, check_series, load_series
-
-ANCHOR = "class MoRIIOConnectorScheduler:\n"
 
 
 def _edit(tag: str):

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 
-from tests.overlay.workspace import CONNECTOR, Workspace, replace_once
+from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
 from vllm_overlay.cli import main
 from vllm_overlay.pin import load_pin
 from vllm_overlay.series import load_series
 from vllm_overlay.status import tree_status
 from vllm_overlay.target import detect_target
-
-ANCHOR = "class MoRIIOConnectorScheduler:\n"
 
 
 def _state(ws: Workspace):

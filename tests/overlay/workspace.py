@@ -9,6 +9,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+# A line that stands once in the base moriio_connector.py: test patches edit
+# around it.
+ANCHOR = "def _split_kv_cache_group_kinds(\n"
 COMMON = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_common.py"
 
 
