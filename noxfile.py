@@ -186,7 +186,7 @@ def unit_base(session: nox.Session) -> None:
     base, overlaid = REPORTS / "outcomes-base.json", REPORTS / "outcomes-overlay.json"
     for stale in (base, overlaid):
         stale.unlink(missing_ok=True)
-    pytest = (str(python), "-m", "pytest", "-p", "vllm_overlay.outcomes", "-q")
+    pytest = (str(python), "-m", "pytest", "-p", "vllm_overlay.gate.outcomes", "-q")
     overlay(session, python, "apply", "--revert")
     session.log("running the suite on the pinned base (failures expected)")
     session.run(

@@ -3,7 +3,7 @@ selection vs the overlay, on a Kimi-K3-like layout, at several decoder
 prefix-hit ratios. A figure, not a test: nothing is asserted.
 
 Each variant runs in its own subprocess with the MoRIIO package loaded from a
-directory (``vllm_overlay.variant``): the real scheduler-side connector of a
+directory (``vllm_overlay.tree.variant``): the real scheduler-side connector of a
 producer finishes the prefill (``request_finished_all_groups``), a consumer
 admits the prompt (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
 ``build_connector_meta``) with position-indexed tables as the KV cache manager
@@ -60,7 +60,7 @@ class Measurement(msgspec.Struct, frozen=True):
 
 
 def measure(directory: Path, label: str) -> Measurement:
-    from vllm_overlay.variant import use_moriio_dir
+    from vllm_overlay.tree.variant import use_moriio_dir
 
     use_moriio_dir(directory)
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_overlay.materialize import base_from_target
-from vllm_overlay.pin import PIN_FILE, Pin, load_pin
-from vllm_overlay.series import load_series
-from vllm_overlay.target import detect_target, installed_vllm
+from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
+from vllm_overlay.tree.materialize import base_from_target
+from vllm_overlay.tree.target import detect_target, installed_vllm
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,21 +9,27 @@ from pathlib import Path
 
 import msgspec
 
-from vllm_overlay.apply import apply_series, revert_series
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.materialize import (
+from vllm_overlay.gate.outcomes import load_outcomes
+from vllm_overlay.gate.reports import encode_report, unit_base_report_path
+from vllm_overlay.gate.revert_red import build_report, format_table, gate
+from vllm_overlay.series.patch_series import (
+    PATCH_DIR,
+    SERIES_FILE,
+    Series,
+    SeriesError,
+    load_series,
+)
+from vllm_overlay.series.patch_series import check_series as run_series_check
+from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
+from vllm_overlay.tree.apply import apply_series, revert_series
+from vllm_overlay.tree.materialize import (
     base_from_target,
     base_from_wheel,
     materialize,
 )
-from vllm_overlay.outcomes import load_outcomes
-from vllm_overlay.pin import PIN_FILE, Pin, load_pin
-from vllm_overlay.reports import encode_report, unit_base_report_path
-from vllm_overlay.revert_red import build_report, format_table, gate
-from vllm_overlay.series import PATCH_DIR, SERIES_FILE, Series, SeriesError, load_series
-from vllm_overlay.series import check_series as run_series_check
-from vllm_overlay.status import format_status, tree_status
-from vllm_overlay.target import Target, detect_target, installed_vllm
+from vllm_overlay.tree.status import format_status, tree_status
+from vllm_overlay.tree.target import Target, detect_target, installed_vllm
 
 
 def find_repo(start: Path | None = None) -> Path:
@@ -155,10 +161,10 @@ def _extensions() -> list[Register]:
     """Subcommands that live in their own modules."""
     registers: list[Register] = []
     for module in (
-        "vllm_overlay.export",
-        "vllm_overlay.rebase",
+        "vllm_overlay.upstream.export",
+        "vllm_overlay.upstream.rebase",
         "vllm_overlay.simulate.cli",
-        "vllm_overlay.image",
+        "vllm_overlay.image.build",
         "vllm_overlay.e2e.cli",
     ):
         try:

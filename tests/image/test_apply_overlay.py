@@ -14,10 +14,10 @@ import msgspec
 import pytest
 
 from tests.image.conftest import ENGINE, REPO
-from vllm_overlay.manifest import MANIFEST_NAME, Manifest
-from vllm_overlay.materialize import materialize
-from vllm_overlay.pin import PIN_FILE, Pin
-from vllm_overlay.series import Series
+from vllm_overlay.series.patch_series import Series
+from vllm_overlay.series.pin import PIN_FILE, Pin
+from vllm_overlay.tree.manifest import MANIFEST_NAME, Manifest
+from vllm_overlay.tree.materialize import materialize
 
 SCRIPT = REPO / "docker" / "apply-overlay.sh"
 DOCKERFILE = REPO / "docker" / "Dockerfile"

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 from tests.image.conftest import COMMON
-from vllm_overlay.apply import apply_series
-from vllm_overlay.banner import installed_version, overlay_line
 from vllm_overlay.e2e.checks import BANNER
-from vllm_overlay.pin import Pin
-from vllm_overlay.series import load_series
-from vllm_overlay.target import detect_target, installed_vllm
+from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.series.pin import Pin
+from vllm_overlay.tree.apply import apply_series
+from vllm_overlay.tree.banner import installed_version, overlay_line
+from vllm_overlay.tree.target import detect_target, installed_vllm
 
 
 def test_overlaid_tree_names_its_series(

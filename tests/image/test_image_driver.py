@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from vllm_overlay.cli import main
-from vllm_overlay.image import ImageError, build_args, default_tag, run_image
-from vllm_overlay.pin import PIN_FILE, load_pin
-from vllm_overlay.series import load_series
+from vllm_overlay.image.build import ImageError, build_args, default_tag, run_image
+from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.series.pin import PIN_FILE, load_pin
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.overlay.workspace import REPO, Workspace
-from vllm_overlay.pin import PIN_FILE, Pin
+from vllm_overlay.series.pin import PIN_FILE, Pin
 
 
 @pytest.fixture

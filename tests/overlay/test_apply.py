@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from tests.overlay.workspace import ANCHOR, COMMON, CONNECTOR, Workspace, replace_once
-from vllm_overlay import apply as apply_mod
-from vllm_overlay.apply import ApplyError, apply_series, revert_series
-from vllm_overlay.manifest import MANIFEST_NAME
-from vllm_overlay.pin import load_pin
-from vllm_overlay.series import load_series
-from vllm_overlay.status import tree_status
-from vllm_overlay.target import detect_target
+from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.series.pin import load_pin
+from vllm_overlay.tree import apply as apply_mod
+from vllm_overlay.tree.apply import ApplyError, apply_series, revert_series
+from vllm_overlay.tree.manifest import MANIFEST_NAME
+from vllm_overlay.tree.status import tree_status
+from vllm_overlay.tree.target import detect_target
 
 
 def _mark(tag: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.overlay.workspace import make_diff
-from vllm_overlay.diff import DiffError, HunkError, apply_file_patch, parse_patch
+from vllm_overlay.series.diff import DiffError, HunkError, apply_file_patch, parse_patch
 
 OLD = "".join(f"line {i}\n" for i in range(1, 41))
 NEW = OLD.replace("line 10\n", "line ten\n").replace("line 30\n", "")

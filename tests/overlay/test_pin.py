@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.overlay.workspace import REPO
-from vllm_overlay.materialize import MaterializeError, base_from_wheel
-from vllm_overlay.pin import PinError, decode_pin, encode_pin, load_pin
+from vllm_overlay.series.pin import PinError, decode_pin, encode_pin, load_pin
+from vllm_overlay.tree.materialize import MaterializeError, base_from_wheel
 
 PIN_TEXT = (REPO / "pin.toml").read_text()
 

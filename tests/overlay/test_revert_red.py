@@ -7,9 +7,9 @@ from pathlib import Path
 
 from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
 from vllm_overlay.cli import main
-from vllm_overlay.reports import load_revert_red
-from vllm_overlay.revert_red import build_report, gate
-from vllm_overlay.series import load_series
+from vllm_overlay.gate.reports import load_revert_red
+from vllm_overlay.gate.revert_red import build_report, gate
+from vllm_overlay.series.patch_series import load_series
 
 NAMED = "tests/overlay/conftest.py::test_fix"
 

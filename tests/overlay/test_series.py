@@ -6,8 +6,8 @@ import pytest
 
 from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, header, replace_once
 from vllm_overlay.cli import main
-from vllm_overlay.pin import load_pin
-from vllm_overlay.series import SeriesError, check_series, load_series
+from vllm_overlay.series.patch_series import SeriesError, check_series, load_series
+from vllm_overlay.series.pin import load_pin
 
 
 def _edit(tag: str):

@@ -6,10 +6,10 @@ import json
 
 from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
 from vllm_overlay.cli import main
-from vllm_overlay.pin import load_pin
-from vllm_overlay.series import load_series
-from vllm_overlay.status import tree_status
-from vllm_overlay.target import detect_target
+from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.series.pin import load_pin
+from vllm_overlay.tree.status import tree_status
+from vllm_overlay.tree.target import detect_target
 
 
 def _state(ws: Workspace):

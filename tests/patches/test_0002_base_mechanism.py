@@ -31,10 +31,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _materialize_base(out: Path) -> Path:
     """The pinned base MoRIIO files, recovered from the installed vLLM."""
-    from vllm_overlay.materialize import base_from_target, materialize
-    from vllm_overlay.pin import PIN_FILE, load_pin
-    from vllm_overlay.series import load_series
-    from vllm_overlay.target import detect_target, installed_vllm
+    from vllm_overlay.tree.materialize import base_from_target, materialize
+    from vllm_overlay.series.pin import PIN_FILE, load_pin
+    from vllm_overlay.series.patch_series import load_series
+    from vllm_overlay.tree.target import detect_target, installed_vllm
 
     pin = load_pin(REPO / PIN_FILE)
     series = load_series(REPO)
@@ -56,7 +56,7 @@ def sweep_base(
     # Redirect the MoRIIO package to the base files before anything imports it.
     code = (
         "import sys; from pathlib import Path; "
-        "from vllm_overlay.variant import use_moriio_dir; "
+        "from vllm_overlay.tree.variant import use_moriio_dir; "
         "use_moriio_dir(Path(sys.argv[1])); "
         "from tests.patches.pairing_0002 import run_sweep_request; "
         "print(run_sweep_request(Path(sys.argv[2]), sys.argv[3]))"

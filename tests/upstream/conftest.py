@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_overlay.diff import unified_diff
-from vllm_overlay.pin import PIN_FILE, Pin, encode_pin
+from vllm_overlay.series.diff import unified_diff
+from vllm_overlay.series.pin import PIN_FILE, Pin, encode_pin
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"

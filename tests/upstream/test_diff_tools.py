@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_overlay.diff import (
+from vllm_overlay.series.diff import (
     apply_file_patch,
     git_blob_sha1,
     parse_patch,

@@ -24,17 +24,17 @@ from tests.upstream.conftest import (
     patch_text,
 )
 from vllm_overlay.cli import main
-from vllm_overlay.export import ExportError, export, find_ruff, load_context
-from vllm_overlay.gitmail import Identity
-from vllm_overlay.pin import Pin
-from vllm_overlay.reports import (
+from vllm_overlay.gate.reports import (
     RevertRedReport,
     RevertRedRow,
     encode_report,
     unit_base_report_path,
 )
-from vllm_overlay.series import load_series
-from vllm_overlay.testport import SPDX_HEADER
+from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.series.pin import Pin
+from vllm_overlay.upstream.export import ExportError, export, find_ruff, load_context
+from vllm_overlay.upstream.gitmail import Identity
+from vllm_overlay.upstream.testport import SPDX_HEADER
 
 CONFIG = Path(__file__).resolve().parents[2] / "ci" / "ruff-vllm.toml"
 SPDX = "# SPDX-License-Identifier: Apache-2.0\n"
@@ -260,7 +260,7 @@ def test_bundle_for_a_standalone_patch(
     )
     series = load_series(repo)
     for fp in series.patches[0].files:
-        from vllm_overlay.diff import apply_file_patch
+        from vllm_overlay.series.diff import apply_file_patch
 
         assert (git / fp.path).read_text() == apply_file_patch(
             base_texts[fp.path], fp

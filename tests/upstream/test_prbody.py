@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_overlay.prbody import BodyError, split_description, unwrap
-from vllm_overlay.series import parse_header
+from vllm_overlay.series.patch_series import parse_header
+from vllm_overlay.upstream.prbody import BodyError, split_description, unwrap
 
 HEAD = """Subject: [KV Connector][ROCm] MoRIIO: read only missing pages
 Description: with a decoder prefix hit, read only the pages it lacks.
@@ -40,7 +40,7 @@ def test_sections_and_labels() -> None:
         "What changes: both legs are sliced to the same page indices.\n"
         "- first item continued\n- second item"
     )
-    from vllm_overlay.prbody import label_changes
+    from vllm_overlay.upstream.prbody import label_changes
 
     assert label_changes(unwrap(s.changes[0])).startswith("Both legs are sliced")
     assert label_changes(s.changes[1]) == (
@@ -49,7 +49,7 @@ def test_sections_and_labels() -> None:
 
 
 def test_parenthesised_label_and_links() -> None:
-    from vllm_overlay.prbody import _links, label_changes
+    from vllm_overlay.upstream.prbody import _links, label_changes
 
     assert label_changes("What changes (one file only): x") == (
         "**What changes (one file only):** x"

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_overlay.testport import SPDX_HEADER, PortError, port_test, upstream_test_path
+from vllm_overlay.upstream.testport import (
+    SPDX_HEADER,
+    PortError,
+    port_test,
+    upstream_test_path,
+)
 
 CONFTEST = '''"""Builders."""
 
@@ -97,7 +102,7 @@ def test_port_inlines_across_local_modules(tmp_path: Path) -> None:
             "uses a local",
         ),
         (
-            "from vllm_overlay.pin import Pin\n\n\ndef test_x():\n    Pin\n",
+            "from vllm_overlay.series.pin import Pin\n\n\ndef test_x():\n    Pin\n",
             "'vllm_overlay', which is not in vLLM's tree",
         ),
         (

@@ -38,7 +38,7 @@ def expected_series() -> str:
     """The series id of the overlay checkout this runs from, if any."""
     try:
         from vllm_overlay.cli import find_repo
-        from vllm_overlay.series import load_series
+        from vllm_overlay.series.patch_series import load_series
 
         return load_series(find_repo()).series_id
     except (ImportError, OverlayError):

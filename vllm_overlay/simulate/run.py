@@ -80,10 +80,10 @@ def base_files(source: Path | None = None) -> tuple[dict[str, str], str]:
     Default: ``$VLLM_OVERLAY_WHEEL``, else the installed vLLM, else the
     wheel in /tmp/wheels.
     """
-    from vllm_overlay.materialize import base_from_target, base_from_wheel
-    from vllm_overlay.pin import PIN_FILE, load_pin
-    from vllm_overlay.series import load_series
-    from vllm_overlay.target import detect_target, installed_vllm
+    from vllm_overlay.series.patch_series import load_series
+    from vllm_overlay.series.pin import PIN_FILE, load_pin
+    from vllm_overlay.tree.materialize import base_from_target, base_from_wheel
+    from vllm_overlay.tree.target import detect_target, installed_vllm
 
     repo = _repo()
     pin = load_pin(repo / PIN_FILE)
@@ -111,9 +111,9 @@ def overlay_files(
     branch, e.g. ``/work/scratch/stack@p0003``).
     """
     if source is None or source == "series":
-        from vllm_overlay.apply import overlay_texts
-        from vllm_overlay.pin import PIN_FILE, load_pin
-        from vllm_overlay.series import load_series
+        from vllm_overlay.series.patch_series import load_series
+        from vllm_overlay.series.pin import PIN_FILE, load_pin
+        from vllm_overlay.tree.apply import overlay_texts
 
         repo = _repo()
         pin = load_pin(repo / PIN_FILE)

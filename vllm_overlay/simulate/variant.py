@@ -1,6 +1,6 @@
 """Write a complete moriio package directory for one variant.
 
-``vllm_overlay.variant.use_moriio_dir`` replaces the package's search path,
+``vllm_overlay.tree.variant.use_moriio_dir`` replaces the package's search path,
 so the directory holds every module: the installed ones, with the two files
 the series touches replaced.
 """

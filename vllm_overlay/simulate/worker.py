@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from vllm_overlay.simulate.run import parse_hits, parse_lengths
-    from vllm_overlay.variant import use_moriio_dir
+    from vllm_overlay.tree.variant import use_moriio_dir
 
     use_moriio_dir(args.moriio_dir)
     plan = msgspec.json.decode(args.plan, type=list[PlanItem])

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from vllm_overlay.reports import RevertRedReport, RevertRedRow
-from vllm_overlay.series import PatchHeader
+from vllm_overlay.gate.reports import RevertRedReport, RevertRedRow
+from vllm_overlay.series.patch_series import PatchHeader
 
 GITHUB_BODY_LIMIT = 65536
 _LIST_ITEM = re.compile(r"^(?:[-*+]|\d+[.)])\s")

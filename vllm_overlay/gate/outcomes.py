@@ -1,6 +1,6 @@
 """A pytest plugin that writes each test id's outcome to a JSON file.
 
-Loaded with ``-p vllm_overlay.outcomes --outcomes-json PATH`` by the nox
+Loaded with ``-p vllm_overlay.gate.outcomes --outcomes-json PATH`` by the nox
 sessions that compare the base and the overlay run for run.
 """
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from vllm_overlay.reports import Outcome
+from vllm_overlay.gate.reports import Outcome
 
 if TYPE_CHECKING:  # the CLI imports this module without pytest installed
     import pytest

@@ -15,9 +15,9 @@ import logging
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.manifest import MANIFEST_NAME, read_manifest
-from vllm_overlay.pin import MODULE_DIR, sha256_file
-from vllm_overlay.target import installed_vllm
+from vllm_overlay.series.pin import MODULE_DIR, sha256_file
+from vllm_overlay.tree.manifest import MANIFEST_NAME, read_manifest
+from vllm_overlay.tree.target import installed_vllm
 
 # A child of vLLM's "vllm" logger, so vLLM's handler and format apply.
 logger = logging.getLogger("vllm.moriio_overlay")

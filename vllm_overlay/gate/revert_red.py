@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from vllm_overlay.reports import Outcome, RevertRedReport, RevertRedRow
-from vllm_overlay.series import Series
+from vllm_overlay.gate.reports import Outcome, RevertRedReport, RevertRedRow
+from vllm_overlay.series.patch_series import Series
 
 
 def _named_by(series: Series, test_id: str) -> str:

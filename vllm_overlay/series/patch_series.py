@@ -9,9 +9,9 @@ from pathlib import Path
 
 import msgspec
 
-from vllm_overlay.diff import DiffError, FilePatch, parse_patch
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.pin import Pin
+from vllm_overlay.series.diff import DiffError, FilePatch, parse_patch
+from vllm_overlay.series.pin import Pin
 
 PATCH_DIR = "patches"
 SERIES_FILE = "series"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from vllm_overlay import __version__
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.pin import PIN_FILE, Pin, load_pin
-from vllm_overlay.series import Series, load_series
+from vllm_overlay.series.patch_series import Series, load_series
+from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
 
 ENGINES = ("docker", "podman", "buildah")
 DOCKERFILE = "docker/Dockerfile"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from vllm_overlay.apply import overlay_texts
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.pin import Pin, sha256_bytes, sha256_file
-from vllm_overlay.series import Series
-from vllm_overlay.status import tree_status
-from vllm_overlay.target import Target
+from vllm_overlay.series.patch_series import Series
+from vllm_overlay.series.pin import Pin, sha256_bytes, sha256_file
+from vllm_overlay.tree.apply import overlay_texts
+from vllm_overlay.tree.status import tree_status
+from vllm_overlay.tree.target import Target
 
 
 class MaterializeError(OverlayError):

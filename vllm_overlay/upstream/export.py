@@ -49,12 +49,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_overlay.diff import Hunk, HunkError, apply_file_patch
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.gitmail import Identity, am_check, format_patch
-from vllm_overlay.materialize import base_from_target, base_from_wheel
-from vllm_overlay.pin import PIN_FILE, Pin, load_pin
-from vllm_overlay.prbody import (
+from vllm_overlay.gate.reports import (
+    RevertRedReport,
+    load_revert_red,
+    unit_base_report_path,
+)
+from vllm_overlay.series.diff import Hunk, HunkError, apply_file_patch
+from vllm_overlay.series.patch_series import Series, SeriesPatch, load_series
+from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
+from vllm_overlay.tree.materialize import base_from_target, base_from_wheel
+from vllm_overlay.tree.status import tree_status
+from vllm_overlay.tree.target import detect_target, installed_vllm
+from vllm_overlay.upstream.gitmail import Identity, am_check, format_patch
+from vllm_overlay.upstream.prbody import (
     GITHUB_BODY_LIMIT,
     BodyError,
     BodyInputs,
@@ -63,15 +71,7 @@ from vllm_overlay.prbody import (
     pr_body,
     split_description,
 )
-from vllm_overlay.reports import (
-    RevertRedReport,
-    load_revert_red,
-    unit_base_report_path,
-)
-from vllm_overlay.series import Series, SeriesPatch, load_series
-from vllm_overlay.status import tree_status
-from vllm_overlay.target import detect_target, installed_vllm
-from vllm_overlay.testport import port_test, upstream_test_path
+from vllm_overlay.upstream.testport import port_test, upstream_test_path
 
 RUFF_VERSION = "0.14.0"
 RUFF_CONFIG = "ci/ruff-vllm.toml"

@@ -39,7 +39,8 @@ from typing import Literal
 
 import msgspec
 
-from vllm_overlay.diff import (
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.series.diff import (
     FilePatch,
     Hunk,
     HunkError,
@@ -48,9 +49,15 @@ from vllm_overlay.diff import (
     parse_patch,
     shift_hunk_headers,
 )
-from vllm_overlay.errors import OverlayError
-from vllm_overlay.materialize import base_from_target, base_from_wheel
-from vllm_overlay.pin import (
+from vllm_overlay.series.patch_series import (
+    PATCH_DIR,
+    SERIES_FILE,
+    Series,
+    SeriesPatch,
+    load_series,
+    split_header,
+)
+from vllm_overlay.series.pin import (
     PIN_FILE,
     ImageRef,
     Pin,
@@ -62,15 +69,8 @@ from vllm_overlay.pin import (
     sha256_bytes,
     sha256_file,
 )
-from vllm_overlay.series import (
-    PATCH_DIR,
-    SERIES_FILE,
-    Series,
-    SeriesPatch,
-    load_series,
-    split_header,
-)
-from vllm_overlay.target import detect_target, installed_vllm
+from vllm_overlay.tree.materialize import base_from_target, base_from_wheel
+from vllm_overlay.tree.target import detect_target, installed_vllm
 
 Result = Literal["clean", "offset", "upstream", "conflict", "blocked"]
 DEFAULT_WORKDIR = Path("dist/rebase")

@@ -8,11 +8,11 @@ from typing import Literal
 
 import msgspec
 
-from vllm_overlay.diff import FilePatch, HunkError, apply_file_patch, parse_patch
-from vllm_overlay.manifest import Manifest, manifest_path, read_manifest
-from vllm_overlay.pin import Pin, module_files, sha256_bytes
-from vllm_overlay.series import Series, split_header
-from vllm_overlay.target import Target
+from vllm_overlay.series.diff import FilePatch, HunkError, apply_file_patch, parse_patch
+from vllm_overlay.series.patch_series import Series, split_header
+from vllm_overlay.series.pin import Pin, module_files, sha256_bytes
+from vllm_overlay.tree.manifest import Manifest, manifest_path, read_manifest
+from vllm_overlay.tree.target import Target
 
 FileStateName = Literal["base", "overlaid", "partial", "stale", "unknown", "missing"]
 TreeStateName = Literal["base", "overlaid", "partial", "stale", "unknown"]

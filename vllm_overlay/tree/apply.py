@@ -18,19 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_overlay import __version__
-from vllm_overlay.diff import HunkError, apply_file_patch
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.manifest import (
+from vllm_overlay.series.diff import HunkError, apply_file_patch
+from vllm_overlay.series.patch_series import Series
+from vllm_overlay.series.pin import Pin, sha256_bytes
+from vllm_overlay.tree.manifest import (
     AppliedPatch,
     Manifest,
     ManifestFile,
     encode_manifest,
     manifest_path,
 )
-from vllm_overlay.pin import Pin, sha256_bytes
-from vllm_overlay.series import Series
-from vllm_overlay.status import StatusReport, tree_status
-from vllm_overlay.target import Target
+from vllm_overlay.tree.status import StatusReport, tree_status
+from vllm_overlay.tree.target import Target
 
 
 class ApplyError(OverlayError):

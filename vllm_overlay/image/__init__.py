@@ -1,0 +1,1 @@
+"""The ROCm image: the pinned base image plus the overlay."""

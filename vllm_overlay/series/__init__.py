@@ -1,0 +1,2 @@
+"""The series: the pin of the base, the patch files and their headers, and
+the unified-diff reader that applies them exactly."""
