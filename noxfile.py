@@ -220,7 +220,7 @@ def simulate(session: nox.Session) -> None:
     """The CPU prefill/decode simulator: base vs overlay for every layout.
     `nox -s simulate -- --lengths 1-4096` tries every length (about 14 min)."""
     python = cpu_env(session, CPU_ENV)
-    args = session.posargs or ["--json", str(REPORTS / "simulate.json")]
+    args = session.posargs or ["--report", str(REPORTS / "simulate.json")]
     session.run(
         str(python), "-m", "vllm_overlay.cli", "simulate", *args, env=TEST_ENV,
         external=True,

@@ -275,7 +275,7 @@ def test_real_older_release_conflicts(
             str(write_tree(tmp_path / "old", base_texts)),
             "--workdir",
             str(work),
-            "--json",
+            "--report",
             str(tmp_path / "r.json"),
             "--write",
         ]

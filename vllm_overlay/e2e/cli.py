@@ -6,6 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
+from vllm_overlay.command import App, Subparsers, add_command
 from vllm_overlay.e2e.config import load_config
 from vllm_overlay.e2e.plan import build_plan, format_plan
 from vllm_overlay.errors import OverlayError
@@ -34,20 +35,17 @@ def dry_run_text(config_path: Path) -> str:
     return format_plan(build_plan(config), checks)
 
 
-def expected_series() -> str:
+def expected_series(app: App) -> str:
     """The series id of the overlay checkout this runs from, if any."""
     try:
-        from vllm_overlay.cli import find_repo
-        from vllm_overlay.series.patch_series import load_series
-
-        return load_series(find_repo()).series_id
-    except (ImportError, OverlayError):
+        return app.checkout.series.series_id
+    except OverlayError:
         return ""
 
 
-def cmd_e2e(args: argparse.Namespace) -> int:
+def cmd_e2e(app: App, args: argparse.Namespace) -> int:
     if args.dry_run:
-        print(dry_run_text(args.config), end="")
+        app.say(dry_run_text(args.config).rstrip("\n"))
         return 0
     from vllm_overlay.e2e.runner import run
 
@@ -55,19 +53,32 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     run_dir = (
         args.run_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    report = run(config, run_dir, expected_series())
+    report = run(config, run_dir, expected_series(app))
+    app.result(report)
     return 0 if report.ok else 1
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "e2e", help="1P/1D MoRIIO READ run on two nodes: P/D vs direct prefill"
+def register(sub: Subparsers) -> None:
+    p = add_command(
+        sub,
+        "e2e",
+        cmd_e2e,
+        help="1P/1D MoRIIO READ run on two nodes: P/D vs direct prefill",
+        description=(
+            "Launch one prefill and one decode vLLM server with the MoRIIO "
+            "connector in READ mode and a router, send the checks' prompts "
+            "through P/D and to the prefill alone, and compare."
+        ),
     )
-    p.add_argument("--config", type=Path, required=True, help="the pair TOML")
+    p.add_argument(
+        "--config", type=Path, required=True, metavar="TOML", help="the pair config"
+    )
     p.add_argument(
         "--dry-run", action="store_true", help="print every command, launch nothing"
     )
     p.add_argument(
-        "--run-dir", type=Path, default=None, help="report directory (default runs/)"
+        "--run-dir",
+        type=Path,
+        metavar="DIR",
+        help="report directory (default: runs/NAME-TIME)",
     )
-    p.set_defaults(func=cmd_e2e)

@@ -8,7 +8,6 @@ is present and working; `--dry-run` prints the exact commands instead.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import shutil
 import subprocess
@@ -161,25 +160,3 @@ def run_image(
             raise ImageError(f"`{what}` failed for {tag}")
     say(f"image: {tag} (series {args['SERIES_ID']}){' pushed' if push else ''}")
     return 0
-
-
-def cmd_image(args: argparse.Namespace) -> int:
-    from vllm_overlay.cli import find_repo
-
-    repo = args.repo or find_repo()
-    return run_image(repo, args.tag, args.push, args.dry_run, args.engine)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "image", help="build the ROCm image: the pinned base with the series applied"
-    )
-    p.add_argument("--tag", default=None, help="image tag (default: from the pin)")
-    p.add_argument("--push", action="store_true", help="push the tag after building")
-    p.add_argument(
-        "--dry-run", action="store_true", help="print the commands and build args"
-    )
-    p.add_argument(
-        "--engine", choices=ENGINES, default=None, help="default: the first working"
-    )
-    p.set_defaults(func=cmd_image)

@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import msgspec
 
+from vllm_overlay.command import App, Subparsers, add_command
 from vllm_overlay.simulate.layouts import BASE_LAYOUTS
 from vllm_overlay.simulate.report import format_table, summary_line
 from vllm_overlay.simulate.run import DEFAULT_HITS, DEFAULT_LENGTHS, run_sweep
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+def register(sub: Subparsers) -> None:
+    p = add_command(
+        sub,
         "simulate",
+        _run,
         help="CPU prefill/decode simulator: real schedulers, content-checked READ",
+        description=(
+            "Run both legs' real vLLM schedulers on CPU with the MoRIIO connector "
+            "in READ mode, base against overlay, for every layout, prompt length "
+            "and decoder prefix hit, and check what the decoder reads."
+        ),
     )
     p.add_argument(
         "--layouts",
         default="",
+        metavar="LIST",
         help="comma list of "
         + ", ".join(BASE_LAYOUTS)
         + " (optionally name/dcpN); default: all, every DCP size they allow",
@@ -28,41 +36,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lengths",
         default=DEFAULT_LENGTHS,
+        metavar="RANGES",
         help="prompt lengths: ranges a-b, a-b/step, lists (default %(default)s)",
     )
     p.add_argument(
         "--hits",
         default=DEFAULT_HITS,
+        metavar="PERCENTS",
         help="decoder prefix-hit percentages (default %(default)s)",
     )
-    p.add_argument("--variant", choices=("base", "overlay", "both"), default="both")
-    p.add_argument("--json", type=Path, help="also write the report as JSON here")
+    p.add_argument(
+        "--variant",
+        choices=("base", "overlay", "both"),
+        default="both",
+        help="which variants to run (default: %(default)s)",
+    )
+    p.add_argument(
+        "--report", type=Path, metavar="JSON", help="also write the report here"
+    )
     p.add_argument(
         "--base-from",
         type=Path,
+        metavar="WHEEL|DIR",
         help="the pinned wheel or a vLLM tree (base or a known overlay) "
         "(default: $VLLM_OVERLAY_WHEEL, else the installed vLLM)",
     )
     p.add_argument(
         "--overlay-from",
         default="series",
+        metavar="SOURCE",
         help="'series' (this checkout's patches on the base; default), a "
         "directory holding overlaid moriio files, or REPO@REF (a stack branch)",
     )
     p.add_argument(
         "--processes",
         type=int,
+        metavar="N",
         help="worker processes per variant (default: cores / variants)",
     )
-    p.set_defaults(func=_run)
 
 
-def _progress(line: str) -> None:
-    sys.stderr.write("\r\x1b[K" + line[:150])
-    sys.stderr.flush()
-
-
-def _run(args: argparse.Namespace) -> int:
+def _run(app: App, args: argparse.Namespace) -> int:
     variants = ["base", "overlay"] if args.variant == "both" else [args.variant]
     layouts = [x for x in args.layouts.split(",") if x.strip()]
     report = run_sweep(
@@ -73,25 +87,15 @@ def _run(args: argparse.Namespace) -> int:
         base_source=args.base_from,
         overlay_source=args.overlay_from,
         processes_per_variant=args.processes,
-        progress=_progress,
+        progress=app.progress,
     )
-    sys.stderr.write("\r\x1b[K")
+    app.end_progress()
     for variant, where in report.variants.items():
-        print(f"{variant}: {where}")
-    print(f"lengths {report.lengths}, hits {report.hits} %")
-    print(format_table(report))
-    if args.json is not None:
-        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
-    print(summary_line(report))
+        app.say(f"{variant}: {where}")
+    app.say(f"lengths {report.lengths}, hits {report.hits} %")
+    app.say(format_table(report))
+    if args.report is not None:
+        args.report.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    app.say(summary_line(report))
+    app.result(report)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vllm-overlay")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

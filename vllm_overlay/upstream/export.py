@@ -37,7 +37,6 @@ failure stops the export with its message and writes nothing:
 
 from __future__ import annotations
 
-import argparse
 import ast
 import os
 import re
@@ -502,46 +501,3 @@ def export(ctx: Context, names: Sequence[str], out: Path) -> list[Path]:
             (d / name).write_text(text)
             written.append(d / name)
     return written
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from vllm_overlay.cli import find_repo
-
-    root = args.repo or find_repo()
-    wheel = args.wheel
-    if wheel is None and os.environ.get("VLLM_OVERLAY_WHEEL"):
-        wheel = Path(os.environ["VLLM_OVERLAY_WHEEL"])
-    ctx = load_context(
-        root, wheel=wheel, source=args.source, ruff=args.ruff, run_tests=args.run_tests
-    )
-    out = args.out if args.out.is_absolute() else root / args.out
-    written = export(ctx, args.patch or [], out)
-    for path in written:
-        if path.name == "checks.log":
-            print(path.read_text().rstrip("\n"))
-        print(f"  wrote {path}")
-    print(f"export: {len(written) // 3} bundle(s) in {out}")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "export", help="upstream-ready patch mails and PR bodies under dist/upstream"
-    )
-    p.add_argument(
-        "--patch", action="append", default=None, help="a patch name or slug (repeat)"
-    )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--wheel", type=Path, default=None,
-        help="the pinned wheel (default: $VLLM_OVERLAY_WHEEL, else this Python's vllm)",
-    )  # fmt: skip
-    src.add_argument("--from", dest="source", type=Path, default=None)
-    p.add_argument("--ruff", default=None, help=f"the ruff {RUFF_VERSION} executable")
-    p.add_argument(
-        "--run-tests",
-        action="store_true",
-        help="also run each ported test file alone (this Python's vLLM overlaid)",
-    )
-    p.set_defaults(func=cmd_export)

@@ -26,7 +26,6 @@ series. Otherwise the repository is left untouched and the exit status is 1.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -54,7 +53,6 @@ from vllm_overlay.series.patch_series import (
     SERIES_FILE,
     Series,
     SeriesPatch,
-    load_series,
     split_header,
 )
 from vllm_overlay.series.pin import (
@@ -65,12 +63,10 @@ from vllm_overlay.series.pin import (
     VllmBase,
     decode_pin,
     encode_pin,
-    load_pin,
     sha256_bytes,
     sha256_file,
 )
-from vllm_overlay.tree.materialize import base_from_target, base_from_wheel
-from vllm_overlay.tree.target import detect_target, installed_vllm
+from vllm_overlay.tree.target import detect_target
 
 Result = Literal["clean", "offset", "upstream", "conflict", "blocked"]
 DEFAULT_WORKDIR = Path("dist/rebase")
@@ -620,76 +616,3 @@ def write_plan(root: Path, plan: Plan) -> list[Path]:
         (patch_dir / name).unlink()
         changed.append(patch_dir / name)
     return changed
-
-
-# --------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------
-
-
-def cmd_rebase(args: argparse.Namespace) -> int:
-    from vllm_overlay.cli import find_repo
-
-    root = args.repo or find_repo()
-    pin = load_pin(root / PIN_FILE)
-    series = load_series(root)
-    if args.old_wheel is not None:
-        old_bases = base_from_wheel(args.old_wheel, pin)
-    else:
-        target = detect_target(args.old if args.old is not None else installed_vllm())
-        old_bases = base_from_target(target, pin, series)
-    new = resolve_new_base(args.to, pin.module, args.cache)
-    workdir = args.workdir if args.workdir.is_absolute() else root / args.workdir
-    workdir = workdir / new.version
-    report, plan = rebase_plan(
-        pin, series, old_bases, new, workdir, git_commit=args.git_commit
-    )
-    if plan is not None and args.write:
-        for path in write_plan(root, plan):
-            print(f"  wrote {path}" if path.exists() else f"  removed {path}")
-        report.written = True
-    print(format_table(report))
-    json_path = args.json or workdir / "rebase.json"
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_bytes(encode_report(report))
-    print(f"rebase: report written to {json_path}")
-    if plan is None:
-        print("rebase: not every patch applies; nothing in the repository changed")
-        return 1
-    if not args.write:
-        print("rebase: every patch applies or is upstream; --write updates the pin")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "rebase", help="classify and move the series onto a newer vLLM base"
-    )
-    p.add_argument(
-        "--to",
-        required=True,
-        help="the new base: a vLLM version (fetched with pip), a wheel, a source tree",
-    )
-    old = p.add_mutually_exclusive_group()
-    old.add_argument(
-        "--from",
-        dest="old",
-        type=Path,
-        default=None,
-        help="the tree holding the pinned base (default: this Python's vllm)",
-    )
-    old.add_argument(
-        "--old-wheel", type=Path, default=None, help="the pinned wheel, as old base"
-    )
-    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
-    p.add_argument("--json", type=Path, default=None, help="report path")
-    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="wheel cache")
-    p.add_argument(
-        "--git-commit", default="", help="the new base's vLLM commit, if not recorded"
-    )
-    p.add_argument(
-        "--write",
-        action="store_true",
-        help="write the new pin and refreshed patches (only if all apply)",
-    )
-    p.set_defaults(func=cmd_rebase)

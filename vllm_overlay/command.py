@@ -1,0 +1,155 @@
+"""What every subcommand shares: the ``App`` it receives, the global options,
+and how a subcommand is declared.
+
+Each area (``series``, ``tree``, ``gate``, ``upstream``, ``image``,
+``simulate``, ``e2e``) has a ``cli.py`` with ``register(sub)``; the root
+``vllm_overlay.cli`` calls every one of them explicitly.
+
+Output rules, the same in every command:
+
+- text for people on stdout, ending with a one-line summary;
+- with ``--json``, stdout holds exactly one JSON object (the command's
+  result, or ``{"error": ...}``) and the text goes to stderr;
+- an error is one line ``error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+
+from vllm_overlay.checkout import Checkout
+
+Subparsers = argparse._SubParsersAction  # type: ignore[type-arg]
+Handler = Callable[["App", argparse.Namespace], int]
+
+EXIT_ERROR = 2
+
+
+@dataclass
+class App:
+    """The command line's context: the options every command has, the
+    checkout, and the two output streams."""
+
+    repo: Path | None = None
+    json: bool = False
+    stdout: TextIO | None = None
+    stderr: TextIO | None = None
+
+    @cached_property
+    def checkout(self) -> Checkout:
+        return Checkout.find(self.repo)
+
+    @property
+    def out(self) -> TextIO:
+        return self.stdout or sys.stdout
+
+    @property
+    def err(self) -> TextIO:
+        return self.stderr or sys.stderr
+
+    def say(self, text: str = "") -> None:
+        """A line for people: stdout, or stderr under ``--json``."""
+        print(text, file=self.err if self.json else self.out, flush=self.json)
+
+    def progress(self, line: str) -> None:
+        """A line that overwrites the previous one on a terminal (stderr)."""
+        if self.err.isatty():
+            self.err.write("\r\x1b[K" + line[:150])
+        else:
+            self.err.write(line + "\n")
+        self.err.flush()
+
+    def end_progress(self) -> None:
+        if self.err.isatty():
+            self.err.write("\r\x1b[K")
+            self.err.flush()
+
+    def result(self, value: Any) -> None:
+        """The command's result: one JSON object on stdout under ``--json``."""
+        if self.json:
+            data = msgspec.json.encode(value)
+            self.out.write(msgspec.json.format(data, indent=2).decode() + "\n")
+            self.out.flush()
+
+    def fail(self, message: str) -> int:
+        """Report an error: one line on stderr (and a JSON object under
+        ``--json``); returns the exit status."""
+        line = " ".join(message.split("\n"))
+        self.err.write(f"error: {line}\n")
+        self.err.flush()
+        if self.json:
+            self.result({"error": line})
+        return EXIT_ERROR
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line and exit status 2."""
+
+    def error(self, message: str) -> Any:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+class UsageError(Exception):
+    """The command line itself is wrong."""
+
+
+def global_options(*, root: bool) -> argparse.ArgumentParser:
+    """``--repo`` and ``--json``, accepted before and after the subcommand.
+
+    On the subcommands their default is "not given", so a value given
+    before the subcommand survives."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("global options")
+    unset: Any = None if root else argparse.SUPPRESS
+    g.add_argument(
+        "--repo",
+        type=Path,
+        metavar="DIR",
+        default=unset,
+        help="the overlay checkout (default: found above the working directory)",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        default=False if root else argparse.SUPPRESS,
+        help="print the result as one JSON object on stdout (text goes to stderr)",
+    )
+    return p
+
+
+_LEAF_PARENTS = [global_options(root=False)]
+
+
+def add_command(
+    sub: Subparsers,
+    name: str,
+    handler: Handler | None,
+    *,
+    help: str,
+    description: str | None = None,
+) -> argparse.ArgumentParser:
+    """Declare a subcommand; ``handler`` None for a group of subcommands."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=help,
+        description=description or help[:1].upper() + help[1:] + ".",
+        parents=_LEAF_PARENTS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    if handler is not None:
+        parser.set_defaults(handler=handler)
+    return parser
+
+
+def add_subcommands(parser: argparse.ArgumentParser, dest: str) -> Subparsers:
+    return parser.add_subparsers(
+        dest=dest, required=True, metavar="COMMAND", parser_class=Parser
+    )

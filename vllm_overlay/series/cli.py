@@ -1,0 +1,51 @@
+"""`vllm-overlay series ...`: the patch series itself."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from vllm_overlay.command import App, Subparsers, add_command, add_subcommands
+from vllm_overlay.series.patch_series import check_series
+
+
+def cmd_series_check(app: App, args: argparse.Namespace) -> int:
+    checkout = app.checkout
+    problems = check_series(checkout.root, checkout.pin)
+    for problem in problems:
+        app.say(f"error: {problem}")
+    if problems:
+        app.say(f"series check: {len(problems)} problem(s)")
+        app.result({"ok": False, "problems": problems})
+        return 1
+    series = checkout.series
+    for p in series.patches:
+        files = ", ".join(Path(f.path).name for f in p.files)
+        tests = len(p.header.tests)
+        app.say(f"  {p.index:>2}  {p.name}  ({files}; {tests} test ids)")
+    app.say(
+        f"series check: ok, {len(series.patches)} patches, series {series.series_id}"
+    )
+    app.result({"ok": True, "series_id": series.series_id, "patches": series.names})
+    return 0
+
+
+def register(sub: Subparsers) -> None:
+    series = add_command(
+        sub,
+        "series",
+        None,
+        help="the patch series",
+        description="The patch series: patches/series and the patches it lists.",
+    )
+    series_sub = add_subcommands(series, "series_command")
+    add_command(
+        series_sub,
+        "check",
+        cmd_series_check,
+        help="check the series file, the patch headers and the diffs",
+        description=(
+            "Check patches/series (each entry once, every patch listed), every "
+            "DEP-3 header, and that every diff touches only pinned files."
+        ),
+    )

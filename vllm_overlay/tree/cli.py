@@ -1,0 +1,127 @@
+"""`vllm-overlay apply | status | materialize`: the series on a vLLM tree."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from vllm_overlay.command import App, Subparsers, add_command
+from vllm_overlay.series.patch_series import SeriesError
+from vllm_overlay.tree.apply import apply_series, revert_series
+from vllm_overlay.tree.materialize import base_from_target, base_from_wheel, materialize
+from vllm_overlay.tree.status import format_status, tree_status
+from vllm_overlay.tree.target import Target, detect_target, installed_vllm
+
+TARGET_HELP = (
+    "an installed vllm package directory or a vLLM source root "
+    "(default: this Python's vllm)"
+)
+
+
+def resolve_target(value: Path | None) -> Target:
+    return detect_target(value if value is not None else installed_vllm())
+
+
+def cmd_apply(app: App, args: argparse.Namespace) -> int:
+    pin, series = app.checkout.pin, app.checkout.series
+    target = resolve_target(args.target)
+    app.say(f"target: {target.describe()}")
+    if args.revert:
+        outcome = revert_series(target, pin, series)
+    else:
+        outcome = apply_series(target, pin, series)
+    for path in outcome.files:
+        app.say(f"  wrote {path}")
+    app.say(f"{'revert' if args.revert else 'apply'}: {outcome.message}")
+    app.result(outcome)
+    return 0
+
+
+def cmd_status(app: App, args: argparse.Namespace) -> int:
+    pin, series = app.checkout.pin, app.checkout.series
+    target = resolve_target(args.target)
+    report, _ = tree_status(target, pin, series)
+    app.say(format_status(report))
+    app.result(report)
+    if args.require is not None:
+        return 0 if report.state == args.require else 1
+    return 0 if report.state in ("base", "overlaid") else 1
+
+
+def cmd_materialize(app: App, args: argparse.Namespace) -> int:
+    pin, series = app.checkout.pin, app.checkout.series
+    if args.wheel is not None:
+        source = f"wheel {args.wheel}"
+        bases = base_from_wheel(args.wheel, pin)
+    else:
+        target = resolve_target(args.source)
+        source = target.describe()
+        bases = base_from_target(target, pin, series)
+    if args.upto is not None:
+        if not 0 <= args.upto <= len(series.patches):
+            raise SeriesError(f"--upto must be 0..{len(series.patches)}")
+        series = series.upto(args.upto)
+    written = materialize(bases, series, args.out, overlay=not args.base)
+    for path in written:
+        app.say(f"  wrote {path}")
+    what = "base" if args.base else f"overlaid (series {series.series_id})"
+    app.say(f"materialize: {len(written)} {what} files from {source} into {args.out}")
+    app.result({"files": [str(p) for p in written], "series_id": series.series_id})
+    return 0
+
+
+def register(sub: Subparsers) -> None:
+    apply = add_command(
+        sub,
+        "apply",
+        cmd_apply,
+        help="apply the series to a vLLM tree (or --revert it)",
+        description=(
+            "Apply the series to a vLLM tree: every pinned file is checked "
+            "against pin.toml, every hunk must match at its exact line, and the "
+            "files change all together or not at all."
+        ),
+    )
+    apply.add_argument("--target", type=Path, metavar="PATH", help=TARGET_HELP)
+    apply.add_argument("--revert", action="store_true", help="restore the pinned base")
+
+    status = add_command(
+        sub,
+        "status",
+        cmd_status,
+        help="base / overlaid / stale / partial / unknown, per pinned file",
+        description=(
+            "Tell what state a vLLM tree's MoRIIO files are in. Exit status 0 "
+            "for base or overlaid (or the --require state), 1 otherwise."
+        ),
+    )
+    status.add_argument("--target", type=Path, metavar="PATH", help=TARGET_HELP)
+    status.add_argument(
+        "--require",
+        choices=["base", "overlaid"],
+        default=None,
+        help="exit non-zero unless the whole tree is in this state",
+    )
+
+    mat = add_command(
+        sub,
+        "materialize",
+        cmd_materialize,
+        help="write the overlaid (or base) MoRIIO files into a directory",
+        description=(
+            "Write every pinned MoRIIO file, overlaid (or the base with --base), "
+            "below DIR with its path inside vLLM kept."
+        ),
+    )
+    mat.add_argument("--out", type=Path, required=True, metavar="DIR")
+    src = mat.add_mutually_exclusive_group()
+    src.add_argument(
+        "--from", dest="source", type=Path, metavar="DIR", help=TARGET_HELP
+    )
+    src.add_argument(
+        "--wheel", type=Path, metavar="WHEEL", help="the pinned vLLM wheel"
+    )
+    mat.add_argument("--base", action="store_true", help="write the base files")
+    mat.add_argument(
+        "--upto", type=int, metavar="N", help="apply the first N patches only"
+    )
