@@ -256,7 +256,7 @@ def rebase(session: nox.Session) -> None:
     python = cpu_env(session, CPU_ENV)
     session.run(
         str(python), "-m", "vllm_overlay.cli", "rebase",
-        "--old-wheel", str(pinned_wheel(session)), "--cache", str(CACHE / "wheels"),
+        "--wheel", str(pinned_wheel(session)), "--cache", str(CACHE / "wheels"),
         *session.posargs, env=TEST_ENV, external=True,
     )  # fmt: skip
 

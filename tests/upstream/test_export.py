@@ -23,6 +23,7 @@ from tests.upstream.conftest import (
     edit,
     patch_text,
 )
+from vllm_overlay.checkout import Checkout
 from vllm_overlay.cli import main
 from vllm_overlay.gate.reports import (
     RevertRedReport,
@@ -32,6 +33,7 @@ from vllm_overlay.gate.reports import (
 )
 from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import Pin
+from vllm_overlay.tree.materialize import BaseSource
 from vllm_overlay.upstream.export import ExportError, export, find_ruff, load_context
 from vllm_overlay.upstream.gitmail import Identity
 from vllm_overlay.upstream.testport import SPDX_HEADER
@@ -193,7 +195,10 @@ def _export(
     root: Path, tmp_path: Path, base: dict[str, str], *names: str
 ) -> list[Path]:
     ctx = load_context(
-        root, wheel=None, source=_site(tmp_path, base), ruff=_ruff(), run_tests=False
+        Checkout(root),
+        BaseSource(tree=_site(tmp_path, base)),
+        ruff=_ruff(),
+        run_tests=False,
     )
     return export(ctx, list(names), root / "dist" / "upstream")
 
@@ -226,7 +231,10 @@ def test_bundle_for_a_standalone_patch(
     again = tmp_path / "again"
     again.mkdir()
     ctx = load_context(
-        repo, wheel=None, source=_site(again, base_texts), ruff=_ruff(), run_tests=False
+        Checkout(repo),
+        BaseSource(tree=_site(again, base_texts)),
+        ruff=_ruff(),
+        run_tests=False,
     )
     export(ctx, ["0001-port-offsets"], again / "out")
     assert (

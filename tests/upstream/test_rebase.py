@@ -354,7 +354,7 @@ def test_write_from_a_wheel_updates_pin_and_drops_upstream_patches(
     assert "second line" in apply_file_patch(new_files[CONNECTOR], fp_conn).text
     # A second rebase onto the same wheel, the old base now being that
     # (pinned) wheel, finds everything clean.
-    again = ["--repo", str(root), "rebase", "--to", str(wheel), "--old-wheel"]
+    again = ["--repo", str(root), "rebase", "--to", str(wheel), "--wheel"]
     assert main([*again, str(wheel), "--workdir", str(tmp_path / "work")]) == 0
     assert "0002-second.patch  clean" in capsys.readouterr().out
 

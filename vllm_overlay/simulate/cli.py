@@ -7,7 +7,13 @@ from pathlib import Path
 
 import msgspec
 
-from vllm_overlay.command import App, Subparsers, add_command
+from vllm_overlay.command import (
+    App,
+    Subparsers,
+    add_base_options,
+    add_command,
+    base_source,
+)
 from vllm_overlay.simulate.layouts import BASE_LAYOUTS
 from vllm_overlay.simulate.report import format_table, summary_line
 from vllm_overlay.simulate.run import DEFAULT_HITS, DEFAULT_LENGTHS, run_sweep
@@ -54,13 +60,7 @@ def register(sub: Subparsers) -> None:
     p.add_argument(
         "--report", type=Path, metavar="JSON", help="also write the report here"
     )
-    p.add_argument(
-        "--base-from",
-        type=Path,
-        metavar="WHEEL|DIR",
-        help="the pinned wheel or a vLLM tree (base or a known overlay) "
-        "(default: $VLLM_OVERLAY_WHEEL, else the installed vLLM)",
-    )
+    add_base_options(p, "the pinned base")
     p.add_argument(
         "--overlay-from",
         default="series",
@@ -84,10 +84,11 @@ def _run(app: App, args: argparse.Namespace) -> int:
         args.lengths,
         args.hits,
         variants,
-        base_source=args.base_from,
+        base_source=base_source(args),
         overlay_source=args.overlay_from,
         processes_per_variant=args.processes,
         progress=app.progress,
+        checkout=app.checkout,
     )
     app.end_progress()
     for variant, where in report.variants.items():

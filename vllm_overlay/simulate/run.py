@@ -19,6 +19,7 @@ from pathlib import Path
 
 import msgspec
 
+from vllm_overlay.checkout import Checkout
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     LayoutReport,
@@ -29,9 +30,9 @@ from vllm_overlay.simulate.report import (
 )
 from vllm_overlay.simulate.variant import MORIIO_FILES, build_variant_dir
 from vllm_overlay.simulate.worker import MARK
+from vllm_overlay.tree.materialize import BaseSource
 
 MORIIO_REL = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
-DEFAULT_WHEEL = Path("/tmp/wheels/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl")
 DEFAULT_LENGTHS = "1-4096/17"
 DEFAULT_HITS = "0,50,89.7,100"
 
@@ -67,42 +68,18 @@ def _by_name(texts: dict[str, str]) -> dict[str, str]:
     return {Path(path).name: text for path, text in texts.items()}
 
 
-def _repo() -> Path:
-    from vllm_overlay.cli import find_repo
-
-    return find_repo()
-
-
-def base_files(source: Path | None = None) -> tuple[dict[str, str], str]:
-    """The pinned base moriio files, checked against the pin.
-
-    ``source``: the pinned wheel or a vLLM tree (base or a known overlay).
-    Default: ``$VLLM_OVERLAY_WHEEL``, else the installed vLLM, else the
-    wheel in /tmp/wheels.
-    """
-    from vllm_overlay.series.patch_series import load_series
-    from vllm_overlay.series.pin import PIN_FILE, load_pin
-    from vllm_overlay.tree.materialize import base_from_target, base_from_wheel
-    from vllm_overlay.tree.target import detect_target, installed_vllm
-
-    repo = _repo()
-    pin = load_pin(repo / PIN_FILE)
-    if source is None and os.environ.get("VLLM_OVERLAY_WHEEL"):
-        source = Path(os.environ["VLLM_OVERLAY_WHEEL"])
-    if source is not None and source.suffix == ".whl":
-        return _by_name(base_from_wheel(source, pin)), f"wheel {source.name}"
-    try:
-        target = detect_target(source if source is not None else installed_vllm())
-        texts = base_from_target(target, pin, load_series(repo))
-    except Exception:
-        if source is not None or not DEFAULT_WHEEL.exists():
-            raise
-        return _by_name(base_from_wheel(DEFAULT_WHEEL, pin)), DEFAULT_WHEEL.name
-    return _by_name(texts), f"base recovered from {target.describe()}"
+def base_files(
+    source: BaseSource | None = None, checkout: Checkout | None = None
+) -> tuple[dict[str, str], str]:
+    """The pinned base moriio files (by file name), checked against the pin,
+    and where they came from (see ``BaseSource``)."""
+    checkout = checkout or Checkout.find()
+    bases = (source or BaseSource()).load(checkout.pin, checkout.series)
+    return _by_name(bases.texts), bases.source
 
 
 def overlay_files(
-    base: dict[str, str], source: str | None = None
+    base: dict[str, str], source: str | None = None, checkout: Checkout | None = None
 ) -> tuple[dict[str, str], str]:
     """Overlaid moriio files.
 
@@ -111,13 +88,10 @@ def overlay_files(
     branch, e.g. ``/work/scratch/stack@p0003``).
     """
     if source is None or source == "series":
-        from vllm_overlay.series.patch_series import load_series
-        from vllm_overlay.series.pin import PIN_FILE, load_pin
         from vllm_overlay.tree.apply import overlay_texts
 
-        repo = _repo()
-        pin = load_pin(repo / PIN_FILE)
-        series = load_series(repo)
+        checkout = checkout or Checkout.find()
+        pin, series = checkout.pin, checkout.series
         full = {path: base[Path(path).name] for path in pin.files}
         texts = dict(base)
         texts.update(_by_name(overlay_texts(full, series)))
@@ -231,21 +205,22 @@ def run_sweep(
     lengths: str,
     hits: str,
     variants: list[str],
-    base_source: Path | None = None,
+    base_source: BaseSource | None = None,
     overlay_source: str | None = None,
     processes_per_variant: int | None = None,
     progress: Callable[[str], None] | None = None,
+    checkout: Checkout | None = None,
 ) -> SweepReport:
     start = time.monotonic()
     names = [layout.name for layout in expand(layouts or None)]
     parse_lengths(lengths)
     parse_hits(hits)
     sources: dict[str, tuple[dict[str, str], str]] = {}
-    base = base_files(base_source)
+    base = base_files(base_source, checkout)
     if "base" in variants:
         sources["base"] = base
     if "overlay" in variants:
-        sources["overlay"] = overlay_files(base[0], overlay_source)
+        sources["overlay"] = overlay_files(base[0], overlay_source, checkout)
 
     root = Path(tempfile.mkdtemp(prefix="vllm-overlay-sim-"))
     results: list[LayoutReport] = []

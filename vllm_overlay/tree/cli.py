@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vllm_overlay.command import App, Subparsers, add_command
+from vllm_overlay.command import (
+    App,
+    Subparsers,
+    add_base_options,
+    add_command,
+    base_source,
+)
 from vllm_overlay.series.patch_series import SeriesError
 from vllm_overlay.tree.apply import apply_series, revert_series
-from vllm_overlay.tree.materialize import base_from_target, base_from_wheel, materialize
+from vllm_overlay.tree.materialize import materialize
 from vllm_overlay.tree.status import format_status, tree_status
 from vllm_overlay.tree.target import Target, detect_target, installed_vllm
 
@@ -50,22 +56,18 @@ def cmd_status(app: App, args: argparse.Namespace) -> int:
 
 def cmd_materialize(app: App, args: argparse.Namespace) -> int:
     pin, series = app.checkout.pin, app.checkout.series
-    if args.wheel is not None:
-        source = f"wheel {args.wheel}"
-        bases = base_from_wheel(args.wheel, pin)
-    else:
-        target = resolve_target(args.source)
-        source = target.describe()
-        bases = base_from_target(target, pin, series)
+    bases = base_source(args).load(pin, series)
     if args.upto is not None:
         if not 0 <= args.upto <= len(series.patches):
             raise SeriesError(f"--upto must be 0..{len(series.patches)}")
         series = series.upto(args.upto)
-    written = materialize(bases, series, args.out, overlay=not args.base)
+    written = materialize(bases.texts, series, args.out, overlay=not args.base)
     for path in written:
         app.say(f"  wrote {path}")
     what = "base" if args.base else f"overlaid (series {series.series_id})"
-    app.say(f"materialize: {len(written)} {what} files from {source} into {args.out}")
+    app.say(
+        f"materialize: {len(written)} {what} files from {bases.source} into {args.out}"
+    )
     app.result({"files": [str(p) for p in written], "series_id": series.series_id})
     return 0
 
@@ -114,13 +116,7 @@ def register(sub: Subparsers) -> None:
         ),
     )
     mat.add_argument("--out", type=Path, required=True, metavar="DIR")
-    src = mat.add_mutually_exclusive_group()
-    src.add_argument(
-        "--from", dest="source", type=Path, metavar="DIR", help=TARGET_HELP
-    )
-    src.add_argument(
-        "--wheel", type=Path, metavar="WHEEL", help="the pinned vLLM wheel"
-    )
+    add_base_options(mat, "the base files")
     mat.add_argument("--base", action="store_true", help="write the base files")
     mat.add_argument(
         "--upto", type=int, metavar="N", help="apply the first N patches only"

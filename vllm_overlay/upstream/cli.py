@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from vllm_overlay.command import App, Subparsers, add_command
-from vllm_overlay.tree.materialize import base_from_target, base_from_wheel
-from vllm_overlay.tree.target import detect_target, installed_vllm
+from vllm_overlay.command import (
+    App,
+    Subparsers,
+    add_base_options,
+    add_command,
+    base_source,
+)
 from vllm_overlay.upstream.export import (
     DEFAULT_OUT,
     RUFF_VERSION,
@@ -27,12 +30,8 @@ from vllm_overlay.upstream.rebase import (
 
 
 def cmd_export(app: App, args: argparse.Namespace) -> int:
-    root = app.checkout.root
-    wheel = args.wheel
-    if wheel is None and os.environ.get("VLLM_OVERLAY_WHEEL"):
-        wheel = Path(os.environ["VLLM_OVERLAY_WHEEL"])
     ctx = load_context(
-        root, wheel=wheel, source=args.source, ruff=args.ruff, run_tests=args.run_tests
+        app.checkout, base_source(args), ruff=args.ruff, run_tests=args.run_tests
     )
     out = app.checkout.path(args.out)
     written = export(ctx, args.patch or [], out)
@@ -48,11 +47,7 @@ def cmd_export(app: App, args: argparse.Namespace) -> int:
 def cmd_rebase(app: App, args: argparse.Namespace) -> int:
     checkout = app.checkout
     pin, series = checkout.pin, checkout.series
-    if args.old_wheel is not None:
-        old_bases = base_from_wheel(args.old_wheel, pin)
-    else:
-        target = detect_target(args.old if args.old is not None else installed_vllm())
-        old_bases = base_from_target(target, pin, series)
+    old_bases = base_source(args).load(pin, series).texts
     new = resolve_new_base(args.to, pin.module, args.cache)
     workdir = checkout.path(args.workdir) / new.version
     report, plan = rebase_plan(
@@ -101,20 +96,7 @@ def register(sub: Subparsers) -> None:
         metavar="DIR",
         help="where the bundles go (default: %(default)s in the checkout)",
     )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--wheel",
-        type=Path,
-        metavar="WHEEL",
-        help="the pinned wheel (default: $VLLM_OVERLAY_WHEEL, else this Python's vllm)",
-    )
-    src.add_argument(
-        "--from",
-        dest="source",
-        type=Path,
-        metavar="DIR",
-        help="a vLLM tree holding the base or a known overlay",
-    )
+    add_base_options(p, "the pinned base")
     p.add_argument("--ruff", metavar="PATH", help=f"the ruff {RUFF_VERSION} executable")
     p.add_argument(
         "--run-tests",
@@ -139,17 +121,7 @@ def register(sub: Subparsers) -> None:
         metavar="VERSION|WHEEL|DIR",
         help="the new base: a vLLM version (fetched with pip), a wheel, a source tree",
     )
-    old = p.add_mutually_exclusive_group()
-    old.add_argument(
-        "--from",
-        dest="old",
-        type=Path,
-        metavar="DIR",
-        help="the tree holding the pinned base (default: this Python's vllm)",
-    )
-    old.add_argument(
-        "--old-wheel", type=Path, metavar="WHEEL", help="the pinned wheel, as old base"
-    )
+    add_base_options(p, "the pinned (old) base")
     p.add_argument(
         "--workdir",
         type=Path,

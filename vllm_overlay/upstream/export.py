@@ -48,16 +48,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_overlay.checkout import Checkout
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.reports import (
     RevertRedReport,
     load_revert_red,
-    unit_base_report_path,
 )
 from vllm_overlay.series.diff import Hunk, HunkError, apply_file_patch
-from vllm_overlay.series.patch_series import Series, SeriesPatch, load_series
-from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
-from vllm_overlay.tree.materialize import base_from_target, base_from_wheel
+from vllm_overlay.series.patch_series import Series, SeriesPatch
+from vllm_overlay.series.pin import Pin
+from vllm_overlay.tree.materialize import BaseSource
 from vllm_overlay.tree.status import tree_status
 from vllm_overlay.tree.target import detect_target, installed_vllm
 from vllm_overlay.upstream.gitmail import Identity, am_check, format_patch
@@ -438,34 +438,25 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
 
 
 def load_context(
-    root: Path,
-    *,
-    wheel: Path | None,
-    source: Path | None,
-    ruff: str | None,
-    run_tests: bool,
+    checkout: Checkout, base: BaseSource, *, ruff: str | None, run_tests: bool
 ) -> Context:
-    root = root.resolve()
-    pin = load_pin(root / PIN_FILE)
-    series = load_series(root)
+    root = checkout.root
+    pin, series = checkout.pin, checkout.series
     if not series.patches:
         raise ExportError("the series is empty: nothing to export")
-    report = load_revert_red(unit_base_report_path(root))
+    report_path = checkout.unit_base_report
+    report = load_revert_red(report_path)
     if report.series_id != series.series_id:
         raise ExportError(
-            f"{unit_base_report_path(root)} is for series {report.series_id}, not "
+            f"{report_path} is for series {report.series_id}, not "
             f"the current {series.series_id}; run `nox -s unit-base` first"
         )
     if report.vllm_version != pin.vllm.version:
         raise ExportError(
-            f"{unit_base_report_path(root)} was run on vLLM {report.vllm_version}, "
+            f"{report_path} was run on vLLM {report.vllm_version}, "
             f"the pin is {pin.vllm.version}; run `nox -s unit-base` first"
         )
-    if wheel is not None:
-        bases, what = base_from_wheel(wheel, pin), f"wheel {wheel.name}"
-    else:
-        target = detect_target(source if source is not None else installed_vllm())
-        bases, what = base_from_target(target, pin, series), target.describe()
+    bases = base.load(pin, series)
     if run_tests:
         state, _ = tree_status(detect_target(installed_vllm()), pin, series)
         if state.state != "overlaid":
@@ -474,10 +465,10 @@ def load_context(
                 f"{state.state}, not overlaid with series {series.series_id}; run "
                 "`vllm-overlay apply` first"
             )
+    ruff_exe = find_ruff(ruff, root / RUFF_CONFIG)
     return Context(
-        root, pin, series, bases, what, report, find_ruff(ruff, root / RUFF_CONFIG),
-        run_tests,
-    )  # fmt: skip
+        root, pin, series, bases.texts, bases.source, report, ruff_exe, run_tests
+    )
 
 
 def export(ctx: Context, names: Sequence[str], out: Path) -> list[Path]:
