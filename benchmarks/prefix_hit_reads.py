@@ -27,6 +27,8 @@ from pathlib import Path
 
 import msgspec
 
+from vllm_overlay.series.pin import MODULE_DIR
+
 # Kimi-K3-like decode rank: one MLA group (fp8 latent, 1536-token blocks,
 # DCP 8 so a page holds 12288 tokens) and three KDA state groups.
 DCP = 8
@@ -36,7 +38,6 @@ KDA_GROUPS = 3
 KDA_LAYERS_PER_GROUP = 16
 HITS = (0.0, 0.5, 0.897, 1.0)
 PROMPTS = (100_000, 8 * MLA_BLOCK * DCP + 1)
-MODULE_DIR = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
 _P_BASE = 10_000_000
 _D_BASE = 20_000_000
 _STRIDE = 100_000

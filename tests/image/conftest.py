@@ -10,12 +10,12 @@ import pytest
 
 from tests.overlay.workspace import header, make_diff
 from vllm_overlay.series.patch_series import Series, load_series
-from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
+from vllm_overlay.series.pin import MODULE_DIR, PIN_FILE, Pin, load_pin
 from vllm_overlay.tree.materialize import base_from_target, materialize
 from vllm_overlay.tree.target import detect_target, installed_vllm
 
 REPO = Path(__file__).resolve().parents[2]
-MODULE = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
+MODULE = MODULE_DIR
 ENGINE = f"{MODULE}/moriio_engine.py"
 COMMON = f"{MODULE}/moriio_common.py"
 

@@ -7,12 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_overlay.series.pin import MODULE_DIR
+
 REPO = Path(__file__).resolve().parents[2]
-CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+CONNECTOR = f"{MODULE_DIR}/moriio_connector.py"
 # A line that stands once in the base moriio_connector.py: test patches edit
 # around it.
 ANCHOR = "def _split_kv_cache_group_kinds(\n"
-COMMON = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_common.py"
+COMMON = f"{MODULE_DIR}/moriio_common.py"
 
 
 def make_diff(path: str, old: str, new: str) -> str:

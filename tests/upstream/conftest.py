@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from vllm_overlay.series.diff import unified_diff
-from vllm_overlay.series.pin import PIN_FILE, Pin, encode_pin
+from vllm_overlay.series.pin import MODULE_DIR, PIN_FILE, Pin, encode_pin
 
 REPO = Path(__file__).resolve().parents[2]
-MODULE = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
+MODULE = MODULE_DIR
 CONNECTOR = f"{MODULE}/moriio_connector.py"
 COMMON = f"{MODULE}/moriio_common.py"
 OLD_WHEEL_ENV = "VLLM_OVERLAY_TEST_OLD_WHEEL"

@@ -13,7 +13,10 @@ from vllm_overlay.errors import OverlayError
 from vllm_overlay.structs import decode_toml, read_toml
 
 PIN_FILE = "pin.toml"
+# The MoRIIO package, relative to the directory holding `vllm`: the one place
+# its path is spelled; pin.toml's `module` must say the same.
 MODULE_DIR = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
+MODULE_PACKAGE = MODULE_DIR.replace("/", ".")
 
 Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
@@ -50,6 +53,8 @@ class Pin(msgspec.Struct, forbid_unknown_fields=True):
     files: dict[str, Sha256]
 
     def __post_init__(self) -> None:
+        if self.module.rstrip("/") != MODULE_DIR:
+            raise ValueError(f"`module` must be {MODULE_DIR!r}, not {self.module!r}")
         if not self.files:
             raise ValueError("`files` must name at least one file")
         prefix = self.module.rstrip("/") + "/"

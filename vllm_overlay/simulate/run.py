@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 
 from vllm_overlay.checkout import Checkout
+from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     LayoutReport,
@@ -28,11 +29,10 @@ from vllm_overlay.simulate.report import (
     SweepReport,
     WorkerLine,
 )
-from vllm_overlay.simulate.variant import MORIIO_FILES, build_variant_dir
 from vllm_overlay.simulate.worker import MARK
 from vllm_overlay.tree.materialize import BaseSource
+from vllm_overlay.tree.variant import MORIIO_FILES, build_variant_dir
 
-MORIIO_REL = "vllm/distributed/kv_transfer/kv_connector/v1/moriio"
 DEFAULT_LENGTHS = "1-4096/17"
 DEFAULT_HITS = "0,50,89.7,100"
 
@@ -103,7 +103,7 @@ def overlay_files(
     repo_s, _, ref = source.partition("@")
     files = {
         name: subprocess.run(
-            ["git", "-C", repo_s, "show", f"{ref}:{MORIIO_REL}/{name}"],
+            ["git", "-C", repo_s, "show", f"{ref}:{MODULE_DIR}/{name}"],
             check=True,
             capture_output=True,
             text=True,
