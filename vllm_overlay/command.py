@@ -21,14 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeAlias
 
 import msgspec
 
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.tree.materialize import WHEEL_ENV, BaseSource
 
-Subparsers = argparse._SubParsersAction  # type: ignore[type-arg]
+# argparse's generic is typed only for type checkers (annotations here).
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Handler = Callable[["App", argparse.Namespace], int]
 
 EXIT_ERROR = 2

@@ -31,7 +31,8 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any
         method="POST",
     )
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
+        data: dict[str, Any] = json.loads(resp.read())
+    return data
 
 
 def complete(

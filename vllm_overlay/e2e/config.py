@@ -171,4 +171,5 @@ def load_config(path: Path) -> PairConfig:
 
 def encode_config(config: PairConfig) -> dict[str, object]:
     """The config as plain data, for the top of every report."""
-    return msgspec.to_builtins(config)
+    data: dict[str, object] = msgspec.to_builtins(config)
+    return data

@@ -223,9 +223,10 @@ def apply_file_patch(
         if _matches_at(source, expected, old) and expected >= cursor:
             at = expected
         elif offset:
-            at = _search(source, old, expected, cursor)
-            if at is None:
+            found_at = _search(source, old, expected, cursor)
+            if found_at is None:
                 raise HunkError(patch.path, index, hunk, "context not found")
+            at = found_at
         else:
             found = _search(source, old, expected, cursor)
             reason = (

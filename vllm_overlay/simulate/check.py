@@ -36,7 +36,7 @@ class GroupInfo(NamedTuple):
 
 class Need(NamedTuple):
     group: int
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index
     """Block index in the group's position-indexed table."""
     lo: int
     hi: int

@@ -94,7 +94,7 @@ class Pair:
 
     @staticmethod
     def _null_id(leg: Leg) -> int:
-        return leg.scheduler.kv_cache_manager.block_pool.null_block.block_id
+        return int(leg.scheduler.kv_cache_manager.block_pool.null_block.block_id)
 
     @staticmethod
     def _payload_groups(leg: Leg) -> list[int]:
@@ -207,7 +207,15 @@ class Pair:
         outputs = sched.update_from_output(so, out)
         return [o for eco in outputs.values() for o in eco.outputs]
 
-    def _run_local(self, leg: Leg, store: PageStore, rid: str, tokens, uid, valid):
+    def _run_local(
+        self,
+        leg: Leg,
+        store: PageStore,
+        rid: str,
+        tokens: list[int],
+        uid: int,
+        valid: int,
+    ) -> None:
         leg.scheduler.add_request(self._request(leg, rid, tokens, None))
         for _ in range(64):
             outs = self._step(leg, store, {rid: (uid, valid)})

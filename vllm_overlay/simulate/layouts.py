@@ -106,7 +106,7 @@ def _register_tail_ring_spec() -> Any:
     if not _TAIL_RING_CLS:
 
         @_dc(frozen=True, kw_only=True)
-        class TailRingSpec(SlidingWindowMLASpec):
+        class TailRingSpec(SlidingWindowMLASpec):  # type: ignore[misc]
             @property
             def prefix_cacheable(self) -> bool:
                 return False

@@ -59,7 +59,7 @@ def peel(text: str, file_patches: Sequence[FilePatch], base_sha: str) -> Peeled 
 
 
 def manifest_file_patches(manifest: Manifest, path: str) -> list[FilePatch]:
-    out = []
+    out: list[FilePatch] = []
     for applied in manifest.patches:
         _, body = split_header(applied.text, applied.name)
         out.extend(fp for fp in parse_patch(body) if fp.path == path)

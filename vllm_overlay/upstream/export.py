@@ -52,6 +52,7 @@ from vllm_overlay.checkout import Checkout
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.reports import (
     RevertRedReport,
+    RevertRedRow,
     load_revert_red,
 )
 from vllm_overlay.series.diff import Hunk, HunkError, apply_file_patch
@@ -143,8 +144,9 @@ def _apply(texts: dict[str, str], patch: SeriesPatch) -> dict[str, str]:
 
 def _revert_red_rows(
     patch: SeriesPatch, report: RevertRedReport, log: list[str]
-) -> tuple[list, list]:
-    named, problems = [], []
+) -> tuple[list[RevertRedRow], list[RevertRedRow]]:
+    named: list[RevertRedRow] = []
+    problems: list[str] = []
     for test_id in patch.header.tests:
         rows = report.rows_named(test_id)
         if not rows:

@@ -211,7 +211,9 @@ def _local_module_name(
     for name in names:
         last = name.rsplit(".", 1)[-1]
         if last in local and (
-            "." not in name or name.startswith("tests.") or getattr(stmt, "level", 0)
+            "." not in name
+            or name.startswith("tests.")
+            or (isinstance(stmt, ast.ImportFrom) and stmt.level > 0)
         ):
             return last
     return None
