@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from vllm_overlay.gate.reports import Outcome
+from vllm_overlay.gate.reports import TestOutcome
 
 if TYPE_CHECKING:  # the CLI imports this module without pytest installed
     import pytest
 
 
 class Outcomes(msgspec.Struct):
-    outcomes: dict[str, Outcome]
+    outcomes: dict[str, TestOutcome]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,13 +28,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 class _Recorder:
     def __init__(self, path: Path):
         self.path = path
-        self.outcomes: dict[str, Outcome] = {}
+        self.outcomes: dict[str, TestOutcome] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         previous = self.outcomes.get(report.nodeid)
         if report.when == "call" or (report.when == "setup" and not report.passed):
             if report.passed:
-                outcome: Outcome = "passed"
+                outcome: TestOutcome = "passed"
             elif report.skipped:
                 outcome = "skipped"
             else:
@@ -54,5 +54,5 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_Recorder(Path(path)), "outcomes-recorder")
 
 
-def load_outcomes(path: Path) -> dict[str, Outcome]:
+def load_outcomes(path: Path) -> dict[str, TestOutcome]:
     return msgspec.json.decode(path.read_bytes(), type=Outcomes).outcomes

@@ -18,7 +18,7 @@ from vllm_overlay.errors import OverlayError
 REPORT_DIR = ".nox-reports"
 UNIT_BASE_REPORT = "unit-base.json"
 
-Outcome = Literal["passed", "failed", "error", "skipped"]
+TestOutcome = Literal["passed", "failed", "error", "skipped"]
 
 
 class ReportError(OverlayError):
@@ -28,8 +28,8 @@ class ReportError(OverlayError):
 class RevertRedRow(msgspec.Struct, forbid_unknown_fields=True):
     test_id: str
     patch: str  # the patch whose Tests header names test_id, "" for none
-    base: Outcome
-    overlay: Outcome
+    base: TestOutcome
+    overlay: TestOutcome
 
     @property
     def revert_red(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from vllm_overlay.gate.reports import Outcome, RevertRedReport, RevertRedRow
+from vllm_overlay.gate.reports import RevertRedReport, RevertRedRow, TestOutcome
 from vllm_overlay.series.patch_series import Series
 
 
@@ -20,8 +20,8 @@ def _named_by(series: Series, test_id: str) -> str:
 def build_report(
     series: Series,
     vllm_version: str,
-    base: dict[str, Outcome],
-    overlay: dict[str, Outcome],
+    base: dict[str, TestOutcome],
+    overlay: dict[str, TestOutcome],
 ) -> RevertRedReport:
     rows = [
         RevertRedRow(

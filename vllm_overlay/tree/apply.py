@@ -38,7 +38,9 @@ class ApplyError(OverlayError):
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ApplyReport:
+    """What `apply` (or `apply --revert`) did."""
+
     action: str  # "applied", "reverted", "no-op"
     message: str
     files: list[str]
@@ -74,11 +76,13 @@ def _refuse_unless_known(report: StatusReport) -> None:
     )
 
 
-def apply_series(target: Target, pin: Pin, series: Series) -> Outcome:
+def apply_series(target: Target, pin: Pin, series: Series) -> ApplyReport:
     report, bases = tree_status(target, pin, series)
     _refuse_unless_known(report)
     if report.state == "overlaid":
-        return Outcome("no-op", f"already overlaid with series {series.series_id}", [])
+        return ApplyReport(
+            "no-op", f"already overlaid with series {series.series_id}", []
+        )
     if report.state == "partial":
         raise ApplyError(
             "the target is partly overlaid (some patches of the series are "
@@ -108,26 +112,26 @@ def apply_series(target: Target, pin: Pin, series: Series) -> Outcome:
     )
     _commit(target, pin, changes, encode_manifest(manifest))
     verb = "re-applied over a stale overlay" if report.state == "stale" else "applied"
-    return Outcome(
+    return ApplyReport(
         "applied",
         f"{verb} {len(series.patches)} patches (series {series.series_id})",
         sorted(changes),
     )
 
 
-def revert_series(target: Target, pin: Pin, series: Series) -> Outcome:
+def revert_series(target: Target, pin: Pin, series: Series) -> ApplyReport:
     report, bases = tree_status(target, pin, series)
     _refuse_unless_known(report)
     if report.state == "base":
         manifest = manifest_path(target.root, pin.module)
         if manifest.exists():
             _commit(target, pin, {}, None)
-        return Outcome("no-op", "already the pinned base", [])
+        return ApplyReport("no-op", "already the pinned base", [])
     changes = {
         f.path: bases[f.path].encode() for f in report.files if f.state != "base"
     }
     _commit(target, pin, changes, None)
-    return Outcome("reverted", "restored the pinned base", sorted(changes))
+    return ApplyReport("reverted", "restored the pinned base", sorted(changes))
 
 
 # Indirections so tests can inject I/O failures into either phase.
