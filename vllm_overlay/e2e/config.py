@@ -8,7 +8,7 @@ from typing import Annotated
 import msgspec
 
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.structs import decode_toml, read_toml
+from vllm_overlay.tomlfile import decode_toml, read_toml
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]

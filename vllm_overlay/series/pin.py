@@ -10,7 +10,7 @@ import msgspec
 import tomli_w
 
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.structs import decode_toml, read_toml
+from vllm_overlay.tomlfile import decode_toml, read_toml
 
 PIN_FILE = "pin.toml"
 # The MoRIIO package, relative to the directory holding `vllm`: the one place

@@ -1,4 +1,4 @@
-"""Typed files: TOML decoded into a ``msgspec.Struct``, one clear error."""
+"""TOML files decoded into a typed ``msgspec.Struct``, with one clear error."""
 
 from __future__ import annotations
 
