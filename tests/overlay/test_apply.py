@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from tests.overlay.workspace import ANCHOR, COMMON, CONNECTOR, Workspace, replace_once
+from vllm_overlay import transaction
 from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import load_pin
-from vllm_overlay.tree import apply as apply_mod
 from vllm_overlay.tree.apply import ApplyError, apply_series, revert_series
 from vllm_overlay.tree.manifest import MANIFEST_NAME
 from vllm_overlay.tree.status import tree_status
@@ -97,16 +97,16 @@ def test_write_failure_rolls_back(
     _two_patch_series(ws)
     before = ws.snapshot()
     calls = {"n": 0}
-    name = "_write_temp" if phase == "temp-write" else "_replace"
-    real = getattr(apply_mod, name)
+    step = "write " if phase == "temp-write" else "rename "
 
-    def flaky(*args, **kwargs):
+    def flaky(name: str) -> None:
+        if not name.startswith(step) or name == "write journal":
+            return
         calls["n"] += 1
         if calls["n"] == 2:
-            raise PermissionError(13, "Permission denied", str(args[-1]))
-        return real(*args, **kwargs)
+            raise PermissionError(13, "Permission denied", name.split(" ", 1)[1])
 
-    monkeypatch.setattr(apply_mod, name, flaky)
+    monkeypatch.setattr(transaction, "_fault_hook", flaky)
     with pytest.raises(ApplyError, match="Permission denied"):
         _run(ws)
     assert calls["n"] == 2

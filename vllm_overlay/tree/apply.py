@@ -5,24 +5,24 @@ offset). The series is made against the pinned base and apply refuses any
 file that is not byte-identical to it, so an offset could only mean the patch
 file itself was edited by hand: that is an error, not something to tolerate.
 
-Writes are two-phase: every new file is first written next to its target
-(a temporary file), and only when all are written are they renamed into place.
-A failure in either phase restores every file already replaced and removes the
-temporaries, leaving the target byte-identical to before.
+Writes go through one ``Transaction``: every new file is written next to its
+target, and only when all are written are they renamed into place. A failure
+restores every file already replaced and removes the temporaries, leaving the
+target byte-identical to before.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from vllm_overlay import __version__
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.series.diff import HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.series.pin import Pin, sha256_bytes
+from vllm_overlay.transaction import Change, Transaction, TransactionError
 from vllm_overlay.tree.manifest import (
+    MANIFEST_NAME,
     AppliedPatch,
     Manifest,
     ManifestFile,
@@ -134,88 +134,14 @@ def revert_series(target: Target, pin: Pin, series: Series) -> ApplyReport:
     return ApplyReport("reverted", "restored the pinned base", sorted(changes))
 
 
-# Indirections so tests can inject I/O failures into either phase.
-def _write_temp(path: Path, data: bytes, mode: int) -> Path:
-    tmp = path.with_name(f".{path.name}.overlay-tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    return tmp
-
-
-def _replace(src: Path, dst: Path) -> None:
-    os.replace(src, dst)
-
-
 def _commit(
     target: Target, pin: Pin, changes: dict[str, bytes], manifest: bytes | None
 ) -> None:
     """Write ``changes`` and the manifest (None: remove it) all or nothing."""
-    plan: list[tuple[Path, bytes | None]] = [
-        (target.file(path), data) for path, data in sorted(changes.items())
-    ]
-    plan.append((manifest_path(target.root, pin.module), manifest))
-    originals: dict[Path, bytes | None] = {
-        path: path.read_bytes() if path.exists() else None for path, _ in plan
-    }
-    temps: list[tuple[Path, Path | None]] = []
+    module = pin.module.rstrip("/") + "/"
+    files = {path.removeprefix(module): Change(data) for path, data in changes.items()}
+    files[MANIFEST_NAME] = Change(manifest)
     try:
-        for path, data in plan:
-            if data is None:
-                temps.append((path, None))
-                continue
-            mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644
-            temps.append((path, _write_temp(path, data, mode)))
-    except OSError as e:
-        _discard(temps)
-        raise ApplyError(
-            f"cannot write next to {e.filename or 'the target'}: {e.strerror or e}; "
-            "nothing was changed"
-        ) from None
-    done: list[Path] = []
-    try:
-        for path, tmp in temps:
-            if tmp is None:
-                if path.exists():
-                    os.unlink(path)
-            else:
-                _replace(tmp, path)
-            done.append(path)
-    except OSError as e:
-        _discard(temps)
-        failed = _rollback(done, originals)
-        where = e.filename or "the target"
-        if failed:
-            raise ApplyError(
-                f"writing {where} failed ({e.strerror or e}) and restoring "
-                f"{', '.join(map(str, failed))} failed too: the target is "
-                "inconsistent, reinstall vllm"
-            ) from None
-        raise ApplyError(
-            f"writing {where} failed ({e.strerror or e}); every file was "
-            "restored, the target is unchanged"
-        ) from None
-
-
-def _discard(temps: list[tuple[Path, Path | None]]) -> None:
-    for _, tmp in temps:
-        if tmp is not None and tmp.exists():
-            tmp.unlink()
-
-
-def _rollback(done: list[Path], originals: dict[Path, bytes | None]) -> list[Path]:
-    failed = []
-    for path in reversed(done):
-        try:
-            original = originals[path]
-            if original is None:
-                path.unlink(missing_ok=True)
-            else:
-                tmp = path.with_name(f".{path.name}.overlay-restore")
-                tmp.write_bytes(original)
-                os.replace(tmp, path)
-        except OSError:
-            failed.append(path)
-    return failed
+        Transaction(target.root / pin.module).commit(files)
+    except TransactionError as e:
+        raise ApplyError(str(e)) from None
