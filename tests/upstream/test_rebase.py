@@ -28,12 +28,12 @@ from vllm_overlay.cli import main
 from vllm_overlay.series.diff import apply_file_patch, parse_patch
 from vllm_overlay.series.patch_series import load_series, split_header
 from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin, sha256_bytes
-from vllm_overlay.upstream.rebase import (
+from vllm_overlay.upstream.rebase.newbase import (
     fetch_version,
     new_base_from_source,
     new_base_from_wheel,
-    rebase_plan,
 )
+from vllm_overlay.upstream.rebase.plan import rebase_plan
 
 CLAMP = (
     '    def _clamp_to_prompt_blocks(self, req: "Request", block_ids: BlockIds)'

@@ -18,15 +18,9 @@ from vllm_overlay.upstream.export import (
     export,
     load_context,
 )
-from vllm_overlay.upstream.rebase import (
-    DEFAULT_CACHE,
-    DEFAULT_WORKDIR,
-    encode_report,
-    format_table,
-    rebase_plan,
-    resolve_new_base,
-    write_plan,
-)
+from vllm_overlay.upstream.rebase.newbase import DEFAULT_CACHE, resolve_new_base
+from vllm_overlay.upstream.rebase.plan import DEFAULT_WORKDIR, rebase_plan, write_plan
+from vllm_overlay.upstream.rebase.report import encode_report, format_table
 
 
 def cmd_export(app: App, args: argparse.Namespace) -> int:
