@@ -335,69 +335,33 @@ class Context:
     run_tests: bool
 
 
+@dataclass(frozen=True)
+class _Trees:
+    """The vLLM files the mail goes from (``before``) and to (``after``)."""
+
+    before: dict[str, str]
+    after: dict[str, str]
+    depends: list[str]  # the patches a stacked mail needs first
+
+
 def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
     log = [
         f"export {patch.name} (series {ctx.series.series_id}, vLLM "
         f"{ctx.pin.vllm.version} {ctx.pin.vllm.git_commit}, base from "
         f"{ctx.base_source})"
     ]
-    h = patch.header
-    predecessors = ctx.series.patches[: patch.index - 1]
-    after_preds = dict(ctx.bases)
-    for p in predecessors:
-        after_preds = _apply(after_preds, p)
-    try:
-        _apply(after_preds, patch)
-    except HunkError as e:
-        raise _fail(patch, log, f"does not apply after its predecessors: {e}") from None
-    if predecessors:
-        log.append("[ok] applies after its predecessors (zero fuzz, no offset)")
-    try:
-        _apply(ctx.bases, patch)
-        before, depends = ctx.bases, []
-        log.append("[ok] applies to the pinned base alone (zero fuzz, no offset)")
-    except HunkError as e:
-        touched = {fp.path for fp in patch.files}
-        deps = [p for p in predecessors if touched & {fp.path for fp in p.files}]
-        before = after_preds
-        depends = [
-            f"{p.name}"
-            + (f" ({p.header.forwarded})" if "://" in p.header.forwarded else "")
-            for p in deps
-        ]
-        log.append(
-            f"[ok] applies only after {', '.join(p.name for p in deps)} "
-            f"(alone: {e}); the mail is stacked on its predecessors"
-        )
-    after = _apply(before, patch)
-    if not _SUBJECT_RE.match(h.subject):
-        raise _fail(patch, log, f"Subject {h.subject!r} is not '[Tag]... Title'")
-    log.append("[ok] subject in vLLM PR-title style")
-    if not _DATE_RE.match(h.last_update):
-        raise _fail(patch, log, "Last-Update (YYYY-MM-DD) is needed as the date")
-    try:
-        split_description(h)
-    except BodyError as e:
-        raise _fail(patch, log, str(e)) from None
+    trees = _trees(ctx, patch, log)
+    _check_header(patch, log)
     named, others = _revert_red_rows(patch, ctx.report, log)
     log.append(
         f"[ok] revert-red: {len(named)} named test(s) fail on the base and pass "
         f"overlaid (unit-base report {ctx.report.generated_at})"
     )
     ported, id_map, summary = _port(ctx.root, patch, ctx.ruff, log)
-    changed = {fp.path: after[fp.path] for fp in patch.files}
+    changed = {fp.path: trees.after[fp.path] for fp in patch.files}
     lint = _lint(patch, {**changed, **ported}, ctx.ruff, log)
     pr_after = {**changed, **ported}
-    pr_before = {p: before[p] for p in changed}
-    author = Identity.parse(h.author)
-    mail = format_patch(
-        pr_before, pr_after, author, f"{h.last_update}T00:00:00+00:00",
-        commit_message(h),
-    )  # fmt: skip
-    am = am_check(pr_before, mail, sorted(pr_after))
-    if am.files != pr_after or am.subject != h.subject or am.author != str(author):
-        raise _fail(patch, log, "git am of the mail does not give the expected tree")
-    log.append("[ok] git am --keep-non-patch onto the before files: exact tree")
+    mail = _mail(patch, {p: trees.before[p] for p in changed}, pr_after, log)
     ported_run = _run_ported(patch, ported, log) if ctx.run_tests else ""
     if not ctx.run_tests:
         log.append("[--] ported tests not run alone (--run-tests not given)")
@@ -410,7 +374,7 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
         )
     body = pr_body(
         BodyInputs(
-            header=h,
+            header=patch.header,
             files=_file_changes(patch, pr_after, sorted(ported)),
             test_path=sorted(ported),
             test_summary=summary,
@@ -421,10 +385,78 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
             base_label=f"vLLM {ctx.pin.vllm.version} ({ctx.pin.vllm.git_commit})",
             lint=lint,
             ported_run=ported_run,
-            depends_on=depends,
+            depends_on=trees.depends,
             overlay_note=note,
         )
     )
+    _check_body(patch, body, log)
+    return Bundle(patch, mail, body, log)
+
+
+def _trees(ctx: Context, patch: SeriesPatch, log: list[str]) -> _Trees:
+    """Check 1: the patch applies after its predecessors, and alone on the
+    pinned base (a standalone mail) or only after them (a stacked one)."""
+    predecessors = ctx.series.patches[: patch.index - 1]
+    after_preds = dict(ctx.bases)
+    for p in predecessors:
+        after_preds = _apply(after_preds, p)
+    try:
+        _apply(after_preds, patch)
+    except HunkError as e:
+        raise _fail(patch, log, f"does not apply after its predecessors: {e}") from None
+    if predecessors:
+        log.append("[ok] applies after its predecessors (zero fuzz, no offset)")
+    try:
+        after = _apply(ctx.bases, patch)
+    except HunkError as e:
+        touched = {fp.path for fp in patch.files}
+        deps = [p for p in predecessors if touched & {fp.path for fp in p.files}]
+        log.append(
+            f"[ok] applies only after {', '.join(p.name for p in deps)} "
+            f"(alone: {e}); the mail is stacked on its predecessors"
+        )
+        depends = [
+            p.name + (f" ({p.header.forwarded})" if "://" in p.header.forwarded else "")
+            for p in deps
+        ]
+        return _Trees(after_preds, _apply(after_preds, patch), depends)
+    log.append("[ok] applies to the pinned base alone (zero fuzz, no offset)")
+    return _Trees(ctx.bases, after, [])
+
+
+def _check_header(patch: SeriesPatch, log: list[str]) -> None:
+    """Check 2: the subject is a vLLM PR title; the date and description
+    hold what the mail and the body need."""
+    h = patch.header
+    if not _SUBJECT_RE.match(h.subject):
+        raise _fail(patch, log, f"Subject {h.subject!r} is not '[Tag]... Title'")
+    log.append("[ok] subject in vLLM PR-title style")
+    if not _DATE_RE.match(h.last_update):
+        raise _fail(patch, log, "Last-Update (YYYY-MM-DD) is needed as the date")
+    try:
+        split_description(h)
+    except BodyError as e:
+        raise _fail(patch, log, str(e)) from None
+
+
+def _mail(
+    patch: SeriesPatch, before: dict[str, str], after: dict[str, str], log: list[str]
+) -> str:
+    """Check 5: the `git format-patch` mail, and `git am` of it onto the
+    before files gives exactly the after files, subject and author."""
+    h = patch.header
+    author = Identity.parse(h.author)
+    date = f"{h.last_update}T00:00:00+00:00"
+    mail = format_patch(before, after, author, date, commit_message(h))
+    am = am_check(before, mail, sorted(after))
+    if am.files != after or am.subject != h.subject or am.author != str(author):
+        raise _fail(patch, log, "git am of the mail does not give the expected tree")
+    log.append("[ok] git am --keep-non-patch onto the before files: exact tree")
+    return mail
+
+
+def _check_body(patch: SeriesPatch, body: str, log: list[str]) -> None:
+    """Check 6: GitHub takes the body."""
     if len(body) > GITHUB_BODY_LIMIT:
         raise _fail(
             patch,
@@ -434,9 +466,8 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
     log.append(f"[ok] PR body {len(body)} characters (limit {GITHUB_BODY_LIMIT})")
     log.append(
         f"open it: git am --keep-non-patch {patch.slug}.patch; "
-        f"gh pr create --title {h.subject!r} --body-file PR.md"
+        f"gh pr create --title {patch.header.subject!r} --body-file PR.md"
     )
-    return Bundle(patch, mail, body, log)
 
 
 def load_context(
