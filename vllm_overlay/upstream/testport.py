@@ -222,23 +222,46 @@ def _local_module_name(
 def port_test(test_file: Path) -> str:
     """The self-contained upstream version of ``test_file`` (not yet
     formatted: run ruff format on it)."""
-    local_dir = test_file.parent
-    local = {p.stem for p in local_dir.glob("*.py") if p != test_file}
-    test = _parse(test_file, test_file.stem)
-    modules: dict[str, _Module] = {}
-    imports = _Imports()
-    aliases: list[str] = []
-    # Per module: a name imported from a local module -> (module, name).
-    links: dict[str, dict[str, tuple[str, str]]] = {}
+    porter = _Porter(test_file)
+    body = porter.test_body()
+    needed, seen = porter.needed(body)
+    porter.check(needed, body)
+    return porter.render(body, needed, seen)
 
-    def load(name: str) -> _Module:
-        if name not in modules:
-            modules[name] = _parse(local_dir / f"{name}.py", name)
-            scan_imports(modules[name])
-        return modules[name]
 
-    def scan_imports(mod: _Module) -> None:
-        table = links.setdefault(mod.name, {})
+# A statement the port inlines, and the local module defining it.
+_Needed = dict[int, tuple[str, ast.stmt]]
+
+
+class _Porter:
+    """The test module, the local modules it draws on, and their imports."""
+
+    def __init__(self, test_file: Path):
+        self.dir = test_file.parent
+        self.local = {p.stem for p in self.dir.glob("*.py") if p != test_file}
+        self.test = _parse(test_file, test_file.stem)
+        self.modules: dict[str, _Module] = {self.test.name: self.test}
+        self.imports = _Imports()
+        self.aliases: list[str] = []
+        # Per module: a name imported from a local module -> (module, name).
+        self.links: dict[str, dict[str, tuple[str, str]]] = {}
+        self._scan_imports(self.test)
+        if "conftest" in self.local:
+            self._load("conftest")
+        # Each module's top-level definitions, by name.
+        self.defs: dict[str, dict[str, ast.stmt]] = {
+            m.name: {n: st for st in m.tree.body for n in _bound_names(st)}
+            for m in self.modules.values()
+        }
+
+    def _load(self, name: str) -> _Module:
+        if name not in self.modules:
+            self.modules[name] = _parse(self.dir / f"{name}.py", name)
+            self._scan_imports(self.modules[name])
+        return self.modules[name]
+
+    def _scan_imports(self, mod: _Module) -> None:
+        table = self.links.setdefault(mod.name, {})
         for stmt in mod.tree.body:
             group = [stmt]
             type_only = False
@@ -246,145 +269,156 @@ def port_test(test_file: Path) -> str:
                 assert isinstance(stmt, ast.If)
                 group, type_only = list(stmt.body), True
             for s in group:
-                if not isinstance(s, ast.Import | ast.ImportFrom):
-                    continue
-                where = f"{mod.path.name}:{s.lineno}"
-                target = _local_module_name(s, local)
-                if target is not None:
-                    if isinstance(s, ast.Import):
-                        raise PortError(
-                            f"{where}: `import {target}` uses a local module as a "
-                            f"module; import the names (`from {target} import ...`)"
-                        )
-                    load(target)
-                    for alias in s.names:
-                        table[alias.asname or alias.name] = (target, alias.name)
-                        if alias.asname and alias.asname != alias.name:
-                            aliases.append(f"{alias.asname} = {alias.name}\n")
-                    continue
-                top = (
-                    (s.module or "")
-                    if isinstance(s, ast.ImportFrom)
-                    else s.names[0].name
-                ).split(".")[0]
-                if top in _FORBIDDEN and not (
-                    isinstance(s, ast.ImportFrom) and s.level
-                ):
-                    raise PortError(
-                        f"{where}: imports {top!r}, which is not in vLLM's tree"
-                    )
-                imports.add(s, type_only, where)
+                if isinstance(s, ast.Import | ast.ImportFrom):
+                    self._scan_import(mod, s, table, type_only)
 
-    modules[test.name] = test
-    scan_imports(test)
-    if "conftest" in local:
-        load("conftest")
+    def _scan_import(
+        self,
+        mod: _Module,
+        s: ast.Import | ast.ImportFrom,
+        table: dict[str, tuple[str, str]],
+        type_only: bool,
+    ) -> None:
+        where = f"{mod.path.name}:{s.lineno}"
+        target = _local_module_name(s, self.local)
+        if target is not None:
+            if isinstance(s, ast.Import):
+                raise PortError(
+                    f"{where}: `import {target}` uses a local module as a "
+                    f"module; import the names (`from {target} import ...`)"
+                )
+            self._load(target)
+            for alias in s.names:
+                table[alias.asname or alias.name] = (target, alias.name)
+                if alias.asname and alias.asname != alias.name:
+                    self.aliases.append(f"{alias.asname} = {alias.name}\n")
+            return
+        imported = s.module if isinstance(s, ast.ImportFrom) else s.names[0].name
+        module = imported or ""
+        top = module.split(".")[0]
+        if top in _FORBIDDEN and not (isinstance(s, ast.ImportFrom) and s.level):
+            raise PortError(f"{where}: imports {top!r}, which is not in vLLM's tree")
+        self.imports.add(s, type_only, where)
 
-    # Each module's top-level definitions, by name.
-    defs: dict[str, dict[str, ast.stmt]] = {
-        m.name: {n: st for st in m.tree.body for n in _bound_names(st)}
-        for m in modules.values()
-    }
-
-    def resolve(module: str, name: str) -> tuple[str, ast.stmt] | None:
+    def _resolve(self, module: str, name: str) -> tuple[str, ast.stmt] | None:
         """Where ``name`` used in ``module`` is defined: the module itself,
         a local module it imports the name from, else conftest (fixtures)."""
-        for _ in range(len(modules) + 1):
-            if name in defs[module]:
-                return module, defs[module][name]
-            if name not in links.get(module, {}):
+        for _ in range(len(self.modules) + 1):
+            if name in self.defs[module]:
+                return module, self.defs[module][name]
+            if name not in self.links.get(module, {}):
                 break
-            module, name = links[module][name]
-        if "conftest" in defs and name in defs["conftest"]:
-            return "conftest", defs["conftest"][name]
+            module, name = self.links[module][name]
+        if "conftest" in self.defs and name in self.defs["conftest"]:
+            return "conftest", self.defs["conftest"][name]
         return None
 
-    body = [
-        s
-        for s in test.tree.body
-        if not (s is test.tree.body[0] and _is_docstring(s))
-        and not isinstance(s, ast.Import | ast.ImportFrom)
-        and not _is_type_checking(s)
-    ]
-    own = {n for s in body for n in _bound_names(s)}
-    needed: dict[int, tuple[str, ast.stmt]] = {}
-    todo = [(test.name, n) for n in sorted({n for s in body for n in _referenced(s)})]
-    for mod in modules.values():
-        for stmt in mod.tree.body:
-            if mod is not test and _is_autouse_fixture(stmt):
-                needed[id(stmt)] = (mod.name, stmt)
-                todo.extend((mod.name, n) for n in _referenced(stmt))
-    seen: set[tuple[str, str]] = set()
-    while todo:
-        module, name = todo.pop()
-        if (module, name) in seen or (module == test.name and name in own):
-            continue
-        seen.add((module, name))
-        found = resolve(module, name)
-        if found is None or found[0] == test.name:
-            continue
-        where, stmt = found
-        if id(stmt) not in needed:
-            needed[id(stmt)] = (where, stmt)
-            todo.extend((where, n) for n in _referenced(stmt))
+    def test_body(self) -> list[ast.stmt]:
+        """The test module's statements, without its docstring and imports."""
+        tree = self.test.tree
+        return [
+            s
+            for s in tree.body
+            if not (s is tree.body[0] and _is_docstring(s))
+            and not isinstance(s, ast.Import | ast.ImportFrom)
+            and not _is_type_checking(s)
+        ]
 
-    by_name: dict[str, str] = {}
-    for where, stmt in needed.values():
-        for name in _bound_names(stmt):
-            if by_name.setdefault(name, where) != where:
-                raise PortError(
-                    f"{name!r} is needed from both {by_name[name]}.py and "
-                    f"{where}.py; rename one of them"
-                )
-    for where, stmt in [*needed.values(), *((test.name, s) for s in body)]:
-        for node in ast.walk(stmt):
-            value = getattr(node, "value", None)
-            if isinstance(node, ast.Constant) and isinstance(value, str):
-                hit = [m for m in local if f"{m}.py" in value]
-                if hit:
+    def needed(self, body: list[ast.stmt]) -> tuple[_Needed, set[tuple[str, str]]]:
+        """Every local definition the test body needs, transitively, and
+        every (module, name) looked at."""
+        test = self.test.name
+        own = {n for s in body for n in _bound_names(s)}
+        needed: _Needed = {}
+        todo = [(test, n) for n in sorted({n for s in body for n in _referenced(s)})]
+        for mod in self.modules.values():
+            for stmt in mod.tree.body:
+                if mod is not self.test and _is_autouse_fixture(stmt):
+                    needed[id(stmt)] = (mod.name, stmt)
+                    todo.extend((mod.name, n) for n in _referenced(stmt))
+        seen: set[tuple[str, str]] = set()
+        while todo:
+            module, name = todo.pop()
+            if (module, name) in seen or (module == test and name in own):
+                continue
+            seen.add((module, name))
+            found = self._resolve(module, name)
+            if found is None or found[0] == test:
+                continue
+            where, stmt = found
+            if id(stmt) not in needed:
+                needed[id(stmt)] = (where, stmt)
+                todo.extend((where, n) for n in _referenced(stmt))
+        return needed, seen
+
+    def check(self, needed: _Needed, body: list[ast.stmt]) -> None:
+        """No name comes from two local modules; nothing reads a local
+        module as a file."""
+        by_name: dict[str, str] = {}
+        for where, stmt in needed.values():
+            for name in _bound_names(stmt):
+                if by_name.setdefault(name, where) != where:
                     raise PortError(
-                        f"{where}.py runs or reads {hit[0]}.py as a file, which "
-                        "vLLM's tree does not have"
+                        f"{name!r} is needed from both {by_name[name]}.py and "
+                        f"{where}.py; rename one of them"
                     )
+        test = self.test.name
+        for where, stmt in [*needed.values(), *((test, s) for s in body)]:
+            for node in ast.walk(stmt):
+                value = getattr(node, "value", None)
+                if isinstance(node, ast.Constant) and isinstance(value, str):
+                    hit = [m for m in self.local if f"{m}.py" in value]
+                    if hit:
+                        raise PortError(
+                            f"{where}.py runs or reads {hit[0]}.py as a file, which "
+                            "vLLM's tree does not have"
+                        )
 
-    inlined: list[str] = []
-    for mod in modules.values():
-        chosen = [s for s in mod.tree.body if id(s) in needed]
-        if chosen and mod is not test:
-            inlined.append("# Builders the tests below share.\n")
-            inlined.extend(mod.segment(s) + "\n\n" for s in chosen)
-    test_body = [test.segment(s) + "\n\n" for s in body]
+    def render(
+        self, body: list[ast.stmt], needed: _Needed, seen: set[tuple[str, str]]
+    ) -> str:
+        inlined: list[str] = []
+        for mod in self.modules.values():
+            chosen = [s for s in mod.tree.body if id(s) in needed]
+            if chosen and mod is not self.test:
+                inlined.append("# Builders the tests below share.\n")
+                inlined.extend(mod.segment(s) + "\n\n" for s in chosen)
+        used: set[str] = {name for _, name in seen}
+        for stmt in [*body, *(stmt for _, stmt in needed.values())]:
+            used |= _referenced(stmt)
+        out = [SPDX_HEADER]
+        first = self.test.tree.body[0] if self.test.tree.body else None
+        if first is not None and _is_docstring(first):
+            out.append(
+                _PATCH_PREFIX.sub(_drop_prefix, self.test.segment(first), count=1)
+            )
+            out.append("\n")
+        out.extend(self._import_lines(used))
+        out.append("\n\n")
+        out.extend(inlined)
+        out.extend(self.aliases)
+        out.append("\n\n")
+        out.extend(self.test.segment(s) + "\n\n" for s in body)
+        return "".join(out).rstrip("\n") + "\n"
 
-    used: set[str] = {name for _, name in seen}
-    for stmt in body:
-        used |= _referenced(stmt)
-    for _, stmt in needed.values():
-        used |= _referenced(stmt)
-    runtime = sorted({v for k, v in imports.runtime.items() if k in used})
-    type_only = sorted(
-        {
-            v
-            for k, v in imports.type_only.items()
-            if k in used and k not in imports.runtime
-        }
-    )
-    if type_only:
-        flag = imports.runtime.get("TYPE_CHECKING", "from typing import TYPE_CHECKING")
-        runtime = sorted({*runtime, flag})
-    out = [SPDX_HEADER]
-    first = test.tree.body[0] if test.tree.body else None
-    if first is not None and _is_docstring(first):
-        out.append(_PATCH_PREFIX.sub(_drop_prefix, test.segment(first), count=1))
-        out.append("\n")
-    if imports.future:
-        out.append("from __future__ import annotations\n\n")
-    out.extend(line + "\n" for line in runtime)
-    if type_only:
-        out.append("\nif TYPE_CHECKING:\n")
-        out.extend(f"    {line}\n" for line in type_only)
-    out.append("\n\n")
-    out.extend(inlined)
-    out.extend(aliases)
-    out.append("\n\n")
-    out.extend(test_body)
-    return "".join(out).rstrip("\n") + "\n"
+    def _import_lines(self, used: set[str]) -> list[str]:
+        imports = self.imports
+        runtime = sorted({v for k, v in imports.runtime.items() if k in used})
+        type_only = sorted(
+            {
+                v
+                for k, v in imports.type_only.items()
+                if k in used and k not in imports.runtime
+            }
+        )
+        if type_only:
+            flag = imports.runtime.get(
+                "TYPE_CHECKING", "from typing import TYPE_CHECKING"
+            )
+            runtime = sorted({*runtime, flag})
+        out = ["from __future__ import annotations\n\n"] if imports.future else []
+        out.extend(line + "\n" for line in runtime)
+        if type_only:
+            out.append("\nif TYPE_CHECKING:\n")
+            out.extend(f"    {line}\n" for line in type_only)
+        return out
