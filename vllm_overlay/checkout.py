@@ -53,21 +53,9 @@ class Checkout:
         )
 
     @property
-    def pin_path(self) -> Path:
-        return self.root / PIN_FILE
-
-    @property
-    def patch_dir(self) -> Path:
-        return self.root / PATCH_DIR
-
-    @property
-    def reports_dir(self) -> Path:
-        return self.root / REPORT_DIR
-
-    @property
     def unit_base_report(self) -> Path:
         """The revert-red report `nox -s unit-base` writes, export reads."""
-        return self.reports_dir / UNIT_BASE_REPORT
+        return self.root / REPORT_DIR / UNIT_BASE_REPORT
 
     def path(self, value: Path) -> Path:
         """``value`` taken relative to the checkout unless absolute."""
@@ -75,7 +63,7 @@ class Checkout:
 
     @cached_property
     def pin(self) -> Pin:
-        return load_pin(self.pin_path)
+        return load_pin(self.root / PIN_FILE)
 
     @cached_property
     def series(self) -> Series:

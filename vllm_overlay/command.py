@@ -16,6 +16,7 @@ Output rules, the same in every command:
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,18 +132,18 @@ _LEAF_PARENTS = [global_options(root=False)]
 
 
 def add_command(
-    sub: Subparsers,
-    name: str,
-    handler: Handler | None,
-    *,
-    help: str,
-    description: str | None = None,
+    sub: Subparsers, name: str, handler: Handler | None, *, doc: str = ""
 ) -> argparse.ArgumentParser:
-    """Declare a subcommand; ``handler`` None for a group of subcommands."""
+    """Declare a subcommand: its ``--help`` is the handler's docstring (or
+    ``doc``; its first line is the one-line help). ``handler`` None: a group
+    of subcommands."""
+    text = inspect.cleandoc(doc or (handler.__doc__ if handler else "") or "")
+    if not text:
+        raise TypeError(f"subcommand {name!r} needs a docstring")
     parser: argparse.ArgumentParser = sub.add_parser(
         name,
-        help=help,
-        description=description or help[:1].upper() + help[1:] + ".",
+        help=text.split("\n\n", 1)[0].rstrip(".").replace("\n", " "),
+        description=text,
         parents=_LEAF_PARENTS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -44,6 +44,12 @@ def expected_series(app: App) -> str:
 
 
 def cmd_e2e(app: App, args: argparse.Namespace) -> int:
+    """1P/1D MoRIIO READ run on two nodes: P/D vs direct prefill.
+
+    Launch one prefill and one decode vLLM server with the MoRIIO connector
+    in READ mode and a router, send the checks' prompts through P/D and to
+    the prefill alone, and compare.
+    """
     if args.dry_run:
         app.say(dry_run_text(args.config).rstrip("\n"))
         return 0
@@ -59,17 +65,7 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
 
 
 def register(sub: Subparsers) -> None:
-    p = add_command(
-        sub,
-        "e2e",
-        cmd_e2e,
-        help="1P/1D MoRIIO READ run on two nodes: P/D vs direct prefill",
-        description=(
-            "Launch one prefill and one decode vLLM server with the MoRIIO "
-            "connector in READ mode and a router, send the checks' prompts "
-            "through P/D and to the prefill alone, and compare."
-        ),
-    )
+    p = add_command(sub, "e2e", cmd_e2e)
     p.add_argument(
         "--config", type=Path, required=True, metavar="TOML", help="the pair config"
     )

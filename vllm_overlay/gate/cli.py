@@ -12,6 +12,12 @@ from vllm_overlay.gate.revert_red import build_report, format_table, gate
 
 
 def cmd_revert_red(app: App, args: argparse.Namespace) -> int:
+    """Compare a base and an overlay test run (unit-base) and gate on it.
+
+    Compare the outcomes of the suite on the pinned base and with the
+    overlay: every test a patch names in its Tests header must fail on the
+    base and pass overlaid. Writes the report export reads.
+    """
     checkout = app.checkout
     series = checkout.series
     report = build_report(
@@ -44,17 +50,7 @@ def cmd_revert_red(app: App, args: argparse.Namespace) -> int:
 
 
 def register(sub: Subparsers) -> None:
-    rr = add_command(
-        sub,
-        "revert-red",
-        cmd_revert_red,
-        help="compare a base and an overlay test run (unit-base) and gate on it",
-        description=(
-            "Compare the outcomes of the suite on the pinned base and with the "
-            "overlay: every test a patch names in its Tests header must fail on "
-            "the base and pass overlaid. Writes the report export reads."
-        ),
-    )
+    rr = add_command(sub, "revert-red", cmd_revert_red)
     rr.add_argument("--base-outcomes", type=Path, required=True, metavar="JSON")
     rr.add_argument("--overlay-outcomes", type=Path, required=True, metavar="JSON")
     rr.add_argument(

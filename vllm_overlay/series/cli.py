@@ -10,6 +10,11 @@ from vllm_overlay.series.patch_series import check_series
 
 
 def cmd_series_check(app: App, args: argparse.Namespace) -> int:
+    """Check the series file, the patch headers and the diffs.
+
+    Check patches/series (each entry once, every patch listed), every DEP-3
+    header, and that every diff touches only pinned files.
+    """
     checkout = app.checkout
     problems = check_series(checkout.root, checkout.pin)
     for problem in problems:
@@ -35,17 +40,7 @@ def register(sub: Subparsers) -> None:
         sub,
         "series",
         None,
-        help="the patch series",
-        description="The patch series: patches/series and the patches it lists.",
+        doc="The patch series: patches/series and the patches it lists.",
     )
     series_sub = add_subcommands(series, "series_command")
-    add_command(
-        series_sub,
-        "check",
-        cmd_series_check,
-        help="check the series file, the patch headers and the diffs",
-        description=(
-            "Check patches/series (each entry once, every patch listed), every "
-            "DEP-3 header, and that every diff touches only pinned files."
-        ),
-    )
+    add_command(series_sub, "check", cmd_series_check)

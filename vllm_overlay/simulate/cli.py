@@ -20,17 +20,7 @@ from vllm_overlay.simulate.run import DEFAULT_HITS, DEFAULT_LENGTHS, run_sweep
 
 
 def register(sub: Subparsers) -> None:
-    p = add_command(
-        sub,
-        "simulate",
-        _run,
-        help="CPU prefill/decode simulator: real schedulers, content-checked READ",
-        description=(
-            "Run both legs' real vLLM schedulers on CPU with the MoRIIO connector "
-            "in READ mode, base against overlay, for every layout, prompt length "
-            "and decoder prefix hit, and check what the decoder reads."
-        ),
-    )
+    p = add_command(sub, "simulate", _run)
     p.add_argument(
         "--layouts",
         default="",
@@ -77,6 +67,12 @@ def register(sub: Subparsers) -> None:
 
 
 def _run(app: App, args: argparse.Namespace) -> int:
+    """CPU prefill/decode simulator: real schedulers, content-checked READ.
+
+    Run both legs' real vLLM schedulers on CPU with the MoRIIO connector in
+    READ mode, base against overlay, for every layout, prompt length and
+    decoder prefix hit, and check what the decoder reads.
+    """
     variants = ["base", "overlay"] if args.variant == "both" else [args.variant]
     layouts = [x for x in args.layouts.split(",") if x.strip()]
     report = run_sweep(

@@ -29,6 +29,11 @@ def resolve_target(value: Path | None) -> Target:
 
 
 def cmd_apply(app: App, args: argparse.Namespace) -> int:
+    """Apply the series to a vLLM tree (or --revert it).
+
+    Every pinned file is checked against pin.toml, every hunk must match at
+    its exact line, and the files change all together or not at all.
+    """
     pin, series = app.checkout.pin, app.checkout.series
     target = resolve_target(args.target)
     app.say(f"target: {target.describe()}")
@@ -44,6 +49,11 @@ def cmd_apply(app: App, args: argparse.Namespace) -> int:
 
 
 def cmd_status(app: App, args: argparse.Namespace) -> int:
+    """Base / overlaid / stale / partial / unknown, per pinned file.
+
+    What state a vLLM tree's MoRIIO files are in. Exit status 0 for base or
+    overlaid (or the --require state), 1 otherwise.
+    """
     pin, series = app.checkout.pin, app.checkout.series
     target = resolve_target(args.target)
     report, _ = tree_status(target, pin, series)
@@ -55,6 +65,11 @@ def cmd_status(app: App, args: argparse.Namespace) -> int:
 
 
 def cmd_materialize(app: App, args: argparse.Namespace) -> int:
+    """Write the overlaid (or base) MoRIIO files into a directory.
+
+    Every pinned MoRIIO file, overlaid (or the base with --base), is written
+    below DIR with its path inside vLLM kept.
+    """
     pin, series = app.checkout.pin, app.checkout.series
     bases = base_source(args).load(pin, series)
     if args.upto is not None:
@@ -73,30 +88,11 @@ def cmd_materialize(app: App, args: argparse.Namespace) -> int:
 
 
 def register(sub: Subparsers) -> None:
-    apply = add_command(
-        sub,
-        "apply",
-        cmd_apply,
-        help="apply the series to a vLLM tree (or --revert it)",
-        description=(
-            "Apply the series to a vLLM tree: every pinned file is checked "
-            "against pin.toml, every hunk must match at its exact line, and the "
-            "files change all together or not at all."
-        ),
-    )
+    apply = add_command(sub, "apply", cmd_apply)
     apply.add_argument("--target", type=Path, metavar="PATH", help=TARGET_HELP)
     apply.add_argument("--revert", action="store_true", help="restore the pinned base")
 
-    status = add_command(
-        sub,
-        "status",
-        cmd_status,
-        help="base / overlaid / stale / partial / unknown, per pinned file",
-        description=(
-            "Tell what state a vLLM tree's MoRIIO files are in. Exit status 0 "
-            "for base or overlaid (or the --require state), 1 otherwise."
-        ),
-    )
+    status = add_command(sub, "status", cmd_status)
     status.add_argument("--target", type=Path, metavar="PATH", help=TARGET_HELP)
     status.add_argument(
         "--require",
@@ -105,17 +101,10 @@ def register(sub: Subparsers) -> None:
         help="exit non-zero unless the whole tree is in this state",
     )
 
-    mat = add_command(
-        sub,
-        "materialize",
-        cmd_materialize,
-        help="write the overlaid (or base) MoRIIO files into a directory",
-        description=(
-            "Write every pinned MoRIIO file, overlaid (or the base with --base), "
-            "below DIR with its path inside vLLM kept."
-        ),
+    mat = add_command(sub, "materialize", cmd_materialize)
+    mat.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="where to write"
     )
-    mat.add_argument("--out", type=Path, required=True, metavar="DIR")
     add_base_options(mat, "the base files")
     mat.add_argument("--base", action="store_true", help="write the base files")
     mat.add_argument(

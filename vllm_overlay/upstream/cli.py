@@ -24,6 +24,12 @@ from vllm_overlay.upstream.rebase.report import encode_report, format_table
 
 
 def cmd_export(app: App, args: argparse.Namespace) -> int:
+    """Upstream-ready patch mails and PR bodies under dist/upstream.
+
+    Write each patch as a `git format-patch` mail with its tests ported to
+    vLLM's layout, and its pull-request body, after checking it applies, is
+    proven by the unit-base report and passes vLLM's ruff.
+    """
     ctx = load_context(
         app.checkout, base_source(args), ruff=args.ruff, run_tests=args.run_tests
     )
@@ -39,6 +45,12 @@ def cmd_export(app: App, args: argparse.Namespace) -> int:
 
 
 def cmd_rebase(app: App, args: argparse.Namespace) -> int:
+    """Classify and move the series onto a newer vLLM base.
+
+    Classify every patch against a newer vLLM (clean, offset, upstream,
+    conflict, blocked); with --write and no conflict, write the new pin and
+    the refreshed patches.
+    """
     checkout = app.checkout
     pin, series = checkout.pin, checkout.series
     old_bases = base_source(args).load(pin, series).texts
@@ -66,23 +78,9 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
 
 
 def register(sub: Subparsers) -> None:
-    p = add_command(
-        sub,
-        "export",
-        cmd_export,
-        help="upstream-ready patch mails and PR bodies under dist/upstream",
-        description=(
-            "Write each patch as a `git format-patch` mail with its tests ported "
-            "to vLLM's layout, and its pull-request body, after checking it "
-            "applies, is proven by the unit-base report and passes vLLM's ruff."
-        ),
-    )
-    p.add_argument(
-        "--patch",
-        action="append",
-        metavar="NAME",
-        help="a patch name or slug (repeat; default: every patch)",
-    )
+    p = add_command(sub, "export", cmd_export)
+    patches = "a patch name or slug (repeat; default: every patch)"
+    p.add_argument("--patch", action="append", metavar="NAME", help=patches)
     p.add_argument(
         "--out",
         type=Path,
@@ -98,17 +96,7 @@ def register(sub: Subparsers) -> None:
         help="also run each ported test file alone (this Python's vLLM overlaid)",
     )
 
-    p = add_command(
-        sub,
-        "rebase",
-        cmd_rebase,
-        help="classify and move the series onto a newer vLLM base",
-        description=(
-            "Classify every patch against a newer vLLM (clean, offset, upstream, "
-            "conflict, blocked); with --write and no conflict, write the new pin "
-            "and the refreshed patches."
-        ),
-    )
+    p = add_command(sub, "rebase", cmd_rebase)
     p.add_argument(
         "--to",
         required=True,
