@@ -115,3 +115,61 @@ def test_state_precopy_uses_the_pre_read_contents():
     check = ReadCheck([STATE], [table], d, 33, uid=1)
     result = check.judge(d, [], 1.0, 32)
     assert not result.wrong and result.min_pages == 0
+
+
+def test_compressed_cache_needs_only_complete_groups():
+    from vllm_overlay.simulate.check import GroupInfo as G
+
+    compressed = G(FULL, 16, 0, 100, tokens_per_state=4)
+    # Position 38 is computed by the decoder; groups [0, 36) are complete.
+    assert [(x.index, x.lo, x.hi) for x in needs([compressed], 39)] == [
+        (0, 0, 16),
+        (1, 16, 32),
+        (2, 32, 36),
+    ]
+    # Nothing complete below position 3.
+    assert needs([compressed], 4) == []
+
+
+def test_chunked_local_attention_needs_the_current_chunk():
+    from vllm_overlay.simulate.check import CHUNK
+
+    chunk = GroupInfo(CHUNK, 16, 32, 100)
+    # Position 40 attends to its chunk [32, 40).
+    assert [(x.index, x.lo, x.hi) for x in needs([chunk], 41)] == [(2, 32, 40)]
+    # The first position of a chunk attends to no earlier one.
+    assert needs([chunk], 33) == []
+
+
+def test_ring_needs_the_open_group_rows_in_its_one_block():
+    from vllm_overlay.simulate.check import RING
+
+    ring = GroupInfo(RING, 32, 16, 100, ring_capacity=32)
+    assert [(x.index, x.lo, x.hi) for x in needs([ring], 41)] == [(0, 32, 40)]
+    assert needs([ring], 33) == []  # the group of position 32 opens with it
+
+
+def test_ring_page_keeps_the_latest_capacity_rows():
+    from vllm_overlay.simulate.check import RING
+
+    ring = GroupInfo(RING, 8, 4, 100, ring_capacity=8)
+    p = PageStore(0)
+    p.write_ring(5, 0, 1, 50, 0, 30, 8)  # a prefill chunk: rows 22..29 stay
+    p.write_ring(5, 0, 1, 50, 30, 38, 8)  # the next chunk overwrites them
+    assert p.get(5)[3:] == (30, 38)
+    d = PageStore(0)
+    check = ReadCheck([ring], [[9]], d, 39, uid=1)
+    assert check.lacked == {(0, 9)}
+    d.put(9, p.get(5))
+    assert not check.judge(d, [(0, 9)], 0.0, 0).wrong
+    # A ring of the same request whose rows stop short of position 38 is wrong.
+    d.put(9, None)
+    p.write_ring(6, 0, 1, 50, 0, 37, 8)
+    d.put(9, p.get(6))
+    assert check.judge(d, [(0, 9)], 0.0, 0).wrong
+
+
+def test_local_only_group_needs_nothing():
+    from vllm_overlay.simulate.check import LOCAL_ONLY
+
+    assert needs([GroupInfo(LOCAL_ONLY, 16, 0, 100)], 100) == []

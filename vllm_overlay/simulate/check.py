@@ -1,14 +1,25 @@
 """Check what the decoder holds for its last prompt token.
 
 For a prompt of N tokens the decoder computes position N-1 itself and needs:
-full attention, every position < N-1; a window W, positions [N-W, N-1);
-a Mamba/KDA state, the state after N-1 tokens in the block its step runs
-on. In align mode that is block index (N-1) // block_size; before the step
-the worker copies block (N-2) // block_size into it when they differ
-(``preprocess_mamba``, which runs before ``start_load_kv``: the copy sees
-the pre-READ contents). A page is "lacked" when the decoder's own page does
-not hold what is needed before the READ (after that copy); the lacked pages
-are the minimum READ.
+
+- full attention: every position < N-1; a cache of one state per ``t``
+  tokens (``tokens_per_state``) only the complete groups, positions
+  < (N-1) // t * t (the open group's rows live in a ring);
+- a window W: positions [N-W, N-1);
+- chunked local attention of chunk C: N-1's chunk, [(N-1) // C * C, N-1);
+- a ring (``CircularBufferSpec``: one block per request, the row of position
+  p in slot p % capacity): the raw rows of the still-open compression group
+  of g tokens, [(N-1) // g * g, N-1);
+- a Mamba/KDA state: the state after N-1 tokens in the block its step runs
+  on. In align mode that is block index (N-1) // block_size; before the step
+  the worker copies block (N-2) // block_size into it when they differ
+  (``preprocess_mamba``, which runs before ``start_load_kv``: the copy sees
+  the pre-READ contents);
+- a group that takes no part in transfer (HiSparse hot/resident replicas,
+  rebuilt from their source group after a load): nothing.
+
+A page is "lacked" when the decoder's own page does not hold what is needed
+before the READ (after that copy); the lacked pages are the minimum READ.
 """
 
 from __future__ import annotations
@@ -24,6 +35,9 @@ from vllm_overlay.simulate.pages import PageStore, holds_positions, holds_state
 FULL = "full"
 WINDOW = "window"
 STATE_KIND = "state"
+CHUNK = "chunk"
+RING = "ring"
+LOCAL_ONLY = "local-only"
 
 
 class GroupInfo(NamedTuple):
@@ -31,7 +45,12 @@ class GroupInfo(NamedTuple):
     block_tokens: int
     """Positions per block (block size x DCP when sharded)."""
     window: int
+    """Window (WINDOW), chunk (CHUNK) or compression group (RING) in tokens."""
     page_bytes: int
+    tokens_per_state: int = 1
+    """FULL: tokens one stored state covers (compressed caches)."""
+    ring_capacity: int = 0
+    """RING: positions the ring holds."""
 
 
 class Need(NamedTuple):
@@ -66,16 +85,30 @@ def needs(groups: Sequence[GroupInfo], n: int) -> list[Need]:
     last = n - 1  # the position the decoder computes itself
     for g, info in enumerate(groups):
         bt = info.block_tokens
+        if info.kind == LOCAL_ONLY:
+            continue
         if info.kind == STATE_KIND:
             if last > 0:
                 out.append(Need(g, last // bt, last, 0))
             continue
-        start = 0 if info.kind == FULL else max(0, n - info.window)
-        if start >= last:
+        if info.kind == RING:
+            start = last // info.window * info.window
+            if start < last:
+                out.append(Need(g, 0, start, last))
             continue
-        for index in range(start // bt, (last - 1) // bt + 1):
+        end = last
+        if info.kind == FULL:
+            start = 0
+            end = last // info.tokens_per_state * info.tokens_per_state
+        elif info.kind == CHUNK:
+            start = last // info.window * info.window
+        else:
+            start = max(0, n - info.window)
+        if start >= end:
+            continue
+        for index in range(start // bt, (end - 1) // bt + 1):
             lo = max(start, index * bt)
-            hi = min(last, (index + 1) * bt)
+            hi = min(end, (index + 1) * bt)
             out.append(Need(g, index, lo, hi))
     return out
 

@@ -14,9 +14,20 @@ from vllm_overlay.command import (
     add_command,
     base_source,
 )
-from vllm_overlay.simulate.layouts import BASE_LAYOUTS
+from vllm_overlay.simulate.layouts import all_layouts
+from vllm_overlay.simulate.matrix import (
+    MATRIX_JSON,
+    format_matrix,
+    readme_section,
+    replace_section,
+)
 from vllm_overlay.simulate.report import format_table, summary_line
-from vllm_overlay.simulate.run import DEFAULT_HITS, DEFAULT_LENGTHS, run_sweep
+from vllm_overlay.simulate.run import (
+    DEFAULT_HITS,
+    DEFAULT_LENGTHS,
+    FAMILY_LENGTHS,
+    run_sweep,
+)
 
 
 def register(sub: Subparsers) -> None:
@@ -26,14 +37,16 @@ def register(sub: Subparsers) -> None:
         default="",
         metavar="LIST",
         help="comma list of "
-        + ", ".join(BASE_LAYOUTS)
+        + ", ".join(all_layouts())
         + " (optionally name/dcpN); default: all, every DCP size they allow",
     )
     p.add_argument(
         "--lengths",
-        default=DEFAULT_LENGTHS,
+        default=None,
         metavar="RANGES",
-        help="prompt lengths: ranges a-b, a-b/step, lists (default %(default)s)",
+        help="prompt lengths: ranges a-b, a-b/step, lists (default "
+        f"{DEFAULT_LENGTHS} for the mechanism layouts, {FAMILY_LENGTHS} for "
+        "the model families)",
     )
     p.add_argument(
         "--hits",
@@ -49,6 +62,17 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--report", type=Path, metavar="JSON", help="also write the report here"
+    )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the model-family matrix as the README's Markdown table",
+    )
+    p.add_argument(
+        "--update-readme",
+        action="store_true",
+        help="run every model family (base and overlay), write "
+        f"{MATRIX_JSON} and the README's supported-models table",
     )
     add_base_options(p, "the pinned base")
     p.add_argument(
@@ -66,6 +90,12 @@ def register(sub: Subparsers) -> None:
     )
 
 
+def _family_layouts() -> list[str]:
+    from vllm_overlay.simulate.families import family_layouts
+
+    return list(family_layouts())
+
+
 def _run(app: App, args: argparse.Namespace) -> int:
     """CPU prefill/decode simulator: real schedulers, content-checked READ.
 
@@ -75,6 +105,10 @@ def _run(app: App, args: argparse.Namespace) -> int:
     """
     variants = ["base", "overlay"] if args.variant == "both" else [args.variant]
     layouts = [x for x in args.layouts.split(",") if x.strip()]
+    if args.update_readme:
+        if layouts or args.variant != "both":
+            return app.fail("--update-readme runs every family, base and overlay")
+        layouts = _family_layouts()
     report = run_sweep(
         layouts,
         args.lengths,
@@ -90,9 +124,22 @@ def _run(app: App, args: argparse.Namespace) -> int:
     for variant, where in report.variants.items():
         app.say(f"{variant}: {where}")
     app.say(f"lengths {report.lengths}, hits {report.hits} %")
-    app.say(format_table(report))
+    if args.markdown:
+        app.say(format_matrix(report, markdown=True))
+    else:
+        app.say(format_table(report))
+        app.say()
+        app.say(format_matrix(report))
     if args.report is not None:
         args.report.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    if args.update_readme:
+        root = app.checkout.root
+        (root / MATRIX_JSON).write_bytes(
+            msgspec.json.format(msgspec.json.encode(report)) + b"\n"
+        )
+        readme = root / "README.md"
+        readme.write_text(replace_section(readme.read_text(), readme_section(report)))
+        app.say(f"wrote {MATRIX_JSON} and the README's supported-models table")
     app.say(summary_line(report))
     app.result(report)
     return 0

@@ -16,7 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_overlay.simulate.check import (
+    CHUNK,
     FULL,
+    LOCAL_ONLY,
+    RING,
     STATE_KIND,
     WINDOW,
     CaseResult,
@@ -45,22 +48,81 @@ def prompt_tokens(uid: int, n: int, shared: int = -1, salt: int = 0) -> list[int
     return out
 
 
-def group_infos(leg: Leg) -> list[GroupInfo]:
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+def group_infos(leg: Leg, layout: Layout) -> list[GroupInfo]:
+    """What each KV cache group must hold, from the workers' per-layer specs
+    (the scheduler's config keeps only one spec per group)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+        iter_layer_specs,
+    )
 
+    config = leg.worker_config or leg.kv_cache_config
     out = []
-    for g, group in enumerate(leg.kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        if isinstance(spec, MambaSpec):
-            kind, window = STATE_KIND, 0
-        elif isinstance(spec, SlidingWindowSpec):
-            kind, window = WINDOW, spec.sliding_window
+    for g, group in enumerate(config.kv_cache_groups):
+        specs = list(iter_layer_specs(group.kv_cache_spec))
+        bt, page = leg.group_block_tokens[g], leg.group_page_bytes[g]
+
+        def every(cls: type) -> bool:
+            return all(isinstance(s, cls) for s in specs)  # noqa: B023
+
+        if not group.enable_kv_transfer:
+            out.append(GroupInfo(LOCAL_ONLY, bt, 0, page))
+        elif every(MambaSpec):
+            out.append(GroupInfo(STATE_KIND, bt, 0, page))
+        elif every(CircularBufferSpec):
+            if layout.ring is None:
+                raise ValueError(f"{layout.name}: ring group {g} without Ring")
+            capacity = layout.ring.capacity or specs[0].block_size
+            out.append(GroupInfo(RING, bt, layout.ring.group_tokens, page, 1, capacity))
+        elif every(SlidingWindowSpec):
+            out.append(GroupInfo(WINDOW, bt, specs[0].sliding_window, page))
+        elif every(ChunkedLocalAttentionSpec):
+            out.append(GroupInfo(CHUNK, bt, specs[0].attention_chunk_size, page))
         else:
-            kind, window = FULL, 0
-        out.append(
-            GroupInfo(kind, leg.group_block_tokens[g], window, leg.group_page_bytes[g])
-        )
+            tps = min(max(1, int(getattr(s, "tokens_per_state", 1))) for s in specs)
+            out.append(GroupInfo(FULL, bt, 0, page, tps))
     return out
+
+
+def worker_routes(leg: Leg) -> list[int | None]:
+    """Payload index each transfer group's layers READ from, per worker.
+
+    Mirrors ``MoRIIOConnectorWorker`` (``__init__`` and ``_read_blocks``) on
+    the workers' config with the variant's own ``_split_kv_cache_group_kinds``:
+    hybrid READ (any Mamba layer) routes attention layers through
+    ``_hybrid_payload_index_by_layer`` and Mamba layers through
+    ``_mamba_payload_index_by_layer`` (None: the layer finds no state slot);
+    otherwise each layer reads its transfer group's list.
+    """
+    import sys
+
+    from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
+
+    config = leg.worker_config or leg.kv_cache_config
+    module = sys.modules[type(leg.scheduler.connector).__module__]
+    groups = config.transfer_groups
+    has_mamba = any(
+        isinstance(s, MambaSpec)
+        for group in groups
+        for s in iter_layer_specs(group.kv_cache_spec)
+    )
+    if not has_mamba:
+        return list(range(len(groups)))
+    attn, mamba = module._split_kv_cache_group_kinds(config)
+    order = [*attn, *mamba]
+    routes: list[int | None] = []
+    for t, group in enumerate(groups):
+        layer_is_state = all(
+            isinstance(s, MambaSpec) for s in iter_layer_specs(group.kv_cache_spec)
+        )
+        if layer_is_state and t not in mamba:
+            routes.append(None)
+        else:
+            routes.append(order.index(t))
+    return routes
 
 
 class Pair:
@@ -77,10 +139,14 @@ class Pair:
         self.d = build_leg(
             self.layout, "kv_consumer", self.port + 100, self.max_model_len
         )
-        self.groups = group_infos(self.d)
+        self.groups = group_infos(self.d, self.layout)
         self.p_store = PageStore(self._null_id(self.p))
         self.d_store = PageStore(self._null_id(self.d))
         self.payload_groups = self._payload_groups(self.d)
+        transfer_ids = self.d.kv_cache_config.transfer_group_ids
+        self.routes = [
+            (transfer_ids[t], route) for t, route in enumerate(worker_routes(self.d))
+        ]
         self._seq = 0
         self._external: dict[str, int] = {}
         connector = self.d.scheduler.connector
@@ -142,6 +208,14 @@ class Pair:
             for g, info in enumerate(self.groups):
                 table = tables[g]
                 bt = info.block_tokens
+                if info.kind == LOCAL_ONLY:
+                    continue
+                if info.kind == RING:
+                    if table:
+                        store.write_ring(
+                            table[0], g, uid, valid, start, end, info.ring_capacity
+                        )
+                    continue
                 if info.kind == STATE_KIND:
                     idx = -(-end // bt) - 1
                     prev = (start - 1) // bt
@@ -335,10 +409,11 @@ class Pair:
     def _read(
         self, local: Sequence[list[int]], remote: Sequence[list[int]]
     ) -> list[tuple[int, int]]:
-        """Copy pages as the worker's ``_read_blocks`` pairs them.
+        """Copy pages as the workers' ``_read_blocks`` pairs them.
 
         No local destination at all means no READ (the worker only releases
-        the producer); otherwise each group's lists are zipped in order.
+        the producer); otherwise each group's layers zip the lists of the
+        payload index the worker routes them to (``worker_routes``).
         """
         if not any(local):
             return []
@@ -348,8 +423,13 @@ class Pair:
                 f"remote={len(remote)} payload={len(self.payload_groups)}"
             )
         reads = []
-        for g, loc, rem in zip(self.payload_groups, local, remote, strict=True):
-            for dst, src in zip(loc, rem, strict=False):
+        for g, route in self.routes:
+            if route is None:
+                raise RuntimeError(
+                    f"worker: the state layers of group {g} have no payload list "
+                    "(MoRIIOError in _read_blocks)"
+                )
+            for dst, src in zip(local[route], remote[route], strict=False):
                 self.d_store.put(dst, self.p_store.get(src))
                 reads.append((g, dst))
         return reads

@@ -1,8 +1,10 @@
-"""Model-like KV cache layouts, as per-layer vLLM spec objects.
+"""KV cache layouts, as per-layer vLLM spec objects.
 
-The specs go through vLLM's real planner (``legs.build_leg``); nothing here
-builds groups by hand. Shapes are small; only block sizes, windows, group
-structure and slot counts matter to the scheduler and the connector.
+Two sets: the mechanism layouts below (small, each reproducing one upstream
+report: ``llama``, ``gemma``, ``dsv4``, ``kimi``, ``glm``) and the model
+families of vLLM 0.33.0 (``families.py``), built the way each model's own code
+builds its specs. The specs go through vLLM's real planner
+(``legs.build_leg``); nothing here builds groups by hand.
 """
 
 from __future__ import annotations
@@ -21,17 +23,51 @@ class SpecSlots:
 
 
 @dataclass(frozen=True)
+class SpecDecode:
+    """A real ``SpeculativeConfig`` for both legs (resolved offline)."""
+
+    method: str
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class Ring:
+    """What a ``CircularBufferSpec`` group holds for the checker.
+
+    The ring keeps the raw rows of the still-open compression group: the
+    decoder computing position p needs positions
+    ``[p // group_tokens * group_tokens, p)`` in it. ``capacity``: positions
+    the ring holds (slot = position % capacity); 0 means its block size.
+    """
+
+    group_tokens: int
+    capacity: int = 0
+
+
+@dataclass(frozen=True)
 class Layout:
     name: str
     block_size: int
+    """The primary block size; 0 derives it from the first full-attention
+    spec (hybrids, whose block the platform sizes to the state page)."""
     build_specs: Callable[[], dict[str, Any]]
     """{layer name: KVCacheSpec}; DCP shards attention specs via the config."""
     dcp: int = 1
     has_state: bool = False
-    """Mamba/KDA state groups present (mamba_cache_mode="align")."""
+    """Mamba/KDA state groups present (mamba_cache_mode="align"); also
+    derived from the specs."""
     prefill_slots: SpecSlots = field(default_factory=SpecSlots)
     decode_slots: SpecSlots = field(default_factory=SpecSlots)
     note: str = ""
+    family: str = ""
+    """Model family (matrix row); empty for mechanism layouts."""
+    source: str = ""
+    """The vLLM file and function whose spec construction the layout follows."""
+    kv_cache_layout: str = "LBNHC"
+    speculative: SpecDecode | None = None
+    ring: Ring | None = None
+    prefix_caching: bool = True
+    hisparse: bool = False
 
     def layer_specs(self) -> dict[str, Any]:
         return self.build_specs()
@@ -217,7 +253,7 @@ BASE_LAYOUTS: dict[str, Layout] = {
     ),
 }
 
-DCP_SIZES: dict[str, tuple[int, ...]] = {
+_MECHANISM_DCP: dict[str, tuple[int, ...]] = {
     "llama": (1, 2, 4),
     # vLLM 0.33.0 asserts "DCP not support sliding window" at start, which
     # rules out DCP for every layout with a window (GLM's tail ring is one).
@@ -228,15 +264,33 @@ DCP_SIZES: dict[str, tuple[int, ...]] = {
 }
 
 
+def all_layouts() -> dict[str, Layout]:
+    """Mechanism layouts, then one per model family and grouping layout."""
+    from vllm_overlay.simulate.families import family_layouts
+
+    return {**BASE_LAYOUTS, **family_layouts()}
+
+
+def dcp_sizes() -> dict[str, tuple[int, ...]]:
+    """DCP sizes each layout runs at by default."""
+    from vllm_overlay.simulate.families import family_dcp_sizes
+
+    return {**_MECHANISM_DCP, **family_dcp_sizes()}
+
+
 def expand(names: list[str] | None = None) -> list[Layout]:
     """All layouts, one per allowed DCP size (``name`` or ``name/dcpN``)."""
     from dataclasses import replace
 
+    layouts = all_layouts()
+    sizes_of = dcp_sizes()
     out: list[Layout] = []
-    for base in names or list(BASE_LAYOUTS):
+    for base in names or list(layouts):
         key, _, dcp_part = base.partition("/dcp")
-        layout = BASE_LAYOUTS[key]
-        sizes = (int(dcp_part),) if dcp_part else DCP_SIZES[key]
+        if key not in layouts:
+            raise KeyError(f"unknown layout {key!r}; known: {', '.join(layouts)}")
+        layout = layouts[key]
+        sizes = (int(dcp_part),) if dcp_part else sizes_of[key]
         for dcp in sizes:
             name = key if dcp == 1 else f"{key}/dcp{dcp}"
             out.append(replace(layout, name=name, dcp=dcp))

@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_overlay.simulate.layouts import Layout, SpecSlots
+from vllm_overlay.simulate.layouts import Layout, SpecDecode, SpecSlots
 
 # Page-sized pools: enough for a few max-length requests per leg.
 _POOL_REQUESTS = 4
 
-_MODEL_JSON = {
+# Folders holding only a config.json: the scheduler and the connector read
+# the specs, the block sizes and the speculative config, not the model; the
+# target only has to let vLLM resolve the speculative method offline.
+_LLAMA_JSON: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 512,
@@ -31,16 +34,78 @@ _MODEL_JSON = {
     "rms_norm_eps": 1e-5,
     "torch_dtype": "bfloat16",
 }
+_MTP_TARGET_JSON: dict[str, Any] = {
+    # A GQA target (an MLA one makes the CPU platform override the block size).
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_nextn_predict_layers": 1,
+    "vocab_size": 65536,
+    "max_position_embeddings": 65536,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+}
+_EAGLE3_JSON: dict[str, Any] = {
+    **_LLAMA_JSON,
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "num_hidden_layers": 1,
+    "draft_vocab_size": 65536,
+}
 
 
-def _model_dir() -> str:
-    path = Path(tempfile.gettempdir()) / "vllm-overlay-sim-model"
+def _model_dir(name: str = "llama", config: dict[str, Any] | None = None) -> str:
+    path = Path(tempfile.gettempdir()) / f"vllm-overlay-sim-{name}"
     path.mkdir(exist_ok=True)
     cfg = path / "config.json"
-    text = json.dumps(_MODEL_JSON)
+    text = json.dumps(config or _LLAMA_JSON)
     if not cfg.exists() or cfg.read_text() != text:
         cfg.write_text(text)
     return str(path)
+
+
+def _target_dir(spec: SpecDecode | None) -> str:
+    if spec is not None and spec.method == "mtp":
+        return _model_dir("mtp-target", _MTP_TARGET_JSON)
+    return _model_dir()
+
+
+def _speculative_config(spec: SpecDecode | None, model_config: Any) -> Any:
+    if spec is None:
+        return None
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    extra: dict[str, Any] = {}
+    if spec.method == "eagle3":
+        extra["model"] = _model_dir("eagle3-draft", _EAGLE3_JSON)
+    return SpeculativeConfig(
+        target_model_config=model_config,
+        target_parallel_config=ParallelConfig(),
+        method=spec.method,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        **extra,
+    )
+
+
+def primary_block_size(specs: dict[str, Any]) -> int:
+    """The ``--block-size`` of a layout: its first full-attention layer's."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return next(
+        (s.block_size for s in specs.values() if isinstance(s, FullAttentionSpec)),
+        next(iter(specs.values())).block_size,
+    )
 
 
 def _with_spec_slots(vllm_config: Any, slots: SpecSlots) -> Any:
@@ -79,20 +144,96 @@ class Leg:
     """Positions one block holds per KV cache group (block size x DCP)."""
     group_page_bytes: list[int]
     """Bytes of one page per group, summed over the group's layers."""
+    worker_config: Any = None
+    """The workers' ``KVCacheConfig`` (the scheduler's replaces each
+    ``UniformTypeKVCacheSpecs`` by its first layer spec)."""
 
 
-def build_leg(layout: Layout, role: str, port: int, max_model_len: int) -> Leg:
-    """Build one leg; raises whatever vLLM or the connector raise at start."""
+def leg_config(
+    layout: Layout, role: str, port: int, max_model_len: int
+) -> tuple[Any, dict[str, Any]]:
+    """One leg's ``VllmConfig`` (MoRIIO READ) and the layout's layer specs."""
     import torch  # noqa: F401  (vLLM expects torch imported first)
     from vllm.config import (
+        AttentionConfig,
         CacheConfig,
         KVTransferConfig,
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
         VllmConfig,
-        set_current_vllm_config,
     )
+    from vllm.config.attention import HiSparseConfig
+    from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
+
+    dcp = layout.dcp
+    layout.register_specs()
+    specs = layout.layer_specs()
+    has_state = layout.has_state or any(
+        isinstance(s, MambaSpec)
+        for spec in specs.values()
+        for s in iter_layer_specs(spec)
+    )
+    block_size = layout.block_size or primary_block_size(specs)
+    extra = {
+        "handshake_port": port,
+        "notify_port": port + 1,
+        "proxy_ip": "127.0.0.1",
+        "http_port": port + 2,
+        "read_mode": True,
+        "host_ip": "127.0.0.1",
+    }
+    model_config = ModelConfig(
+        model=_target_dir(layout.speculative),
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+    )
+    attention_config = AttentionConfig()
+    if layout.hisparse:
+        attention_config.hisparse_config = HiSparseConfig()
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=layout.prefix_caching,
+            mamba_cache_mode="align" if has_state else "none",
+        ),
+        speculative_config=_speculative_config(layout.speculative, model_config),
+        attention_config=attention_config,
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=dcp, decode_context_parallel_size=dcp
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=max_model_len,
+            max_num_seqs=8,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="MoRIIOConnector",
+            kv_role=role,
+            kv_connector_extra_config=extra,
+        ),
+    )
+    slots = layout.decode_slots if role == "kv_consumer" else layout.prefill_slots
+    vllm_config = _with_spec_slots(vllm_config, slots)
+    vllm_config.cache_config.kv_cache_layout = layout.kv_cache_layout
+    return vllm_config, specs
+
+
+def plan_groups(layout: Layout, max_model_len: int = 4160) -> list[Any]:
+    """vLLM's global KV cache groups of the layout (the workers' view)."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    vllm_config, specs = leg_config(layout, "kv_consumer", 49000, max_model_len)
+    register_all_kvcache_specs(vllm_config)
+    return get_global_kv_cache_groups(vllm_config, [specs])
+
+
+def build_leg(layout: Layout, role: str, port: int, max_model_len: int) -> Leg:
+    """Build one leg; raises whatever vLLM or the connector raise at start."""
+    from vllm.config import set_current_vllm_config
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_planning import (
         get_global_kv_cache_groups,
@@ -111,45 +252,8 @@ def build_leg(layout: Layout, role: str, port: int, max_model_len: int) -> Leg:
     from vllm.v1.structured_output import StructuredOutputManager
 
     dcp = layout.dcp
-    extra = {
-        "handshake_port": port,
-        "notify_port": port + 1,
-        "proxy_ip": "127.0.0.1",
-        "http_port": port + 2,
-        "read_mode": True,
-        "host_ip": "127.0.0.1",
-    }
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(
-            model=_model_dir(), skip_tokenizer_init=True, max_model_len=max_model_len
-        ),
-        cache_config=CacheConfig(
-            block_size=layout.block_size,
-            enable_prefix_caching=True,
-            mamba_cache_mode="align" if layout.has_state else "none",
-        ),
-        parallel_config=ParallelConfig(
-            tensor_parallel_size=dcp, decode_context_parallel_size=dcp
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=max_model_len,
-            max_num_seqs=8,
-            max_model_len=max_model_len,
-            is_encoder_decoder=False,
-        ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="MoRIIOConnector",
-            kv_role=role,
-            kv_connector_extra_config=extra,
-        ),
-    )
-    slots = layout.decode_slots if role == "kv_consumer" else layout.prefill_slots
-    vllm_config = _with_spec_slots(vllm_config, slots)
-    vllm_config.cache_config.kv_cache_layout = "LBNHC"
-
+    vllm_config, specs = leg_config(layout, role, port, max_model_len)
     register_all_kvcache_specs(vllm_config)
-    layout.register_specs()
-    specs = layout.layer_specs()
     groups = get_global_kv_cache_groups(vllm_config, [specs])
     vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
     # Size the pool through the planner: bytes for a few max-length requests.
@@ -196,11 +300,17 @@ def build_leg(layout: Layout, role: str, port: int, max_model_len: int) -> Leg:
         hash_bs, hash_fn, vllm_config.num_hash_lookahead_tokens
     )
 
-    worker_groups = configs[0].kv_cache_groups
-    page_bytes = []
-    for group in worker_groups:
-        per_layer = [specs[name].page_size_bytes for name in group.layer_names]
-        page_bytes.append(sum(per_layer))
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    page_bytes = [
+        group.kv_cache_spec.page_size_bytes
+        * (
+            1
+            if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+            else len(group.layer_names)
+        )
+        for group in configs[0].kv_cache_groups
+    ]
     return Leg(
         role=role,
         vllm_config=vllm_config,
@@ -212,4 +322,5 @@ def build_leg(layout: Layout, role: str, port: int, max_model_len: int) -> Leg:
             for g in sched_cfg.kv_cache_groups
         ],
         group_page_bytes=page_bytes,
+        worker_config=configs[0],
     )

@@ -61,6 +61,31 @@ class PageStore:
             lo, hi = min(lo, cur.lo), max(hi, cur.hi)
         self.pages[block_id] = Page(group, uid, valid, lo, hi)
 
+    def write_ring(
+        self,
+        block_id: int,
+        group: int,
+        uid: int,
+        valid: int,
+        lo: int,
+        hi: int,
+        capacity: int,
+    ) -> None:
+        """Rows of positions [lo, hi) written into a ring of ``capacity`` slots
+        (position p in slot p % capacity): the page then holds the latest
+        contiguous run of at most ``capacity`` positions."""
+        if block_id == self.null_block_id or lo >= hi:
+            return
+        cur = self.pages.get(block_id)
+        if (
+            cur is not None
+            and cur.hi != STATE
+            and cur[:3] == (group, uid, valid)
+            and cur.hi == lo
+        ):
+            lo = cur.lo
+        self.pages[block_id] = Page(group, uid, valid, max(lo, hi - capacity), hi)
+
     def write_state(
         self, block_id: int, group: int, uid: int, valid: int, tokens: int
     ) -> None:

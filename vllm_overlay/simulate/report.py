@@ -26,9 +26,15 @@ class LayoutReport(msgspec.Struct, tag="layout"):
     variant: str
     layout: str
     note: str
+    family: str = ""
+    """Model family (empty for the mechanism layouts)."""
+    source: str = ""
+    """The vLLM code whose spec construction the layout follows."""
     lengths_tried: int = 0
     cases: int = 0
     refused_at_start: str | None = None
+    refused_by: str | None = None
+    """``connector`` (MoRIIO fails closed) or ``vllm`` (vLLM itself)."""
     wrong_cases: int = 0
     wrong_lengths: list[int] = []
     """Lengths with wrong KV at any hit fraction, ascending."""

@@ -34,10 +34,35 @@ from vllm_overlay.tree.materialize import BaseSource
 from vllm_overlay.tree.variant import MORIIO_FILES, build_variant_dir
 
 DEFAULT_LENGTHS = "1-4096/17"
+FAMILY_LENGTHS = "1-4096/67"
+"""Default for the model families: their real layer counts give up to ~50
+groups, and a case costs the real scheduler's time per group and page."""
 DEFAULT_HITS = "0,50,89.7,100"
 
 # Relative cost per case, to balance layouts across processes.
-_COST = {"llama": 1.0, "gemma": 2.0, "dsv4": 0.6, "kimi": 1.0, "glm": 1.2}
+_COST = {
+    "llama": 1.0,
+    "gemma": 2.0,
+    "dsv4": 0.6,
+    "kimi": 1.0,
+    "glm": 1.2,
+    "gemma3": 4.0,
+    "inkling": 4.0,
+    "qwen3.5-eagle3": 6.0,
+    "deepseek-v4-pro-BLNHC": 4.0,
+    "deepseek-v4-pro-mtp-BLNHC": 4.0,
+}
+
+
+def default_lengths(layout_names: list[str]) -> dict[str, str]:
+    """Lengths per layout when none are given: every 17th for the mechanism
+    layouts, every 67th for the model families."""
+    from vllm_overlay.simulate.layouts import BASE_LAYOUTS
+
+    return {
+        name: DEFAULT_LENGTHS if name.split("/")[0] in BASE_LAYOUTS else FAMILY_LENGTHS
+        for name in layout_names
+    }
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -202,7 +227,7 @@ def run_variant(
 
 def run_sweep(
     layouts: list[str],
-    lengths: str,
+    lengths: str | None,
     hits: str,
     variants: list[str],
     base_source: BaseSource | None = None,
@@ -213,7 +238,11 @@ def run_sweep(
 ) -> SweepReport:
     start = time.monotonic()
     names = [layout.name for layout in expand(layouts or None)]
-    parse_lengths(lengths)
+    per_layout = (
+        {name: lengths for name in names} if lengths else default_lengths(names)
+    )
+    for text in set(per_layout.values()):
+        parse_lengths(text)
     parse_hits(hits)
     sources: dict[str, tuple[dict[str, str], str]] = {}
     base = base_files(base_source, checkout)
@@ -248,7 +277,7 @@ def run_sweep(
         moriio_dir = build_variant_dir(root / variant / "moriio", files)
         for p_index, chunk in enumerate(_split(names, processes_per_variant)):
             port = 20000 + 4000 * v_index + 2000 * p_index
-            plan = [PlanItem(name, lengths, hits) for name in chunk]
+            plan = [PlanItem(name, per_layout[name], hits) for name in chunk]
             proc = _start_worker(moriio_dir, variant, plan, port)
             tail: list[str] = []
             thread = threading.Thread(target=_reader, args=(proc, sink, tail))
@@ -268,7 +297,7 @@ def run_sweep(
     vorder = {v: i for i, v in enumerate(sources)}
     results.sort(key=lambda r: (order.get(r.layout, 0), vorder[r.variant]))
     return SweepReport(
-        lengths=lengths,
+        lengths=", ".join(sorted(set(per_layout.values()))),
         hits=[h * 100 for h in parse_hits(hits)],
         variants={v: where for v, (_, where) in sources.items()},
         layouts=results,

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import msgspec
@@ -26,6 +27,15 @@ def emit(line: WorkerLine) -> None:
     sys.stdout.flush()
 
 
+def refusal_origin(exc: BaseException) -> str:
+    """``connector`` when the innermost frame raising is the MoRIIO module's,
+    else ``vllm`` (config validation, the planner, the KV cache manager)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames and f"{os.sep}moriio{os.sep}" in frames[-1].filename:
+        return "connector"
+    return "vllm"
+
+
 def run_layout(
     variant: str,
     layout_name: str,
@@ -38,12 +48,19 @@ def run_layout(
     from vllm_overlay.simulate.layouts import expand
 
     layout = expand([layout_name])[0]
-    report = LayoutReport(variant=variant, layout=layout.name, note=layout.note)
+    report = LayoutReport(
+        variant=variant,
+        layout=layout.name,
+        note=layout.note,
+        family=layout.family,
+        source=layout.source,
+    )
     start = time.monotonic()
     try:
         pair = Pair(layout, max(lengths) + 64, port=port)
     except Exception as exc:  # the connector or vLLM refuses this layout
-        report.refused_at_start = f"{type(exc).__name__}: {exc}"
+        report.refused_at_start = " ".join(f"{type(exc).__name__}: {exc}".split())
+        report.refused_by = refusal_origin(exc)
         report.seconds = time.monotonic() - start
         return report
     report.lengths_tried = len(lengths)

@@ -1,0 +1,34 @@
+"""The README's supported-models table is the generator's output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vllm_overlay.simulate.families import family_layouts
+from vllm_overlay.simulate.matrix import (
+    MATRIX_JSON,
+    current_section,
+    load_matrix,
+    readme_section,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_readme_table_is_generated_from_the_committed_matrix():
+    report = load_matrix(REPO / MATRIX_JSON)
+    readme = (REPO / "README.md").read_text()
+    assert current_section(readme) == readme_section(report), (
+        "README.md's supported-models table is stale: run "
+        "`vllm-overlay simulate --update-readme`"
+    )
+
+
+def test_committed_matrix_covers_every_family_layout_base_and_overlay():
+    report = load_matrix(REPO / MATRIX_JSON)
+    rows = {(r.layout, r.variant) for r in report.layouts}
+    expected = {(name, v) for name in family_layouts() for v in ("base", "overlay")}
+    assert rows == expected, (
+        "docs/supported-models.json does not match the family layouts: run "
+        "`vllm-overlay simulate --update-readme`"
+    )

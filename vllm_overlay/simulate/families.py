@@ -1,0 +1,968 @@
+"""Per-layer KV cache specs of the model families vLLM 0.33.0 ships.
+
+Each builder returns ``{layer name: KVCacheSpec}`` the way that model's own
+layers build their specs in the pinned vLLM (``get_kv_cache_spec`` of its
+attention/cache modules, with the block sizes, page sizes and speculative
+slots the engine resolves before grouping); its docstring names the file and
+function it follows. Dimensions come from the model's configuration class
+(``transformers`` or ``vllm.transformers_utils.configs``) where one ships,
+otherwise from a representative published configuration, named in the
+docstring. Per-rank shapes assume tensor parallelism 8 for the large hybrid
+models (their recurrent states are sharded by head).
+
+vLLM's real planner groups these specs (``legs.build_leg``); nothing here
+builds groups. Shapes matter to the planner only through page sizes, block
+sizes, windows and slot counts, so these are what the builders reproduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_overlay.simulate.layouts import Layout, Ring, SpecDecode
+
+Specs = dict[str, Any]
+
+_TP = 8  # per-rank shapes of the large hybrid models
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# -- spec constructors, one per vLLM layer kind --------------------------------
+
+
+def _attention(block: int, kv_heads: int, head: int, window: int | None = None) -> Any:
+    """``Attention.get_kv_cache_spec`` (model_executor/layers/attention/
+    attention.py): ``FullAttentionSpec``, or ``SlidingWindowSpec`` for a
+    windowed layer (at the primary block size when the backend runs it
+    unsplit)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    bf16 = _torch().bfloat16
+    if window is None:
+        return FullAttentionSpec(
+            block_size=block, num_kv_heads=kv_heads, head_size=head, dtype=bf16
+        )
+    return SlidingWindowSpec(
+        block_size=block,
+        num_kv_heads=kv_heads,
+        head_size=head,
+        dtype=bf16,
+        sliding_window=window,
+    )
+
+
+def _mla(block: int, head: int = 576, *, leader: bool = False, **kw: Any) -> Any:
+    """``MLAAttention.get_kv_cache_spec`` (model_executor/layers/attention/
+    mla_attention.py): one latent vector per token, ``max_tp_shards=1``."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(
+        block_size=block,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=head,
+        dtype=kw.pop("dtype", _torch().bfloat16),
+        cache_dtype_str="auto",
+        is_index_group_leader=leader,
+        **kw,
+    )
+
+
+def _indexer(block: int, head: int = 132, tokens_per_state: int = 1, **kw: Any) -> Any:
+    """``DeepseekV32IndexerCache.get_kv_cache_spec`` (model_executor/models/
+    deepseek_v2.py): fp8 keys + fp32 scales (128 + 4 bytes), uint8."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+    return MLAAttentionSpec(
+        block_size=block,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=head,
+        dtype=kw.pop("dtype", _torch().uint8),
+        cache_role=SparseCacheRole.INDEXER,
+        tokens_per_state=tokens_per_state,
+        **kw,
+    )
+
+
+def _mamba(
+    block: int, shapes: tuple, dtypes: tuple, num_spec: int, page: int | None, **kw: Any
+) -> Any:
+    """``MambaBase.get_kv_cache_spec`` (model_executor/layers/mamba/
+    abstract.py): align mode (prefix caching on), one scratch slot per
+    speculative token, the page padded to the attention page."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(
+        block_size=block,
+        shapes=shapes,
+        dtypes=dtypes,
+        page_size_padded=page,
+        mamba_cache_mode="align",
+        num_speculative_blocks=num_spec,
+        **kw,
+    )
+
+
+def _mamba_page(shapes: tuple, dtypes: tuple) -> int:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(block_size=1, shapes=shapes, dtypes=dtypes).page_size_bytes
+
+
+def _hybrid_block(attn_page_per_token: int, mamba_page: int, alignment: int) -> int:
+    """The attention block size ``Platform._align_hybrid_block_size``
+    (platforms/interface.py) resolves: the smallest multiple of the kernel
+    alignment (128 for MLA hybrids) whose page holds a Mamba state."""
+    return alignment * _cdiv(mamba_page, alignment * attn_page_per_token)
+
+
+def _draft(spec: Any) -> Any:
+    """``GPUModelRunner.get_kv_cache_spec`` marks a drafter's layers."""
+    from dataclasses import replace
+
+    return replace(spec, is_draft=True)
+
+
+# -- families -------------------------------------------------------------------
+
+
+def llama3() -> Specs:
+    """Llama-3-8B: ``Attention.get_kv_cache_spec`` (model_executor/layers/
+    attention/attention.py) via ``LlamaAttention`` (model_executor/models/
+    llama.py); 32 layers, 8 KV heads x 128, block 16."""
+    spec = _attention(16, 8, 128)
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(32)}
+
+
+def gemma3() -> Specs:
+    """Gemma-3-27B: ``Attention.get_kv_cache_spec`` (model_executor/layers/
+    attention/attention.py) via ``Gemma3Attention`` (model_executor/models/
+    gemma3.py); 62 layers, every 6th global, the others a 1024-token window,
+    16 KV heads x 128, block 16."""
+    specs: Specs = {}
+    for i in range(62):
+        window = None if i % 6 == 5 else 1024
+        specs[f"model.layers.{i}.self_attn.attn"] = _attention(16, 16, 128, window)
+    return specs
+
+
+def gpt_oss(eagle3: bool = False) -> Specs:
+    """gpt-oss-120b: ``Attention.get_kv_cache_spec`` (model_executor/layers/
+    attention/attention.py) via ``OAIAttention`` (model_executor/models/
+    gpt_oss.py); 36 layers alternating a 128-token window and full
+    attention, 8 KV heads x 64, block 16. The EAGLE3 drafter
+    (``Eagle3LlamaForCausalLM``, model_executor/models/llama_eagle3.py) adds
+    one full-attention layer of the same shape: it joins the target's full
+    group."""
+    specs: Specs = {}
+    for i in range(36):
+        window = 128 if i % 2 == 0 else None
+        specs[f"model.layers.{i}.self_attn.attn"] = _attention(16, 8, 64, window)
+    if eagle3:
+        specs["drafter.model.layers.0.self_attn.attn"] = _draft(_attention(16, 8, 64))
+    return specs
+
+
+def deepseek_v3(mtp: bool = False, eagle3: bool = False) -> Specs:
+    """DeepSeek-V3: ``MLAAttention.get_kv_cache_spec`` (model_executor/
+    layers/attention/mla_attention.py); 61 layers, kv_lora_rank 512 + rope
+    64 = 576, block 64. MTP (``DeepSeekMTP``, model_executor/models/
+    deepseek_mtp.py) adds one MLA layer of the same spec (shared group). An
+    EAGLE3 drafter (``Eagle3DeepseekV2ForCausalLM``, model_executor/models/
+    deepseek_eagle3.py: Llama-style GQA, 8 KV heads x 128) has its own spec;
+    at the target's block size the planner still puts it in the MLA group
+    (both are full attention)."""
+    specs: Specs = {f"model.layers.{i}.self_attn.attn": _mla(64) for i in range(61)}
+    if mtp:
+        specs["model.layers.61.self_attn.attn"] = _draft(_mla(64))
+    if eagle3:
+        specs["drafter.model.layers.0.self_attn.attn"] = _draft(_attention(64, 8, 128))
+    return specs
+
+
+def deepseek_v32(mtp: bool = False) -> Specs:
+    """DeepSeek-V3.2 / GLM-5 (``GlmMoeDsaForCausalLM``): MLA plus the DSA
+    indexer key cache, ``DeepseekV32IndexerCache.get_kv_cache_spec``
+    (model_executor/models/deepseek_v2.py; vllm/models/deepseek_v32); 61
+    layers, block 64; one MTP layer with both caches."""
+    specs: Specs = {}
+    for i in range(62 if mtp else 61):
+        mk = _draft if i == 61 else (lambda s: s)
+        specs[f"model.layers.{i}.self_attn.attn"] = mk(_mla(64, leader=True))
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = mk(_indexer(64))
+    return specs
+
+
+def _dsv4_mla(block: int, ratio: int) -> Any:
+    """``DeepseekV4Attention.get_kv_cache_spec`` (vllm/models/deepseek_v4/
+    attention.py): bf16 compressed MLA rows, one per ``ratio`` tokens."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(
+        block_size=block,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=512,
+        dtype=_torch().bfloat16,
+        tokens_per_state=ratio,
+        cache_dtype_str="auto",
+        alignment=512,
+        model_version="deepseek_v4",
+    )
+
+
+def _dsv4_swa(block: int, window: int, bounded_replay: bool = False) -> Any:
+    """``DeepseekV4SWACache.get_kv_cache_spec`` (v1/attention/backends/mla/
+    sparse_swa.py), bf16 rows, 512-byte page alignment."""
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    return SlidingWindowMLASpec(
+        block_size=block,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=512,
+        dtype=_torch().bfloat16,
+        sliding_window=window,
+        cache_dtype_str="auto",
+        alignment=512,
+        model_version="deepseek_v4",
+        bounded_replay=bounded_replay,
+    )
+
+
+def _dsv4_compressor_state(ratio: int, head: int) -> Any:
+    """``CompressorStateCache.get_kv_cache_spec`` (vllm/models/deepseek_v4/
+    compressor.py): fp32 [kv, score] states over an overlapping window of
+    ``coff * ratio`` tokens, block 4 (ratio 4) or 8 (ratio 128)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    coff = 1 + (ratio == 4)
+    return SlidingWindowMLASpec(
+        block_size=4 if ratio == 4 else 8,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=2 * coff * head,
+        dtype=_torch().float32,
+        sliding_window=coff * ratio,
+        alignment=512,
+    )
+
+
+def deepseek_v4(mtp: bool = False) -> Specs:
+    """DeepSeek-V4-Pro (``DeepseekV4ForCausalLM``, vllm/models/deepseek_v4):
+    every layer a 128-token SWA cache (``DeepseekV4SWACache``, v1/attention/
+    backends/mla/sparse_swa.py, block 64); the compressed layers a compressed
+    MLA cache (``DeepseekV4Attention.get_kv_cache_spec``, attention.py, ratio
+    4 or 128, block 256) and a compressor state
+    (``CompressorStateCache``); ratio-4 layers also the indexer key cache
+    (``DeepseekV4IndexerCache``, ratio 4) and its compressor state. Layer
+    types from ``DeepseekV4Config`` (43 layers); the MTP layer is pure SWA."""
+    from transformers.models.deepseek_v4 import configuration_deepseek_v4 as cfg
+
+    config = cfg.DeepseekV4Config()
+    specs: Specs = {}
+    for i, kind in enumerate(config.layer_types):
+        ratio = config.compress_rates[kind]
+        p = f"model.layers.{i}.attn"
+        specs[f"{p}.swa_cache"] = _dsv4_swa(64, config.sliding_window)
+        specs[p] = _dsv4_mla(256, ratio)
+        specs[f"{p}.compressor.state_cache"] = _dsv4_compressor_state(ratio, 512)
+        if ratio == 4:
+            specs[f"{p}.indexer.k_cache"] = _indexer(256, tokens_per_state=4)
+            specs[f"{p}.indexer.compressor.state_cache"] = _dsv4_compressor_state(
+                4, config.index_head_dim
+            )
+    if mtp:
+        n = len(config.layer_types)
+        specs[f"model.layers.{n}.attn.swa_cache"] = _draft(
+            _dsv4_swa(64, config.sliding_window)
+        )
+    return specs
+
+
+def deepseek_v41(num_spec: int = 0) -> Specs:
+    """DeepSeek-V4.1 (``DeepseekV41ForCausalLM``, vllm/models/deepseek_v41):
+    every layer a 128-token SWA cache (block 32; bounded replay is off on
+    ROCm, ``DeepseekV41Attention.__init__``); compressed layers (ratio 1 or
+    2) own a compressed MLA cache and the indexer key cache
+    (``get_kv_cache_spec`` in attention.py, block 256); ratio-2 layers a
+    ``CircularBufferSpec`` ring of the open group's rows
+    (``CompressorStateCache.get_kv_cache_spec``, compressor.py: block
+    ``max(8, pow2 >= num_spec + 2)``). No default config ships: compress
+    ratios follow the (2, 0, 1, 0) pattern over 48 layers, each compressed
+    layer its own kv/index source."""
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    ring = max(8, _next_pow2(num_spec + 2))
+    specs: Specs = {}
+    for i in range(48):
+        ratio = (2, 0, 1, 0)[i % 4]
+        p = f"model.layers.{i}.attn"
+        specs[f"{p}.swa_cache"] = _dsv4_swa(32, 128)
+        if ratio == 0:
+            continue
+        specs[p] = _dsv4_mla(256, ratio)
+        specs[f"{p}.indexer.k_cache"] = _indexer(
+            256, tokens_per_state=ratio, alignment=512
+        )
+        if ratio == 2:
+            specs[f"{p}.compressor.state_cache"] = CircularBufferSpec(
+                block_size=ring,
+                num_kv_heads=1,
+                head_size=2 * 512,
+                head_size_v=0,
+                dtype=_torch().float32,
+            )
+    return specs
+
+
+def _kda_shapes(heads: int, head_dim: int, conv: int, num_spec: int) -> tuple:
+    """``MambaStateShapeCalculator.kda_state_shape`` (model_executor/layers/
+    mamba/mamba_utils.py): conv over q, k, v; a head_dim^2 state per head."""
+    conv_dim = (heads * head_dim * 3) // _TP
+    return ((conv_dim, conv - 1 + num_spec), (heads // _TP, head_dim, head_dim))
+
+
+def kimi_k3(num_spec: int = 0) -> Specs:
+    """Kimi-K3 (vllm/models/kimi_k3): MLA (``KimiMLAAttention.
+    get_kv_cache_spec``, nvidia/mla.py, 576) every 4th layer, KDA
+    (``KimiK3DeltaAttention.get_kv_cache_spec``, nvidia/kda.py) otherwise;
+    48 layers, 32 KDA heads x 128 (Kimi-Linear dimensions; the shipped
+    config has none). Block size from ``_align_hybrid_block_size``. The MTP
+    layer and the DSpark drafter are MLA layers of the target's spec."""
+    torch = _torch()
+    shapes = _kda_shapes(32, 128, 4, num_spec)
+    dtypes = (torch.bfloat16, torch.float32)
+    block = _hybrid_block(576 * 2, _mamba_page(shapes, dtypes), 128)
+    mla = _mla(block)
+    kda = _mamba(block, shapes, dtypes, num_spec, mla.page_size_bytes)
+    specs: Specs = {}
+    for i in range(48):
+        if i % 4 == 3:
+            specs[f"model.layers.{i}.self_attn.mla_attn"] = mla
+        else:
+            specs[f"model.layers.{i}.self_attn.kda"] = kda
+    if num_spec:
+        specs["model.layers.48.self_attn.mla_attn"] = _draft(mla)
+    return specs
+
+
+def glm5next(num_spec: int = 0) -> Specs:
+    """GLM-5.3-Flash (``Glm5NextForConditionalGeneration``, vllm/models/
+    glm5next): per ``Glm5NextTextConfig.layer_types`` (45 layers), KDA
+    layers (``Glm5NextLinearAttention.get_kv_cache_spec``, common/kda.py)
+    and indexed-attention layers with MLA (a 512 latent, no rope), the
+    kpool indexer key cache (``Glm5NextIndexerCache.get_kv_cache_spec``,
+    common/attention.py: ``tokens_per_state = index_kpool``) and the kpool
+    tail ring (``Glm5NextTailCache.get_kv_cache_spec``:
+    ``CircularBufferSpec``, ring = kpool x pow2(cdiv(kpool + num_spec,
+    kpool))). The MTP layer (common/mtp.py) is an indexed-attention layer.
+    Block size from ``_align_hybrid_block_size``."""
+    from transformers import Glm5NextTextConfig
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    torch = _torch()
+    config = Glm5NextTextConfig()
+    kpool = config.index_kpool
+    shapes = _kda_shapes(
+        config.linear_num_heads,
+        config.linear_head_dim,
+        config.linear_conv_kernel_dim,
+        num_spec,
+    )
+    dtypes = (torch.bfloat16, torch.float32)
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    block = _hybrid_block(latent * 2, _mamba_page(shapes, dtypes), 128)
+    ring = kpool * _next_pow2(_cdiv(kpool + num_spec, kpool))
+    index_head = config.index_head_dim + config.index_head_dim // 128 * 4
+    mla = _mla(block, latent, leader=True)
+    kda = _mamba(block, shapes, dtypes, num_spec, mla.page_size_bytes)
+    indexer = _indexer(block, index_head, tokens_per_state=kpool)
+    tail = CircularBufferSpec(
+        block_size=ring,
+        num_kv_heads=2,
+        head_size=config.index_head_dim,
+        head_size_v=0,
+        dtype=torch.bfloat16,
+        dcp_sharded=False,
+    )
+    specs: Specs = {}
+
+    def indexed(prefix: str, mk: Callable[[Any], Any]) -> None:
+        specs[f"{prefix}.mla_attn"] = mk(mla)
+        specs[f"{prefix}.indexer.k_cache"] = mk(indexer)
+        specs[f"{prefix}.indexer.tail_cache"] = mk(tail)
+
+    for i, kind in enumerate(config.layer_types):
+        if kind == "linear_attention":
+            specs[f"model.layers.{i}.linear_attn"] = kda
+        else:
+            indexed(f"model.layers.{i}.self_attn", lambda s: s)
+    if num_spec:
+        n = len(config.layer_types)
+        indexed(f"model.layers.{n}.mtp_block.self_attn", _draft)
+    return specs
+
+
+def qwen35(num_spec: int = 0, eagle3: bool = False) -> Specs:
+    """Qwen3.5 / Qwen3-Next (model_executor/models/qwen3_next.py): Gated
+    DeltaNet (``QwenGatedDeltaNetAttention.get_kv_cache_spec``, model_executor/
+    layers/mamba/gdn/qwen_gdn_linear_attn.py) on 3 of 4 layers, gated full
+    attention (``Attention``, 2 KV heads x 256) on every 4th; 48 layers, 16
+    key / 32 value heads x 128. MTP (qwen3_next_mtp.py) adds a full-attention
+    layer of the target's spec. An EAGLE3 drafter (llama_eagle3.py, 8 KV
+    heads x 128) owns its own attention group."""
+    torch = _torch()
+    k_heads, v_heads, head = 16, 32, 128
+    conv_dim = (head * k_heads * 2 + head * v_heads) // _TP
+    shapes = ((conv_dim, 4 - 1 + num_spec), (v_heads // _TP, head, head))
+    dtypes = (torch.bfloat16, torch.float32)
+    attn_1tok = _attention(1, 2, 256).page_size_bytes
+    block = _hybrid_block(attn_1tok, _mamba_page(shapes, dtypes), 16)
+    attn = _attention(block, 2, 256)
+    gdn = _mamba(block, shapes, dtypes, num_spec, attn.page_size_bytes)
+    specs: Specs = {}
+    for i in range(48):
+        if i % 4 == 3:
+            specs[f"model.layers.{i}.self_attn.attn"] = attn
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = gdn
+    if num_spec and not eagle3:
+        specs["mtp.layers.0.self_attn.attn"] = _draft(attn)
+    if eagle3:
+        specs["drafter.model.layers.0.self_attn.attn"] = _draft(
+            _attention(block, 8, 128)
+        )
+    return specs
+
+
+def qwen4_exp(num_spec: int = 0) -> Specs:
+    """Qwen4-exp (vllm/models/qwen4_exp): GDN layers (``get_mamba_specs_from_
+    config``, nvidia/model.py) and QSA layers: GQA keys/values
+    (``Qwen4ExpQSAAttention.get_kv_cache_spec``, nvidia/qsa.py), a ring of
+    the open compression group's keys (``QSAKeyStateCache.
+    get_kv_cache_spec``, common/qsa_cache.py: ``CircularBufferSpec``,
+    capacity round_up(ratio + num_spec, ratio)) and one compressed key per
+    group (``QSACompressedKeyCache``: ``MLAAttentionSpec``,
+    ``tokens_per_state = ratio``); the PLE layer's short-conv state is a
+    second, replicated ``MambaSpec``. No default config ships: 40 layers,
+    every 4th QSA (compression ratio 16), PLE on layer 0."""
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    torch = _torch()
+    ratio = 16
+    k_heads, v_heads, head = 16, 32, 128
+    conv_dim = (head * k_heads * 2 + head * v_heads) // _TP
+    shapes = ((conv_dim, 4 - 1 + num_spec), (v_heads // _TP, head, head))
+    dtypes = (torch.bfloat16, torch.float32)
+    ple_shapes = ((2048, 3),)
+    attn_1tok = _attention(1, 2, 256).page_size_bytes
+    block = _hybrid_block(attn_1tok, _mamba_page(shapes, dtypes), 128)
+    attn = _attention(block, 2, 256)
+    page = attn.page_size_bytes
+    gdn = _mamba(block, shapes, dtypes, num_spec, page)
+    ple = _mamba(
+        block, ple_shapes, (torch.bfloat16,), num_spec, page, tp_replicated=True
+    )
+    capacity = _round_up(ratio + num_spec, ratio)
+    key_ring = CircularBufferSpec(
+        block_size=capacity,
+        num_kv_heads=1,
+        head_size=128,
+        head_size_v=0,
+        dtype=torch.bfloat16,
+    )
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    compressed = MLAAttentionSpec(
+        block_size=block,
+        num_kv_heads=1,
+        head_size=128,
+        dtype=torch.bfloat16,
+        tokens_per_state=ratio,
+    )
+    specs: Specs = {"model.layers.0.ple": ple}
+
+    def qsa(prefix: str, mk: Callable[[Any], Any]) -> None:
+        specs[f"{prefix}.attn"] = mk(attn)
+        specs[f"{prefix}.key_state_cache"] = mk(key_ring)
+        specs[f"{prefix}.compressed_key_cache"] = mk(compressed)
+
+    for i in range(40):
+        if i % 4 == 3:
+            qsa(f"model.layers.{i}.self_attn", lambda s: s)
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = gdn
+    if num_spec:
+        qsa("mtp.layers.0.self_attn", _draft)
+    return specs
+
+
+_STEP5_ROW_BYTES = 1024
+
+
+def step5(num_spec: int = 0) -> Specs:
+    """Step5 (``Step5ForCausalLM``, vllm/models/step5/nvidia): sliding and
+    full attention per ``Step5Config.layer_types`` (``Attention``); full
+    layers run DSA with an 8-token region summary cache
+    (``Step5SparseSummaryCacheLayer.get_kv_cache_spec``,
+    sparse_summary_cache.py: ``FullAttentionSpec``, ``tokens_per_state=8``)
+    and the CSA tail ring (``Step5CSATailRing.get_kv_cache_spec``,
+    csa_tail_ring.py: ``CircularBufferSpec`` of one main page, 1 KB rows,
+    ``7 + num_spec`` rows needed). 48 layers, 1 full per 4, window 512,
+    8 KV groups x 128, block 64."""
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec
+
+    torch = _torch()
+    block = 64
+    main = _attention(block, 8, 128)
+    page = main.page_size_bytes
+    summary = FullAttentionSpec(
+        block_size=block,
+        num_kv_heads=1,
+        head_size=256,
+        head_size_v=0,
+        dtype=torch.uint8,
+        tokens_per_state=8,
+    )
+    ring = CircularBufferSpec(
+        block_size=block,
+        num_kv_heads=1,
+        head_size=page // (block * 2),
+        head_size_v=0,
+        dtype=torch.bfloat16,
+        block_stride_alignment=_STEP5_ROW_BYTES,
+    )
+    specs: Specs = {}
+
+    def full(prefix: str, mk: Callable[[Any], Any]) -> None:
+        specs[f"{prefix}.attn"] = mk(main)
+        specs[f"{prefix}.summary_cache"] = mk(summary)
+        specs[f"{prefix}.csa_tail_ring"] = mk(ring)
+
+    for i in range(48):
+        if i % 4 == 3:
+            full(f"model.layers.{i}.self_attn", lambda s: s)
+        else:
+            specs[f"model.layers.{i}.self_attn.attn"] = _attention(block, 8, 128, 512)
+    if num_spec:
+        full("model.layers.48.self_attn", _draft)
+    return specs
+
+
+def step5_ring_capacity() -> int:
+    """Rows of the Step5 tail ring: one main page of 1 KB rows."""
+    return _attention(64, 8, 128).page_size_bytes // _STEP5_ROW_BYTES
+
+
+def llama4() -> Specs:
+    """Llama-4-Scout (model_executor/models/llama4.py): chunked local
+    attention (``ChunkedLocalAttention.get_kv_cache_spec``, model_executor/
+    layers/attention/chunked_local_attention.py, chunk 8192) on 3 of 4
+    layers, global NoPE full attention on every 4th; 48 layers, 8 KV heads x
+    128, block 16."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    specs: Specs = {}
+    for i in range(48):
+        name = f"model.layers.{i}.self_attn.attn"
+        if i % 4 == 3:
+            specs[name] = _attention(16, 8, 128)
+        else:
+            specs[name] = ChunkedLocalAttentionSpec(
+                block_size=16,
+                num_kv_heads=8,
+                head_size=128,
+                dtype=_torch().bfloat16,
+                attention_chunk_size=8192,
+            )
+    return specs
+
+
+def openpangu_sink() -> Specs:
+    """openPangu with parameter sinks (model_executor/models/openpangu.py):
+    ``StaticSinkAttention.get_kv_cache_spec`` (model_executor/layers/
+    attention/static_sink_attention.py): ``SinkFullAttentionSpec``,
+    ``sink_len = param_sink_number`` (a multiple of the block); 32 layers,
+    8 KV heads x 128, 128 sink tokens, block 16."""
+    from vllm.v1.kv_cache_interface import SinkFullAttentionSpec
+
+    spec = SinkFullAttentionSpec(
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128,
+        dtype=_torch().bfloat16,
+        sink_len=128,
+    )
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(32)}
+
+
+def unlimited_ocr() -> Specs:
+    """Unlimited-OCR (``UnlimitedOCRForCausalLM``; its DeepSeek-V2 text
+    model builds ``RSWAAttention``; ``RSWAAttention.get_kv_cache_spec``,
+    model_executor/layers/attention/rswa_attention.py: ``RSWASpec``,
+    ``rswa_window`` 128); 12 layers, 10 KV heads x 128, block 16. The model
+    turns prefix caching off (``UnlimitedOCRForCausalLMConfig``,
+    model_executor/models/config.py)."""
+    from vllm.v1.kv_cache_interface import RSWASpec
+
+    spec = RSWASpec(
+        block_size=16,
+        num_kv_heads=10,
+        head_size=128,
+        dtype=_torch().bfloat16,
+        rswa_window=128,
+    )
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(12)}
+
+
+def llama3_hidden_states() -> Specs:
+    """Llama-3-8B with ``speculative_config.method=extract_hidden_states``:
+    the target's ``Attention`` layers plus the hidden-state cache layer
+    (``CacheOnlyAttentionLayer.get_kv_cache_spec``, model_executor/models/
+    extract_hidden_states.py: ``HiddenStateCacheSpec``, heads = the layers
+    whose hidden states are kept (4), head size = hidden size 4096)."""
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    specs = llama3()
+    specs["hidden_states_model.cache_layer.attn"] = HiddenStateCacheSpec(
+        block_size=16, num_kv_heads=4, head_size=4096, dtype=_torch().bfloat16
+    )
+    return specs
+
+
+def minimax_m3() -> Specs:
+    """MiniMax-M3 (vllm/models/minimax_m3): GQA keys/values
+    (``MiniMaxM3SparseAttention.get_kv_cache_spec``, nvidia/model.py) and
+    the sparse indexer's key cache (``MiniMaxM3IndexerCache.
+    get_kv_cache_spec``, common/indexer.py: ``MLAAttentionSpec``, role
+    INDEXER) on every layer; 62 layers, 8 KV heads x 128, index head 128,
+    block 64."""
+    specs: Specs = {}
+    for i in range(62):
+        p = f"model.layers.{i}.self_attn"
+        specs[f"{p}.attn"] = _attention(64, 8, 128)
+        specs[f"{p}.indexer.k_cache"] = _indexer(64, 128, dtype=_torch().bfloat16)
+    return specs
+
+
+def inkling() -> Specs:
+    """Inkling (vllm/models/inkling): local layers
+    (``InklingAttention.get_kv_cache_spec``, nvidia/attention.py:
+    ``SlidingWindowSpec`` over ``local_extent`` 512) and global ones
+    (``FullAttentionSpec``), 3:1, plus a short-convolution state kept as a
+    sliding window of 4 tokens in its own block size
+    (``InklingSconvSWA.get_kv_cache_spec``, nvidia/sconv_swa_attn.py,
+    4 streams packed into the head); 32 layers, 8 KV heads x 128, block 16."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    specs: Specs = {}
+    for i in range(32):
+        window = None if i % 4 == 3 else 512
+        specs[f"model.layers.{i}.self_attn.attn"] = _attention(16, 8, 128, window)
+        specs[f"model.layers.{i}.sconv"] = SlidingWindowSpec(
+            block_size=16,
+            num_kv_heads=8,
+            head_size=4 * 128,
+            head_size_v=0,
+            dtype=_torch().bfloat16,
+            sliding_window=4,
+        )
+    return specs
+
+
+def dots3_note() -> Specs:
+    """dots.llm3 NOTE (vllm/models/dots3_note): DSA MLA layers
+    (``Dots3NotePaddedMLAAttention.get_kv_cache_spec``, nvidia/model.py:
+    MLA padded to the SWA row) and MLA sliding-window layers
+    (``MLAAttention.get_kv_cache_spec`` with a window, model_executor/
+    layers/attention/mla_attention.py: ``SlidingWindowMLASpec``), 1:3; 48
+    layers, 576 rows, window 2048, block 64."""
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    specs: Specs = {}
+    for i in range(48):
+        name = f"model.layers.{i}.self_attn.attn"
+        if i % 4 == 0:
+            specs[name] = _mla(64)
+        else:
+            specs[name] = SlidingWindowMLASpec(
+                block_size=64,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=576,
+                dtype=_torch().bfloat16,
+                cache_dtype_str="auto",
+                sliding_window=2048,
+            )
+    return specs
+
+
+def hisparse_dsv32() -> Specs:
+    """DeepSeek-V3.2 with HiSparse host-resident KV (v1/hisparse/layout.py,
+    ``get_hisparse_kv_cache_groups``: a host source group plus device-only
+    ``HiSparseResidentSpec`` / ``HiSparseHotSpec`` groups); the specs are
+    DeepSeek-V3.2's, HiSparse derives the rest."""
+    return deepseek_v32()
+
+
+# -- the matrix -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row family of the matrix: a model and how it is served."""
+
+    key: str
+    title: str
+    build: Callable[[], Specs]
+    block_size: int
+    """The primary (``--block-size``) block; 0: the first full-attention
+    spec's, for hybrids whose block the platform derives from the state."""
+    speculative: SpecDecode | None = None
+    ring: Ring | None = None
+    kv_cache_layouts: tuple[str, ...] = ("LBNHC",)
+    """Layouts to run: each one that changes vLLM's grouping of the specs."""
+    prefix_caching: bool = True
+    hisparse: bool = False
+    dcp: tuple[int, ...] = (1,)
+
+
+def _spec(method: str, n: int) -> SpecDecode:
+    return SpecDecode(method=method, num_speculative_tokens=n)
+
+
+def families() -> list[Family]:
+    """Every family of the matrix, in table order."""
+    from functools import partial
+
+    glm_kpool = 16
+    return [
+        Family("llama3", "Llama-3 (full)", llama3, 16, dcp=(1, 2)),
+        Family("gemma3", "Gemma-3 (full + SW 1024, 1:5)", gemma3, 16),
+        Family("gpt-oss", "gpt-oss (full + SW 128, 1:1)", gpt_oss, 16),
+        Family(
+            "gpt-oss-eagle3",
+            "gpt-oss + EAGLE3 (drafter in the full group)",
+            partial(gpt_oss, eagle3=True),
+            16,
+            speculative=_spec("eagle3", 3),
+        ),
+        Family("deepseek-v3", "DeepSeek-V3 (MLA)", deepseek_v3, 64, dcp=(1, 2)),
+        Family(
+            "deepseek-v3-mtp",
+            "DeepSeek-V3 + MTP",
+            partial(deepseek_v3, mtp=True),
+            64,
+            speculative=_spec("mtp", 1),
+        ),
+        Family(
+            "deepseek-v3-eagle3",
+            "DeepSeek-V3 + EAGLE3 (GQA drafter, grouped with the MLA target)",
+            partial(deepseek_v3, eagle3=True),
+            64,
+            speculative=_spec("eagle3", 3),
+        ),
+        Family(
+            "deepseek-v3.2-mtp",
+            "DeepSeek-V3.2 / GLM-5 (MLA + DSA indexer) + MTP",
+            partial(deepseek_v32, mtp=True),
+            64,
+            speculative=_spec("mtp", 1),
+        ),
+        Family(
+            "deepseek-v4-pro",
+            "DeepSeek-V4-Pro (SWA-MLA + compressed MLA + compressor states)",
+            deepseek_v4,
+            256,
+            kv_cache_layouts=("LBNHC", "BLNHC"),
+        ),
+        Family(
+            "deepseek-v4-pro-mtp",
+            "DeepSeek-V4-Pro + MTP",
+            partial(deepseek_v4, mtp=True),
+            256,
+            speculative=_spec("mtp", 1),
+            kv_cache_layouts=("LBNHC", "BLNHC"),
+        ),
+        Family(
+            "deepseek-v4.1",
+            "DeepSeek-V4.1 (compressor ring: CircularBufferSpec)",
+            deepseek_v41,
+            256,
+            ring=Ring(group_tokens=2),
+            kv_cache_layouts=("LBNHC", "BLNHC"),
+        ),
+        Family(
+            "deepseek-v4.1-mtp",
+            "DeepSeek-V4.1 + MTP",
+            partial(deepseek_v41, 1),
+            256,
+            speculative=_spec("mtp", 1),
+            ring=Ring(group_tokens=2),
+            kv_cache_layouts=("LBNHC", "BLNHC"),
+        ),
+        Family(
+            "kimi-k3",
+            "Kimi-K3 (MLA + KDA)",
+            kimi_k3,
+            0,
+            dcp=(1, 2),
+        ),
+        Family(
+            "kimi-k3-mtp",
+            "Kimi-K3 + MTP",
+            partial(kimi_k3, 1),
+            0,
+            speculative=_spec("mtp", 1),
+        ),
+        Family(
+            "glm5next",
+            "GLM-5.3-Flash (MLA + kpool indexer + tail ring + KDA)",
+            glm5next,
+            0,
+            ring=Ring(group_tokens=glm_kpool),
+            kv_cache_layouts=("LBNHC", "BLNHC"),
+        ),
+        Family(
+            "glm5next-mtp",
+            "GLM-5.3-Flash + MTP",
+            partial(glm5next, 1),
+            0,
+            speculative=_spec("mtp", 1),
+            ring=Ring(group_tokens=glm_kpool),
+            kv_cache_layouts=("LBNHC", "BLNHC"),
+        ),
+        Family(
+            "qwen3.5",
+            "Qwen3.5 / Qwen3-Next (GDN + full)",
+            qwen35,
+            0,
+        ),
+        Family(
+            "qwen3.5-mtp",
+            "Qwen3.5 + MTP",
+            partial(qwen35, 1),
+            0,
+            speculative=_spec("mtp", 1),
+        ),
+        Family(
+            "qwen3.5-eagle3",
+            "Qwen3.5 + EAGLE3 (hybrid, drafter owns a group)",
+            partial(qwen35, 3, eagle3=True),
+            0,
+            speculative=_spec("eagle3", 3),
+            kv_cache_layouts=("LBNHC", "BLNHC"),
+        ),
+        Family(
+            "qwen4-exp-mtp",
+            "Qwen4-exp (GDN + PLE + QSA ring) + MTP",
+            partial(qwen4_exp, 1),
+            0,
+            speculative=_spec("mtp", 1),
+            ring=Ring(group_tokens=16),
+            kv_cache_layouts=("LBNHC", "BLNHC"),
+        ),
+        Family(
+            "step5-mtp",
+            "Step5 (SW + DSA summary + CSA tail ring) + MTP",
+            partial(step5, 1),
+            64,
+            speculative=_spec("mtp", 1),
+            ring=Ring(group_tokens=8, capacity=step5_ring_capacity()),
+            kv_cache_layouts=("LBNHC", "BLNHC"),
+        ),
+        Family(
+            "llama4",
+            "Llama-4 (chunked local 8192 + full, 3:1)",
+            llama4,
+            16,
+        ),
+        Family(
+            "openpangu-sink",
+            "openPangu (SinkFullAttentionSpec)",
+            openpangu_sink,
+            16,
+        ),
+        Family(
+            "unlimited-ocr",
+            "Unlimited-OCR (RSWASpec; prefix caching off)",
+            unlimited_ocr,
+            16,
+            prefix_caching=False,
+        ),
+        Family(
+            "llama3-hidden-states",
+            "Llama-3 + extract_hidden_states (HiddenStateCacheSpec)",
+            llama3_hidden_states,
+            16,
+        ),
+        Family("minimax-m3", "MiniMax-M3 (GQA + indexer)", minimax_m3, 64),
+        Family(
+            "inkling",
+            "Inkling (local + global + sconv window)",
+            inkling,
+            16,
+            kv_cache_layouts=("LBNHC", "BLNHC"),
+        ),
+        Family("dots3-note", "dots.llm3 NOTE (MLA + SW-MLA)", dots3_note, 64),
+        Family(
+            "deepseek-v3.2-hisparse",
+            "DeepSeek-V3.2 + HiSparse (HiSparseHot/ResidentSpec)",
+            hisparse_dsv32,
+            64,
+            hisparse=True,
+        ),
+    ]
+
+
+def _entries() -> list[tuple[Layout, tuple[int, ...]]]:
+    out = []
+    for fam in families():
+        for kv_layout in fam.kv_cache_layouts:
+            name = fam.key if kv_layout == "LBNHC" else f"{fam.key}-{kv_layout}"
+            build = getattr(fam.build, "func", fam.build)
+            layout = Layout(
+                name=name,
+                block_size=fam.block_size,
+                build_specs=fam.build,
+                note=fam.title + ("" if kv_layout == "LBNHC" else f", {kv_layout}"),
+                family=fam.title,
+                source=" ".join((build.__doc__ or "").split()).replace("/ ", "/"),
+                kv_cache_layout=kv_layout,
+                speculative=fam.speculative,
+                ring=fam.ring,
+                prefix_caching=fam.prefix_caching,
+                hisparse=fam.hisparse,
+            )
+            out.append((layout, fam.dcp))
+    return out
+
+
+def family_layouts() -> dict[str, Layout]:
+    """One ``Layout`` per family and KV cache layout that changes grouping."""
+    return {layout.name: layout for layout, _ in _entries()}
+
+
+def family_dcp_sizes() -> dict[str, tuple[int, ...]]:
+    return {layout.name: dcp for layout, dcp in _entries()}
