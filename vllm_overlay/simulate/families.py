@@ -571,8 +571,9 @@ def step5(num_spec: int = 0) -> Specs:
 
 
 def step5_ring_capacity() -> int:
-    """Rows of the Step5 tail ring: one main page of 1 KB rows."""
-    return _attention(64, 8, 128).page_size_bytes // _STEP5_ROW_BYTES
+    """Rows of the Step5 tail ring: one main page (64 tokens x 8 KV heads x
+    (128 + 128) bf16) of 1 KB rows."""
+    return 64 * 8 * (128 + 128) * 2 // _STEP5_ROW_BYTES
 
 
 def llama4() -> Specs:
