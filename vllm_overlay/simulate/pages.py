@@ -44,20 +44,23 @@ class PageStore:
         else:
             self.pages[block_id] = page
 
+    def _same_writer(
+        self, block_id: int, group: int, uid: int, valid: int
+    ) -> Page | None:
+        """The block's positions page if this writer wrote it, else None."""
+        cur = self.pages.get(block_id)
+        if cur is None or cur.hi == STATE or cur[:3] != (group, uid, valid):
+            return None
+        return cur
+
     def write_positions(
         self, block_id: int, group: int, uid: int, valid: int, lo: int, hi: int
     ) -> None:
         """Attention KV for positions [lo, hi) written into one block."""
         if block_id == self.null_block_id or lo >= hi:
             return
-        cur = self.pages.get(block_id)
-        if (
-            cur is not None
-            and cur.hi != STATE
-            and cur[:3] == (group, uid, valid)
-            and cur.lo <= hi
-            and lo <= cur.hi
-        ):
+        cur = self._same_writer(block_id, group, uid, valid)
+        if cur is not None and cur.lo <= hi and lo <= cur.hi:
             lo, hi = min(lo, cur.lo), max(hi, cur.hi)
         self.pages[block_id] = Page(group, uid, valid, lo, hi)
 
@@ -76,13 +79,8 @@ class PageStore:
         contiguous run of at most ``capacity`` positions."""
         if block_id == self.null_block_id or lo >= hi:
             return
-        cur = self.pages.get(block_id)
-        if (
-            cur is not None
-            and cur.hi != STATE
-            and cur[:3] == (group, uid, valid)
-            and cur.hi == lo
-        ):
+        cur = self._same_writer(block_id, group, uid, valid)
+        if cur is not None and cur.hi == lo:
             lo = cur.lo
         self.pages[block_id] = Page(group, uid, valid, max(lo, hi - capacity), hi)
 
