@@ -24,6 +24,7 @@ from typing import Any
 from vllm_overlay.simulate.layouts import Layout, Ring, SpecDecode
 
 Specs = dict[str, Any]
+Shapes = tuple[tuple[int, ...], ...]
 
 _TP = 8  # per-rank shapes of the large hybrid models
 
@@ -105,7 +106,12 @@ def _indexer(block: int, head: int = 132, tokens_per_state: int = 1, **kw: Any) 
 
 
 def _mamba(
-    block: int, shapes: tuple, dtypes: tuple, num_spec: int, page: int | None, **kw: Any
+    block: int,
+    shapes: Shapes,
+    dtypes: tuple[Any, ...],
+    num_spec: int,
+    page: int | None,
+    **kw: Any,
 ) -> Any:
     """``MambaBase.get_kv_cache_spec`` (model_executor/layers/mamba/
     abstract.py): align mode (prefix caching on), one scratch slot per
@@ -123,10 +129,11 @@ def _mamba(
     )
 
 
-def _mamba_page(shapes: tuple, dtypes: tuple) -> int:
+def _mamba_page(shapes: Shapes, dtypes: tuple[Any, ...]) -> int:
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    return MambaSpec(block_size=1, shapes=shapes, dtypes=dtypes).page_size_bytes
+    page: int = MambaSpec(block_size=1, shapes=shapes, dtypes=dtypes).page_size_bytes
+    return page
 
 
 def _hybrid_block(attn_page_per_token: int, mamba_page: int, alignment: int) -> int:
@@ -336,7 +343,7 @@ def deepseek_v41(num_spec: int = 0) -> Specs:
     return specs
 
 
-def _kda_shapes(heads: int, head_dim: int, conv: int, num_spec: int) -> tuple:
+def _kda_shapes(heads: int, head_dim: int, conv: int, num_spec: int) -> Shapes:
     """``MambaStateShapeCalculator.kda_state_shape`` (model_executor/layers/
     mamba/mamba_utils.py): conv over q, k, v; a head_dim^2 state per head."""
     conv_dim = (heads * head_dim * 3) // _TP

@@ -102,10 +102,11 @@ def primary_block_size(specs: dict[str, Any]) -> int:
     """The ``--block-size`` of a layout: its first full-attention layer's."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    return next(
+    size: int = next(
         (s.block_size for s in specs.values() if isinstance(s, FullAttentionSpec)),
         next(iter(specs.values())).block_size,
     )
+    return size
 
 
 def _with_spec_slots(vllm_config: Any, slots: SpecSlots) -> Any:
@@ -228,7 +229,8 @@ def plan_groups(layout: Layout, max_model_len: int = 4160) -> list[Any]:
 
     vllm_config, specs = leg_config(layout, "kv_consumer", 49000, max_model_len)
     register_all_kvcache_specs(vllm_config)
-    return get_global_kv_cache_groups(vllm_config, [specs])
+    groups: list[Any] = get_global_kv_cache_groups(vllm_config, [specs])
+    return groups
 
 
 def build_leg(layout: Layout, role: str, port: int, max_model_len: int) -> Leg:
