@@ -6,7 +6,12 @@ import pytest
 
 from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, header, replace_once
 from vllm_overlay.cli import main
-from vllm_overlay.series.patch_series import SeriesError, check_series, load_series
+from vllm_overlay.series.patch_series import (
+    REQUIRED_FIELDS,
+    SeriesError,
+    check_series,
+    load_series,
+)
 from vllm_overlay.series.pin import load_pin
 
 
@@ -49,23 +54,151 @@ def test_duplicate_entry(ws: Workspace) -> None:
     assert "series lists 0001-a.patch more than once" in _problems(ws)
 
 
-@pytest.mark.parametrize("field", ["Forwarded", "Tests", "Subject", "Remove-When"])
+@pytest.mark.parametrize("field", REQUIRED_FIELDS)
 def test_header_without_required_field(ws: Workspace, field: str) -> None:
-    ws.patch_from_edit("0001-a.patch", CONNECTOR, _edit("a"))
-    text = (ws.repo / "patches" / "0001-a.patch").read_text()
-    _, body = text.split("---\n", 1)
-    broken = header("0001-a.patch", **{field: None}) + "---\n" + body
-    (ws.repo / "patches" / "0001-a.patch").write_text(broken)
-    problems = _problems(ws)
-    assert problems == [f"0001-a.patch: header lacks {field}"]
+    _with_header(ws, **{field: None})
+    assert _problems(ws) == [f"0001-a.patch: header lacks {field}"]
 
 
-def test_forwarded_must_be_url_or_not_yet(ws: Workspace) -> None:
-    ws.patch_from_edit("0001-a.patch", CONNECTOR, _edit("a"))
-    path = ws.repo / "patches" / "0001-a.patch"
-    path.write_text(path.read_text().replace("Forwarded: not yet", "Forwarded: maybe"))
+def _with_header(ws: Workspace, name: str = "0001-a.patch", **fields: str | None):
+    """A patch ``name`` whose header has ``fields`` changed (None: the field
+    is left out). The check reads each diff; it does not apply the series."""
+    ws.patch_from_edit(name, CONNECTOR, _edit(name))
+    fields.setdefault("Tests", f"tests/overlay/conftest.py::test_{name[:4]}")
+    path = ws.repo / "patches" / name
+    _, body = path.read_text().split("---\n", 1)
+    path.write_text(header(name, **fields) + "---\n" + body)
+
+
+@pytest.mark.parametrize("value", ["not yet", "maybe", "yes", "upstream"])
+def test_forwarded_must_be_a_dep3_value(ws: Workspace, value: str) -> None:
+    _with_header(ws, Forwarded=value)
     assert _problems(ws) == [
-        "0001-a.patch: Forwarded must be a URL or 'not yet', got 'maybe'"
+        f"0001-a.patch: Forwarded: {value!r} is not a DEP-3 value (no, "
+        "not-needed, or the URL the change was sent to)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "value", ["no", "not-needed", "https://github.com/vllm-project/vllm/pull/1"]
+)
+def test_forwarded_dep3_values_pass(ws: Workspace, value: str) -> None:
+    _with_header(ws, Forwarded=value)
+    assert _problems(ws) == []
+
+
+@pytest.mark.parametrize(
+    "origin",
+    ["upstream", "upstream, pull request by someone", "backport, #62165"],
+)
+def test_upstream_origin_needs_a_url(ws: Workspace, origin: str) -> None:
+    _with_header(ws, Origin=origin)
+    category = origin.split(",")[0]
+    assert _problems(ws) == [
+        f"0001-a.patch: Origin: an {category} origin carries the URL of the "
+        f"upstream change ('{category}, https://...'), got {origin!r}"
+    ]
+
+
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "upstream, https://github.com/vllm-project/vllm/pull/1",
+        "backport, https://github.com/vllm-project/vllm/pull/1",
+        "vendor",
+        "other, https://example.org/list/1",
+        "https://example.org/list/1",
+    ],
+)
+def test_dep3_origins_pass(ws: Workspace, origin: str) -> None:
+    _with_header(ws, Origin=origin)
+    assert _problems(ws) == []
+
+
+def test_origin_category_must_be_dep3(ws: Workspace) -> None:
+    _with_header(ws, Origin="ours")
+    assert _problems(ws) == [
+        "0001-a.patch: Origin: 'ours' is neither a URL nor '<category>, <URL or "
+        "commit>' (upstream, backport, vendor, other)"
+    ]
+
+
+def test_unknown_field_is_an_error(ws: Workspace) -> None:
+    _with_header(ws, **{"X-Status": "carried"})
+    assert _problems(ws) == [
+        "0001-a.patch:11: unknown header field 'X-Status' (neither DEP-3 nor "
+        "declared in README.md's patch headers)"
+    ]
+
+
+def test_declared_fields_pass_and_parse(ws: Workspace) -> None:
+    url = "https://github.com/vllm-project/vllm/pull/1"
+    _with_header(ws, Origin=f"upstream, {url}", Forwarded=url)
+    _with_header(
+        ws,
+        "0002-b.patch",
+        Guards="tests/overlay/conftest.py::test_a\n tests/overlay/conftest.py::c",
+        **{"Builds-On": url, "Reviewed-by": "someone", "Bug": url},
+    )
+    assert _problems(ws) == []
+    second = load_series(ws.repo).patches[1].header
+    assert second.guards == [
+        "tests/overlay/conftest.py::test_a",
+        "tests/overlay/conftest.py::c",
+    ]
+    assert second.builds_on == [url]
+    assert not second.is_upstream and load_series(ws.repo).patches[0].header.is_upstream
+
+
+def test_builds_on_names_an_earlier_upstream_patch(ws: Workspace) -> None:
+    url = "https://github.com/vllm-project/vllm/pull/1"
+    _with_header(ws, **{"Builds-On": url})
+    _with_header(ws, "0002-b.patch", Origin=f"upstream, {url}", Forwarded=url)
+    assert _problems(ws) == [
+        f"0001-a.patch: Builds-On {url} is not the upstream URL of an earlier "
+        "patch in the series"
+    ]
+
+
+def test_a_test_proves_one_patch(ws: Workspace) -> None:
+    _with_header(ws, Tests="tests/overlay/conftest.py::test_x")
+    _with_header(ws, "0002-b.patch", Tests="tests/overlay/conftest.py::test_x")
+    assert _problems(ws) == [
+        "0002-b.patch: Tests names tests/overlay/conftest.py::test_x, which "
+        "0001-a.patch already names (a test proves one patch)"
+    ]
+
+
+def test_a_test_is_not_its_own_guard(ws: Workspace) -> None:
+    _with_header(ws, Guards="tests/overlay/conftest.py::test_0001")
+    assert _problems(ws) == [
+        "0001-a.patch: tests/overlay/conftest.py::test_0001 is both in Tests and "
+        "in Guards"
+    ]
+
+
+def test_guards_must_exist(ws: Workspace) -> None:
+    _with_header(ws, Guards="tests/nowhere.py::test_x")
+    assert _problems(ws) == [
+        "0001-a.patch: Guards names tests/nowhere.py::test_x, but tests/nowhere.py "
+        "is missing"
+    ]
+
+
+def test_cli_rejects_each_problem_on_one_line(ws: Workspace, capsys) -> None:
+    _with_header(ws, Forwarded="not yet", Tests="tests/overlay/conftest.py::a")
+    _with_header(ws, "0002-b.patch", Origin="upstream", Tests="tests/overlay/b")
+    _with_header(ws, "0003-c.patch", **{"Remove-When": None})
+    code = main(["--repo", str(ws.repo), "series", "check"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 2
+    assert out == [
+        "error: 0001-a.patch: Forwarded: 'not yet' is not a DEP-3 value (no, "
+        "not-needed, or the URL the change was sent to)",
+        "error: 0002-b.patch: Origin: an upstream origin carries the URL of the "
+        "upstream change ('upstream, https://...'), got 'upstream'",
+        "error: 0003-c.patch: header lacks Remove-When",
+        "series check: 3 problem(s)",
     ]
 
 

@@ -33,8 +33,9 @@ def header(subject: str, **overrides: str | None) -> str:
         "Description": f"{subject}.\n A second line.",
         "Origin": "vendor",
         "Author": "tests",
-        "Forwarded": "not yet",
+        "Forwarded": "no",
         "Applied-Upstream": "",
+        "Last-Update": "2026-11-30",
         "Remove-When": "never",
         "Tests": "tests/overlay/conftest.py",
     }

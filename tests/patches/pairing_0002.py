@@ -19,6 +19,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -27,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import
     MoRIIOConnector,
 )
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -370,6 +371,67 @@ def build_leg_pair(model_dir: Path, layout: Layout, max_tokens: int) -> LegPair:
         for g, span in enumerate(layout.spans)
     ]
     return LegPair(layout, legs[0], legs[1], kv_cache_config, decode_blocks)
+
+
+def leg_pair_cache(model_dir: Path) -> Callable[[Layout], LegPair]:
+    """One real producer/consumer pair per layout, built on first use; D's
+    blocks cover every swept prompt plus a lookahead tail."""
+    pairs: dict[Layout, LegPair] = {}
+
+    def get(layout: Layout) -> LegPair:
+        if layout not in pairs:
+            pairs[layout] = build_leg_pair(model_dir, layout, MAX_PROMPT_TOKENS + 64)
+        return pairs[layout]
+
+    return get
+
+
+def scheduler_handoff(
+    pair: LegPair, table: Sequence[Sequence[int]], num_computed_tokens: int
+) -> list[list[int]]:
+    """P's table as vLLM's scheduler hands it to ``request_finished``: its own
+    clip to the computed tokens (``KVCacheManager.get_block_ids_for_computed_
+    tokens``), which divides by the spec block size without the DCP factor."""
+    manager = SimpleNamespace(
+        get_block_ids=lambda request_id: tuple(list(g) for g in table),
+        kv_cache_config=pair.kv_cache_config,
+    )
+    return [
+        list(g)
+        for g in KVCacheManager.get_block_ids_for_computed_tokens(
+            manager,  # type: ignore[arg-type]
+            request_id="p",
+            num_computed_tokens=num_computed_tokens,
+        )
+    ]
+
+
+def sweep_summary(
+    leg_pairs: Callable[[Layout], LegPair], sweep_name: str
+) -> dict[str, tuple[int, list[int]]]:
+    """Every prompt length 1..MAX_PROMPT_TOKENS of the named sweep: per case
+    with wrong lengths, their count and the first few."""
+    cases = SWEEPS[sweep_name]
+    wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, MAX_PROMPT_TOKENS + 1))
+    return {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
+
+
+def prefiller_tail_errors(
+    pair: LegPair, handoff: str, prefill_tail: int = 8
+) -> list[str]:
+    """Full attention, only the prefiller holds ``prefill_tail`` lookahead
+    slots; ``handoff`` is "allocation" (P's table as allocated) or
+    "scheduler" (as vLLM's scheduler clips it). One line per wrong N."""
+    span = pair.layout.spans[0]
+    wrong: list[str] = []
+    for n in range(1, 4 * span + 1):
+        table = allocation(pair.layout, n + prefill_tail, prefill_id)
+        if handoff == "scheduler":
+            table = scheduler_handoff(pair, table, n)
+        errors = pairing_errors(pair.layout, n, pair.exchange(n, table, 0))
+        if errors:
+            wrong.append(f"N={n}: {errors[0]}")
+    return wrong
 
 
 def sweep(

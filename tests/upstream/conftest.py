@@ -49,7 +49,7 @@ def header(subject: str, tests: str = "tests/patches/test_x.py::test_x") -> str:
         " Changes: one line.\n"
         "Origin: vendor\n"
         "Author: overlay-tests\n"
-        "Forwarded: not yet\n"
+        "Forwarded: no\n"
         "Applied-Upstream:\n"
         "Remove-When: never\n"
         f"Tests: {tests}\n"

@@ -21,8 +21,9 @@ Description: with a decoder prefix hit, read only the pages it lacks.
  Contract change: a short table raises MoRIIOError.
 Origin: upstream, https://github.com/vllm-project/vllm/pull/1
 Author: someone
-Forwarded: not yet
+Forwarded: no
 Applied-Upstream:
+Last-Update: 2026-11-30
 Remove-When: never
 Tests: tests/patches/test_x.py::test_x
 """
@@ -56,7 +57,7 @@ def test_parenthesised_label_and_links() -> None:
     )
     header = parse_header(
         HEAD.replace(
-            "Forwarded: not yet",
+            "Forwarded: no",
             "Forwarded: https://github.com/vllm-project/vllm/pull/1",
         ).replace("pull/1\nAuthor", "pull/1);\nAuthor"),
         "x.patch",

@@ -13,7 +13,10 @@ def cmd_series_check(app: App, args: argparse.Namespace) -> int:
     """Check the series file, the patch headers and the diffs.
 
     Check patches/series (each entry once, every patch listed), every DEP-3
-    header, and that every diff touches only pinned files.
+    header (Forwarded no, not-needed or a URL; an upstream Origin with its
+    URL; every required field; no undeclared field), Builds-On, the tests
+    each header names, and that every diff touches only pinned files. Each
+    problem is one line; exit status 2.
     """
     checkout = app.checkout
     problems = check_series(checkout.root, checkout.pin)
@@ -22,12 +25,16 @@ def cmd_series_check(app: App, args: argparse.Namespace) -> int:
     if problems:
         app.say(f"series check: {len(problems)} problem(s)")
         app.result({"ok": False, "problems": problems})
-        return 1
+        return 2
     series = checkout.series
     for p in series.patches:
+        h = p.header
         files = ", ".join(Path(f.path).name for f in p.files)
-        tests = len(p.header.tests)
-        app.say(f"  {p.index:>2}  {p.name}  ({files}; {tests} test ids)")
+        where = h.upstream_url or f"Forwarded: {h.forwarded}"
+        app.say(
+            f"  {p.index:>2}  {p.name}  ({files}; {len(h.tests)} tests, "
+            f"{len(h.guards)} guards; {h.author}; {where})"
+        )
     app.say(
         f"series check: ok, {len(series.patches)} patches, series {series.series_id}"
     )

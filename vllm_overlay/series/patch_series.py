@@ -17,7 +17,21 @@ PATCH_DIR = "patches"
 SERIES_FILE = "series"
 HEADER_END = "---"
 
-# Header fields every patch must carry ("Applied-Upstream" may be empty).
+# DEP-3 fields (https://dep-team.pages.debian.net/deps/dep3/) this series
+# uses, then the fields this project declares on top of DEP-3. README.md's
+# "Patch headers" table lists the same fields; any other field is an error.
+DEP3_FIELDS = (
+    "Subject",
+    "Description",
+    "Origin",
+    "Author",
+    "Bug",
+    "Forwarded",
+    "Reviewed-by",
+    "Applied-Upstream",
+    "Last-Update",
+)
+PROJECT_FIELDS = ("Builds-On", "Remove-When", "Tests", "Guards")
 REQUIRED_FIELDS = (
     "Subject",
     "Description",
@@ -25,11 +39,20 @@ REQUIRED_FIELDS = (
     "Author",
     "Forwarded",
     "Applied-Upstream",
+    "Last-Update",
     "Remove-When",
     "Tests",
 )
-OPTIONAL_FIELDS = ("Last-Update", "Reviewed-by", "Bug")
-_FORWARDED_RE = re.compile(r"^(https?://\S+|not yet|no|not-needed)$")
+OPTIONAL_FIELDS = tuple(
+    f for f in (*DEP3_FIELDS, *PROJECT_FIELDS) if f not in REQUIRED_FIELDS
+)
+# Fields that may be present with an empty value.
+MAY_BE_EMPTY = ("Applied-Upstream", "Guards", "Builds-On", "Bug", "Reviewed-by")
+ORIGIN_CATEGORIES = ("upstream", "backport", "vendor", "other")
+# Origins that name someone else's change: they must say where it lives.
+UPSTREAM_ORIGINS = ("upstream", "backport")
+_URL_RE = re.compile(r"^https?://\S+$")
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 
 class SeriesError(OverlayError):
@@ -46,6 +69,8 @@ class PatchHeader(msgspec.Struct, forbid_unknown_fields=True):
     remove_when: str
     tests: list[str]
     last_update: str = ""
+    guards: list[str] = []
+    builds_on: list[str] = []
     reviewed_by: str = ""
     bug: str = ""
 
@@ -53,6 +78,35 @@ class PatchHeader(msgspec.Struct, forbid_unknown_fields=True):
     def summary(self) -> str:
         """First line of the description."""
         return self.description.split("\n", 1)[0]
+
+    @property
+    def origin_category(self) -> str:
+        """``upstream``, ``backport``, ``vendor``, ``other``, or "" when the
+        Origin is a bare URL."""
+        head, sep, _ = self.origin.partition(",")
+        return head.strip() if sep or head.strip() in ORIGIN_CATEGORIES else ""
+
+    @property
+    def origin_url(self) -> str:
+        """The URL the Origin names, "" for none."""
+        _, sep, rest = self.origin.partition(",")
+        value = rest.strip() if sep else self.origin.strip()
+        return value if _URL_RE.match(value) else ""
+
+    @property
+    def is_upstream(self) -> bool:
+        """Someone else's pull request, carried until vLLM has it."""
+        return self.origin_category in UPSTREAM_ORIGINS
+
+    @property
+    def forwarded_url(self) -> str:
+        return self.forwarded if _URL_RE.match(self.forwarded) else ""
+
+    @property
+    def upstream_url(self) -> str:
+        """Where upstream review of this change happens: the Forwarded URL,
+        else an upstream Origin's URL."""
+        return self.forwarded_url or (self.origin_url if self.is_upstream else "")
 
 
 @dataclass(frozen=True)
@@ -121,8 +175,11 @@ def split_header(text: str, name: str) -> tuple[str, str]:
     raise SeriesError(f"{name}: no '{HEADER_END}' line between header and diff")
 
 
-def parse_header(text: str, name: str) -> PatchHeader:
+def _read_fields(text: str, name: str) -> tuple[dict[str, list[str]], list[str]]:
+    """The header's fields (continuation lines joined, "." as an empty line)
+    and the problems of its form."""
     fields: dict[str, list[str]] = {}
+    problems: list[str] = []
     current: str | None = None
     known = {f.lower(): f for f in (*REQUIRED_FIELDS, *OPTIONAL_FIELDS)}
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -131,43 +188,116 @@ def parse_header(text: str, name: str) -> PatchHeader:
             continue
         if line[0] in " \t":
             if current is None:
-                raise SeriesError(f"{name}:{lineno}: continuation line without a field")
-            value = line.strip()
-            fields[current].append("" if value == "." else value)
+                problems.append(f"{name}:{lineno}: continuation line without a field")
+            else:
+                value = line.strip()
+                fields[current].append("" if value == "." else value)
             continue
         key, sep, value = line.partition(":")
         canonical = known.get(key.strip().lower())
+        current = None
         if not sep or canonical is None:
-            raise SeriesError(f"{name}:{lineno}: unknown header field {key.strip()!r}")
-        if canonical in fields:
-            raise SeriesError(f"{name}:{lineno}: field {canonical!r} given twice")
-        current = canonical
-        fields[canonical] = [value.strip()] if value.strip() else []
-    missing = [f for f in REQUIRED_FIELDS if f not in fields]
-    if missing:
-        raise SeriesError(f"{name}: header lacks {', '.join(missing)}")
-    empty = [f for f in REQUIRED_FIELDS if f != "Applied-Upstream" and not fields[f]]
-    if empty:
-        raise SeriesError(f"{name}: header field(s) empty: {', '.join(empty)}")
-    forwarded = " ".join(fields["Forwarded"])
-    if not _FORWARDED_RE.match(forwarded):
-        raise SeriesError(
-            f"{name}: Forwarded must be a URL or 'not yet', got {forwarded!r}"
+            problems.append(
+                f"{name}:{lineno}: unknown header field {key.strip()!r} (neither "
+                "DEP-3 nor declared in README.md's patch headers)"
+            )
+        elif canonical in fields:
+            problems.append(f"{name}:{lineno}: field {canonical!r} given twice")
+        else:
+            current = canonical
+            fields[canonical] = [value.strip()] if value.strip() else []
+    return fields, problems
+
+
+def _origin_problem(origin: str) -> str | None:
+    head, sep, rest = origin.partition(",")
+    category, value = (head.strip(), rest.strip()) if sep else ("", origin.strip())
+    if not sep and value in ORIGIN_CATEGORIES:
+        category, value = value, ""
+    if category and category not in ORIGIN_CATEGORIES:
+        return (
+            f"Origin: {category!r} is not a DEP-3 category "
+            f"({', '.join(ORIGIN_CATEGORIES)})"
         )
-    tests = [t for v in fields["Tests"] for t in v.split()]
-    return PatchHeader(
-        subject=" ".join(fields["Subject"]),
-        description="\n".join(fields["Description"]),
-        origin=" ".join(fields["Origin"]),
-        author=" ".join(fields["Author"]),
-        forwarded=forwarded,
-        applied_upstream=" ".join(fields["Applied-Upstream"]),
-        remove_when=" ".join(fields["Remove-When"]),
-        tests=tests,
-        last_update=" ".join(fields.get("Last-Update", [])),
-        reviewed_by=" ".join(fields.get("Reviewed-by", [])),
-        bug=" ".join(fields.get("Bug", [])),
+    if category in UPSTREAM_ORIGINS and not _URL_RE.match(value):
+        return (
+            f"Origin: an {category} origin carries the URL of the upstream change "
+            f"('{category}, https://...'), got {origin!r}"
+        )
+    if not category and not _URL_RE.match(value):
+        return (
+            f"Origin: {origin!r} is neither a URL nor '<category>, <URL or commit>' "
+            f"({', '.join(ORIGIN_CATEGORIES)})"
+        )
+    return None
+
+
+def header_problems(text: str, name: str) -> tuple[PatchHeader | None, list[str]]:
+    """The parsed header, or None, and every problem it has (one line each)."""
+    fields, problems = _read_fields(text, name)
+    for f in REQUIRED_FIELDS:
+        if f not in fields:
+            problems.append(f"{name}: header lacks {f}")
+        elif not fields[f] and f not in MAY_BE_EMPTY:
+            problems.append(f"{name}: {f} is empty")
+
+    def joined(field: str) -> str:
+        return " ".join(fields.get(field, []))
+
+    def words(field: str) -> list[str]:
+        return [w for v in fields.get(field, []) for w in v.split()]
+
+    forwarded = joined("Forwarded")
+    if (
+        forwarded
+        and forwarded not in ("no", "not-needed")
+        and not _URL_RE.match(forwarded)
+    ):
+        problems.append(
+            f"{name}: Forwarded: {forwarded!r} is not a DEP-3 value (no, "
+            "not-needed, or the URL the change was sent to)"
+        )
+    if joined("Origin") and (problem := _origin_problem(joined("Origin"))):
+        problems.append(f"{name}: {problem}")
+    last_update = joined("Last-Update")
+    if last_update and not _DATE_RE.match(last_update):
+        problems.append(f"{name}: Last-Update: {last_update!r} is not YYYY-MM-DD")
+    problems.extend(
+        f"{name}: Builds-On: {url!r} is not a URL"
+        for url in words("Builds-On")
+        if not _URL_RE.match(url)
     )
+    tests, guards = words("Tests"), words("Guards")
+    problems.extend(
+        f"{name}: {test_id} is both in Tests and in Guards"
+        for test_id in dict.fromkeys(tests)
+        if test_id in guards
+    )
+    if problems:
+        return None, problems
+    header = PatchHeader(
+        subject=joined("Subject"),
+        description="\n".join(fields["Description"]),
+        origin=joined("Origin"),
+        author=joined("Author"),
+        forwarded=forwarded,
+        applied_upstream=joined("Applied-Upstream"),
+        remove_when=joined("Remove-When"),
+        tests=tests,
+        last_update=last_update,
+        guards=guards,
+        builds_on=words("Builds-On"),
+        reviewed_by=joined("Reviewed-by"),
+        bug=joined("Bug"),
+    )
+    return header, []
+
+
+def parse_header(text: str, name: str) -> PatchHeader:
+    header, problems = header_problems(text, name)
+    if header is None:
+        raise SeriesError(problems[0])
+    return header
 
 
 def load_patch(path: Path, index: int) -> SeriesPatch:
@@ -215,25 +345,61 @@ def check_series(root: Path, pin: Pin) -> list[str]:
     on_disk = {p.name for p in patch_dir.glob("*.patch")}
     for name in sorted(on_disk - seen):
         problems.append(f"{name} is in patches/ but not listed in the series")
+    loaded: list[SeriesPatch] = []
     for i, name in enumerate(dict.fromkeys(names), 1):
         path = patch_dir / name
         if not path.is_file():
             problems.append(f"series lists {name}, but {path} does not exist")
             continue
         try:
-            patch = load_patch(path, i)
-        except SeriesError as e:
-            problems.append(str(e))
+            text = path.read_text()
+            head, body = split_header(text, name)
+        except (OSError, SeriesError) as e:
+            problems.append(str(e) if isinstance(e, SeriesError) else f"{name}: {e}")
             continue
-        for fp in patch.files:
+        header, header_issues = header_problems(head, name)
+        problems.extend(header_issues)
+        try:
+            files = tuple(parse_patch(body))
+        except DiffError as e:
+            problems.append(f"{name}: not a unified diff: {e}")
+            continue
+        for fp in files:
             if fp.path not in pin.files:
                 problems.append(f"{name}: touches {fp.path}, which is not pinned")
-        if not patch.header.tests:
+        if header is not None:
+            loaded.append(SeriesPatch(i, name, path, text, header, files))
+    return problems + _series_problems(root, loaded)
+
+
+def _series_problems(root: Path, patches: list[SeriesPatch]) -> list[str]:
+    """What a patch's header says about the rest of the series and the tests."""
+    problems: list[str] = []
+    named_by: dict[str, str] = {}
+    upstream_urls: set[str] = set()
+    for patch in patches:
+        h, name = patch.header, patch.name
+        if not h.tests:
             problems.append(f"{name}: Tests names no test")
-        for test_id in patch.header.tests:
-            test_file = test_id.split("::", 1)[0]
-            if not (root / test_file).is_file():
+        for field, ids in (("Tests", h.tests), ("Guards", h.guards)):
+            for test_id in ids:
+                test_file = test_id.split("::", 1)[0]
+                if not (root / test_file).is_file():
+                    problems.append(
+                        f"{name}: {field} names {test_id}, but {test_file} is missing"
+                    )
+        for test_id in h.tests:
+            if test_id in named_by:
                 problems.append(
-                    f"{name}: Tests names {test_id}, but {test_file} is missing"
+                    f"{name}: Tests names {test_id}, which {named_by[test_id]} "
+                    "already names (a test proves one patch)"
                 )
+            named_by.setdefault(test_id, name)
+        for url in h.builds_on:
+            if url not in upstream_urls:
+                problems.append(
+                    f"{name}: Builds-On {url} is not the upstream URL of an "
+                    "earlier patch in the series"
+                )
+        upstream_urls |= {u for u in (h.upstream_url, h.origin_url) if u}
     return problems

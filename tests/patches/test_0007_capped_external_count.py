@@ -1,0 +1,86 @@
+"""Patch 0007: when the scheduler caps the external token count below the
+decoder's local hit (L + E < N - 1), hybrid READ reads every full-attention
+page from the local hit on.
+
+The decoder then computes [L + E, N) itself, and READ must fill [L, L + E)
+(see ``prefix_hit_0005`` for the transfer driven on both legs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tests.patches.conftest import make_kv_cache_blocks, make_request
+from tests.patches.prefix_hit_0005 import (
+    Group,
+    connector,
+    decode_tables,
+    finish_prefill,
+    missing_pages,
+    next_request_id,
+    run_transfer,
+)
+from vllm.v1.request import RequestStatus
+
+
+@pytest.mark.parametrize(
+    ("page", "num_prompt_tokens", "hit_tokens", "cap"),
+    [
+        # An external count capped well below N - 1 - L.
+        (128, 128 * 8 + 7, 128 * 2, lambda e: 128 * 3),
+        # vLLM's scheduler rounds the count down to a multiple of its block
+        # size (here 256 tokens) for bounded-replay models; the group's
+        # 64-token pages are smaller, so the rounding crosses a page.
+        (64, 1125, 256, lambda e: e - e % 256),
+    ],
+    ids=["capped", "block_rounded"],
+)
+def test_capped_external_count_still_fills_from_the_local_hit(
+    llama_model_dir: Path,
+    page: int,
+    num_prompt_tokens: int,
+    hit_tokens: int,
+    cap: Callable[[int], int],
+):
+    """L + E < N - 1 leaves [L + E, N) to the decoder's forward and
+    [L, L + E) to READ: every page from the local hit on is read, not only
+    the pages of the last E prompt tokens."""
+    external = cap(num_prompt_tokens - 1 - hit_tokens)
+    assert external > 0 and hit_tokens + external < num_prompt_tokens - 1
+    assert (num_prompt_tokens - 1 - external) // page > hit_tokens // page
+    plan = run_transfer(
+        llama_model_dir,
+        [Group("target", page), Group("kda")],
+        dcp=1,
+        num_prompt_tokens=num_prompt_tokens,
+        local_hit_tokens=hit_tokens,
+        final_external_tokens=external,
+    )
+    assert plan.pages(0) == missing_pages(num_prompt_tokens, hit_tokens, page)
+
+
+def test_recorded_local_hit_is_released(llama_model_dir: Path):
+    """The hit recorded by get_num_new_matched_tokens is dropped once the
+    request is allocated, and when it finishes without an allocation."""
+    groups = [Group("target", 64), Group("kda")]
+    consumer = connector(llama_model_dir, groups, 1, "kv_consumer")
+    scheduler = consumer.connector_scheduler
+    assert scheduler is not None
+    for allocate in (True, False):
+        request_id = next_request_id()
+        params = finish_prefill(llama_model_dir, groups, 1, request_id, 64 * 4 + 3)
+        decode = make_request(request_id, 64 * 4 + 3, params)
+        consumer.get_num_new_matched_tokens(decode, 64)
+        assert scheduler._local_hit_tokens == {request_id: 64}
+        if allocate:
+            tables = decode_tables(groups, 64 * 5, 1)
+            external = 64 * 4 + 3 - 1 - 64
+            consumer.update_state_after_alloc(
+                decode, make_kv_cache_blocks(tables), external
+            )
+        else:
+            decode.status = RequestStatus.FINISHED_ABORTED
+            consumer.request_finished_all_groups(decode, ([], []))
+        assert scheduler._local_hit_tokens == {}
