@@ -202,23 +202,32 @@ def unit(session: nox.Session) -> None:
 
 @nox.session(name="unit-base", venv_backend="none")
 def unit_base(session: nox.Session) -> None:
-    """The suite on the pinned base, then with the overlay: the revert-red
-    table, and a gate that every test a patch names fails on the base and
-    passes overlaid."""
+    """The suite on the pinned base, then with the series, then each patch's
+    named tests on the stack levels in between: the per-patch revert-red
+    table, and a gate that every patch's Tests fail on the stack below it and
+    pass with it, and its Guards pass on both."""
     python = cpu_python(session)
     base, overlaid = REPORTS / "outcomes-base.json", REPORTS / "outcomes-overlay.json"
+    levels = REPORTS / "levels"
     for stale in (base, overlaid):
         stale.unlink(missing_ok=True)
+    shutil.rmtree(levels, ignore_errors=True)
     plugin = ("-p", "vllm_overlay.gate.outcomes", "-q", "--outcomes-json")
+    # Below its patch a property test fails on purpose: report the first
+    # failing example, do not shrink it (tests/conftest.py).
+    no_shrink = "--hypothesis-profile=gate"
     overlay(session, python, "apply", "--revert")
     session.log("running the suite on the pinned base (failures expected)")
     quiet = ("--no-header", "-rN", "--tb=no", "--continue-on-collection-errors")
-    suite(session, python, *plugin, str(base), *quiet, may_fail=True)
+    suite(session, python, *plugin, str(base), *quiet, no_shrink, may_fail=True)
     overlay(session, python, "apply")
     session.log("running the suite with the overlay")
     suite(session, python, *plugin, str(overlaid), may_fail=True)
+    session.log("running each patch's named tests on the stack levels in between")
+    args = ("--out", str(levels), f"--pytest-args={no_shrink}")
+    overlay(session, python, "levels", *args, env=wheel_env(session))
     outcomes = ("--base-outcomes", str(base), "--overlay-outcomes", str(overlaid))
-    overlay(session, python, "revert-red", *outcomes)
+    overlay(session, python, "revert-red", *outcomes, "--levels", str(levels))
 
 
 @nox.session(venv_backend="none")
@@ -251,7 +260,6 @@ def export(session: nox.Session) -> None:
     """Upstream-ready patches and PR bodies under dist/upstream/; needs the
     report of `nox -s unit-base` for the current series."""
     python = cpu_python(session)
-    overlay(session, python, "apply")  # --run-tests runs the ported tests on it
     args = ("export", "--run-tests", *session.posargs)
     overlay(session, python, *args, env=wheel_env(session))
 

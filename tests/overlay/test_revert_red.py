@@ -1,4 +1,5 @@
-"""The unit-base gate: named tests must fail on the base and pass overlaid."""
+"""The unit-base gate: each patch's Tests fail on the stack below it and pass
+with it; its Guards pass on both."""
 
 from __future__ import annotations
 
@@ -7,73 +8,224 @@ from pathlib import Path
 
 from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
 from vllm_overlay.cli import main
+from vllm_overlay.gate.outcomes import load_outcomes
 from vllm_overlay.gate.reports import load_revert_red
-from vllm_overlay.gate.revert_red import build_report, gate
-from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.gate.revert_red import build_report, format_table, gate
+from vllm_overlay.gate.stack import level_plan, run_levels
+from vllm_overlay.series.patch_series import Series, load_series
+from vllm_overlay.series.pin import load_pin
 
-NAMED = "tests/overlay/conftest.py::test_fix"
+PROBE = "tests/overlay/test_probe.py"
+# The probe test reads the connector the MoRIIO package loads from: test
+# "has_a" passes once patch 0001's marker is there, and so on.
+PROBE_TEXT = """
+from pathlib import Path
+
+import vllm.distributed.kv_transfer.kv_connector.v1.moriio as moriio
 
 
-def _series(ws: Workspace):
-    ws.patch_from_edit(
-        "0001-a.patch", CONNECTOR, lambda t: replace_once(t, ANCHOR, "#\n" + ANCHOR)
-    )
-    path = ws.repo / "patches" / "0001-a.patch"
-    path.write_text(
-        path.read_text().replace("Tests: tests/overlay/conftest.py", f"Tests: {NAMED}")
-    )
+def _connector() -> str:
+    return (Path(moriio.__path__[0]) / "moriio_connector.py").read_text()
+
+
+def test_has_a():
+    assert "# marker-a" in _connector()
+
+
+def test_has_b():
+    assert "# marker-b" in _connector()
+
+
+def test_has_c():
+    assert "# marker-c" in _connector()
+
+
+def test_has_no_d():
+    assert "# marker-d" not in _connector()
+"""
+
+
+def _stack(ws: Workspace, guards: dict[str, str] | None = None) -> Series:
+    """Three patches, each adding a marker line above the previous one's and
+    naming the probe test for it (0002 also guards the probe of 0001)."""
+    guards = guards if guards is not None else {"b": f"{PROBE}::test_has_a"}
+    text = ws.base[CONNECTOR]
+    for number, tag in enumerate("abc", 1):
+        name = f"000{number}-{tag}.patch"
+        text = ws.patch_from_edit(
+            name,
+            CONNECTOR,
+            lambda t, tag=tag: replace_once(t, ANCHOR, f"# marker-{tag}\n{ANCHOR}"),
+            on=text,
+        )
+        path = ws.repo / "patches" / name
+        header_tests = f"Tests: {PROBE}::test_has_{tag}"
+        if tag in guards:
+            header_tests += f"\nGuards: {guards[tag]}"
+        path.write_text(
+            path.read_text().replace("Tests: tests/overlay/conftest.py", header_tests)
+        )
+    (ws.repo / PROBE).write_text(PROBE_TEXT)
     return load_series(ws.repo)
 
 
-def test_gate_holds_for_a_revert_red_test(ws: Workspace) -> None:
-    series = _series(ws)
-    report = build_report(
-        series,
-        "0.33.0",
-        {NAMED + "[1]": "failed", NAMED + "[2]": "error", "t::other": "passed"},
-        {NAMED + "[1]": "passed", NAMED + "[2]": "passed", "t::other": "passed"},
-    )
-    assert gate(report, series) == []
-    assert {r.test_id: r.patch for r in report.rows} == {
-        NAMED + "[1]": "0001-a.patch",
-        NAMED + "[2]": "0001-a.patch",
-        "t::other": "",
+def _levels(holding: dict[int, dict[str, str]]) -> dict[int, dict[str, str]]:
+    return {
+        k: {f"{PROBE}::{name}": outcome for name, outcome in tests.items()}
+        for k, tests in holding.items()
     }
 
 
-def test_gate_fails_when_named_test_passes_on_base_or_fails_overlaid(
+# Each probe test as the markers make it: has_X fails below X's patch.
+TRUE_LEVELS = _levels(
+    {
+        0: {"test_has_a": "failed", "test_has_b": "failed", "test_has_c": "failed"},
+        1: {"test_has_a": "passed", "test_has_b": "failed"},
+        2: {"test_has_a": "passed", "test_has_b": "passed", "test_has_c": "failed"},
+        3: {"test_has_a": "passed", "test_has_b": "passed", "test_has_c": "passed"},
+    }
+)
+
+
+def _report(series: Series, levels: dict[int, dict[str, str]]):
+    return build_report(
+        series, "0.33.0", levels[0], levels[3], {k: levels[k] for k in (1, 2)}
+    )
+
+
+def test_gate_holds_patch_by_patch(ws: Workspace) -> None:
+    series = _stack(ws)
+    report = _report(series, TRUE_LEVELS)
+    assert gate(report, series) == []
+    rows = [(r.test_id.split("::")[1], r.patch, r.role, r.below, r.with_)
+            for r in report.stack]  # fmt: skip
+    assert rows == [
+        ("test_has_a", "0001-a.patch", "test", "failed", "passed"),
+        ("test_has_b", "0002-b.patch", "test", "failed", "passed"),
+        ("test_has_a", "0002-b.patch", "guard", "passed", "passed"),
+        ("test_has_c", "0003-c.patch", "test", "failed", "passed"),
+    ]
+    table = format_table(report).splitlines()
+    assert table[0].split() == ["test", "id", "patch", "role", "below", "with"]
+    assert table[3].split() == [f"{PROBE}::test_has_a", "0002", "guard", "passed",
+                                "passed"]  # fmt: skip
+
+
+def test_a_test_that_an_earlier_patch_makes_pass_does_not_prove_its_patch(
     ws: Workspace,
 ) -> None:
-    series = _series(ws)
-    report = build_report(
-        series,
-        "0.33.0",
-        {NAMED: "passed", "t::x": "passed"},
-        {NAMED: "failed", "t::x": "failed"},
-    )
-    problems = gate(report, series)
-    assert problems == [
-        f"0001-a.patch: {NAMED} passes on the base, so it does not prove the "
-        "patch is needed",
-        f"0001-a.patch: {NAMED} failed with the overlay",
-        "t::x failed with the overlay",
+    """Failing on the base is not enough: patch 0003's test already passes
+    with 0001..0002 applied, so 0003 is not what makes it pass."""
+    series = _stack(ws)
+    levels = {k: dict(v) for k, v in TRUE_LEVELS.items()}
+    levels[2][f"{PROBE}::test_has_c"] = "passed"
+    assert gate(_report(series, levels), series) == [
+        f"0003-c.patch: {PROBE}::test_has_c passes on base + 0001..0002, so it "
+        "does not prove the patch is needed"
     ]
 
 
-def test_gate_fails_when_named_test_did_not_run(ws: Workspace) -> None:
-    series = _series(ws)
+def test_failing_with_the_patch_and_broken_guards_are_reported(
+    ws: Workspace,
+) -> None:
+    series = _stack(ws, {"b": f"{PROBE}::test_has_a", "c": f"{PROBE}::test_has_b"})
+    levels = {k: dict(v) for k, v in TRUE_LEVELS.items()}
+    levels[1][f"{PROBE}::test_has_a"] = "error"  # 0001's test, with 0001
+    levels[2][f"{PROBE}::test_has_b"] = "failed"  # 0002's test and 0003's guard
+    assert gate(_report(series, levels), series) == [
+        f"0001-a.patch: {PROBE}::test_has_a error on base + 0001",
+        f"0002-b.patch: {PROBE}::test_has_b failed on base + 0001..0002",
+        f"0002-b.patch: guard {PROBE}::test_has_a is error on base + 0001 and "
+        "passed on base + 0001..0002; a guard passes on both",
+        f"0003-c.patch: guard {PROBE}::test_has_b is failed on base + 0001..0002 "
+        "and passed on base + 0001..0003; a guard passes on both",
+    ]
+
+
+def test_named_tests_not_run_are_reported(ws: Workspace) -> None:
+    series = _stack(ws)
     report = build_report(series, "0.33.0", {}, {})
-    assert gate(report, series) == ["no test ran", f"0001-a.patch: {NAMED} was not run"]
+    assert gate(report, series) == [
+        "no test ran",
+        f"0001-a.patch: {PROBE}::test_has_a was not run",
+        f"0002-b.patch: {PROBE}::test_has_b was not run",
+        f"0002-b.patch: {PROBE}::test_has_a was not run",
+        f"0003-c.patch: {PROBE}::test_has_c was not run",
+    ]
+
+
+def test_unnamed_failure_with_the_overlay_fails_the_gate(ws: Workspace) -> None:
+    series = _stack(ws)
+    levels = {k: dict(v) for k, v in TRUE_LEVELS.items()}
+    levels[0]["t::x"] = "passed"
+    levels[3]["t::x"] = "failed"
+    assert gate(_report(series, levels), series) == ["t::x failed with the overlay"]
+
+
+def test_level_plan_runs_each_patch_below_and_with(ws: Workspace) -> None:
+    series = _stack(ws)
+    assert level_plan(series) == {
+        1: [f"{PROBE}::test_has_a", f"{PROBE}::test_has_b"],
+        2: [f"{PROBE}::test_has_b", f"{PROBE}::test_has_a", f"{PROBE}::test_has_c"],
+    }
+
+
+def test_levels_run_against_the_materialized_stack(
+    ws: Workspace, tmp_path: Path
+) -> None:
+    """The real run: each intermediate level's MoRIIO package is written out
+    and pytest loads vLLM's MoRIIO package from it."""
+    series = _stack(ws)
+    pin = load_pin(ws.repo / "pin.toml")
+    lines: list[str] = []
+    written = run_levels(
+        ws.repo, pin, series, ws.base, tmp_path / "levels", progress=lines.append
+    )
+    assert sorted(written) == [1, 2]
+    assert load_outcomes(written[1]) == {
+        f"{PROBE}::test_has_a": "passed",
+        f"{PROBE}::test_has_b": "failed",
+    }
+    assert load_outcomes(written[2]) == {
+        f"{PROBE}::test_has_a": "passed",
+        f"{PROBE}::test_has_b": "passed",
+        f"{PROBE}::test_has_c": "failed",
+    }
+    assert lines[0].startswith("level 1/3 (base + 0001): 2 named tests of 0001-a")
+    assert "1 failed, 1 passed" in lines[1]
+
+
+def test_level_without_a_named_test_stops_the_run(
+    ws: Workspace, tmp_path: Path
+) -> None:
+    series = _stack(ws, {"b": f"{PROBE}::test_missing"})
+    pin = load_pin(ws.repo / "pin.toml")
+    try:
+        run_levels(ws.repo, pin, series, ws.base, tmp_path / "levels", progress=print)
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        assert "level 1 (base + 0001): pytest exited 4" in str(e)
+    else:
+        raise AssertionError("a missing named test must stop the run")
 
 
 def test_cli_writes_the_report(ws: Workspace, tmp_path: Path, capsys) -> None:
-    _series(ws)
-    base, overlay = tmp_path / "b.json", tmp_path / "o.json"
-    base.write_text(json.dumps({"outcomes": {NAMED: "failed"}}))
-    overlay.write_text(json.dumps({"outcomes": {NAMED: "passed"}}))
+    series = _stack(ws)
+    paths = {}
+    for k, outcomes in TRUE_LEVELS.items():
+        paths[k] = tmp_path / f"outcomes-level-{k}.json"
+        paths[k].write_text(json.dumps({"outcomes": outcomes}))
     out = tmp_path / "report.json"
-    args = ["--base-outcomes", str(base), "--overlay-outcomes", str(overlay)]
-    assert main(["--repo", str(ws.repo), "revert-red", *args, "--out", str(out)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("revert-red: ok; 1/1")
+    args = ["--base-outcomes", str(paths[0]), "--overlay-outcomes", str(paths[3])]
+    args += ["--levels", str(tmp_path), "--out", str(out)]
+    assert main(["--repo", str(ws.repo), "revert-red", *args]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(
+        "revert-red: ok; 3/3 named tests fail on the stack below their patch and "
+        "pass with it, 1/1 guards pass on both;"
+    )
     report = load_revert_red(out)
-    assert report.rows[0].revert_red
+    assert report.series_id == series.series_id
+    assert [r.holds for r in report.stack] == [True] * 4
+    paths[2].unlink()
+    assert main(["--repo", str(ws.repo), "revert-red", *args]) == 2
+    assert "no outcomes for stack level 2" in capsys.readouterr().err

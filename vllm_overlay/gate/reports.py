@@ -1,9 +1,11 @@
 """Reports that cross from one nox session to another (JSON on disk).
 
 `nox -s unit-base` writes a `RevertRedReport` to `.nox-reports/unit-base.json`:
-every test id run, which patch names it in its `Tests:` header ("" for none),
-and its outcome on the pinned base and with the overlay. `vllm-overlay export`
-reads it to fill a PR's test results; it never invents one.
+every test id of the suite with its outcome on the pinned base and with the
+whole series (``rows``), and per patch every test its header names (`Tests`:
+revert-red; `Guards`: pass on both sides) with its outcome on the stack below
+the patch and on the stack with it (``stack``). `vllm-overlay export` reads it
+to fill a PR's test results; it never invents one.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from vllm_overlay.errors import OverlayError
 REPORT_DIR = ".nox-reports"
 UNIT_BASE_REPORT = "unit-base.json"
 
-TestOutcome = Literal["passed", "failed", "error", "skipped"]
+# "not run": a named test missing from a stack level's run.
+TestOutcome = Literal["passed", "failed", "error", "skipped", "not run"]
+Role = Literal["test", "guard"]
 
 
 class ReportError(OverlayError):
@@ -37,23 +41,46 @@ class RevertRedRow(msgspec.Struct, forbid_unknown_fields=True):
         return self.base in ("failed", "error") and self.overlay == "passed"
 
 
+class StackRow(msgspec.Struct, forbid_unknown_fields=True):
+    """A test a patch names, on the stack below the patch (patches 1..K-1 on
+    the base) and with it (1..K)."""
+
+    test_id: str
+    patch: str
+    role: Role  # "test": fails below, passes with; "guard": passes on both
+    below: TestOutcome
+    with_: TestOutcome = msgspec.field(name="with")
+
+    @property
+    def holds(self) -> bool:
+        if self.role == "guard":
+            return self.below == "passed" and self.with_ == "passed"
+        return self.below in ("failed", "error") and self.with_ == "passed"
+
+
 class RevertRedReport(msgspec.Struct, forbid_unknown_fields=True):
     vllm_version: str
     series_id: str
     generated_at: str  # ISO 8601, UTC
     rows: list[RevertRedRow]
+    stack: list[StackRow] = []
 
     def rows_for(self, patch: str) -> list[RevertRedRow]:
         return [r for r in self.rows if r.patch == patch]
 
+    def stack_for(self, patch: str) -> list[StackRow]:
+        return [r for r in self.stack if r.patch == patch]
+
     def rows_named(self, test_id: str) -> list[RevertRedRow]:
         """The rows a ``Tests:`` header entry names: the id itself, or every
         parametrization of it."""
-        return [
-            r
-            for r in self.rows
-            if r.test_id == test_id or r.test_id.startswith(test_id + "[")
-        ]
+        return [r for r in self.rows if names(test_id, r.test_id)]
+
+
+def names(named: str, test_id: str) -> bool:
+    """Whether a header entry names ``test_id``: the id itself, or a test
+    function naming every parametrization of it."""
+    return test_id == named or test_id.startswith(named + "[")
 
 
 def unit_base_report_path(root: Path) -> Path:

@@ -1,28 +1,69 @@
-"""The revert-red table: each test on the base and with the overlay, and the
-gate that every test a patch names fails on the base and passes overlaid."""
+"""The revert-red table and its gate.
+
+Every test of the suite runs on the pinned base and with the whole series.
+Every test a patch names runs on the stack below the patch and on the stack
+with it: patch K's `Tests` fail with patches 1..K-1 applied and pass with
+1..K; its `Guards` pass on both.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 
-from vllm_overlay.gate.reports import RevertRedReport, RevertRedRow, TestOutcome
+from vllm_overlay.gate.reports import (
+    RevertRedReport,
+    RevertRedRow,
+    StackRow,
+    TestOutcome,
+    names,
+)
+from vllm_overlay.gate.stack import level_label, named_tests
 from vllm_overlay.series.patch_series import Series
+
+NOT_RUN: TestOutcome = "not run"
 
 
 def _named_by(series: Series, test_id: str) -> str:
     for patch in series.patches:
         for named in patch.header.tests:
-            if test_id == named or test_id.startswith(named + "["):
+            if names(named, test_id):
                 return patch.name
     return ""
+
+
+def _stack_rows(
+    series: Series, levels: Mapping[int, Mapping[str, TestOutcome]]
+) -> list[StackRow]:
+    rows: list[StackRow] = []
+    for k, patch in enumerate(series.patches, 1):
+        below, with_ = levels.get(k - 1, {}), levels.get(k, {})
+        guards = set(patch.header.guards)
+        for named in named_tests(patch):
+            ids = sorted({i for i in (*below, *with_) if names(named, i)})
+            rows.extend(
+                StackRow(
+                    test_id=i,
+                    patch=patch.name,
+                    role="guard" if named in guards else "test",
+                    below=below.get(i, NOT_RUN),
+                    with_=with_.get(i, NOT_RUN),
+                )
+                for i in ids
+            )
+    return rows
 
 
 def build_report(
     series: Series,
     vllm_version: str,
-    base: dict[str, TestOutcome],
-    overlay: dict[str, TestOutcome],
+    base: Mapping[str, TestOutcome],
+    overlay: Mapping[str, TestOutcome],
+    levels: Mapping[int, Mapping[str, TestOutcome]] | None = None,
 ) -> RevertRedReport:
+    """``base`` and ``overlay``: the whole suite on the pinned base and with
+    the whole series; ``levels``: the named tests on each intermediate stack
+    level K (patches 1..K applied)."""
     rows = [
         RevertRedRow(
             test_id=test_id,
@@ -32,41 +73,59 @@ def build_report(
         )
         for test_id in sorted(set(base) | set(overlay))
     ]
+    all_levels = {**(levels or {}), 0: base, len(series.patches): overlay}
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return RevertRedReport(vllm_version, series.series_id, now, rows)
+    return RevertRedReport(
+        vllm_version, series.series_id, now, rows, _stack_rows(series, all_levels)
+    )
 
 
 def gate(report: RevertRedReport, series: Series) -> list[str]:
     """Every way the report falls short, one line each (empty: it holds)."""
     problems = [] if report.rows else ["no test ran"]
-    for patch in series.patches:
-        for named in patch.header.tests:
-            rows = report.rows_named(named)
-            if not rows:
+    for k, patch in enumerate(series.patches, 1):
+        below, with_ = level_label(series, k - 1), level_label(series, k)
+        rows = report.stack_for(patch.name)
+        for named in named_tests(patch):
+            if not [r for r in rows if names(named, r.test_id)]:
                 problems.append(f"{patch.name}: {named} was not run")
-            for r in rows:
-                if r.base == "passed":
-                    problems.append(
-                        f"{patch.name}: {r.test_id} passes on the base, so it "
-                        "does not prove the patch is needed"
-                    )
-                elif r.base == "skipped":
-                    problems.append(f"{patch.name}: {r.test_id} skipped on the base")
-                if r.overlay != "passed":
-                    problems.append(
-                        f"{patch.name}: {r.test_id} {r.overlay} with the overlay"
-                    )
-    for r in report.rows:
-        if not r.patch and r.overlay in ("failed", "error"):
-            problems.append(f"{r.test_id} {r.overlay} with the overlay")
+        for r in rows:
+            if r.holds:
+                continue
+            if r.role == "guard":
+                problems.append(
+                    f"{patch.name}: guard {r.test_id} is {r.below} on {below} and "
+                    f"{r.with_} on {with_}; a guard passes on both"
+                )
+            elif r.below == "passed":
+                problems.append(
+                    f"{patch.name}: {r.test_id} passes on {below}, so it does not "
+                    "prove the patch is needed"
+                )
+            elif r.below in ("failed", "error"):
+                problems.append(f"{patch.name}: {r.test_id} {r.with_} on {with_}")
+            else:
+                problems.append(
+                    f"{patch.name}: {r.test_id} is {r.below} on {below} and "
+                    f"{r.with_} on {with_}"
+                )
+    problems.extend(
+        f"{row.test_id} {row.overlay} with the overlay"
+        for row in report.rows
+        if not row.patch and row.overlay in ("failed", "error")
+    )
     return problems
 
 
-def format_table(report: RevertRedReport, *, only_named: bool = False) -> str:
-    rows = [r for r in report.rows if r.patch or not only_named]
+def format_table(report: RevertRedReport) -> str:
+    """The per-patch table: each named test on the stack below its patch and
+    on the stack with it."""
+    rows = report.stack
     width = max((len(r.test_id) for r in rows), default=10)
-    lines = [f"{'test id':<{width}}  {'patch':<6}  {'base':<7}  overlay"]
+    lines = [f"{'test id':<{width}}  {'patch':<5}  {'role':<5}  {'below':<7}  with"]
     for r in rows:
-        patch = r.patch.split("-", 1)[0] if r.patch else "-"
-        lines.append(f"{r.test_id:<{width}}  {patch:<6}  {r.base:<7}  {r.overlay}")
+        patch = r.patch.split("-", 1)[0]
+        lines.append(
+            f"{r.test_id:<{width}}  {patch:<5}  {r.role:<5}  {r.below:<7}  {r.with_}"
+        )
     return "\n".join(lines)

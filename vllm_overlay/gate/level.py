@@ -1,0 +1,41 @@
+"""A pytest plugin that runs the tests against one level of the stack.
+
+``-p vllm_overlay.gate.level --moriio-dir DIR`` makes vLLM's MoRIIO package
+load from ``DIR`` (a directory holding ``moriio_connector.py`` and the other
+pinned files, e.g. written by ``vllm-overlay materialize --upto K``) before
+any conftest or test module imports it. `nox -s unit-base` uses it to run a
+patch's named tests on the stack below the patch and on the stack with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_overlay.tree.variant import use_moriio_dir
+
+OPTION = "--moriio-dir"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        OPTION,
+        default=None,
+        type=Path,
+        help="load vLLM's MoRIIO package from this directory",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    # Before the initial conftests: tests/patches/conftest.py imports the
+    # connector.
+    directory = early_config.known_args_namespace.moriio_dir
+    if directory is not None:
+        use_moriio_dir(directory.resolve())
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    directory = config.getoption(OPTION)
+    return [f"moriio package: {directory}"] if directory is not None else []
