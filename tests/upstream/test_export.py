@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from vllm_overlay.cli import main
 from vllm_overlay.gate.reports import (
     RevertRedReport,
     RevertRedRow,
+    StackRow,
     encode_report,
     unit_base_report_path,
 )
@@ -104,6 +106,10 @@ from conftest import make_offsets
 
 def test_offsets_stable() -> None:
     assert make_offsets(2) == make_offsets(2)
+
+
+def test_offsets_start_at_zero() -> None:
+    assert make_offsets(1) == [0]
 '''
 
 TEST_IDS = [
@@ -111,6 +117,8 @@ TEST_IDS = [
     "tests/patches/test_0001_ports.py::test_offsets_count",
 ]
 TEST_0002 = "tests/patches/test_0002_stable.py::test_offsets_stable"
+GUARD_0002 = "tests/patches/test_0002_stable.py::test_offsets_start_at_zero"
+UPSTREAM_PR = "https://github.com/vllm-project/vllm/pull/1"
 
 
 def _series(base: dict[str, str], *, line: str = "    # Ranks never share a port.\n"):
@@ -133,7 +141,7 @@ def _series(base: dict[str, str], *, line: str = "    # Ranks never share a port
         "0002-stable-offsets.patch": patch_text(
             "stable port offsets",
             [diff(COMMON, common1, common2)],
-            tests=TEST_0002,
+            tests=f"{TEST_0002}\nGuards: {GUARD_0002}",
         ),
     }
 
@@ -152,6 +160,7 @@ def _report(
     base: str = "failed",
     series_id: str | None = None,
     count_owner: str = "0001-port-offsets.patch",
+    guard_below: str = "passed",
 ) -> None:
     series = load_series(root)
     rows = [
@@ -159,14 +168,47 @@ def _report(
         RevertRedRow(f"{TEST_IDS[1]}[1]", count_owner, "failed", "passed"),
         RevertRedRow(f"{TEST_IDS[1]}[2]", count_owner, "error", "passed"),
         RevertRedRow(TEST_0002, "0002-stable-offsets.patch", "failed", "passed"),
+        RevertRedRow(GUARD_0002, "", "passed", "passed"),
         RevertRedRow("tests/patches/test_other.py::test_x", "", "passed", "passed"),
     ]
+    stack = [
+        StackRow(TEST_IDS[0], "0001-port-offsets.patch", "test", base, "passed"),
+        StackRow(f"{TEST_IDS[1]}[1]", count_owner, "test", "failed", "passed"),
+        StackRow(f"{TEST_IDS[1]}[2]", count_owner, "test", "error", "passed"),
+        StackRow(TEST_0002, "0002-stable-offsets.patch", "test", "failed", "passed"),
+        StackRow(
+            GUARD_0002, "0002-stable-offsets.patch", "guard", guard_below, "passed"
+        ),
+    ]
     report = RevertRedReport(
-        "0.33.0", series_id or series.series_id, "2026-11-29T13:00:00Z", rows
+        "0.33.0", series_id or series.series_id, "2026-11-29T13:00:00Z", rows, stack
     )
     path = unit_base_report_path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(encode_report(report))
+
+
+def _git_with_base(git: Path, base: dict[str, str]) -> Callable[..., str]:
+    """A git repository at ``git`` holding the pinned MoRIIO files, committed;
+    returns ``run(*git_args) -> stdout``."""
+    git.mkdir()
+    env = {"HOME": str(git), "PATH": "/usr/bin:/bin", "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+
+    def run(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(git), *args], check=True, capture_output=True,
+            text=True, env=env,
+        ).stdout  # fmt: skip
+
+    run("init", "-q")
+    for path in (COMMON, CONNECTOR):
+        (git / path).parent.mkdir(parents=True, exist_ok=True)
+        (git / path).write_text(base[path])
+    run("add", "-A")
+    run("commit", "-qm", "base")
+    return run
 
 
 def _site(tmp_path: Path, base: dict[str, str]) -> Path:
@@ -244,22 +286,7 @@ def test_bundle_for_a_standalone_patch(
     # git itself (not our checker) applies the mail to the pinned files and
     # keeps the vLLM-style subject.
     git = tmp_path / "git"
-    git.mkdir()
-
-    def run(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(git), *args], check=True, capture_output=True, text=True,
-            env={"HOME": str(git), "PATH": "/usr/bin:/bin", "GIT_AUTHOR_NAME": "t",
-                 "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                 "GIT_COMMITTER_EMAIL": "t@t"},
-        ).stdout  # fmt: skip
-
-    run("init", "-q")
-    for path in (COMMON, CONNECTOR):
-        (git / path).parent.mkdir(parents=True, exist_ok=True)
-        (git / path).write_text(base_texts[path])
-    run("add", "-A")
-    run("commit", "-qm", "base")
+    run = _git_with_base(git, base_texts)
     mbox = tmp_path / "m.patch"
     mbox.write_text(mail)
     run("am", "--keep-non-patch", str(mbox))
@@ -306,7 +333,8 @@ def test_bundle_for_a_standalone_patch(
     assert f"- `{COMMON}` (+1 −0): `get_port_offset`\n" in body
     assert f"- `{CONNECTOR}` (+1 −0): `is_moriio_available`\n" in body
     log = (out / "0001-port-offsets" / "checks.log").read_text()
-    assert "[ok] applies to the pinned base alone" in log
+    assert "[ok] applies to the pinned base alone as well" in log
+    assert "[ok] the mail is made against the stack below: base" in log
     assert "[FAIL]" not in log
 
 
@@ -318,8 +346,13 @@ def test_dependent_patch_is_stacked_on_its_predecessor(
     log = (d / "checks.log").read_text()
     assert "[ok] applies after its predecessors" in log
     assert "[ok] applies only after 0001-port-offsets.patch" in log
+    assert "[ok] the mail is made against the stack below: base + 0001" in log
     body = (d / "PR.md").read_text()
     assert "This change applies on top of: 0001-port-offsets.patch" in body
+    assert "| Test | vLLM 0.33.0 (4ba787ec9) + 0001 | With this change |" in body
+    assert "| `test_offsets_stable` | failed | passed |" in body
+    assert "regression guards):\n- `test_offsets_start_at_zero`\n" in body
+    assert "| `test_offsets_start_at_zero` | passed | passed |" in body
     mail = (d / "0002-stable-offsets.patch").read_text()
     assert "+    # And stay stable.\n" in mail
     # Stacked: the mail's context holds 0001's line.
@@ -343,7 +376,10 @@ def test_named_test_passing_on_the_base_stops_the_export(
     repo: Path, tmp_path: Path, base_texts: dict[str, str]
 ) -> None:
     _report(repo, base="passed")
-    with pytest.raises(ExportError, match="test_offsets_distinct: passed on the base"):
+    with pytest.raises(ExportError, match="test_offsets_distinct: passed below"):
+        _export(repo, tmp_path, base_texts)
+    _report(repo, guard_below="failed")
+    with pytest.raises(ExportError, match="guard .*start_at_zero: failed below"):
         _export(repo, tmp_path, base_texts)
     assert not (repo / "dist").exists()
 
@@ -406,7 +442,7 @@ def test_oversized_body_and_bad_subject(
         _export(root, tmp_path, base_texts, name)
 
 
-def test_cli_export_and_run_tests_precondition(
+def test_cli_export_and_run_tests_on_the_stack(
     monkeypatch: pytest.MonkeyPatch,
     repo: Path,
     tmp_path: Path,
@@ -419,9 +455,62 @@ def test_cli_export_and_run_tests_precondition(
     assert main([*argv, "--patch", "0001-port-offsets"]) == 0
     out = capsys.readouterr().out
     assert "export: 1 bundle(s)" in out
-    # The installed vLLM does not carry this test series: --run-tests refuses.
-    assert main([*argv, "--run-tests"]) == 2
-    assert "not overlaid with series" in capsys.readouterr().err
+    # The ported tests run alone, with the MoRIIO package of the stack with
+    # the patch: this Python's vLLM need not carry the test series.
+    assert main([*argv, "--run-tests", "--patch", "0002-stable-offsets"]) == 0
+    log = (repo / "dist/upstream/0002-stable-offsets/checks.log").read_text()
+    assert "[ok] ported tests ran alone (no conftest) on base + 0001..0002: " in log
+    assert "2 passed" in log
+
+
+def test_every_bundle_applies_with_git_am_onto_the_stack_below(
+    make_repo: MakeRepo, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    """An upstream pull request, then an extension of ours building on it: one
+    bundle each, in stack order; git itself applies them in order onto the
+    pinned files, each giving that stack level; the extension's PR body names
+    the pull request it builds on."""
+    patches = _series(base_texts)
+    first, second = patches
+    patches[first] = (
+        patches[first]
+        .replace("Origin: vendor\n", f"Origin: upstream, {UPSTREAM_PR}\n")
+        .replace("Forwarded: no\n", f"Forwarded: {UPSTREAM_PR}\n")
+    )
+    patches[second] = patches[second].replace(
+        "Remove-When:", f"Builds-On: {UPSTREAM_PR}\nRemove-When:"
+    )
+    root = make_repo(patches)
+    _write_tests(root)
+    _report(root)
+    written = _export(root, tmp_path, base_texts)
+    out = root / "dist" / "upstream"
+    assert sorted({p.parent.name for p in written}) == [
+        "0001-port-offsets",
+        "0002-stable-offsets",
+    ]
+    for name in ("0001-port-offsets", "0002-stable-offsets"):
+        log = (out / name / "checks.log").read_text()
+        assert "[ok] git am of bundles 1..2 in order onto the pinned base" in log
+    body = (out / "0002-stable-offsets" / "PR.md").read_text()
+    assert f"This extends #1 ({UPSTREAM_PR}) (0001-port-offsets.patch)" in body
+
+    git = tmp_path / "git"
+    run = _git_with_base(git, base_texts)
+    series = load_series(root)
+    from vllm_overlay.series.diff import apply_file_patch
+
+    level = dict(base_texts)
+    for patch in series.patches:
+        run("am", "--keep-non-patch", str(out / patch.slug / f"{patch.slug}.patch"))
+        for fp in patch.files:
+            level[fp.path] = apply_file_patch(level[fp.path], fp).text
+        for path in (COMMON, CONNECTOR):
+            assert (git / path).read_text() == level[path], (patch.name, path)
+    assert run("log", "--format=%an", "-2").splitlines() == [
+        "overlay-tests",
+        "overlay-tests",
+    ]
 
 
 def test_identity_and_ruff_version(tmp_path: Path) -> None:

@@ -7,32 +7,37 @@ For patch N the bundle ``dist/upstream/<nn>-<slug>/`` holds:
   Description as commit message; the diff changes the vLLM files and adds
   the patch's tests, ported to ``tests/v1/kv_connector/unit/`` with vLLM's
   SPDX header and every builder inlined (see ``testport``);
-- ``PR.md``: the pull-request body (see ``prbody``), with the revert-red
-  rows of the last ``nox -s unit-base`` run and this run's ruff result;
+- ``PR.md``: the pull-request body (see ``prbody``), with the rows of the
+  last ``nox -s unit-base`` run for the tests the header names (on the stack
+  below the patch and with it) and this run's ruff result;
 - ``checks.log``: every check below and its outcome.
 
-The mail's "before" tree is the pinned base when patch N applies to it alone
-(a standalone pull request). When it does not, but applies after its
-predecessors, the mail is made against the base with patches 1..N-1 (a
-stacked pull request); the bundle says "applies only after" the earlier
-patches touching the same files, and PR.md names them. A patch that applies
-in neither way fails the export.
+Bundles come in stack order, one per patch. Each mail is made against the
+stack below its patch (the pinned base with patches 1..N-1), so the bundles
+apply with ``git am`` one after the other onto the pinned base. When a patch
+also applies to the pinned base alone, the log says so; when it does not,
+PR.md names the earlier patches touching the same files ("applies on top
+of"). An extension of ours (``Builds-On``) names the upstream pull request it
+extends.
 
 Checks, all before anything is written, for every exported patch; one
 failure stops the export with its message and writes nothing:
 
-1. applies with zero fuzz, no offset: to the pinned base alone, or (stacked)
-   after its predecessors; always after its predecessors;
+1. applies with zero fuzz, no offset after its predecessors;
 2. the Subject is in vLLM's PR-title style ("[Tag]... Title");
 3. a unit-base report exists for this very series, and every test the
-   header names failed (or errored) on the base and passed overlaid;
+   header's Tests names failed (or errored) on the stack below the patch and
+   passed with it, and every Guards test passed on both;
 4. the tests port (self-contained) and, with the changed vLLM files, pass
    ``ruff check`` and ``ruff format --check`` (ruff 0.14.0, vLLM's config);
-5. ``git am --keep-non-patch`` of the mail onto the "before" files gives
+5. ``git am --keep-non-patch`` of the mail onto the stack below gives
    exactly the expected files, subject and author;
 6. the PR body is within GitHub's 65536 characters;
 7. with ``--run-tests``: each ported file, alone in a vLLM-like test layout
-   (no conftest), passes in this Python, whose vLLM must carry the overlay.
+   (no conftest), passes in this Python with vLLM's MoRIIO package loaded
+   from the stack with the patch;
+8. exporting the whole series: ``git am`` of every mail in order onto the
+   pinned base gives the whole series' files.
 """
 
 from __future__ import annotations
@@ -53,15 +58,16 @@ from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.reports import (
     RevertRedReport,
     RevertRedRow,
+    StackRow,
     load_revert_red,
 )
+from vllm_overlay.gate.reports import names as header_names
+from vllm_overlay.gate.stack import level_label, named_tests
 from vllm_overlay.series.diff import Hunk, HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import Series, SeriesPatch
 from vllm_overlay.series.pin import Pin
 from vllm_overlay.tree.materialize import BaseSource
-from vllm_overlay.tree.status import tree_status
-from vllm_overlay.tree.target import detect_target, installed_vllm
-from vllm_overlay.upstream.gitmail import Identity, am_check, format_patch
+from vllm_overlay.upstream.gitmail import Identity, am_check, am_series, format_patch
 from vllm_overlay.upstream.prbody import (
     GITHUB_BODY_LIMIT,
     BodyError,
@@ -143,30 +149,35 @@ def _apply(texts: dict[str, str], patch: SeriesPatch) -> dict[str, str]:
 
 
 def _revert_red_rows(
-    patch: SeriesPatch, report: RevertRedReport, log: list[str]
-) -> tuple[list[RevertRedRow], list[RevertRedRow]]:
-    named: list[RevertRedRow] = []
-    problems: list[str] = []
-    for test_id in patch.header.tests:
-        rows = report.rows_named(test_id)
-        if not rows:
-            problems.append(f"{test_id} is not in the report")
-        for r in rows:
-            if not r.revert_red:
-                problems.append(
-                    f"{r.test_id}: {r.base} on the base, {r.overlay} overlaid"
-                )
-            named.append(r)
+    ctx: Context, patch: SeriesPatch, log: list[str]
+) -> tuple[list[StackRow], list[StackRow], list[RevertRedRow]]:
+    """Check 3: the patch's Tests rows, its Guards rows (both proven on the
+    stack below it), and the other rows of the test files it names."""
+    report = ctx.report
+    rows = report.stack_for(patch.name)
+    below = level_label(ctx.series, patch.index - 1)
+    problems = [
+        f"{named} is not in the report"
+        for named in named_tests(patch)
+        if not any(header_names(named, r.test_id) for r in rows)
+    ]
+    for r in rows:
+        if not r.holds:
+            what = "guard " if r.role == "guard" else ""
+            problems.append(f"{what}{r.test_id}: {r.below} below, {r.with_} with it")
     if problems:
         raise _fail(
             patch,
             log,
             "the unit-base report does not show the named tests failing on the "
-            "base and passing overlaid (" + "; ".join(problems[:5]) + "); run "
-            "`nox -s unit-base` again or fix the Tests header",
+            f"stack below ({below}) and passing with the patch, or its guards "
+            "passing on both (" + "; ".join(problems[:5]) + "); run "
+            "`nox -s unit-base` again or fix the header",
         )
-    files = {r.test_id.split("::", 1)[0] for r in named}
-    seen = {r.test_id for r in named}
+    named = [r for r in rows if r.role == "test"]
+    guards = [r for r in rows if r.role == "guard"]
+    files = {t.split("::", 1)[0] for t in patch.header.tests}
+    seen = {r.test_id for r in rows}
     others = [
         r
         for r in report.rows
@@ -180,7 +191,12 @@ def _revert_red_rows(
             "its test file also holds tests another patch names, which would "
             "fail upstream without that patch: " + ", ".join(foreign[:3]),
         )
-    return named, others
+    log.append(
+        f"[ok] revert-red: {len(named)} named test(s) fail on {below} and pass "
+        f"with the patch; {len(guards)} guard(s) pass on both (unit-base report "
+        f"{report.generated_at})"
+    )
+    return named, guards, others
 
 
 def _port(
@@ -305,21 +321,36 @@ def _file_changes(
     return out
 
 
-def _run_ported(patch: SeriesPatch, ported: dict[str, str], log: list[str]) -> str:
+def _run_ported(
+    ctx: Context,
+    patch: SeriesPatch,
+    after: dict[str, str],
+    ported: dict[str, str],
+    log: list[str],
+) -> str:
+    """Check 7: the ported files run alone, with vLLM's MoRIIO package
+    loaded from the stack with the patch (``after``: every pinned file)."""
     with tempfile.TemporaryDirectory(prefix="vllm-overlay-upstream-tests-") as tmp:
-        for path, text in ported.items():
-            dest = Path(tmp) / path
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(text)
+        tree, level = Path(tmp) / "tree", Path(tmp) / "level"
+        for root, files in ((tree, ported), (level, after)):
+            for path, text in files.items():
+                dest = root / path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(text)
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        cmd += ["--rootdir", tmp, *sorted(ported)]
-        run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
+        cmd += ["-p", "vllm_overlay.gate.level"]
+        cmd += ["--moriio-dir", str(level / ctx.pin.module)]
+        cmd += ["--rootdir", str(tree), *sorted(ported)]
+        run = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
     tail = [ln for ln in run.stdout.strip().splitlines() if ln.strip()][-1:]
     summary = tail[0].strip("= ") if tail else f"exit {run.returncode}"
     if run.returncode != 0:
         raise _fail(patch, log, f"the ported tests fail in isolation: {summary}")
-    log.append(f"[ok] ported tests ran alone (no conftest): {summary}")
+    log.append(
+        f"[ok] ported tests ran alone (no conftest) on "
+        f"{level_label(ctx.series, patch.index)}: {summary}"
+    )
     return f"The ported test file, run alone in vLLM's test layout: {summary}."
 
 
@@ -341,7 +372,27 @@ class _Trees:
 
     before: dict[str, str]
     after: dict[str, str]
-    depends: list[str]  # the patches a stacked mail needs first
+    depends: list[str]  # the patches touching the same files, when needed
+
+
+_PR_URL_RE = re.compile(r"^https://github\.com/vllm-project/vllm/pull/(\d+)$")
+
+
+def _pr_ref(url: str) -> str:
+    """``#62165 (URL)`` for a vLLM pull request, else the URL."""
+    m = _PR_URL_RE.match(url)
+    return f"#{m.group(1)} ({url})" if m else url
+
+
+def _builds_on(ctx: Context, patch: SeriesPatch) -> list[str]:
+    """The upstream pull requests an extension builds on, with their patch."""
+    out = []
+    for url in patch.header.builds_on:
+        owner = next(
+            (p for p in ctx.series.patches if p.header.upstream_url == url), None
+        )
+        out.append(_pr_ref(url) + (f" ({owner.name})" if owner else ""))
+    return out
 
 
 def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
@@ -352,26 +403,28 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
     ]
     trees = _trees(ctx, patch, log)
     _check_header(patch, log)
-    named, others = _revert_red_rows(patch, ctx.report, log)
-    log.append(
-        f"[ok] revert-red: {len(named)} named test(s) fail on the base and pass "
-        f"overlaid (unit-base report {ctx.report.generated_at})"
-    )
+    named, guards, others = _revert_red_rows(ctx, patch, log)
     ported, id_map, summary = _port(ctx.root, patch, ctx.ruff, log)
     changed = {fp.path: trees.after[fp.path] for fp in patch.files}
     lint = _lint(patch, {**changed, **ported}, ctx.ruff, log)
     pr_after = {**changed, **ported}
-    mail = _mail(patch, {p: trees.before[p] for p in changed}, pr_after, log)
-    ported_run = _run_ported(patch, ported, log) if ctx.run_tests else ""
-    if not ctx.run_tests:
+    below = level_label(ctx.series, patch.index - 1)
+    mail = _mail(patch, {p: trees.before[p] for p in changed}, pr_after, below, log)
+    ported_run = ""
+    if ctx.run_tests:
+        ported_run = _run_ported(ctx, patch, trees.after, ported, log)
+    else:
         log.append("[--] ported tests not run alone (--run-tests not given)")
-    n = len(ctx.series.patches)
+    predecessors = ctx.series.patches[: patch.index - 1]
     note = ""
-    if n > 1:
+    if predecessors:
         note = (
-            f'"With this change" ran with the whole series of {n} MoRIIO '
-            "changes this one belongs to applied."
+            f"Before: vLLM {ctx.pin.vllm.version} with the MoRIIO changes below "
+            "this one in the series applied ("
+            + ", ".join(p.name for p in predecessors)
+            + "); with: this change added."
         )
+    base_label = f"vLLM {ctx.pin.vllm.version} ({ctx.pin.vllm.git_commit})"
     body = pr_body(
         BodyInputs(
             header=patch.header,
@@ -382,11 +435,14 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
             others=others,
             report=ctx.report,
             id_map=id_map,
-            base_label=f"vLLM {ctx.pin.vllm.version} ({ctx.pin.vllm.git_commit})",
+            base_label=base_label,
             lint=lint,
             ported_run=ported_run,
             depends_on=trees.depends,
             overlay_note=note,
+            guards=guards,
+            below_label=base_label + below.removeprefix("base"),
+            builds_on=_builds_on(ctx, patch),
         )
     )
     _check_body(patch, body, log)
@@ -394,34 +450,39 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
 
 
 def _trees(ctx: Context, patch: SeriesPatch, log: list[str]) -> _Trees:
-    """Check 1: the patch applies after its predecessors, and alone on the
-    pinned base (a standalone mail) or only after them (a stacked one)."""
+    """Check 1: the patch applies after its predecessors; the mail goes from
+    the stack below it to the stack with it. Whether it also applies to the
+    pinned base alone is logged; when it does not, the earlier patches
+    touching its files are named."""
     predecessors = ctx.series.patches[: patch.index - 1]
-    after_preds = dict(ctx.bases)
+    before = dict(ctx.bases)
     for p in predecessors:
-        after_preds = _apply(after_preds, p)
+        before = _apply(before, p)
     try:
-        _apply(after_preds, patch)
+        after = _apply(before, patch)
     except HunkError as e:
         raise _fail(patch, log, f"does not apply after its predecessors: {e}") from None
     if predecessors:
         log.append("[ok] applies after its predecessors (zero fuzz, no offset)")
+    depends: list[str] = []
     try:
-        after = _apply(ctx.bases, patch)
+        _apply(ctx.bases, patch)
+        log.append("[ok] applies to the pinned base alone as well")
     except HunkError as e:
         touched = {fp.path for fp in patch.files}
         deps = [p for p in predecessors if touched & {fp.path for fp in p.files}]
         log.append(
-            f"[ok] applies only after {', '.join(p.name for p in deps)} "
-            f"(alone: {e}); the mail is stacked on its predecessors"
+            f"[ok] applies only after {', '.join(p.name for p in deps)} (alone: {e})"
         )
         depends = [
-            p.name + (f" ({p.header.forwarded})" if "://" in p.header.forwarded else "")
+            p.name + (f" ({p.header.upstream_url})" if p.header.upstream_url else "")
             for p in deps
         ]
-        return _Trees(after_preds, _apply(after_preds, patch), depends)
-    log.append("[ok] applies to the pinned base alone (zero fuzz, no offset)")
-    return _Trees(ctx.bases, after, [])
+    log.append(
+        "[ok] the mail is made against the stack below: "
+        + level_label(ctx.series, patch.index - 1)
+    )
+    return _Trees(before, after, depends)
 
 
 def _check_header(patch: SeriesPatch, log: list[str]) -> None:
@@ -440,10 +501,14 @@ def _check_header(patch: SeriesPatch, log: list[str]) -> None:
 
 
 def _mail(
-    patch: SeriesPatch, before: dict[str, str], after: dict[str, str], log: list[str]
+    patch: SeriesPatch,
+    before: dict[str, str],
+    after: dict[str, str],
+    below: str,
+    log: list[str],
 ) -> str:
     """Check 5: the `git format-patch` mail, and `git am` of it onto the
-    before files gives exactly the after files, subject and author."""
+    stack below gives exactly the after files, subject and author."""
     h = patch.header
     author = Identity.parse(h.author)
     date = f"{h.last_update}T00:00:00+00:00"
@@ -451,7 +516,7 @@ def _mail(
     am = am_check(before, mail, sorted(after))
     if am.files != after or am.subject != h.subject or am.author != str(author):
         raise _fail(patch, log, "git am of the mail does not give the expected tree")
-    log.append("[ok] git am --keep-non-patch onto the before files: exact tree")
+    log.append(f"[ok] git am --keep-non-patch onto {below}: exact tree")
     return mail
 
 
@@ -490,18 +555,41 @@ def load_context(
             f"the pin is {pin.vllm.version}; run `nox -s unit-base` first"
         )
     bases = base.load(pin, series)
-    if run_tests:
-        state, _ = tree_status(detect_target(installed_vllm()), pin, series)
-        if state.state != "overlaid":
-            raise ExportError(
-                f"--run-tests runs the ported tests in this Python, whose vLLM is "
-                f"{state.state}, not overlaid with series {series.series_id}; run "
-                "`vllm-overlay apply` first"
-            )
     ruff_exe = find_ruff(ruff, root / RUFF_CONFIG)
     return Context(
         root, pin, series, bases.texts, bases.source, report, ruff_exe, run_tests
     )
+
+
+def _check_stack(ctx: Context, bundles: list[Bundle]) -> None:
+    """Check 8: every mail, in order, with git am onto the pinned base gives
+    the whole series' files (each mail applies onto the stack below it)."""
+    whole = dict(ctx.bases)
+    for p in ctx.series.patches:
+        whole = _apply(whole, p)
+    touched = ctx.series.touched_paths()
+    try:
+        files = am_series(
+            {path: ctx.bases[path] for path in touched},
+            [b.mail for b in bundles],
+            touched,
+        )
+    except OverlayError as e:
+        raise ExportError(
+            f"the bundles do not apply in stack order: {e}; nothing was written"
+        ) from None
+    wrong = [path for path in touched if files[path] != whole[path]]
+    if wrong:
+        raise ExportError(
+            "git am of every bundle in order gives other files than the series: "
+            f"{', '.join(wrong)}; nothing was written"
+        )
+    line = (
+        f"[ok] git am of bundles 1..{len(bundles)} in order onto the pinned base "
+        "gives the whole series"
+    )
+    for b in bundles:
+        b.log.append(line)
 
 
 def export(ctx: Context, names: Sequence[str], out: Path) -> list[Path]:
@@ -513,6 +601,8 @@ def export(ctx: Context, names: Sequence[str], out: Path) -> list[Path]:
     if unknown:
         raise ExportError(f"not in the series: {', '.join(sorted(unknown))}")
     bundles = [build_bundle(ctx, p) for p in chosen]
+    if len(chosen) == len(ctx.series.patches):
+        _check_stack(ctx, bundles)
     written = []
     for b in bundles:
         d = out / b.dirname

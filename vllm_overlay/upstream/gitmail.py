@@ -150,3 +150,26 @@ def am_check(before: Mapping[str, str], mail: str, paths: list[str]) -> AmResult
             with open(repo / path, newline="") as f:
                 files[path] = f.read()
         return AmResult(subject, author, files)
+
+
+def am_series(
+    before: Mapping[str, str], mails: list[str], paths: list[str]
+) -> dict[str, str]:
+    """Apply ``mails`` in order with ``git am --keep-non-patch`` onto
+    ``before``; return the texts of ``paths`` afterwards."""
+    with tempfile.TemporaryDirectory(prefix="vllm-overlay-am-series-") as tmp:
+        repo = Path(tmp)
+        _init_with_base(repo, before)
+        env = _identity_env(Identity(*BASE_IDENTITY), BASE_DATE)
+        for i, mail in enumerate(mails, 1):
+            mbox = repo / ".git" / f"OVERLAY_MAIL_{i}"
+            mbox.write_text(mail)
+            try:
+                _git(repo, "am", "-q", "--keep-non-patch", str(mbox), env=env)
+            except GitMailError as e:
+                raise GitMailError(f"mail {i} of {len(mails)}: {e}") from None
+        files = {}
+        for path in paths:
+            with open(repo / path, newline="") as f:
+                files[path] = f.read()
+        return files

@@ -1,8 +1,9 @@
 """The upstream pull-request body (Markdown) and commit message of a patch.
 
 Built only from the patch header, the diff, the ported test file and results
-of real runs handed in by the caller (the unit-base revert-red rows, the
-ruff run, the ported-test run). The description is read as: its first line
+of real runs handed in by the caller (the unit-base rows of the tests the
+patch names, on the stack below it and with it; the ruff run; the
+ported-test run). The description is read as: its first line
 is the purpose; the paragraph starting with "Root cause" (else the first
 paragraph after the summary) is the root cause; every other paragraph
 describes the changes.
@@ -11,9 +12,9 @@ describes the changes.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from vllm_overlay.gate.reports import RevertRedReport, RevertRedRow
+from vllm_overlay.gate.reports import RevertRedReport, RevertRedRow, StackRow
 from vllm_overlay.series.patch_series import PatchHeader
 
 GITHUB_BODY_LIMIT = 65536
@@ -105,7 +106,7 @@ class BodyInputs:
     files: list[FileChange]
     test_path: list[str]  # upstream paths of the ported test files
     test_summary: str  # first paragraph of the test module's docstring
-    named: list[RevertRedRow]  # rows of the tests the header names
+    named: list[StackRow]  # the Tests rows: fail below, pass with
     others: list[RevertRedRow]  # other rows of the same test files
     report: RevertRedReport
     id_map: dict[str, str]  # overlay test file -> upstream test file
@@ -113,7 +114,10 @@ class BodyInputs:
     lint: str  # one line: what ruff ran on and its result
     ported_run: str  # one line: the ported tests' own run, or ""
     depends_on: list[str]  # "0001-x.patch (URL)" when stacked
-    overlay_note: str = ""  # what "with this change" ran with, when more
+    overlay_note: str = ""  # what "before" and "with" ran on
+    guards: list[StackRow] = field(default_factory=list)  # pass on both
+    below_label: str = ""  # the stack below, e.g. "vLLM 0.33.0 + 0001..0003"
+    builds_on: list[str] = field(default_factory=list)  # "#62165 (URL)"
 
 
 def _upstream_id(test_id: str, id_map: dict[str, str]) -> str:
@@ -147,6 +151,12 @@ def pr_body(b: BodyInputs) -> str:
     s = split_description(b.header)
     out = ["## Purpose", "", s.purpose, ""]
     links = _links(b.header)
+    if b.builds_on:
+        out += [
+            "This extends " + "; ".join(b.builds_on) + " (merge that first); the "
+            "root cause below says why that change alone is not enough.",
+            "",
+        ]
     if b.depends_on:
         out += [
             "This change applies on top of: "
@@ -177,6 +187,12 @@ def pr_body(b: BodyInputs) -> str:
         *(f"- `{_short_id(r.test_id, b)}`" for r in b.named),
         "",
     ]
+    if b.guards:
+        out += [
+            "Tests that must pass before and after it (regression guards):",
+            *(f"- `{_short_id(r.test_id, b)}`" for r in b.guards),
+            "",
+        ]
     if b.others:
         steady = all(r.base == r.overlay == "passed" for r in b.others)
         out += [
@@ -185,17 +201,31 @@ def pr_body(b: BodyInputs) -> str:
             + ("; they pass before and after." if steady else " (results below)."),
             "",
         ]
+    below = b.below_label or b.base_label
     out += ["## Test Result", ""]
     out += [
-        f"Each test run on {b.base_label} and with the change (CPU, "
+        f"Each test run on {below} and with the change (CPU, "
         f"`VLLM_TARGET_DEVICE=cpu`), report of {b.report.generated_at}:",
         "",
-        f"| Test | {b.base_label} | With this change |",
+        f"| Test | {below} | With this change |",
         "| --- | --- | --- |",
     ]
-    for r in [*b.named, *b.others]:
-        out.append(f"| `{_short_id(r.test_id, b)}` | {r.base} | {r.overlay} |")
+    for r in [*b.named, *b.guards]:
+        out.append(f"| `{_short_id(r.test_id, b)}` | {r.below} | {r.with_} |")
     out.append("")
+    if b.others:
+        out += [
+            f"The other tests of the file, on {b.base_label} and with every "
+            "change of the series:",
+            "",
+            f"| Test | {b.base_label} | With the series |",
+            "| --- | --- | --- |",
+            *(
+                f"| `{_short_id(r.test_id, b)}` | {r.base} | {r.overlay} |"
+                for r in b.others
+            ),
+            "",
+        ]
     if b.overlay_note:
         out += [b.overlay_note, ""]
     out += [b.lint, ""]
