@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -161,6 +161,7 @@ def _report(
     series_id: str | None = None,
     count_owner: str = "0001-port-offsets.patch",
     guard_below: str = "passed",
+    extra: Sequence[StackRow] = (),
 ) -> None:
     series = load_series(root)
     rows = [
@@ -179,6 +180,7 @@ def _report(
         StackRow(
             GUARD_0002, "0002-stable-offsets.patch", "guard", guard_below, "passed"
         ),
+        *extra,
     ]
     report = RevertRedReport(
         "0.33.0", series_id or series.series_id, "2026-11-29T13:00:00Z", rows, stack
@@ -477,12 +479,16 @@ def test_every_bundle_applies_with_git_am_onto_the_stack_below(
         .replace("Origin: vendor\n", f"Origin: upstream, {UPSTREAM_PR}\n")
         .replace("Forwarded: no\n", f"Forwarded: {UPSTREAM_PR}\n")
     )
-    patches[second] = patches[second].replace(
-        "Remove-When:", f"Builds-On: {UPSTREAM_PR}\nRemove-When:"
+    patches[second] = (
+        patches[second]
+        .replace("Remove-When:", f"Builds-On: {UPSTREAM_PR}\nRemove-When:")
+        .replace(f"Guards: {GUARD_0002}", f"Guards: {GUARD_0002} {TEST_IDS[0]}")
     )
     root = make_repo(patches)
     _write_tests(root)
-    _report(root)
+    # 0002 also guards a test of 0001's file: it keeps passing.
+    guard = StackRow(TEST_IDS[0], second, "guard", "passed", "passed")
+    _report(root, extra=[guard])
     written = _export(root, tmp_path, base_texts)
     out = root / "dist" / "upstream"
     assert sorted({p.parent.name for p in written}) == [
@@ -494,6 +500,9 @@ def test_every_bundle_applies_with_git_am_onto_the_stack_below(
         assert "[ok] git am of bundles 1..2 in order onto the pinned base" in log
     body = (out / "0002-stable-offsets" / "PR.md").read_text()
     assert f"This extends #1 ({UPSTREAM_PR}) (0001-port-offsets.patch)" in body
+    # The guard from 0001's file goes by its upstream name.
+    upstream_0001 = "tests/v1/kv_connector/unit/test_moriio_ports.py"
+    assert f"| `{upstream_0001}::test_offsets_distinct` | passed | passed |" in body
 
     git = tmp_path / "git"
     run = _git_with_base(git, base_texts)

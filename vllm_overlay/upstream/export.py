@@ -405,6 +405,9 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
     _check_header(patch, log)
     named, guards, others = _revert_red_rows(ctx, patch, log)
     ported, id_map, summary = _port(ctx.root, patch, ctx.ruff, log)
+    for r in guards:  # a guard may live in an earlier patch's test file
+        rel = r.test_id.split("::", 1)[0]
+        id_map.setdefault(rel, upstream_test_path(ctx.root / rel))
     changed = {fp.path: trees.after[fp.path] for fp in patch.files}
     lint = _lint(patch, {**changed, **ported}, ctx.ruff, log)
     pr_after = {**changed, **ported}
