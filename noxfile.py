@@ -279,7 +279,11 @@ def image(session: nox.Session) -> None:
     session.run("vllm-overlay", "image", *session.posargs)
 
 
-@nox.session(venv_backend="none")
+@nox.session
 def e2e(session: nox.Session) -> None:
-    """1P/1D MoRIIO READ on two MI350X nodes: `nox -s e2e -- --config F [--dry-run]`."""
-    overlay(session, cpu_python(session), "e2e", *session.posargs)
+    """MoRIIO READ P/D on real nodes, N prefill x M decode, over ssh or one
+    Slurm job: `nox -s e2e -- --config F [--launcher slurm] [--dry-run]`.
+    A light environment (this package and tokenizers): the GPU nodes run
+    vLLM in the image, the harness never imports it."""
+    session.install("-e", ".[e2e]")
+    session.run("vllm-overlay", "e2e", *session.posargs)

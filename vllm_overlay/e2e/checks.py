@@ -13,10 +13,12 @@ from typing import Literal
 import msgspec
 
 from vllm_overlay.e2e.client import Completion
+from vllm_overlay.e2e.launch import ContainerState
 
 Status = Literal["pass", "fail", "skip"]
 
 BANNER = re.compile(r"vllm-moriio-overlay: series (\S+) \(([^)]*)\) on vLLM (\S+)")
+BASE_BANNER = re.compile(r"vllm-moriio-overlay: no overlay manifest")
 
 
 class Transfer(msgspec.Struct, forbid_unknown_fields=True):
@@ -46,6 +48,9 @@ class Case(msgspec.Struct, forbid_unknown_fields=True):
     detail: str = ""
     length: int = 0
     first_mismatch: int = -1  # index of the first differing output token
+    # What the rules predict for this image (see expect.py), e.g.
+    # "expected: lookahead-shift (fixed by ...)"; "" when nothing fails.
+    expected: str = ""
 
 
 class Section(msgspec.Struct, forbid_unknown_fields=True):
@@ -99,15 +104,118 @@ def section_status(cases: Sequence[Case]) -> Status:
     return "pass" if cases else "fail"
 
 
-def sweep_section(exchanges: Sequence[Exchange]) -> Section:
+def sweep_section(
+    exchanges: Sequence[Exchange],
+    predicted: Mapping[int, Sequence[str]] | None = None,
+) -> Section:
+    """P/D == direct per length. ``predicted`` maps a length to the rules
+    that make it fail on the image that ran (expect.py); the summary splits
+    the failures into predicted and unexpected ones, and names the predicted
+    failures that did not happen."""
+    predicted = predicted or {}
     cases = [compare(ex) for ex in exchanges]
+    for case in cases:
+        rules = predicted.get(case.length, ())
+        if rules:
+            case.expected = "expected to fail: " + ", ".join(rules)
     failed = [c.length for c in cases if c.status == "fail"]
+    unexpected = [c.length for c in cases if c.status == "fail" and not c.expected]
+    missed = [c.length for c in cases if c.status == "pass" and c.expected]
     summary: dict[str, float | int | str] = {
         "prompts": len(cases),
         "mismatches": len(failed),
         "failed_lengths": ", ".join(map(str, failed)),
+        "unexpected_failures": ", ".join(map(str, unexpected)),
+        "predicted_but_passed": ", ".join(map(str, missed)),
     }
     return Section("prompt-length sweep", section_status(cases), cases, summary)
+
+
+def prefix_section(
+    pairs: Sequence[tuple[Exchange, Exchange]], notes: Sequence[str] = ()
+) -> Section:
+    """Prefix-hit transfers: each pair's second prompt shares a prefix with
+    its first. Both answers match the direct prefill, and the second moves
+    fewer tokens. ``notes`` (one per pair) say what each READ should move."""
+    cases: list[Case] = []
+    for i, (first, second) in enumerate(pairs):
+        cases += [compare(first), compare(second)]
+        t1, t2 = first.transfer, second.transfer
+        note = notes[i] if i < len(notes) else ""
+        label = f"{second.prompt_id} transfer"
+        if t1 is None or t2 is None:
+            cases.append(Case(label, "fail", "no decoder transfer counters"))
+        else:
+            moved = f"{t1.external_tokens:g} -> {t2.external_tokens:g} tokens"
+            if t2.bytes:
+                moved += f" ({t2.bytes} bytes)"
+            ok = t2.external_tokens < t1.external_tokens
+            detail = moved if ok else f"{moved}: the shared prefix was not a hit"
+            cases.append(
+                Case(label, "pass" if ok else "fail", f"{detail}; {note}".strip("; "))
+            )
+    return Section("prefix-hit transfers", section_status(cases), cases)
+
+
+def accuracy_section(
+    pd_score: float,
+    direct_score: float,
+    problems: int,
+    threshold: float,
+    max_drop: float,
+    errors: int = 0,
+) -> Section:
+    """The GSM8K-style second opinion: P/D at least ``threshold`` and not
+    more than ``max_drop`` below the direct prefill."""
+    cases = [
+        Case(
+            "P/D score",
+            "pass" if pd_score >= threshold else "fail",
+            f"{pd_score:.3f} (threshold {threshold:g})",
+        ),
+        Case(
+            "P/D vs direct",
+            "pass" if pd_score >= direct_score - max_drop else "fail",
+            f"P/D {pd_score:.3f}, direct {direct_score:.3f} (max drop {max_drop:g})",
+        ),
+    ]
+    if errors:
+        cases.append(Case("requests", "fail", f"{errors} request(s) failed"))
+    summary: dict[str, float | int | str] = {
+        "problems": problems,
+        "pd": round(pd_score, 4),
+        "direct": round(direct_score, 4),
+    }
+    return Section("accuracy (GSM8K-style)", section_status(cases), cases, summary)
+
+
+def front_end_section(kind: str, configured: str, measured: str, shift: int) -> Section:
+    """Which front end ran and what it sends the decoder for max_tokens."""
+    ok = configured in ("auto", measured)
+    detail = f"{kind}: decoder gets max_tokens {'- 1' if shift else 'unchanged'}"
+    if not ok:
+        detail = f"configured {configured}, measured {measured}; {detail}"
+    case = Case("max_tokens", "pass" if ok else "fail", detail)
+    summary: dict[str, float | int | str] = {
+        "kind": kind,
+        "max_tokens": measured,
+        "pd_request_extra_tokens": shift,
+    }
+    return Section("front end", section_status([case]), [case], summary)
+
+
+def launch_section(stopped: Sequence[ContainerState], error: str) -> Section:
+    """Containers that stopped while the run needed them, with their last
+    log lines; a run that stopped early for another reason."""
+    cases = [
+        Case(s.what, "fail", f"{s.describe()}:\n" + "\n".join(s.last_lines))
+        for s in stopped
+    ]
+    if error and not cases:
+        cases.append(Case("run", "fail", error))
+    if not cases:
+        cases.append(Case("run", "pass", "every container stayed up"))
+    return Section("launch", section_status(cases), cases)
 
 
 def needle_section(exchanges: Sequence[Exchange]) -> Section:
@@ -134,14 +242,21 @@ def needle_section(exchanges: Sequence[Exchange]) -> Section:
     )
 
 
-def repeat_section(first: Exchange, second: Exchange) -> Section:
-    """The same request twice through P/D: the second answer matches the
-    first and the direct prefill, and moves fewer tokens (the decoder's
-    prefix cache holds the prompt now)."""
-    cases = [compare(first), compare(second)]
-    cases[0].id, cases[1].id = "first", "second"
-    if cases[1].status == "pass" and first.pd.token_ids != second.pd.token_ids:
-        cases[1] = Case("second", "fail", "second answer differs from the first")
+def repeat_section(first: Exchange, *repeats: Exchange) -> Section:
+    """The same request again through P/D: every answer matches the first
+    and the direct prefill, and the last one moves fewer tokens (the
+    decoder's prefix cache holds the prompt). With M decode servers the
+    prompt is repeated M times, so that under round robin the last repeat
+    lands on a decoder that served it before."""
+    second = repeats[-1]
+    cases = [compare(first)]
+    cases[0].id = "first"
+    for i, again in enumerate(repeats):
+        case = compare(again)
+        case.id = "second" if len(repeats) == 1 else f"repeat {i + 1}"
+        if case.status == "pass" and first.pd.token_ids != again.pd.token_ids:
+            case = Case(case.id, "fail", "answer differs from the first")
+        cases.append(case)
     t1, t2 = first.transfer, second.transfer
     if t1 is None or t2 is None:
         shrink = Case("transfer shrinks", "fail", "no decoder transfer counters")
@@ -187,6 +302,9 @@ def transfer_section(exchanges: Sequence[Exchange]) -> Section:
 
 def overlay_section(logs: Mapping[str, str], expected_series: str = "") -> Section:
     """Which overlay ran: the banner each server logged at start."""
+    if not logs:
+        why = "no server logs collected (servers started outside the harness)"
+        return Section("overlay", "skip", [Case("logs", "skip", why)])
     cases = []
     seen = set()
     for role, text in sorted(logs.items()):
@@ -205,3 +323,15 @@ def overlay_section(logs: Mapping[str, str], expected_series: str = "") -> Secti
         )
     summary: dict[str, float | int | str] = {"series": ", ".join(sorted(seen))}
     return Section("overlay", section_status(cases), cases, summary)
+
+
+def image_series(logs: Mapping[str, str]) -> list[str] | None:
+    """The patches the servers ran, from their banners: [] for the base,
+    None when no server logged a banner."""
+    for _, text in sorted(logs.items()):
+        m = BANNER.search(text)
+        if m is not None:
+            return [p.strip() for p in m.group(2).split(",") if p.strip()]
+        if BASE_BANNER.search(text):
+            return []
+    return None

@@ -1,65 +1,230 @@
-"""`vllm-overlay e2e --config F [--dry-run] [--run-dir D]`."""
+"""`vllm-overlay e2e --config F [--launcher ssh|slurm] [--dry-run] [--run-dir D]`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 from vllm_overlay.command import App, Subparsers, add_command
-from vllm_overlay.e2e.config import load_config
-from vllm_overlay.e2e.plan import build_plan, format_plan
+from vllm_overlay.e2e.config import RunConfig, load_config
+from vllm_overlay.e2e.expect import Expectations, Geometry, prefix_read, sweep_lengths
+from vllm_overlay.e2e.servers import servers
 from vllm_overlay.errors import OverlayError
 
+LAUNCHERS = ("ssh", "slurm", "attach")
 
-def dry_run_text(config_path: Path) -> str:
-    from vllm_overlay.e2e.runner import layout_block_sizes, planned_lengths
 
-    config = load_config(config_path)
-    lengths = planned_lengths(config)
+def lengths_text(lengths: list[int], limit: int = 400) -> str:
+    text = " ".join(map(str, lengths))
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def series_patches(app: App | None = None) -> tuple[str, list[str]] | None:
+    """The series id and patch names of the overlay checkout this runs from."""
+    try:
+        series = (app or App()).checkout.series
+    except OverlayError:
+        return None
+    return series.series_id, [p.name for p in series.patches]
+
+
+def expectation_lines(
+    config: RunConfig, lengths: list[int], found: tuple[str, list[str]] | None
+) -> list[str]:
+    """Which lengths fail on the base image and why; what the overlay of this
+    checkout leaves."""
+    geo = Geometry.of(config)
+    base = Expectations(geo, [])
+    over = Expectations(geo, None if found is None else found[1])
+    lines = [f"layout: {geo.describe()}"]
+    if base.refusals:
+        lines.append(
+            "expected on the base image (vLLM 0.33.0 without the series): the "
+            "servers refuse to start, so every check fails:"
+        )
+        lines += [f"  {r.id}: {r.summary}; {r.fix_text()}" for r in base.refusals]
+    failing = [n for n in lengths if base.verdict(n).base]
+    if base.rules and not base.refusals:
+        lines.append(
+            "expected on the base image (vLLM 0.33.0 without the series): "
+            f"{len(failing)} of {len(lengths)} lengths read wrong KV:"
+        )
+        for r in base.rules:
+            hit = [n for n in lengths if r.applies(n)]
+            lines.append(f"  {r.id} [{r.summary}; {r.fix_text()}]:")
+            lines.append(f"    {len(hit)} lengths: {lengths_text(hit)}")
+    elif not base.refusals:
+        lines.append(
+            "expected on the base image: no length fails; this layout has none "
+            "of the mechanisms the series fixes (a smoke test: base and overlay "
+            "both pass)"
+        )
+    if base.not_modelled:
+        lines.append(f"not modelled: {base.not_modelled}")
+    which = "the overlay" if found is None else f"the overlay (series {found[0]})"
+    refused = over.refused_overlaid
+    if refused:
+        lines.append(f"expected with {which}: still refused at start:")
+        lines += [f"  {r.id}: {r.summary}" for r in refused]
+    else:
+        still = [n for n in lengths if over.verdict(n).overlay]
+        ids = sorted({i for n in still for i in over.verdict(n).overlay})
+        lines.append(
+            f"expected with {which}: {len(still)} lengths fail"
+            + (f" ({', '.join(ids)}): {lengths_text(still)}" if still else "")
+        )
+    return lines
+
+
+def check_lines(
+    config: RunConfig,
+    front: str,
+    direct: str,
+    decode: list[str],
+    found: tuple[str, list[str]] | None,
+) -> list[str]:
     c = config.checks
-    pd = f"http://{config.router.address}:{config.router.port}"
-    direct = f"http://{config.prefill.address}:{config.prefill.http_port}"
-    decode = f"http://{config.decode.address}:{config.decode.http_port}"
-    checks = [
-        f"[harness] every prompt: POST {pd}/v1/completions (P/D) and "
+    r = config.router
+    geo = Geometry.of(config)
+    lengths = sweep_lengths(geo, c)
+    lines = [
+        f"[harness] front end {r.kind} at {front}: the first P/D request "
+        "(max_tokens 4, ignore_eos) is retried until it answers, and tells whether "
+        f"the decoder gets max_tokens or one fewer (configured: {r.max_tokens}); "
+        "P/D requests then ask for that many more, so both paths answer "
+        f"{c.max_tokens} tokens",
+        f"[harness] every prompt: POST {front}/v1/completions (P/D) and "
         f"{direct}/v1/completions (direct prefill), greedy, {c.max_tokens} tokens, "
         f"prompt as token ids from {config.model.tokenizer}",
-        f"[harness] around every P/D request: GET {decode}/metrics",
-        f"prompt-length sweep: {len(lengths)} key-value prompts, block sizes "
-        f"{layout_block_sizes(config)}, offsets {c.boundary_offsets}: "
-        + " ".join(map(str, lengths)),
+        "[harness] around every P/D request: GET /metrics of " + ", ".join(decode),
+        f"prompt-length sweep: {len(lengths)} key-value prompts (page boundaries "
+        f"with offsets {c.boundary_offsets}, every residue class of the rules "
+        f"below, {len(c.lengths)} listed lengths): {lengths_text(lengths, 10**6)}",
+        *expectation_lines(config, lengths, found),
         f"needle in a haystack: {', '.join(map(str, c.needle_words))} words",
-        "full-local-hit repeat: one prompt twice through P/D",
+        f"full-local-hit repeat: one {c.repeat_length}-token prompt through P/D, "
+        f"then {config.decode.count} time(s) again (round robin brings it back "
+        "to a decoder that holds it)",
     ]
-    return format_plan(build_plan(config), checks)
+    for f in c.prefix_hit_fractions:
+        r_ = prefix_read(geo, c.prefix_hit_length, int(c.prefix_hit_length * f))
+        pages = f"the base reads {r_.pages_base} attention pages per group"
+        if r_.pages_overlay != r_.pages_base:
+            pages += f", the series {r_.pages_overlay}"
+        lines.append(
+            f"prefix-hit transfer: two {c.prefix_hit_length}-token prompts sharing "
+            f"{f:.1%}: the decoder holds {r_.local_hit} tokens, loads "
+            f"{r_.external}; {pages}"
+        )
+    a = c.accuracy
+    if a.problems:
+        lines.append(
+            f"accuracy: {a.problems} generated GSM8K-style problems, {a.shots} "
+            f"worked examples, P/D >= {a.threshold:g} and at most {a.max_drop:g} "
+            "below the direct prefill"
+        )
+    return lines
 
 
-def expected_series(app: App) -> str:
-    """The series id of the overlay checkout this runs from, if any."""
-    try:
-        return app.checkout.series.series_id
-    except OverlayError:
-        return ""
+def summary_line(
+    config: RunConfig, launcher: str, found: tuple[str, list[str]] | None
+) -> str:
+    """The dry run's last line: the topology and the expected verdicts."""
+    geo = Geometry.of(config)
+    lengths = sweep_lengths(geo, config.checks)
+    base = Expectations(geo, [])
+    over = Expectations(geo, None if found is None else found[1])
+
+    def verdict(exp: Expectations, refused: bool, field: str) -> str:
+        if refused:
+            return "refused at start"
+        failing = [n for n in lengths if getattr(exp.verdict(n), field)]
+        return f"{len(failing)} expected to fail"
+
+    return (
+        f"e2e dry run {config.name}: {config.prefill.count} prefill x "
+        f"{config.decode.count} decode, launcher {launcher}, {len(lengths)} sweep "
+        f"lengths; base image: {verdict(base, bool(base.refusals), 'base')}; "
+        f"overlay: {verdict(over, bool(over.refused_overlaid), 'overlay')}"
+    )
+
+
+def dry_run_text(
+    config_path: Path,
+    launcher: str = "ssh",
+    run_dir: Path | None = None,
+    app: App | None = None,
+) -> str:
+    """Every command in order, what the checks send, the lengths expected to
+    fail on the base image and with this checkout's series; a summary."""
+    config = load_config(config_path)
+    found = series_patches(app)
+    plan = plan_text(config, launcher, run_dir, found)
+    return plan + summary_line(config, launcher, found) + "\n"
+
+
+def plan_text(
+    config: RunConfig,
+    launcher: str,
+    run_dir: Path | None,
+    found: tuple[str, list[str]] | None,
+) -> str:
+    if launcher == "slurm":
+        from vllm_overlay.e2e.slurm import SlurmJob, dry_run_lines
+
+        job = SlurmJob(config, run_dir or Path("runs") / f"{config.name}-RUN")
+        r = config.router
+        front = f"http://<{'router' if r.container else r.address}>:{r.port}"
+        urls = [f"http://<{s.name}>:{s.http_port}" for s in servers(config)]
+        decode = [u for u in urls if "<decode" in u]
+        checks = check_lines(config, front, urls[0], decode, found)
+        head = f"# e2e slurm plan {config.name}: image {config.container.image}"
+        body = [*dry_run_lines(job), "## checks", *(f"- {x}" for x in checks)]
+        return "\n".join([head, *body]) + "\n"
+    from vllm_overlay.e2e.plan import build_plan, format_plan
+    from vllm_overlay.e2e.runner import config_endpoints
+
+    plan = build_plan(config)
+    if launcher == "attach":
+        plan = plan.attach()
+    ends = config_endpoints(config)
+    checks = check_lines(config, ends.front, ends.direct, ends.decode, found)
+    return format_plan(plan, checks)
 
 
 def cmd_e2e(app: App, args: argparse.Namespace) -> int:
-    """1P/1D MoRIIO READ run on two nodes: P/D vs direct prefill.
+    """MoRIIO READ P/D on real nodes: P/D vs direct prefill, token for token.
 
-    Launch one prefill and one decode vLLM server with the MoRIIO connector
-    in READ mode and a router, send the checks' prompts through P/D and to
-    the prefill alone, and compare.
+    Start N prefill and M decode vLLM servers of the overlay image with the
+    MoRIIO connector in READ mode and a front end (over ssh, or as one Slurm
+    job), send every check's prompts through P/D and to a prefill server
+    alone, compare token for token, and write a report. The dry run prints
+    every command and the prompt lengths expected to fail on the base image,
+    and why.
     """
+    if args.emit == "lws":
+        from vllm_overlay.e2e.lws import manifest
+
+        app.say(json.dumps(manifest(load_config(args.config)), indent=2))
+        return 0
     if args.dry_run:
-        app.say(dry_run_text(args.config).rstrip("\n"))
+        app.say(dry_run_text(args.config, args.launcher, args.run_dir, app).rstrip())
         return 0
     from vllm_overlay.e2e.runner import run
 
     config = load_config(args.config)
+    if args.launcher != "slurm":
+        config.check_addresses()
     run_dir = (
         args.run_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    report = run(config, run_dir, expected_series(app))
+    found = series_patches(app)
+    report = run(
+        config, run_dir, found[0] if found else "", say=app.say,
+        launcher_kind=args.launcher,
+    )  # fmt: skip
     app.result(report)
     return 0 if report.ok else 1
 
@@ -67,7 +232,20 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
 def register(sub: Subparsers) -> None:
     p = add_command(sub, "e2e", cmd_e2e)
     p.add_argument(
-        "--config", type=Path, required=True, metavar="TOML", help="the pair config"
+        "--config", type=Path, required=True, metavar="TOML", help="the run config"
+    )
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="ssh",
+        help="ssh: every address in the config, commands over ssh (default); "
+        "slurm: submit one sbatch job, one task per server node; attach: the "
+        "servers already run (e.g. from --emit lws), only check them",
+    )
+    p.add_argument(
+        "--emit",
+        choices=("lws",),
+        help="print a Kubernetes manifest (a LeaderWorkerSet per side) and exit",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="print every command, launch nothing"

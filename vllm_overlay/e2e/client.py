@@ -41,16 +41,20 @@ def complete(
     prompt_ids: list[int],
     max_tokens: int,
     timeout_s: float,
+    ignore_eos: bool = False,
+    stop: list[str] | None = None,
 ) -> Completion:
     """One greedy completion; errors are recorded, not raised."""
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt_ids,
         "max_tokens": max_tokens,
         "temperature": 0.0,
-        "ignore_eos": False,
+        "ignore_eos": ignore_eos,
         "return_token_ids": True,
     }
+    if stop:
+        body["stop"] = stop
     try:
         data = post_json(f"{base_url}/v1/completions", body, timeout_s)
     except urllib.error.HTTPError as e:
@@ -101,10 +105,22 @@ def parse_counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
 
 
 def scrape(base_url: str, timeout_s: float) -> dict[str, float] | None:
-    """The decoder's cache counters; None when /metrics cannot be read."""
+    """A decoder's cache counters; None when /metrics cannot be read."""
     try:
         with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout_s) as r:
             text = r.read().decode(errors="replace")
     except (urllib.error.URLError, OSError):
         return None
     return parse_counters(text, (EXTERNAL_HITS, LOCAL_HITS))
+
+
+def scrape_all(base_urls: list[str], timeout_s: float) -> dict[str, float] | None:
+    """The counters summed over every decoder; None if one cannot be read."""
+    total = dict.fromkeys((EXTERNAL_HITS, LOCAL_HITS), 0.0)
+    for url in base_urls:
+        one = scrape(url, timeout_s)
+        if one is None:
+            return None
+        for k, v in one.items():
+            total[k] += v
+    return total

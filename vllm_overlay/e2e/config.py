@@ -1,9 +1,16 @@
-"""The pair config: a TOML file validated into typed structs, or one clear error."""
+"""The run config: a TOML file validated into typed structs, or one clear error.
+
+One file describes a whole P/D deployment: N prefill and M decode servers
+(TP/DP/DCP per side), the front end that routes across all of them, the
+container every server runs in, the KV cache layout the prompt sweep is
+computed from, and the checks. See examples/*.toml and docs/e2e.md.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -12,14 +19,53 @@ from vllm_overlay.tomlfile import decode_toml, read_toml
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 # A host name or IP the other nodes reach this one at (no scheme, no port).
 Address = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9.\-:\[\]]+$")]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Name = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9][\w.-]*$")]
+EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+Env = dict[EnvName, str]
+
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+# vLLM 0.33.0 waits this long for the engine cores by default (600 s, see
+# vllm/envs.py); DeepSeek/Kimi-class models load and compile for longer, and
+# vLLM's own ROCm P/D CI exports 3600. Applied unless the config sets it.
+ENGINE_READY_TIMEOUT_S = 3600
+# Where the cache volume is mounted in every server container, and the
+# variables that point vLLM's, Triton's and the generic caches into it.
+CACHE_MOUNT = "/cache"
+CACHE_ENV = {
+    "XDG_CACHE_HOME": CACHE_MOUNT,
+    "VLLM_CACHE_ROOT": f"{CACHE_MOUNT}/vllm",
+    "TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
+}
+
+# `docker run` flags for a server when the config gives none: the unprivileged
+# set of vLLM's ROCm P/D CI and MoRIIO usage doc. Host network and IPC (MoRIIO
+# and NCCL address the host's NICs and shared memory), the GPU (kfd, dri) and
+# RDMA (infiniband) devices with the groups that own them, IPC_LOCK and
+# unlimited locked memory for registered KV buffers, no seccomp filter (ROCm's
+# runtime needs syscalls the default profile blocks), a large stack and open
+# file limit, and an init process that forwards signals and reaps children.
+UNPRIVILEGED_FLAGS = (
+    "--init",
+    "--network", "host", "--ipc", "host",
+    "--device", "/dev/kfd", "--device", "/dev/dri", "--device", "/dev/infiniband",
+    "--group-add", "video", "--group-add", "render",
+    "--cap-add", "IPC_LOCK", "--cap-add", "SYS_PTRACE",
+    "--security-opt", "seccomp=unconfined",
+    "--ulimit", "memlock=-1:-1",
+    "--ulimit", "nofile=1048576:1048576",
+    "--ulimit", "stack=67108864",
+)  # fmt: skip
 
 
 class ConfigError(OverlayError):
-    """The pair config is missing, not TOML, or invalid."""
+    """The run config is missing, not TOML, or invalid."""
 
 
 class Reach(msgspec.Struct, forbid_unknown_fields=True):
@@ -32,39 +78,144 @@ class Reach(msgspec.Struct, forbid_unknown_fields=True):
     )
 
 
-class Server(msgspec.Struct, forbid_unknown_fields=True):
-    """One vLLM server: the prefill (kv_producer) or decode (kv_consumer) leg."""
+class Speculative(msgspec.Struct, forbid_unknown_fields=True):
+    """`--speculative-config` of one side; it decides the lookahead slots
+    that side's scheduler reserves past the prompt."""
 
-    address: Address
-    http_port: Port
-    reach: Reach = msgspec.field(default_factory=Reach)
+    method: NonEmpty
+    num_speculative_tokens: Positive
+    # Set when the method alone does not decide it: a DSpark drafter that
+    # does not sample from its anchor reserves one slot more.
+    lookahead: NonNegative | None = None
+    # Further `--speculative-config` keys, e.g. {"model": "/models/drafter"}.
+    options: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+
+    def as_json(self) -> str:
+        spec = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            **self.options,
+        }
+        return json.dumps(spec, separators=(",", ":"))
+
+    def lookahead_slots(self) -> int:
+        """`VllmConfig.num_lookahead_tokens` of vLLM 0.33.0 for this method:
+        fill-in drafting (DFlash) needs one bonus slot more; every other
+        drafter that keeps its own KV reserves one slot per draft token."""
+        if self.lookahead is not None:
+            return self.lookahead
+        if self.method == "dflash":
+            return self.num_speculative_tokens + 1
+        if self.method in ("eagle", "eagle3", "mtp", "dspark", "draft_model"):
+            return self.num_speculative_tokens
+        if self.method.endswith("_mtp"):  # vLLM renames these to "mtp"
+            return self.num_speculative_tokens
+        return 0
+
+
+class Instance(msgspec.Struct, forbid_unknown_fields=True):
+    """One server of a side, where the side's defaults do not fit: its node
+    and anything that differs per node (RDMA devices, GID index, GPUs)."""
+
+    # The address the other nodes and the front end reach it at; MoRIIO's
+    # host_ip. Required by the ssh launcher; Slurm resolves it on the node.
+    address: Address | None = None
+    reach: Reach | None = None
+    http_port: Port | None = None
+    handshake_port: Port | None = None
+    notify_port: Port | None = None
+    visible_devices: str | None = None
+    # Added to (and overriding) the side's env: e.g. MORI_RDMA_DEVICES and
+    # MORI_IB_GID_INDEX of this node.
+    env: Env = msgspec.field(default_factory=dict)
+
+
+class Side(msgspec.Struct, forbid_unknown_fields=True):
+    """Every prefill (kv_producer) or decode (kv_consumer) server."""
+
+    # How many servers; with `instances` listed, their number.
+    count: Positive = 1
+    instances: list[Instance] = msgspec.field(default_factory=list)
     tp: Positive = 1
+    dp: Positive = 1  # data-parallel ranks inside one server (one node)
     dcp: Positive = 1
+    expert_parallel: bool = False
+    speculative: Speculative | None = None
+    http_port: Port = 8100
     handshake_port: Port = 6301
     notify_port: Port = 61005
     # GPUs the container may use (HIP_VISIBLE_DEVICES); empty: all of them.
     visible_devices: str = ""
+    env: Env = msgspec.field(default_factory=dict)
     extra_args: list[str] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.instances:
+            if self.count not in (1, len(self.instances)):
+                raise ValueError(
+                    f"count ({self.count}) differs from the {len(self.instances)} "
+                    "instances listed"
+                )
+            self.count = len(self.instances)
+        else:
+            self.instances = [Instance() for _ in range(self.count)]
         if self.tp % self.dcp:
             raise ValueError(f"tp ({self.tp}) must be a multiple of dcp ({self.dcp})")
 
+    @property
+    def lookahead_slots(self) -> int:
+        return self.speculative.lookahead_slots() if self.speculative else 0
+
+
+FrontEnd = Literal["toy-proxy", "vllm-router"]
+MaxTokens = Literal["auto", "exact", "minus-one"]
+
 
 class Router(msgspec.Struct, forbid_unknown_fields=True):
-    """vllm-router in P/D mode; the servers' MoRIIO heartbeats register here."""
+    """The front end the P/D requests go through; the servers' MoRIIO
+    heartbeats register with it."""
 
-    address: Address  # the servers' `proxy_ip`; the harness sends requests here
+    # toy-proxy: vLLM's MoRIIO toy proxy from the image, which finishes the
+    # prefill before it sends the decode (the order READ needs), what vLLM's
+    # ROCm P/D CI runs by default. vllm-router: the router with MoRIIO
+    # discovery; the report records which one ran.
+    kind: FrontEnd = "toy-proxy"
+    # The servers' `proxy_ip`; the harness sends requests here. Slurm: empty,
+    # the first node of the job.
+    address: Address | None = None
     bind: Address = "0.0.0.0"
-    port: Port = 30000
+    port: Port = 10001
+    # Where the heartbeats register. The toy proxy listens on 36367 only.
     proxy_ping_port: Port = 36367
     prometheus_port: Port = 29000
     reach: Reach = msgspec.field(default_factory=Reach)
     policy: NonEmpty = "round_robin"
-    # false: run `vllm-router` as a process of the harness node (from the
-    # harness's own environment) instead of a container of the image.
+    # The toy proxy inside the image (vLLM's examples tree).
+    toy_proxy: NonEmpty = (
+        "/app/vllm/examples/disaggregated/disaggregated_serving/"
+        "moriio_toy_proxy_server.py"
+    )
+    # false: run the front end as a process of the harness node, from the
+    # harness's own environment, instead of a container of the image.
     container: bool = True
+    # What the front end sends the decoder: the toy proxy and vllm-router's
+    # MoRIIO READ router send `max_tokens - 1` (the prefill's one token is
+    # counted), vllm-router's discovery path sends it unchanged. "auto"
+    # measures it with a probe request before the checks; the P/D requests
+    # then ask for one more token so both paths return exactly
+    # checks.max_tokens tokens.
+    max_tokens: MaxTokens = "auto"
     extra_args: list[str] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if (
+            self.kind == "toy-proxy"
+            and self.container
+            and self.proxy_ping_port != 36367
+        ):
+            raise ValueError(
+                "the image's toy proxy registers servers on port 36367 only"
+            )
 
 
 class MoRIIO(msgspec.Struct, forbid_unknown_fields=True):
@@ -85,18 +236,31 @@ class MoRIIO(msgspec.Struct, forbid_unknown_fields=True):
             )
 
 
+Pull = Literal["missing", "always", "never"]
+
+
 class Container(msgspec.Struct, forbid_unknown_fields=True):
     """How every container of the run is started."""
 
     image: NonEmpty
     engine: NonEmpty = "docker"
+    # missing: pull when the node does not have the image; always; never.
+    pull: Pull = "missing"
     shm_size: NonEmpty = "64g"
     # host:container[:ro] bind mounts; the model directory must be one of them.
     volumes: list[NonEmpty] = msgspec.field(default_factory=list)
-    env: dict[str, str] = msgspec.field(default_factory=dict)
-    name_prefix: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9][\w.-]*$")] = (
-        "moriio-e2e"
+    env: Env = msgspec.field(default_factory=dict)
+    # `docker run` flags of the servers (default: the unprivileged set above);
+    # `extra_run_flags` are appended, e.g. ["--privileged"] or mounts of the
+    # host's RDMA userspace libraries.
+    run_flags: list[NonEmpty] = msgspec.field(
+        default_factory=lambda: list(UNPRIVILEGED_FLAGS)
     )
+    extra_run_flags: list[NonEmpty] = msgspec.field(default_factory=list)
+    # A host directory (on every node) mounted at /cache: torch.compile,
+    # Triton and AITER JIT caches survive between runs. Empty: none.
+    cache_dir: str = "/var/cache/vllm-moriio-e2e"
+    name_prefix: Name = "moriio-e2e"
 
 
 class Model(msgspec.Struct, forbid_unknown_fields=True):
@@ -105,71 +269,173 @@ class Model(msgspec.Struct, forbid_unknown_fields=True):
     # tokenizer.json of the same model on the node running the harness.
     tokenizer: NonEmpty
     max_model_len: Positive = 32768
-    # Tokens per KV block on the servers (`--block-size`); the sweep puts
-    # prompt lengths around every multiple of it (times dcp).
-    block_size: Positive = 16
-    # Extra block sizes of the layout (e.g. other cache groups' page sizes).
-    extra_block_sizes: list[Positive] = msgspec.field(default_factory=list)
+    # `--block-size` for `vllm serve`; 0: not passed (vLLM picks, e.g. the
+    # hybrid models' page-aligned attention block).
+    block_size: NonNegative = 16
     # KV bytes per token of the whole model (both legs agree); 0: unknown,
     # the report then gives transferred tokens only.
-    kv_bytes_per_token: Annotated[int, msgspec.Meta(ge=0)] = 0
+    kv_bytes_per_token: NonNegative = 0
     extra_args: list[str] = msgspec.field(default_factory=list)
+
+
+class Layout(msgspec.Struct, forbid_unknown_fields=True):
+    """The KV cache layout as vLLM builds it for this model: what the prompt
+    sweep and the expected failures on the base are computed from."""
+
+    # Tokens per attention page on one rank (before DCP); 0: model.block_size.
+    block_size: NonNegative = 0
+    # Sliding-window attention: window in tokens (0: none) and its page size
+    # (0: block_size).
+    sliding_window: NonNegative = 0
+    window_block_size: NonNegative = 0
+    # KDA/Mamba state groups: MoRIIO's hybrid READ path.
+    hybrid: bool = False
+    # Transferable attention groups (hybrid models can have several).
+    attention_groups: Positive = 1
+    # KV bytes per attention page of one rank, for page-count reports; 0:
+    # derived from model.kv_bytes_per_token.
+    page_bytes: NonNegative = 0
+    # KV cache spec kinds of this model that the pinned connector refuses
+    # with or without the series (e.g. GLM-5.3-Flash's CircularBufferSpec
+    # tail ring on vLLM 0.33.0: patch 0001's Constraints).
+    refused_specs: list[NonEmpty] = msgspec.field(default_factory=list)
+
+
+class Accuracy(msgspec.Struct, forbid_unknown_fields=True):
+    """A GSM8K-style second opinion: generated grade-school word problems,
+    greedy, scored on the final number, through P/D and direct."""
+
+    problems: NonNegative = 50  # 0: off
+    shots: NonNegative = 4
+    max_tokens: Positive = 256
+    # P/D must score at least this, and no lower than the direct prefill by
+    # more than `max_drop`.
+    threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.9
+    max_drop: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.05
 
 
 class Checks(msgspec.Struct, forbid_unknown_fields=True):
     max_tokens: Positive = 16
     sweep_max_len: Positive = 1024
     sweep_min_count: Positive = 100
-    # Offsets around every block boundary k*B: lengths k*B + offset.
+    # Offsets around every page boundary k*P: lengths k*P + offset.
     boundary_offsets: list[int] = msgspec.field(default_factory=lambda: [-1, 0, 1, 2])
+    # Lengths that must be in the sweep (e.g. ones that failed in the field).
+    lengths: list[Positive] = msgspec.field(default_factory=list)
     needle_words: list[Positive] = msgspec.field(
         default_factory=lambda: [2000, 8000, 32000, 96000]
     )
+    # Prefix-hit transfers: a second prompt shares this fraction of a first
+    # one, so the decoder holds that prefix and loads only the rest.
+    prefix_hit_fractions: list[Annotated[float, msgspec.Meta(gt=0, lt=1)]] = (
+        msgspec.field(default_factory=lambda: [0.5])
+    )
+    prefix_hit_length: Positive = 4096
+    repeat_length: Positive = 2000
+    accuracy: Accuracy = msgspec.field(default_factory=Accuracy)
     seed: int = 0
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True):
-    health_s: Seconds = 2400.0
+    # Health wait per endpoint: at least VLLM_ENGINE_READY_TIMEOUT_S, so that
+    # vLLM's own start-up timeout fires first and shows in the log.
+    health_s: Seconds = 3600.0
     poll_s: Seconds = 5.0
     request_s: Seconds = 600.0
+    pull_s: Seconds = 3600.0  # one image pull on one node
+    command_s: Seconds = 120.0  # any other docker/ssh/slurm command
 
 
-class PairConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """One 1P/1D pair: see examples/mi350x-pair.toml."""
+class Slurm(msgspec.Struct, forbid_unknown_fields=True):
+    """`--launcher slurm`: one sbatch job, one task per server node."""
 
-    name: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9][\w.-]*$")]
+    partition: str = ""
+    account: str = ""
+    time: NonEmpty = "04:00:00"
+    # Extra `#SBATCH` options, e.g. ["--gres=gpu:8", "--exclusive"].
+    sbatch_options: list[NonEmpty] = msgspec.field(default_factory=list)
+    # Prints the node's address (MoRIIO host_ip); runs on every node.
+    address_command: NonEmpty = "hostname -I | awk '{print $1}'"
+    # Env per Slurm node name: RDMA devices and GID index differ per node.
+    node_env: dict[NonEmpty, Env] = msgspec.field(default_factory=dict)
+    # Seconds to wait for the job to leave the queue after scancel.
+    cancel_s: Seconds = 120.0
+
+
+class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A P/D deployment and its checks: see examples/*.toml."""
+
+    name: Name
     container: Container
     model: Model
-    prefill: Server
-    decode: Server
-    router: Router
+    prefill: Side
+    decode: Side
+    router: Router = msgspec.field(default_factory=Router)
+    layout: Layout = msgspec.field(default_factory=Layout)
     moriio: MoRIIO = msgspec.field(default_factory=MoRIIO)
     checks: Checks = msgspec.field(default_factory=Checks)
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    slurm: Slurm = msgspec.field(default_factory=Slurm)
 
     def __post_init__(self) -> None:
-        if (self.prefill.address, self.prefill.http_port) == (
-            self.decode.address,
-            self.decode.http_port,
-        ):
-            raise ValueError("prefill and decode share one address and http_port")
         if self.prefill.dcp != self.decode.dcp:
             raise ValueError("prefill.dcp and decode.dcp must match for READ")
+        if self.layout.block_size == 0:
+            if self.model.block_size == 0:
+                raise ValueError(
+                    "layout.block_size is required when model.block_size is 0"
+                )
+            self.layout.block_size = self.model.block_size
+        if self.layout.sliding_window and self.prefill.dcp > 1:
+            raise ValueError(
+                "vLLM 0.33.0 refuses decode context parallelism with a sliding window"
+            )
         if not self.router.container and self.router.reach.ssh:
             raise ValueError(
                 "router.container = false runs on the harness node: no ssh"
             )
+        seen: dict[tuple[str, int], str] = {}
+        for role in ROLES:
+            side: Side = getattr(self, role)
+            for i, inst in enumerate(side.instances):
+                if inst.address is None:
+                    continue
+                key = (inst.address, inst.http_port or side.http_port)
+                if key in seen:
+                    raise ValueError(
+                        f"{role}[{i}] and {seen[key]} share one address and http_port"
+                    )
+                seen[key] = f"{role}[{i}]"
+
+    def side(self, role: Role) -> Side:
+        return self.prefill if role == "prefill" else self.decode
+
+    def check_addresses(self) -> None:
+        """The ssh launcher needs every address up front."""
+        missing = [
+            f"{role}[{i}]"
+            for role in ROLES
+            for i, inst in enumerate(self.side(role).instances)
+            if inst.address is None
+        ]
+        if self.router.address is None:
+            missing.append("router")
+        if missing:
+            raise ConfigError(
+                f"{self.name}: no address for {', '.join(missing)} (the ssh "
+                "launcher needs every address; --launcher slurm resolves them)"
+            )
 
 
-def decode_config(data: bytes | str, source: str = "<config>") -> PairConfig:
-    return decode_toml(data, PairConfig, source, "pair config", ConfigError)
+def decode_config(data: bytes | str, source: str = "<config>") -> RunConfig:
+    return decode_toml(data, RunConfig, source, "run config", ConfigError)
 
 
-def load_config(path: Path) -> PairConfig:
-    return read_toml(path, PairConfig, "config", ConfigError)
+def load_config(path: Path) -> RunConfig:
+    return read_toml(path, RunConfig, "config", ConfigError)
 
 
-def encode_config(config: PairConfig) -> dict[str, object]:
+def encode_config(config: RunConfig) -> dict[str, object]:
     """The config as plain data, for the top of every report."""
     data: dict[str, object] = msgspec.to_builtins(config)
     return data

@@ -1,16 +1,22 @@
-"""Execute a plan: start everything, wait for health, always tear down.
+"""Execute a plan: pull, start everything, wait for health while watching
+every container, always tear down.
 
-Commands run locally or over ssh exactly as the plan spells them. Teardown
-(logs collected, containers removed, processes terminated) runs on normal
-exit, on any exception and on Ctrl-C / SIGTERM.
+Commands run locally or over ssh exactly as the plan spells them; every one
+has a timeout, and a command that hangs or cannot run is a `LaunchError`
+(one line in the report), never a traceback. Teardown (logs collected,
+containers removed, processes terminated) runs on normal exit, on any
+exception and on Ctrl-C / SIGTERM.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,19 +25,52 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from vllm_overlay.e2e.plan import Plan, Step
+import msgspec
+
+from vllm_overlay.e2e.plan import Plan, Step, on_host
 from vllm_overlay.errors import OverlayError
 
-COMMAND_TIMEOUT_S = 600.0
 STOP_GRACE_S = 15.0
+LAST_LINES = 40
+# Consecutive failures to ask a host about its containers (ssh down) before
+# the run stops.
+INSPECT_RETRIES = 3
 
 
 class LaunchError(OverlayError):
-    """A step of the plan failed; everything started has been torn down."""
+    """A step of the run failed; everything started has been torn down."""
 
 
 class HealthTimeout(LaunchError):
-    """An endpoint did not answer 200 within its timeout."""
+    """An endpoint did not answer within its timeout."""
+
+
+class ContainerExited(LaunchError):
+    """A container (or process) the run depends on is no longer running."""
+
+
+class ContainerState(msgspec.Struct, forbid_unknown_fields=True):
+    """What the report says about a container that stopped."""
+
+    what: str
+    where: str
+    status: str  # docker's State.Status, "missing", or "process"
+    exit_code: int
+    oom_killed: bool = False
+    last_lines: list[str] = msgspec.field(default_factory=list)
+
+    def describe(self) -> str:
+        oom = ", OOM-killed" if self.oom_killed else ""
+        return f"{self.what} @ {self.where} {self.status} (exit {self.exit_code}{oom})"
+
+
+class Endpoints(msgspec.Struct, forbid_unknown_fields=True):
+    """Where the harness sends requests, once everything is up."""
+
+    front: str  # P/D through the front end
+    direct: str  # the first prefill server, for reference answers
+    prefill: list[str]
+    decode: list[str]
 
 
 def probe(url: str, timeout_s: float) -> tuple[int, str]:
@@ -45,6 +84,16 @@ def probe(url: str, timeout_s: float) -> tuple[int, str]:
         return 0, str(getattr(e, "reason", e))
 
 
+def probe_tcp(address: str, timeout_s: float) -> tuple[int, str]:
+    """(200, "") when ``host:port`` accepts a connection, else (0, why)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout_s):
+            return 200, ""
+    except OSError as e:
+        return 0, str(e)
+
+
 def wait_healthy(
     url: str,
     timeout_s: float,
@@ -52,6 +101,7 @@ def wait_healthy(
     alive: Callable[[], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    check: Callable[[str, float], tuple[int, str]] = probe,
 ) -> float:
     """Poll ``url`` until it answers 200; return the seconds waited.
 
@@ -65,7 +115,7 @@ def wait_healthy(
         remaining = deadline - clock()
         if remaining <= 0:
             raise HealthTimeout(f"{url}: not healthy after {timeout_s:g}s ({last})")
-        status, body = probe(url, min(poll_s, remaining))
+        status, body = check(url, min(poll_s, remaining))
         if status == 200:
             return clock() - start
         last = f"HTTP {status}: {body.strip()[:120]}" if status else body
@@ -76,6 +126,8 @@ def wait_healthy(
 
 def resolve_executable(name: str) -> str:
     """``name`` on PATH, else next to this interpreter (a venv's bin/)."""
+    if os.sep in name:
+        return name
     found = shutil.which(name)
     if found is not None:
         return found
@@ -83,6 +135,61 @@ def resolve_executable(name: str) -> str:
     if beside.is_file():
         return str(beside)
     raise LaunchError(f"{name}: not found on PATH nor in {beside.parent}")
+
+
+def run_command(
+    argv: list[str], timeout_s: float
+) -> subprocess.CompletedProcess[bytes]:
+    """``argv`` with a timeout; a missing program or a timeout is a LaunchError."""
+    try:
+        return subprocess.run(argv, capture_output=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(
+            f"`{' '.join(argv)[:200]}` did not finish in {timeout_s:g}s"
+        ) from None
+    except OSError as e:
+        raise LaunchError(f"{argv[0]}: cannot run: {e.strerror or e}") from None
+
+
+def run_streaming(
+    argv: list[str], timeout_s: float, say: Callable[[str], None], prefix: str
+) -> tuple[int, str]:
+    """Run ``argv``, passing every output line to ``say`` as it comes (a
+    pull's progress); stop it after ``timeout_s``. Returns (exit code, last
+    line); a timeout is a LaunchError."""
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    except OSError as e:
+        raise LaunchError(f"{argv[0]}: cannot run: {e.strerror or e}") from None
+    last = [""]
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            if line:
+                last[0] = line
+                say(f"{prefix} {line}")
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reader.join(timeout=5)
+        raise LaunchError(
+            f"{prefix} `{' '.join(argv)[:200]}` did not finish in {timeout_s:g}s"
+            f" (last output: {last[0][:200] or 'none'})"
+        ) from None
+    reader.join(timeout=5)
+    return code, last[0]
 
 
 class Terminated(Exception):
@@ -103,24 +210,38 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def last_lines(text: str, n: int = LAST_LINES) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()][-n:]
+
+
 class Launcher:
     """Runs a plan's setup; on leaving the ``with`` block, whatever happened,
-    collects logs into ``log_dir`` and runs the teardown."""
+    collects logs into ``log_dir`` and runs the teardown.
+
+    Between health polls (and whenever the runner asks) every started
+    container is inspected: one that is no longer running stops the run at
+    once with its exit code and last log lines (`stopped`)."""
 
     def __init__(
         self,
         plan: Plan,
         log_dir: Path,
+        endpoints: Endpoints,
         poll_s: float = 5.0,
+        command_s: float = 120.0,
         say: Callable[[str], None] = print,
     ) -> None:
         self.plan = plan
         self.log_dir = log_dir
+        self.endpoints = endpoints
         self.poll_s = poll_s
+        self.command_s = command_s
         self.say = say
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.started: list[Step] = []
         self.waited: dict[str, float] = {}
+        self.stopped: list[ContainerState] = []
+        self._inspect_failures = 0
         self._closed = False
 
     def __enter__(self) -> Launcher:
@@ -137,30 +258,42 @@ class Launcher:
             self.say(f"e2e: {exc_type.__name__}: {exc}; tearing down")
         self.close()
 
-    def setup(self) -> None:
+    def setup(self) -> Endpoints:
         for step in self.plan.setup:
             self.run(step)
+        return self.endpoints
 
     def run(self, step: Step) -> None:
-        self.say(f"[{step.role} @ {step.where}] {step.describe()}")
+        self.say(f"[{step.what} @ {step.where}] {step.describe()}")
         if step.action == "wait":
+            check = probe_tcp if step.probe == "tcp" else probe
             self.waited[step.url] = wait_healthy(
-                step.url, step.timeout_s, self.poll_s, alive=self.check_processes
-            )
+                step.url, step.timeout_s, self.poll_s, alive=self.check_alive,
+                check=check,
+            )  # fmt: skip
             return
         if step.action == "spawn":
             argv = [resolve_executable(step.argv[0]), *step.argv[1:]]
-            with (self.log_dir / f"{step.role}.log").open("wb") as log:
-                self.processes[step.role] = subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
+            with (self.log_dir / f"{step.what}.log").open("wb") as log:
+                try:
+                    self.processes[step.what] = subprocess.Popen(
+                        argv, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )  # fmt: skip
+                except OSError as e:
+                    raise LaunchError(f"{argv[0]}: cannot run: {e}") from None
             self.started.append(step)
             return
-        result = subprocess.run(
-            step.argv, capture_output=True, timeout=COMMAND_TIMEOUT_S, check=False
-        )
+        if step.action == "pull":
+            code, last = run_streaming(
+                step.argv, step.timeout_s, self.say, f"[pull @ {step.where}]"
+            )
+            if code != 0:
+                raise LaunchError(f"pull @ {step.where}: exit {code}: {last[:300]}")
+            return
+        result = run_command(step.argv, self.command_s)
         if step.action == "collect":
-            (self.log_dir / f"{step.role}.log").write_bytes(
+            (self.log_dir / f"{step.what}.log").write_bytes(
                 result.stdout + result.stderr
             )
         if step.action == "start":
@@ -168,19 +301,67 @@ class Launcher:
         if result.returncode != 0 and step.must_succeed:
             err = result.stderr.decode(errors="replace").strip()[-500:]
             raise LaunchError(
-                f"{step.role} @ {step.where}: exit {result.returncode}: {err}"
+                f"{step.what} @ {step.where}: exit {result.returncode}: {err}"
             )
 
-    def check_processes(self) -> None:
-        for role, proc in self.processes.items():
+    def inspect(self, step: Step) -> ContainerState | None:
+        """None while ``step``'s container runs; its state once it stopped."""
+        engine = self.plan.engine
+        fmt = "{{.State.Status}} {{.State.ExitCode}} {{.State.OOMKilled}}"
+        argv = on_host(step.reach, [engine, "inspect", "--format", fmt, step.container])
+        result = run_command(argv, self.command_s)
+        if result.returncode == 255 and step.reach.ssh:
+            self._inspect_failures += 1
+            if self._inspect_failures >= INSPECT_RETRIES:
+                err = result.stderr.decode(errors="replace").strip()[-300:]
+                raise LaunchError(f"cannot reach {step.where} over ssh: {err}")
+            return None
+        self._inspect_failures = 0
+        words = result.stdout.decode(errors="replace").split()
+        if result.returncode == 0 and words and words[0] in ("running", "created"):
+            return None
+        if result.returncode != 0 or len(words) < 3:
+            status, code, oom = "missing", -1, False
+        else:
+            status, code, oom = words[0], int(words[1]), words[2] == "true"
+        logs = run_command(
+            on_host(
+                step.reach, [engine, "logs", "--tail", str(LAST_LINES), step.container]
+            ),
+            self.command_s,
+        )
+        text = (logs.stdout + logs.stderr).decode(errors="replace")
+        return ContainerState(
+            step.what, step.where, status, code, oom, last_lines(text)
+        )
+
+    def check_alive(self) -> None:
+        """Raise ContainerExited if a started container or process stopped."""
+        for what, proc in self.processes.items():
             code = proc.poll()
             if code is not None:
-                raise LaunchError(
-                    f"{role} process exited with {code}; see {self.log_dir}/{role}.log"
+                log = self.log_dir / f"{what}.log"
+                text = log.read_text(errors="replace") if log.is_file() else ""
+                state = ContainerState(
+                    what, "local", "process", code, False, last_lines(text)
                 )
+                self.stopped.append(state)
+                raise ContainerExited(self.stop_message(state))
+        for step in self.started:
+            if step.action != "start":
+                continue
+            stopped = self.inspect(step)
+            if stopped is not None:
+                self.stopped.append(stopped)
+                raise ContainerExited(self.stop_message(stopped))
 
-    def stop_process(self, role: str) -> None:
-        proc = self.processes.pop(role, None)
+    @staticmethod
+    def stop_message(state: ContainerState) -> str:
+        tail = " | ".join(state.last_lines[-3:]) or "no log output"
+        return f"{state.describe()}; last lines: {tail[:600]}"
+
+    def stop_process(self, what: str) -> None:
+        proc = self.processes.pop(what, None)
         if proc is None or proc.poll() is not None:
             return
         proc.terminate()
@@ -195,17 +376,17 @@ class Launcher:
         if self._closed:
             return
         self._closed = True
-        started_roles = {s.role for s in self.started}
+        started = {s.what for s in self.started}
         for step in [*self.plan.collect, *self.plan.teardown]:
-            if step.role not in started_roles and step.action == "collect":
+            if step.action == "collect" and step.what not in started:
                 continue
             try:
                 if step.action == "stop" and not step.argv:
-                    self.say(f"[{step.role} @ {step.where}] {step.describe()}")
-                    self.stop_process(step.role)
+                    self.say(f"[{step.what} @ {step.where}] {step.describe()}")
+                    self.stop_process(step.what)
                 else:
                     self.run(step)
             except (OSError, subprocess.SubprocessError, LaunchError) as e:
                 self.say(f"e2e: teardown step failed: {step.describe()}: {e}")
-        for role in list(self.processes):
-            self.stop_process(role)
+        for what in list(self.processes):
+            self.stop_process(what)

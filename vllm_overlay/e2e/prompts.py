@@ -8,17 +8,16 @@ needle-in-a-haystack prompts exercise long transfers.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
-from tokenizers import Tokenizer
 
 from vllm_overlay.e2e.config import ConfigError
 
-# Lengths that failed in the field or in review; always in the sweep.
-REQUIRED_LENGTHS = (251, 377, 384, 440, 447, 636, 832, 895)
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 HEADER = "Below is a list of keys and their values. Remember them.\n"
 FILLER_SENTENCES = (
@@ -32,7 +31,7 @@ FILLER_SENTENCES = (
 
 class Prompt(msgspec.Struct, forbid_unknown_fields=True):
     id: str
-    kind: Literal["kv", "plain", "needle"]
+    kind: Literal["kv", "plain", "needle", "prefix", "probe", "math"]
     token_ids: list[int]
     expected: str = ""  # the answer a correct model gives (kv, needle)
     words: int = 0  # haystack words (needle)
@@ -44,6 +43,12 @@ class Prompt(msgspec.Struct, forbid_unknown_fields=True):
 
 def load_tokenizer(path: Path | str) -> Tokenizer:
     """The model's tokenizer.json; one clear error when it cannot be used."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError(
+            "the E2E checks need `tokenizers`: pip install 'vllm-moriio-overlay[e2e]'"
+        ) from None
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises plain Exception subclasses
@@ -57,33 +62,6 @@ def special_prefix(tok: Tokenizer) -> list[int]:
 
 def encode(tok: Tokenizer, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False).ids)
-
-
-def sweep_lengths(
-    block_sizes: Iterable[int],
-    max_len: int,
-    offsets: Sequence[int] = (-1, 0, 1, 2),
-    min_count: int = 100,
-    required: Iterable[int] = REQUIRED_LENGTHS,
-) -> list[int]:
-    """Every required length, ``k*B + offset`` for every block size B and
-    every block boundary up to ``max_len``, topped up with evenly spaced
-    lengths to at least ``min_count``."""
-    lengths = {n for n in required if n <= max_len}
-    for b in set(block_sizes):
-        for k in range(1, max_len // b + 1):
-            lengths.update(k * b + o for o in offsets if 2 <= k * b + o <= max_len)
-    step = max(max_len // min_count, 1)
-    n = 2
-    while len(lengths) < min_count and n <= max_len:
-        lengths.add(n)
-        n += step
-        if n > max_len and len(lengths) < min_count:
-            step = max(step // 2, 1)
-            n = 3
-    if len(lengths) < min_count:
-        raise ValueError(f"only {len(lengths)} lengths fit in {max_len} tokens")
-    return sorted(lengths)
 
 
 def kv_prompt(tok: Tokenizer, length: int, seed: int = 0) -> Prompt:
@@ -161,3 +139,26 @@ def sweep_prompts(
     tok: Tokenizer, lengths: Iterable[int], seed: int = 0
 ) -> list[Prompt]:
     return [kv_prompt(tok, n, seed) for n in lengths]
+
+
+def prefix_pair(
+    tok: Tokenizer, length: int, fraction: float, seed: int = 0
+) -> tuple[Prompt, Prompt]:
+    """Two prompts of ``length`` tokens; the second repeats the first one's
+    first ``fraction`` of tokens, then goes on differently (and ends with
+    another question). Sent in order through P/D, the second finds that
+    prefix in the decoder's cache and loads only the rest."""
+    first = kv_prompt(tok, length, seed + 11)
+    other = kv_prompt(tok, length, seed + 12)
+    shared = int(length * fraction)
+    ids = first.token_ids[:shared] + other.token_ids[shared:]
+    tag = f"{round(fraction * 100, 1):g}"
+    return (
+        Prompt(f"prefix-{tag}-first", "prefix", first.token_ids, first.expected),
+        Prompt(f"prefix-{tag}-second", "prefix", ids),
+    )
+
+
+def probe_prompt(tok: Tokenizer) -> Prompt:
+    """A short prompt for the front end's readiness and max_tokens probe."""
+    return Prompt("probe", "probe", special_prefix(tok) + encode(tok, HEADER))

@@ -18,6 +18,10 @@ class Report(msgspec.Struct, forbid_unknown_fields=True):
     config: dict[str, Any]
     sections: list[Section]
     error: str = ""  # the run stopped early (launch failure, interruption)
+    launcher: str = "ssh"
+    front_end: str = ""
+    # What the rules (expect.py) predict for the image that ran.
+    notes: list[str] = msgspec.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -31,10 +35,12 @@ def markdown(report: Report) -> str:
         "",
         f"- image: `{report.image}`",
         f"- series: `{report.series_id or 'unknown'}`",
-        f"- pair: `{report.config.get('name', '')}`",
+        f"- run: `{report.config.get('name', '')}`, launcher {report.launcher}, "
+        f"front end {report.front_end or 'unknown'}",
     ]
     if report.error:
         lines.append(f"- stopped early: {report.error}")
+    lines += [f"- {note}" for note in report.notes]
     lines += ["", "## Sections", "", "| section | status | summary |", "|---|---|---|"]
     for s in report.sections:
         summary = ", ".join(f"{k}={v}" for k, v in s.summary.items() if v != "")
@@ -44,9 +50,11 @@ def markdown(report: Report) -> str:
         lines += ["| case | length | status | detail |", "|---|---|---|---|"]
         rows = sorted(s.cases, key=lambda c: c.status != "fail")[:MAX_ROWS]
         for c in rows:
-            detail = c.detail.replace("|", "\\|").replace("\n", "\\n")
+            detail = c.detail.replace("|", "\\|").replace("\n", "<br>")
             if c.first_mismatch >= 0:
                 detail = f"first mismatch at output token {c.first_mismatch}: {detail}"
+            if c.expected:
+                detail = f"{detail} ({c.expected})" if detail else c.expected
             lines.append(f"| {c.id} | {c.length or ''} | {c.status} | {detail} |")
         if len(s.cases) > MAX_ROWS:
             lines.append(f"| ... | | | {len(s.cases) - MAX_ROWS} more in report.json |")

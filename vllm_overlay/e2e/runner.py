@@ -1,16 +1,26 @@
-"""One E2E run: launch the pair, send every check's prompts, judge, report."""
+"""One E2E run: launch every server, send every check's prompts through
+P/D and directly to a prefill server, judge, report."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
+from typing import Literal, Protocol, Self
 
+from vllm_overlay.e2e import accuracy
 from vllm_overlay.e2e.checks import (
     Exchange,
     Section,
     Transfer,
+    accuracy_section,
+    front_end_section,
+    image_series,
+    launch_section,
     needle_section,
     overlay_section,
+    prefix_section,
     repeat_section,
     sweep_section,
     transfer_section,
@@ -20,128 +30,348 @@ from vllm_overlay.e2e.client import (
     LOCAL_HITS,
     Completion,
     complete,
-    scrape,
+    scrape_all,
 )
-from vllm_overlay.e2e.config import PairConfig, encode_config
-from vllm_overlay.e2e.launch import Launcher, LaunchError, Terminated, sigterm_raises
+from vllm_overlay.e2e.config import RunConfig, encode_config
+from vllm_overlay.e2e.expect import (
+    Expectations,
+    Geometry,
+    PrefixRead,
+    prefix_read,
+    sweep_lengths,
+)
+from vllm_overlay.e2e.launch import (
+    ContainerState,
+    Endpoints,
+    HealthTimeout,
+    Launcher,
+    LaunchError,
+    Terminated,
+    sigterm_raises,
+)
 from vllm_overlay.e2e.plan import Plan, build_plan
 from vllm_overlay.e2e.prompts import (
     Prompt,
+    encode,
     kv_prompt,
     load_tokenizer,
     needle_prompt,
-    sweep_lengths,
+    prefix_pair,
+    probe_prompt,
+    special_prefix,
     sweep_prompts,
 )
 from vllm_overlay.e2e.report import Report, write_report
+from vllm_overlay.e2e.servers import servers
 
-# The full-local-hit repeat uses a prompt of its own, not sent before.
-REPEAT_LENGTH = 2000
+LauncherKind = Literal["ssh", "slurm", "attach"]
 NOT_SENT = Completion([], "", 0, error="not sent")
+PROBE_TOKENS = 4
 
 
-def layout_block_sizes(config: PairConfig) -> list[int]:
-    """Position-table block sizes: each page size times the DCP size."""
-    sizes = [config.model.block_size, *config.model.extra_block_sizes]
-    return sorted({b * config.prefill.dcp for b in sizes})
+class RunLauncher(Protocol):
+    """What the runner needs from a launcher (ssh/local or Slurm): start
+    everything, tell whether it still runs, tear down on leaving."""
+
+    log_dir: Path
+    stopped: list[ContainerState]
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    def setup(self) -> Endpoints: ...
+
+    def check_alive(self) -> None: ...
 
 
-def planned_lengths(config: PairConfig) -> list[int]:
-    c = config.checks
-    return sweep_lengths(
-        layout_block_sizes(config),
-        c.sweep_max_len,
-        c.boundary_offsets,
-        c.sweep_min_count,
+def planned_lengths(config: RunConfig) -> list[int]:
+    return sweep_lengths(Geometry.of(config), config.checks)
+
+
+def config_endpoints(config: RunConfig) -> Endpoints:
+    """Where the servers of an ssh-launched run answer (addresses known)."""
+    r = config.router
+    pre = [s.url for s in servers(config, "prefill")]
+    dec = [s.url for s in servers(config, "decode")]
+    return Endpoints(f"http://{r.address}:{r.port}", pre[0], pre, dec)
+
+
+def make_launcher(
+    config: RunConfig,
+    run_dir: Path,
+    kind: LauncherKind,
+    say: Callable[[str], None],
+    plan: Plan | None = None,
+) -> RunLauncher:
+    if kind == "slurm":
+        from vllm_overlay.e2e.slurm import SlurmLauncher
+
+        return SlurmLauncher(config, run_dir, say)
+    t = config.timeouts
+    if plan is None:
+        plan = build_plan(config)
+        if kind == "attach":
+            plan = plan.attach()
+    return Launcher(
+        plan,
+        run_dir / "logs",
+        config_endpoints(config),
+        t.poll_s,
+        t.command_s,
+        say,
     )
 
 
-class Endpoints:
-    def __init__(self, config: PairConfig) -> None:
-        self.pd = f"http://{config.router.address}:{config.router.port}"
-        self.direct = f"http://{config.prefill.address}:{config.prefill.http_port}"
-        self.decode = f"http://{config.decode.address}:{config.decode.http_port}"
+class Session:
+    """Requests of one run, once everything is up."""
 
+    def __init__(
+        self, config: RunConfig, ends: Endpoints, launcher: RunLauncher
+    ) -> None:
+        self.config = config
+        self.ends = ends
+        self.launcher = launcher
+        self.shift = 0  # tokens the front end takes off the decoder's max_tokens
+        self.measured = ""
 
-def exchange(config: PairConfig, ends: Endpoints, prompt: Prompt) -> Exchange:
-    """Send ``prompt`` through P/D and directly to the prefill server,
-    measuring the decoder's counters around the P/D request."""
-    c, t = config.checks, config.timeouts
-    ex = Exchange(
-        prompt.id, prompt.kind, prompt.length, prompt.expected,
-        pd=NOT_SENT, direct=NOT_SENT,
-    )  # fmt: skip
-    if prompt.length + c.max_tokens > config.model.max_model_len:
-        ex.skipped = f"{prompt.length} tokens + answer exceed max_model_len"
-        return ex
-    name = config.model.served_name
-    before = scrape(ends.decode, t.request_s)
-    ex.pd = complete(ends.pd, name, prompt.token_ids, c.max_tokens, t.request_s)
-    after = scrape(ends.decode, t.request_s)
-    ex.direct = complete(ends.direct, name, prompt.token_ids, c.max_tokens, t.request_s)
-    if before is not None and after is not None:
-        loaded = after[EXTERNAL_HITS] - before[EXTERNAL_HITS]
-        ex.transfer = Transfer(
-            loaded,
-            after[LOCAL_HITS] - before[LOCAL_HITS],
-            int(loaded * config.model.kv_bytes_per_token),
+    def detect_front_end(self, prompt: Prompt, say: Callable[[str], None]) -> None:
+        """The first P/D request: retried until the front end serves (its
+        servers registered), then it tells what max_tokens the decoder
+        gets: all of them, or one fewer."""
+        t = self.config.timeouts
+        deadline = time.monotonic() + t.health_s
+        name = self.config.model.served_name
+        while True:
+            answer = complete(
+                self.ends.front, name, prompt.token_ids, PROBE_TOKENS, t.request_s,
+                ignore_eos=True,
+            )  # fmt: skip
+            if not answer.error:
+                break
+            self.launcher.check_alive()
+            if time.monotonic() >= deadline:
+                raise HealthTimeout(
+                    f"{self.ends.front}: no P/D answer after {t.health_s:g}s "
+                    f"({answer.error[:200]})"
+                )
+            time.sleep(t.poll_s)
+        n = len(answer.token_ids)
+        if n == PROBE_TOKENS:
+            self.measured, self.shift = "exact", 0
+        elif n == PROBE_TOKENS - 1:
+            self.measured, self.shift = "minus-one", 1
+        else:
+            raise LaunchError(
+                f"front end answered {n} tokens for max_tokens={PROBE_TOKENS} "
+                "with ignore_eos: neither exact nor minus-one"
+            )
+        say(f"e2e: front end {self.config.router.kind}: max_tokens {self.measured}")
+
+    def complete_pair(
+        self, prompt_ids: list[int], max_tokens: int, stop: list[str] | None = None
+    ) -> tuple[Completion, Completion, Transfer | None]:
+        """The P/D and the direct answer, and the decoders' counter deltas
+        around the P/D request."""
+        c = self.config
+        t, name = c.timeouts, c.model.served_name
+        before = scrape_all(self.ends.decode, t.request_s)
+        pd = complete(
+            self.ends.front, name, prompt_ids, max_tokens + self.shift, t.request_s,
+            stop=stop,
+        )  # fmt: skip
+        after = scrape_all(self.ends.decode, t.request_s)
+        direct = complete(
+            self.ends.direct, name, prompt_ids, max_tokens, t.request_s, stop=stop
         )
-    return ex
+        if pd.error or direct.error:
+            self.launcher.check_alive()  # a dead server is the real error
+        transfer = None
+        if before is not None and after is not None:
+            loaded = after[EXTERNAL_HITS] - before[EXTERNAL_HITS]
+            transfer = Transfer(
+                loaded,
+                after[LOCAL_HITS] - before[LOCAL_HITS],
+                int(loaded * c.model.kv_bytes_per_token),
+            )
+        return pd, direct, transfer
+
+    def exchange(self, prompt: Prompt) -> Exchange:
+        c = self.config.checks
+        ex = Exchange(
+            prompt.id, prompt.kind, prompt.length, prompt.expected,
+            pd=NOT_SENT, direct=NOT_SENT,
+        )  # fmt: skip
+        if prompt.length + c.max_tokens > self.config.model.max_model_len:
+            ex.skipped = f"{prompt.length} tokens + answer exceed max_model_len"
+            return ex
+        ex.pd, ex.direct, ex.transfer = self.complete_pair(
+            prompt.token_ids, c.max_tokens
+        )
+        return ex
 
 
-def read_logs(log_dir: Path) -> dict[str, str]:
+def read_logs(log_dir: Path, names: list[str]) -> dict[str, str]:
     return {
-        role: (log_dir / f"{role}.log").read_text(errors="replace")
-        for role in ("prefill", "decode")
-        if (log_dir / f"{role}.log").is_file()
+        name: (log_dir / f"{name}.log").read_text(errors="replace")
+        for name in names
+        if (log_dir / f"{name}.log").is_file()
     }
 
 
 def run(
-    config: PairConfig,
+    config: RunConfig,
     run_dir: Path,
     expected_series: str = "",
     say: Callable[[str], None] = print,
     plan: Plan | None = None,
+    launcher_kind: LauncherKind = "ssh",
 ) -> Report:
-    """Run every check; ``plan`` defaults to the config's full plan."""
+    """Run every check; ``plan`` (ssh launcher) defaults to the config's."""
+    c = config.checks
     tok = load_tokenizer(config.model.tokenizer)
-    seed = config.checks.seed
-    sweep = sweep_prompts(tok, planned_lengths(config), seed)
-    needles = [needle_prompt(tok, w, seed) for w in config.checks.needle_words]
-    repeat = kv_prompt(tok, REPEAT_LENGTH, seed + 1)
-    say(f"e2e: {len(sweep)} sweep prompts, {len(needles)} needles, 1 repeat")
+    geo = Geometry.of(config)
+    lengths = sweep_lengths(geo, c)
+    sweep = sweep_prompts(tok, lengths, c.seed)
+    needles = [needle_prompt(tok, w, c.seed) for w in c.needle_words]
+    repeat = kv_prompt(tok, c.repeat_length, c.seed + 1)
+    pairs = [
+        prefix_pair(tok, c.prefix_hit_length, f, c.seed + i)
+        for i, f in enumerate(c.prefix_hit_fractions)
+    ]
+    acc = c.accuracy
+    problems = accuracy.prompts(acc.problems, acc.shots, c.seed)
+    say(
+        f"e2e: {len(sweep)} sweep prompts, {len(needles)} needles, 1 repeat, "
+        f"{len(pairs)} prefix-hit pairs, {len(problems)} accuracy problems"
+    )
 
-    ends = Endpoints(config)
-    log_dir = run_dir / "logs"
+    launcher = make_launcher(config, run_dir, launcher_kind, say, plan)
     sweep_ex: list[Exchange] = []
     needle_ex: list[Exchange] = []
     repeat_ex: list[Exchange] = []
+    pair_ex: list[tuple[Exchange, Exchange]] = []
+    pd_texts: list[str] = []
+    direct_texts: list[str] = []
+    acc_errors = 0
+    session: Session | None = None
     error = ""
-    plan = plan if plan is not None else build_plan(config)
-    launcher = Launcher(plan, log_dir, config.timeouts.poll_s, say)
     try:
         with sigterm_raises(), launcher:
-            launcher.setup()
+            ends = launcher.setup()
+            session = Session(config, ends, launcher)
+            session.detect_front_end(probe_prompt(tok), say)
             for group, prompts in ((sweep_ex, sweep), (needle_ex, needles)):
                 for prompt in prompts:
-                    group.append(exchange(config, ends, prompt))
-            repeat_ex = [exchange(config, ends, repeat) for _ in range(2)]
+                    group.append(session.exchange(prompt))
+            say(f"e2e: sweep and needles done ({len(sweep_ex) + len(needle_ex)})")
+            # With M decoders (round robin), a prompt sent M times has reached
+            # every decoder: the next one finds it whichever serves it.
+            decoders = len(ends.decode)
+            repeat_ex = [session.exchange(repeat) for _ in range(decoders + 1)]
+            for first, second in pairs:
+                sent = [session.exchange(first) for _ in range(decoders)]
+                pair_ex.append((sent[0], session.exchange(second)))
+            for _, text in problems:
+                ids = special_prefix(tok) + encode(tok, text)
+                pd, direct, _ = session.complete_pair(
+                    ids, acc.max_tokens, stop=[accuracy.STOP]
+                )
+                acc_errors += bool(pd.error or direct.error)
+                # Scored on the answer decoded by the harness's tokenizer.
+                pd_texts.append(tok.decode(pd.token_ids))
+                direct_texts.append(tok.decode(direct.token_ids))
     except (LaunchError, Terminated, KeyboardInterrupt) as e:
         error = f"{type(e).__name__}: {e}"
 
-    sections: list[Section] = [overlay_section(read_logs(log_dir), expected_series)]
-    if not error:
+    names = [s.name for s in servers(config)]
+    logs = read_logs(launcher.log_dir, names)
+    patches = image_series(logs)
+    expect = Expectations(geo, patches)
+    notes = expectation_notes(expect, patches)
+    sections: list[Section] = [
+        launch_section(launcher.stopped, error),
+        overlay_section(logs, expected_series),
+    ]
+    if not error and session is not None:
+        predicted = {n: expect.verdict(n).overlay for n in lengths}
+        scored = [p for p, _ in problems]
+        reads = [
+            prefix_read(geo, c.prefix_hit_length, int(c.prefix_hit_length * f))
+            for f in c.prefix_hit_fractions
+        ]
         sections += [
-            sweep_section(sweep_ex),
+            front_end_section(
+                config.router.kind, config.router.max_tokens, session.measured,
+                session.shift,
+            ),
+            sweep_section(sweep_ex, predicted),
             needle_section(needle_ex),
             repeat_section(*repeat_ex),
-            transfer_section([*sweep_ex, *needle_ex, *repeat_ex]),
+            prefix_section(pair_ex, [read_note(r, geo, config) for r in reads]),
+        ]  # fmt: skip
+        if problems:
+            sections.append(
+                accuracy_section(
+                    accuracy.score(pd_texts, scored),
+                    accuracy.score(direct_texts, scored),
+                    len(scored),
+                    acc.threshold,
+                    acc.max_drop,
+                    acc_errors,
+                )  # fmt: skip
+            )
+        exchanged = [
+            *sweep_ex,
+            *needle_ex,
+            *repeat_ex,
+            *(e for p in pair_ex for e in p),
         ]
-    series = str(sections[0].summary.get("series", "")) or expected_series
+        sections.append(transfer_section(exchanged))
+    series = str(sections[1].summary.get("series", "")) or expected_series
     report = Report(
-        config.container.image, series, encode_config(config), sections, error
-    )
+        config.container.image, series, encode_config(config), sections, error,
+        launcher=launcher_kind, front_end=config.router.kind, notes=notes,
+    )  # fmt: skip
     js, md = write_report(report, run_dir)
     say(f"e2e: {'PASS' if report.ok else 'FAIL'}; report {md} and {js}")
     return report
+
+
+def expectation_notes(expect: Expectations, patches: list[str] | None) -> list[str]:
+    """What the rules predict for the image that ran."""
+    which = (
+        "an image of unknown series (the rules' own fixes assumed)"
+        if patches is None
+        else "the base image (no overlay)"
+        if not patches
+        else f"the overlay ({', '.join(patches)})"
+    )
+    notes = [f"expectations for {which}: layout {expect.geo.describe()}"]
+    for r in expect.refused_overlaid:
+        notes.append(f"refused at start: {r.summary} ({r.fix_text()})")
+    for r in expect.rules:
+        state = "passes (fixed)" if expect.fixed(r) else "fails"
+        notes.append(f"{r.id}: {state}: {r.summary} ({r.fix_text()})")
+    if expect.not_modelled:
+        notes.append(f"not modelled: {expect.not_modelled}")
+    return notes
+
+
+def read_note(r: PrefixRead, geo: Geometry, config: RunConfig) -> str:
+    """What a prefix-hit READ should move, per attention group."""
+    page_bytes = config.layout.page_bytes or config.model.kv_bytes_per_token * geo.block
+    text = (
+        f"decoder hit {r.local_hit} of {r.length} tokens: the base reads "
+        f"{r.pages_base} attention pages"
+    )
+    if r.pages_overlay != r.pages_base:
+        text += f", the series {r.pages_overlay}"
+    if page_bytes:
+        text += f" ({page_bytes} bytes per page per rank)"
+    return text
