@@ -1,24 +1,33 @@
-"""Shared pieces of the E2E harness tests: the sample config, a local model."""
+"""Shared pieces of the E2E harness tests: the examples, a local model, runs
+on 127.0.0.1 with stand-in servers and a fake `docker`."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
-from vllm_overlay.e2e.config import PairConfig, Reach, load_config
+from vllm_overlay.e2e.config import RunConfig, load_config
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "mi350x-pair.toml"
+EXAMPLES = REPO / "examples"
+EXAMPLE = EXAMPLES / "llama-smoke.toml"
+ALL_EXAMPLES = sorted(EXAMPLES.glob("*.toml"))
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+HERE = Path(__file__).resolve().parent
 LOOPBACK = "127.0.0.1"
+SERIES = "0123abcd4567"
+BANNER = f"INFO vllm-moriio-overlay: series {SERIES} (0001-a, 0003-c) on vLLM 0.33.0"
 
 # A Llama-shaped config that TP=8 with DCP=2 accepts: 64 query heads, 4 KV
 # heads, tiny hidden size. Only config.json exists; nothing is downloaded.
@@ -39,7 +48,7 @@ LLAMA_TP8 = {
 
 
 @pytest.fixture(scope="session")
-def example_config() -> PairConfig:
+def example_config() -> RunConfig:
     return load_config(EXAMPLE)
 
 
@@ -51,36 +60,142 @@ def local_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def local_example(example_config: PairConfig, local_model: Path) -> PairConfig:
-    """The sample pair with the model path pointing at the local config."""
+def local_example(example_config: RunConfig, local_model: Path) -> RunConfig:
+    """The smoke example with the model path pointing at the local config."""
     model = msgspec.structs.replace(example_config.model, path=str(local_model))
     return msgspec.structs.replace(example_config, model=model)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    """A port free now, and never handed out before in this session (the
+    kernel may give a just-closed port again)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((LOOPBACK, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
-def loopback_pair(config: PairConfig, health_s: float) -> PairConfig:
-    """The sample pair moved onto 127.0.0.1 with free ports, the router as a
-    local process."""
-    router = msgspec.structs.replace(
-        config.router,
-        address=LOOPBACK,
-        bind=LOOPBACK,
-        port=free_port(),
-        proxy_ping_port=free_port(),
-        prometheus_port=free_port(),
-        container=False,
-        reach=Reach(),
-    )
-    legs = {
-        leg: msgspec.structs.replace(
-            getattr(config, leg), address=LOOPBACK, http_port=free_port(), reach=Reach()
-        )
-        for leg in ("prefill", "decode")
+def loopback_config(
+    tokenizer: Path | str,
+    prefill: int = 1,
+    decode: int = 1,
+    *,
+    kind: str = "vllm-router",
+    router_container: bool = False,
+    engine: str = "docker",
+    with_addresses: bool = True,
+    health_s: float = 120,
+    **overrides: Any,
+) -> RunConfig:
+    """A run on 127.0.0.1: free ports everywhere, small checks."""
+
+    def side(n: int) -> dict[str, Any]:
+        return {
+            "instances": [
+                {
+                    **({"address": LOOPBACK} if with_addresses else {}),
+                    "http_port": free_port(),
+                    "handshake_port": free_port(),
+                    "notify_port": free_port(),
+                }
+                for _ in range(n)
+            ]
+        }
+
+    data: dict[str, Any] = {
+        "name": "loop",
+        "container": {
+            "image": "registry.example.com/overlay:test",
+            "engine": engine,
+            "cache_dir": "",
+        },
+        "model": {
+            "path": "/models/standin",
+            "served_name": "standin",
+            "tokenizer": str(tokenizer),
+            "max_model_len": 16384,
+            "block_size": 64,
+        },
+        "layout": {"sliding_window": 128},
+        "prefill": side(prefill),
+        "decode": {
+            **side(decode),
+            "speculative": {"method": "mtp", "num_speculative_tokens": 9},
+        },
+        "router": {
+            "kind": kind,
+            "address": LOOPBACK,
+            "bind": LOOPBACK,
+            "port": free_port(),
+            "proxy_ping_port": free_port(),
+            "prometheus_port": free_port(),
+            "container": router_container,
+        },
+        "checks": {
+            "max_tokens": 3,
+            "sweep_max_len": 320,
+            "sweep_min_count": 20,
+            "needle_words": [300],
+            "prefix_hit_length": 600,
+            "prefix_hit_fractions": [0.5],
+            "repeat_length": 400,
+            "accuracy": {"problems": 0},
+        },
+        "timeouts": {"health_s": health_s, "poll_s": 0.3, "command_s": 30},
     }
-    timeouts = msgspec.structs.replace(config.timeouts, health_s=health_s, poll_s=0.5)
-    return msgspec.structs.replace(config, router=router, timeouts=timeouts, **legs)
+    for key, value in overrides.items():
+        section, _, field = key.partition("__")
+        if field:
+            data.setdefault(section, {})[field] = value
+        else:
+            data[section] = value
+    return msgspec.convert(data, RunConfig)
+
+
+def write_config(config: RunConfig, path: Path) -> Path:
+    """``config`` as a TOML file (TOML has no null: unset fields are left out)."""
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if v is not None}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    path.write_bytes(msgspec.toml.encode(strip(msgspec.to_builtins(config))))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.e2e.tokenizer import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+@pytest.fixture
+def fake_docker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A `docker` on PATH that runs stand-ins (tests/e2e/fakedocker.py);
+    yields its state directory and removes every "container" left."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    docker = bin_dir / "docker"
+    docker.write_text(
+        f'#!/bin/sh\nexec {sys.executable} {HERE / "fakedocker.py"} "$@"\n'
+    )
+    docker.chmod(0o755)
+    state = tmp_path / "docker-state"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_DOCKER_STATE", str(state))
+    monkeypatch.setenv("STANDIN_BANNER", BANNER)
+    yield state
+    import subprocess
+
+    for info in sorted(state.glob("*.json")):
+        subprocess.run([str(docker), "rm", "--force", info.stem], capture_output=True)

@@ -1,32 +1,77 @@
-"""Stand-ins for the two vLLM servers, on 127.0.0.1: they register with the
-router through vLLM's own MoRIIO heartbeat (payload as the connector builds
-it) and answer /health, /v1/completions and /metrics like vLLM does, with a
-deterministic "model" so P/D and direct answers can be compared."""
+"""Stand-ins for vLLM servers, on 127.0.0.1: they register with the front
+end through vLLM's own MoRIIO heartbeat (its module, run as the process the
+connector runs, with the payload the connector builds) and answer /health,
+/v1/completions and /metrics like vLLM does, with a deterministic "model" so
+P/D and direct answers can be compared.
+
+`python -m tests.e2e.standin serve MODEL --port P --kv-transfer-config J ...`
+takes a `vllm serve` command line (what the fake docker runs for the image's
+`vllm` entry point); it never imports vLLM, so it starts in a moment.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_heartbeat import (
-    MoRIIOHeartbeat,
-)
+# (prompt ids, max_tokens) -> the answer's ids; a real server with
+# ignore_eos answers exactly max_tokens.
+Model = Callable[[list[int], int], list[int]]
+HEARTBEAT_REL = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_heartbeat.py"
 
-Model = Callable[[list[int]], list[int]]
+
+def greedy(prompt: list[int], n: int) -> list[int]:
+    seed = len(prompt) * 7 + sum(prompt[-8:])
+    return [(seed + 13 * i) % 97 for i in range(n)]
 
 
-def greedy(prompt: list[int]) -> list[int]:
-    return [len(prompt) % 97, sum(prompt) % 89, prompt[-1] % 83]
+def heartbeat_script() -> Path:
+    """vLLM's MoRIIO heartbeat module, found without importing vLLM."""
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(list(spec.submodule_search_locations)[0]) / HEARTBEAT_REL
+
+
+class Heartbeat:
+    """vLLM's heartbeat process: the payload on stdin, closing stdin stops it
+    (the protocol of MoRIIOHeartbeat)."""
+
+    def __init__(self, endpoint: str, payload: dict[str, Any], interval: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(heartbeat_script()), endpoint, str(interval), "1000"],
+            stdin=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(payload) + "\n")
+        self.proc.stdin.flush()
+
+    def shutdown(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
 
 
 class StandIn(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, role: str, model: Model = greedy) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
+    def __init__(self, role: str, model: Model = greedy, port: int = 0) -> None:
+        super().__init__(("127.0.0.1", port), Handler)
         self.role = role  # "P" or "D"
         self.model = model
         self.seen: set[tuple[int, ...]] = set()
@@ -35,23 +80,24 @@ class StandIn(http.server.ThreadingHTTPServer):
         self.requests: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
-        self.heartbeat: MoRIIOHeartbeat | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.log: Callable[[str], None] = lambda _: None
 
     @property
     def port(self) -> int:
         return self.server_address[1]
 
-    def start(self, proxy: str, handshake: int, notify: int) -> None:
+    def start(self, proxy: str, handshake: int, notify: int, dp: int = 1) -> None:
         self.thread.start()
         payload = {
             "type": self.role,
             "http_address": f"127.0.0.1:{self.port}",
             "zmq_address": f"host:127.0.0.1,handshake:{handshake},notify:{notify}",
-            "dp_size": 1,
+            "dp_size": dp,
             "tp_size": 1,
             "transfer_mode": "READ",
         }
-        self.heartbeat = MoRIIOHeartbeat(proxy, payload, 0.5, 100)
+        self.heartbeat = Heartbeat(proxy, payload, 0.5)
 
     def stop(self) -> None:
         if self.heartbeat is not None:
@@ -61,18 +107,23 @@ class StandIn(http.server.ThreadingHTTPServer):
 
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         prompt = [int(t) for t in body["prompt"]]
+        params = body.get("kv_transfer_params") or {}
         with self.lock:
             self.requests.append(body)
-            params = body.get("kv_transfer_params") or {}
             if self.role == "D" and "remote_block_ids" in params:
-                # Full local hit on a repeat; otherwise all but the last
-                # prompt token is loaded through the connector.
-                if tuple(prompt) in self.seen:
-                    self.local += len(prompt) - 1
-                else:
-                    self.external += len(prompt) - 1
+                # Full local hit on a repeat; a shared prefix of earlier
+                # prompts in whole 16-token blocks is a partial hit;
+                # otherwise all but the last prompt token is loaded.
+                hit = max((common_prefix(prompt, s) for s in self.seen), default=0)
+                hit = min(hit // 16 * 16, len(prompt) - 1)
+                self.local += hit
+                self.external += len(prompt) - 1 - hit
                 self.seen.add(tuple(prompt))
-        tokens = self.model(prompt)[: int(body.get("max_tokens", 16))]
+        self.log(
+            f"request role={self.role} prompt_tokens={len(prompt)} "
+            f"max_tokens={body.get('max_tokens')} kv={','.join(sorted(params))}"
+        )
+        tokens = self.model(prompt, int(body.get("max_tokens", 16)))
         out: dict[str, Any] = {
             "id": "cmpl-standin",
             "object": "text_completion",
@@ -97,6 +148,7 @@ class StandIn(http.server.ThreadingHTTPServer):
                 "remote_engine_id": "standin-p",
                 "remote_host": "127.0.0.1",
                 "remote_port": 6301,
+                "transfer_id": params.get("transfer_id", "t"),
             }
         return out
 
@@ -106,6 +158,15 @@ class StandIn(http.server.ThreadingHTTPServer):
             f"vllm:external_prefix_cache_hits_total{labels} {self.external}\n"
             f"vllm:prefix_cache_hits_total{labels} {self.local}\n"
         )
+
+
+def common_prefix(a: list[int], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -134,3 +195,36 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         return
+
+
+def serve_main(argv: list[str]) -> int:
+    """A `vllm serve MODEL ...` command line, served by a stand-in until
+    SIGTERM. Prints the overlay banner of $STANDIN_BANNER first."""
+    assert argv[0] == "serve", argv
+    port = int(argv[argv.index("--port") + 1])
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    extra = kv["kv_connector_extra_config"]
+    dp = (
+        int(argv[argv.index("--data-parallel-size") + 1])
+        if "--data-parallel-size" in argv
+        else 1
+    )
+    role = "P" if kv["kv_role"] == "kv_producer" else "D"
+    banner = os.environ.get("STANDIN_BANNER", "")
+    if banner:
+        print(banner, flush=True)
+    server = StandIn(role, port=port)
+    server.log = lambda line: print(line, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    endpoint = f"tcp://{extra['proxy_ip']}:{extra['proxy_ping_port']}"
+    server.start(endpoint, extra["handshake_port"], extra["notify_port"], dp)
+    print(f"stand-in {role} serving on 127.0.0.1:{port}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        stop.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main(sys.argv[1:]))

@@ -7,15 +7,21 @@ from pathlib import Path
 from vllm_overlay.e2e.checks import (
     Exchange,
     Transfer,
+    accuracy_section,
     compare,
     first_difference,
+    front_end_section,
+    image_series,
+    launch_section,
     needle_section,
     overlay_section,
+    prefix_section,
     repeat_section,
     sweep_section,
     transfer_section,
 )
 from vllm_overlay.e2e.client import Completion, parse_completion, parse_counters
+from vllm_overlay.e2e.launch import ContainerState
 from vllm_overlay.e2e.report import Report, markdown, read_report, write_report
 
 
@@ -102,7 +108,7 @@ def test_repeat_must_match_and_shrink() -> None:
     assert repeat_section(first, same).cases[-1].status == "fail"
     differs = ex(2000, [4, 5], [4, 5], 0.0)
     assert repeat_section(first, differs).cases[1].detail == (
-        "second answer differs from the first"
+        "answer differs from the first"
     )
     no_stats = ex(2000, [4, 4], [4, 4])
     no_stats.transfer = None
@@ -171,3 +177,89 @@ def test_parse_completion_and_counters() -> None:
         "vllm:external_prefix_cache_hits": 42.0,
         "vllm:prefix_cache_hits": 5.0,
     }
+
+
+def test_repeat_over_several_decoders_judges_the_last() -> None:
+    # Two decoders, round robin: the first repeat lands on the other decoder
+    # (no hit), the second on the first one again.
+    first, miss, hit = (
+        ex(2000, [4, 4], [4, 4], 1999.0),
+        ex(2000, [4, 4], [4, 4], 1999.0),
+        ex(2000, [4, 4], [4, 4], 0.0),
+    )
+    section = repeat_section(first, miss, hit)
+    assert [c.id for c in section.cases] == [
+        "first", "repeat 1", "repeat 2", "transfer shrinks",
+    ]  # fmt: skip
+    assert section.status == "pass"
+
+
+def test_sweep_splits_predicted_and_unexpected_failures() -> None:
+    exchanges = [
+        ex(184, [1, 2], [1, 3], 183),  # predicted (lookahead shift), failed
+        ex(190, [1, 2], [1, 2], 189),  # predicted, passed
+        ex(200, [1, 2], [1, 3], 199),  # not predicted, failed
+    ]
+    predicted = {184: ("lookahead-shift",), 190: ("lookahead-shift",)}
+    section = sweep_section(exchanges, predicted)
+    assert section.summary["failed_lengths"] == "184, 200"
+    assert section.summary["unexpected_failures"] == "200"
+    assert section.summary["predicted_but_passed"] == "190"
+    assert section.cases[0].expected == "expected to fail: lookahead-shift"
+    assert section.cases[2].expected == ""
+
+
+def test_prefix_pairs_must_match_and_load_less() -> None:
+    first, second = ex(4096, [7], [7], 4095.0), ex(4096, [8], [8], 2047.0)
+    section = prefix_section([(first, second)], ["decoder hit 2048"])
+    assert section.status == "pass"
+    assert (
+        section.cases[-1].detail
+        == "4095 -> 2047 tokens (20470 bytes); decoder hit 2048"
+    )
+    no_hit = ex(4096, [8], [8], 4095.0)
+    assert prefix_section([(first, no_hit)]).status == "fail"
+    wrong = ex(4096, [8], [9], 2047.0)
+    assert prefix_section([(first, wrong)]).status == "fail"
+
+
+def test_accuracy_gate_threshold_and_drop() -> None:
+    assert accuracy_section(0.95, 0.96, 50, 0.9, 0.05).status == "pass"
+    low = accuracy_section(0.85, 0.86, 50, 0.9, 0.05)
+    assert [c.status for c in low.cases] == ["fail", "pass"]
+    drop = accuracy_section(0.91, 0.99, 50, 0.9, 0.05)
+    assert [c.status for c in drop.cases] == ["pass", "fail"]
+    assert accuracy_section(0.95, 0.95, 50, 0.9, 0.05, errors=2).status == "fail"
+
+
+def test_front_end_section() -> None:
+    ok = front_end_section("toy-proxy", "auto", "minus-one", 1)
+    assert ok.status == "pass"
+    assert ok.cases[0].detail == "toy-proxy: decoder gets max_tokens - 1"
+    wrong = front_end_section("toy-proxy", "exact", "minus-one", 1)
+    assert wrong.status == "fail"
+    assert wrong.cases[0].detail.startswith("configured exact, measured minus-one")
+
+
+def test_launch_section_quotes_the_last_lines() -> None:
+    state = ContainerState(
+        "decode-0", "mi350x-b", "exited", 137, True, ["loading", "Killed"]
+    )
+    section = launch_section([state], "ContainerExited: ...")
+    assert section.status == "fail"
+    assert section.cases[0].detail == (
+        "decode-0 @ mi350x-b exited (exit 137, OOM-killed):\nloading\nKilled"
+    )
+    assert launch_section([], "").status == "pass"
+    assert launch_section([], "Terminated: signal 15").status == "fail"
+
+
+def test_image_series_from_the_banner() -> None:
+    line = "vllm-moriio-overlay: series 0123abcd4567 (0001-a, 0002-b) on vLLM 0.33.0"
+    assert image_series({"prefill-0": line}) == ["0001-a", "0002-b"]
+    base = (
+        "vllm-moriio-overlay: no overlay manifest at /x; the MoRIIO files are "
+        "vLLM 0.33.0's own (base) or unknown"
+    )
+    assert image_series({"prefill-0": base}) == []
+    assert image_series({"prefill-0": "nothing"}) is None

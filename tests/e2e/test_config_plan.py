@@ -1,52 +1,259 @@
-"""The pair config's validation and the reviewed dry-run plan."""
+"""The run config's validation and the commands of the ssh-launched plan:
+the reviewed dry run, the container flags, per-node env, topology."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.e2e.conftest import EXAMPLE, FIXTURES
 from vllm_overlay.cli import main
-from vllm_overlay.e2e.config import ConfigError, decode_config, load_config
-from vllm_overlay.e2e.plan import ROCM_FLAGS, build_plan
+from vllm_overlay.e2e.config import (
+    UNPRIVILEGED_FLAGS,
+    ConfigError,
+    RunConfig,
+    decode_config,
+    load_config,
+)
+from vllm_overlay.e2e.plan import Plan, Step, build_plan
+from vllm_overlay.e2e.servers import router_command, serve_command, servers
+
+UPSTREAM_FLAGS = (
+    "--cap-add IPC_LOCK",
+    "--security-opt seccomp=unconfined",
+    "--device /dev/infiniband",
+    "--group-add render",
+    "--ulimit memlock=-1:-1",
+    "--ulimit nofile=1048576:1048576",
+)
+CACHE_ENV = (
+    "VLLM_ENGINE_READY_TIMEOUT_S=3600",
+    "VLLM_CACHE_ROOT=/cache/vllm",
+    "TRITON_CACHE_DIR=/cache/triton",
+    "XDG_CACHE_HOME=/cache",
+)
+
+
+def starts(plan: Plan) -> dict[str, Step]:
+    return {s.what: s for s in plan.setup if s.action == "start"}
 
 
 def test_dry_run_matches_the_reviewed_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["e2e", "--config", str(EXAMPLE), "--dry-run"]) == 0
-    expected = (FIXTURES / "mi350x-pair.plan.txt").read_text()
+    expected = (FIXTURES / "llama-smoke.plan.txt").read_text()
     assert capsys.readouterr().out == expected
 
 
-def test_plan_order_and_flags() -> None:
+def test_plan_order() -> None:
     plan = build_plan(load_config(EXAMPLE))
-    actions = [(s.role, s.action) for s in plan.setup]
-    starts = [r for r, a in actions if a == "start"]
-    assert starts == ["router", "prefill", "decode"]
-    waits = [r for r, a in actions if a == "wait"]
-    assert waits == ["prefill", "decode", "router"]
-    assert actions.index(("router", "start")) < actions.index(("prefill", "wait"))
-    for s in plan.setup:
-        if s.action == "start" and s.role != "router":
-            joined = " ".join(s.argv)
-            assert " ".join(ROCM_FLAGS) in joined
-            assert "--shm-size 64g" in joined
-    assert [s.role for s in plan.teardown] == ["decode", "prefill", "router"]
-    decode_start = next(s for s in plan.setup if s.role == "decode" and s.inner)
-    assert decode_start.argv[:3] == ["ssh", "-o", "BatchMode=yes"]
+    actions = [(s.what, s.action) for s in plan.setup]
+    assert [a for _, a in actions[:3]] == ["clean"] * 3
+    assert [w for w, a in actions if a == "pull"] == ["node", "node"]
+    assert [w for w, a in actions if a == "start"] == [
+        "router",
+        "prefill-0",
+        "decode-0",
+    ]
+    assert [w for w, a in actions if a == "wait"] == ["prefill-0", "decode-0", "router"]
+    last_pull = max(i for i, (_, a) in enumerate(actions) if a == "pull")
+    assert last_pull < actions.index(("router", "start"))
+    assert [s.what for s in plan.teardown] == ["decode-0", "prefill-0", "router"]
+    decode = starts(plan)["decode-0"]
+    assert decode.argv[:3] == ["ssh", "-o", "BatchMode=yes"]
 
 
+def test_servers_run_unprivileged_with_upstream_flags() -> None:
+    # Defect 6: no --privileged; vLLM's ROCm CI set: IPC_LOCK, seccomp off,
+    # the GPU and RDMA devices and groups, memlock/nofile limits.
+    for what, step in starts(build_plan(load_config(EXAMPLE))).items():
+        joined = " ".join(step.argv)
+        assert "--privileged" not in joined
+        if what == "router":
+            continue
+        assert " ".join(UNPRIVILEGED_FLAGS) in joined
+        for flag in UPSTREAM_FLAGS:
+            assert flag in joined, flag
+
+
+def with_container(config: RunConfig, **kw: object) -> RunConfig:
+    return msgspec.structs.replace(
+        config, container=msgspec.structs.replace(config.container, **kw)
+    )
+
+
+def test_docker_flags_are_configurable() -> None:
+    config = with_container(
+        load_config(EXAMPLE),
+        run_flags=["--network", "host", "--device", "/dev/kfd"],
+        extra_run_flags=["--privileged", "--volume", "/usr/lib/libionic.so.1:/l:ro"],
+    )
+    prefill = starts(build_plan(config))["prefill-0"].argv
+    at = prefill.index("--name") + 2
+    assert prefill[at : at + 9] == [
+        "--network", "host", "--device", "/dev/kfd", "--privileged",
+        "--volume", "/usr/lib/libionic.so.1:/l:ro", "--shm-size", "64g",
+    ]  # fmt: skip
+
+
+def test_cache_volume_and_engine_timeout_in_every_server() -> None:
+    # Defects 3 and 6: vLLM's engine-ready timeout raised to upstream's 3600 s;
+    # the compile caches live in a host directory mounted at /cache.
+    plan = build_plan(load_config(EXAMPLE))
+    for what in ("prefill-0", "decode-0"):
+        argv = starts(plan)[what].argv
+        joined = " ".join(argv)
+        assert "--volume /var/cache/vllm-moriio-e2e:/cache" in joined
+        for env in CACHE_ENV:
+            assert f"--env {env}" in joined, (what, env)
+    # The config's own value wins; no cache dir, no cache volume or env.
+    config = with_container(
+        load_config(EXAMPLE), env={"VLLM_ENGINE_READY_TIMEOUT_S": "7200"}, cache_dir=""
+    )
+    joined = " ".join(starts(build_plan(config))["prefill-0"].argv)
+    assert "VLLM_ENGINE_READY_TIMEOUT_S=7200" in joined
+    assert "/cache" not in joined and "3600" not in joined
+
+
+def test_rdma_env_per_node() -> None:
+    # Defect 5: every node its own MORI_RDMA_DEVICES / MORI_IB_GID_INDEX.
+    text = EXAMPLE.read_text().replace(
+        'reach = { ssh = "mi350x-b" }\nenv = { MORI_RDMA_DEVICES = "ionic_0,ionic_1,'
+        'ionic_2,ionic_3,ionic_4,ionic_5,ionic_6,ionic_7", MORI_IB_GID_INDEX = "1" }',
+        'reach = { ssh = "mi350x-b" }\nenv = { MORI_RDMA_DEVICES = "mlx5_0,mlx5_3", '
+        'MORI_IB_GID_INDEX = "3" }',
+    )
+    assert "mlx5_0" in text
+    plan = build_plan(decode_config(text))
+    prefill = " ".join(starts(plan)["prefill-0"].argv)
+    decode = " ".join(starts(plan)["decode-0"].argv)
+    assert (
+        "MORI_RDMA_DEVICES=ionic_0,ionic_1" in prefill
+        and "MORI_IB_GID_INDEX=1" in prefill
+    )
+    assert (
+        "MORI_RDMA_DEVICES=mlx5_0,mlx5_3" in decode and "MORI_IB_GID_INDEX=3" in decode
+    )
+
+
+@pytest.mark.parametrize("policy", ["missing", "always", "never"])
+def test_pull_policy(policy: str) -> None:
+    config = with_container(load_config(EXAMPLE), pull=policy)
+    pulls = [s for s in build_plan(config).setup if s.action == "pull"]
+    if policy == "never":
+        assert pulls == []
+        return
+    assert [p.where for p in pulls] == ["local", "mi350x-b"]
+    assert all(p.timeout_s == 3600 for p in pulls)
+    image = config.container.image
+    if policy == "always":
+        assert pulls[0].argv == ["docker", "pull", image]
+    else:
+        assert pulls[0].argv[:2] == ["sh", "-c"]
+        assert f"docker image inspect {image}" in pulls[0].argv[2]
+
+
+TOPOLOGY = """
+name = "xpyd"
+[container]
+image = "img"
+[model]
+path = "/m"
+served_name = "m"
+tokenizer = "/t.json"
+[prefill]
+tp = 4
+dp = 2
+expert_parallel = true
+http_port = 8100
+[[prefill.instances]]
+address = "10.0.0.1"
+[[prefill.instances]]
+address = "10.0.0.2"
+reach = { ssh = "b" }
+[decode]
+tp = 8
+http_port = 8200
+[[decode.instances]]
+address = "10.0.0.3"
+reach = { ssh = "c" }
+[[decode.instances]]
+address = "10.0.0.4"
+reach = { ssh = "d" }
+http_port = 8300
+[router]
+kind = "vllm-router"
+address = "10.0.0.1"
+port = 30000
+"""
+
+
+def test_n_prefill_by_m_decode_with_tp_dp_per_side() -> None:
+    # Defect 10: 2 prefill (TP4 x DP2, expert parallel) x 2 decode (TP8), one
+    # front end across all of them.
+    config = decode_config(TOPOLOGY)
+    plan = build_plan(config)
+    assert list(starts(plan)) == [
+        "router",
+        "prefill-0",
+        "prefill-1",
+        "decode-0",
+        "decode-1",
+    ]
+    waits = [s.url for s in plan.setup if s.action == "wait"]
+    assert waits == [
+        "http://10.0.0.1:8100/health", "http://10.0.0.2:8100/health",
+        "http://10.0.0.3:8200/health", "http://10.0.0.4:8300/health",
+        "http://10.0.0.1:30000/health",
+    ]  # fmt: skip
+    assert [s.where for s in plan.setup if s.action == "pull"] == [
+        "local",
+        "b",
+        "c",
+        "d",
+    ]
+    p0 = serve_command(config, servers(config)[0])
+    assert p0[p0.index("--tensor-parallel-size") + 1] == "4"
+    assert p0[p0.index("--data-parallel-size") + 1] == "2"
+    assert "--enable-expert-parallel" in p0
+    d1 = serve_command(config, servers(config)[3])
+    assert "--data-parallel-size" not in d1
+    kv = json.loads(d1[d1.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"]["host_ip"] == "10.0.0.4"
+    assert kv["kv_connector_extra_config"]["http_port"] == 8300
+    # The router routes MoRIIO notifications to the right DP rank.
+    router = router_command(config)
+    assert router[router.index("--intra-node-data-parallel-size") + 1] == "2"
+
+
+TP = "tp = 8\nhttp_port = 8200"
+ROUTER = 'address = "10.0.0.1"\n\n[checks]'
+SHM = 'shm_size = "64g"'
+# case: (text in the example, replacement, error message part)
 BAD = {
-    "missing section": ("[decode]", "[nodecode]", "unknown field `nodecode`"),
+    "unknown section": ("[decode]", "[nodecode]", "unknown field `nodecode`"),
     "bad port": (
         "http_port = 8200",
         "http_port = 70000",
         "<= 65535 - at `$.decode.http_port`",
     ),
-    "bad type": ("tp = 8\nhandshake", 'tp = "eight"\nhandshake', "Expected `int`"),
-    "dcp": ("tp = 8\nhandshake", "tp = 8\ndcp = 3\nhandshake", "multiple of dcp"),
-    "backend": ('backend = "rdma"', 'backend = "tcp"', "must be 'rdma' or 'xgmi'"),
+    "bad type": (TP, TP.replace("8", '"eight"', 1), "Expected `int`"),
+    "dcp": (TP, TP.replace("\n", "\ndcp = 3\n"), "multiple of dcp"),
+    "backend": (
+        "[checks]",
+        '[moriio]\nbackend = "tcp"\n[checks]',
+        "must be 'rdma' or 'xgmi'",
+    ),
+    "env name": ('HF_HUB_OFFLINE = "1"', '"HF HUB" = "1"', "in `$.container.env`"),
+    "pull": (SHM, f'{SHM}\npull = "sometimes"', "`$.container.pull`"),
+    "front end": (
+        ROUTER,
+        ROUTER.replace("\n", '\nkind = "nginx"\n', 1),
+        "`$.router.kind`",
+    ),
     "not toml": ("[router]", "[router", "not valid TOML"),
 }
 
@@ -55,8 +262,8 @@ BAD = {
 def test_bad_config_is_one_clear_error(case: str, tmp_path: Path) -> None:
     old, new, message = BAD[case]
     text = EXAMPLE.read_text()
-    assert old in text
-    path = tmp_path / "pair.toml"
+    assert old in text, old
+    path = tmp_path / "run.toml"
     path.write_text(text.replace(old, new, 1))
     with pytest.raises(ConfigError, match=re.escape(message)) as info:
         load_config(path)
@@ -67,15 +274,37 @@ def test_bad_config_is_one_clear_error(case: str, tmp_path: Path) -> None:
 def test_bad_config_exits_non_zero_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = tmp_path / "pair.toml"
+    path = tmp_path / "run.toml"
     path.write_text(EXAMPLE.read_text().replace("http_port = 8200", "http_port = 0"))
     assert main(["e2e", "--config", str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and ">= 1 - at `$.decode.http_port`" in err
 
 
-def test_same_endpoint_for_both_legs_is_refused() -> None:
+def test_same_endpoint_twice_is_refused() -> None:
     text = EXAMPLE.read_text().replace('address = "10.0.0.2"', 'address = "10.0.0.1"')
     text = text.replace("http_port = 8200", "http_port = 8100")
-    with pytest.raises(ConfigError, match="share one address and http_port"):
+    with pytest.raises(
+        ConfigError, match=r"prefill\[0\] share one address and http_port"
+    ):
+        decode_config(text)
+
+
+def test_the_ssh_launcher_needs_every_address(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(EXAMPLE.read_text().replace('address = "10.0.0.2"\n', ""))
+    assert main(["e2e", "--config", str(path), "--dry-run"]) == 2
+    assert "no address for decode[0]" in capsys.readouterr().err
+    # Slurm resolves addresses on the nodes.
+    assert main(["e2e", "--config", str(path), "--dry-run", "--launcher", "slurm"]) == 0
+
+
+def test_a_window_with_dcp_is_refused_like_vllm_does() -> None:
+    text = (Path(EXAMPLE).parent / "dsv4-pro-1p1d.toml").read_text()
+    text = text.replace("tp = 8\nhttp_port", "tp = 8\ndcp = 2\nhttp_port")
+    with pytest.raises(
+        ConfigError, match="refuses decode context parallelism with a sliding window"
+    ):
         decode_config(text)

@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_heartbeat import
     MoRIIOHeartbeat,
 )
 
-from tests.e2e.conftest import LOOPBACK, free_port, loopback_pair
-from vllm_overlay.e2e.config import PairConfig
+from tests.e2e.conftest import LOOPBACK, free_port, loopback_config
+from vllm_overlay.e2e.config import RunConfig
 from vllm_overlay.e2e.launch import (
     HealthTimeout,
     Launcher,
@@ -29,17 +29,24 @@ from vllm_overlay.e2e.launch import (
     wait_healthy,
 )
 from vllm_overlay.e2e.plan import Plan, build_plan
+from vllm_overlay.e2e.runner import config_endpoints
+from vllm_overlay.e2e.servers import router_command, serve_command, servers
 
 
-def router_plan(config: PairConfig) -> Plan:
+def router_plan(config: RunConfig) -> Plan:
     return build_plan(config).only({"router"})
 
 
-def heartbeat_for(plan_config: PairConfig, role: str) -> MoRIIOHeartbeat:
-    """What the leg's MoRIIO worker sends, addressed from its generated
+def launcher(config: RunConfig, plan: Plan, log_dir: Path) -> Launcher:
+    ends = config_endpoints(config)
+    return Launcher(plan, log_dir, ends, poll_s=0.5, say=lambda _: None)
+
+
+def heartbeat_for(plan_config: RunConfig, role: str) -> MoRIIOHeartbeat:
+    """What the server's MoRIIO worker sends, addressed from its generated
     --kv-transfer-config."""
-    start = next(s for s in build_plan(plan_config).setup if s.role == role and s.inner)
-    kv = json.loads(start.inner[start.inner.index("--kv-transfer-config") + 1])
+    inner = serve_command(plan_config, servers(plan_config, role)[0])  # type: ignore[arg-type]
+    kv = json.loads(inner[inner.index("--kv-transfer-config") + 1])
     extra = kv["kv_connector_extra_config"]
     payload = {
         "type": "P" if kv["kv_role"] == "kv_producer" else "D",
@@ -64,31 +71,33 @@ def heartbeats() -> Iterator[list[MoRIIOHeartbeat]]:
         b.shutdown()
 
 
-def test_router_args_parse_with_vllm_router(example_config: PairConfig) -> None:
+def test_router_args_parse_with_vllm_router(example_config: RunConfig) -> None:
     from vllm_router.launch_router import parse_router_args
 
-    plan = build_plan(example_config)
-    start = next(s for s in plan.setup if s.role == "router" and s.inner)
-    args = parse_router_args(start.inner[1:])
+    router = msgspec.structs.replace(
+        example_config.router, kind="vllm-router", port=30000
+    )
+    config = msgspec.structs.replace(example_config, router=router)
+    args = parse_router_args(router_command(config)[1:])
     args._validate_router_args()
     assert args.vllm_pd_disaggregation is True
     assert args.kv_connector == "moriio"
     assert args.vllm_discovery_address == "0.0.0.0:36367"
-    assert args.port == example_config.router.port
+    assert args.port == 30000
 
 
 def test_health_wait_passes_once_both_legs_register(
-    example_config: PairConfig, tmp_path: Path, heartbeats: list[MoRIIOHeartbeat]
+    tokenizer_json: Path, tmp_path: Path, heartbeats: list[MoRIIOHeartbeat]
 ) -> None:
-    config = loopback_pair(example_config, health_s=120)
+    config = loopback_config(tokenizer_json, health_s=120)
     plan = router_plan(config)
     url = f"http://{LOOPBACK}:{config.router.port}/health"
     heartbeats += [heartbeat_for(config, "prefill"), heartbeat_for(config, "decode")]
-    with Launcher(plan, tmp_path, poll_s=0.5, say=lambda _: None) as launcher:
-        launcher.setup()
-        assert url in launcher.waited
+    with launcher(config, plan, tmp_path) as run:
+        run.setup()
+        assert url in run.waited
         assert probe(url, 5)[0] == 200
-        proc = launcher.processes["router"]
+        proc = run.processes["router"]
         assert proc.poll() is None
     assert proc.poll() is not None  # terminated by the teardown
     assert probe(url, 2)[0] == 0  # nothing listens any more
@@ -96,27 +105,26 @@ def test_health_wait_passes_once_both_legs_register(
 
 
 def test_health_wait_times_out_and_tears_down(
-    example_config: PairConfig, tmp_path: Path, heartbeats: list[MoRIIOHeartbeat]
+    tokenizer_json: Path, tmp_path: Path, heartbeats: list[MoRIIOHeartbeat]
 ) -> None:
     # Only the prefill registers: the router stays unhealthy.
-    config = loopback_pair(example_config, health_s=8)
+    config = loopback_config(tokenizer_json, health_s=8)
     heartbeats.append(heartbeat_for(config, "prefill"))
-    launcher = Launcher(router_plan(config), tmp_path, poll_s=0.5, say=lambda _: None)
-    with pytest.raises(HealthTimeout, match="Waiting for discovered workers"), launcher:
-        launcher.setup()
-    assert launcher.processes == {}
+    run = launcher(config, router_plan(config), tmp_path)
+    with pytest.raises(HealthTimeout, match="Waiting for discovered workers"), run:
+        run.setup()
+    assert run.processes == {}
     assert probe(f"http://{LOOPBACK}:{config.router.port}/liveness", 2)[0] == 0
 
 
-def test_dead_process_fails_the_wait(
-    example_config: PairConfig, tmp_path: Path
-) -> None:
-    config = loopback_pair(example_config, health_s=120)
+def test_dead_process_fails_the_wait(tokenizer_json: Path, tmp_path: Path) -> None:
+    config = loopback_config(tokenizer_json, health_s=120)
     bad = msgspec.structs.replace(config.router, extra_args=["--no-such-flag"])
-    plan = router_plan(msgspec.structs.replace(config, router=bad))
-    launcher = Launcher(plan, tmp_path, poll_s=0.5, say=lambda _: None)
-    with pytest.raises(LaunchError, match="router process exited"), launcher:
-        launcher.setup()
+    config = msgspec.structs.replace(config, router=bad)
+    run = launcher(config, router_plan(config), tmp_path)
+    with pytest.raises(LaunchError, match="router @ local process") as info, run:
+        run.setup()
+    assert "unrecognized arguments: --no-such-flag" in str(info.value)
 
 
 def test_wait_is_bounded_without_a_server() -> None:
@@ -135,25 +143,28 @@ def test_wait_is_bounded_without_a_server() -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_tears_down(
-    example_config: PairConfig, tmp_path: Path, sig: signal.Signals
+    tokenizer_json: Path, tmp_path: Path, sig: signal.Signals
 ) -> None:
-    config = loopback_pair(example_config, health_s=600)
+    config = loopback_config(tokenizer_json, health_s=600)
     plan_file = tmp_path / "plan.json"
     plan_file.write_bytes(msgspec.json.encode(router_plan(config)))
+    ends = msgspec.json.encode(config_endpoints(config)).decode()
     script = textwrap.dedent(
         f"""
         import sys, msgspec
         from pathlib import Path
-        from vllm_overlay.e2e.launch import Launcher, sigterm_raises
+        from vllm_overlay.e2e.launch import Endpoints, Launcher, sigterm_raises
         from vllm_overlay.e2e.plan import Plan
         plan = msgspec.json.decode(Path({str(plan_file)!r}).read_bytes(), type=Plan)
+        ends = msgspec.json.decode({ends!r}, type=Endpoints)
         class Spy(Launcher):
-            def check_processes(self):
+            def check_alive(self):
                 print("waiting", self.processes["router"].pid, flush=True)
-                super().check_processes()
+                super().check_alive()
         try:
             say = lambda m: print(m, file=sys.stderr)
-            with sigterm_raises(), Spy(plan, Path({str(tmp_path)!r}), 0.5, say) as l:
+            spy = Spy(plan, Path({str(tmp_path)!r}), ends, 0.5, 30, say)
+            with sigterm_raises(), spy as l:
                 l.setup()
         except BaseException as e:
             print("interrupted:", type(e).__name__, flush=True)

@@ -7,15 +7,18 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from tests.e2e.conftest import EXAMPLES
 from tests.e2e.tokenizer import build_tokenizer
-from vllm_overlay.e2e.config import ConfigError
+from vllm_overlay.e2e.config import ConfigError, load_config
 from vllm_overlay.e2e.prompts import (
-    REQUIRED_LENGTHS,
     kv_prompt,
     load_tokenizer,
     needle_prompt,
-    sweep_lengths,
+    prefix_pair,
 )
+from vllm_overlay.e2e.runner import planned_lengths
+
+SEED_LENGTHS = (251, 377, 384, 440, 447, 636, 832, 895)
 
 
 @pytest.fixture(scope="module")
@@ -24,27 +27,9 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return load_tokenizer(path)
 
 
-def test_sweep_covers_required_lengths_and_every_boundary() -> None:
-    lengths = sweep_lengths([16, 64], max_len=1024)
-    assert len(lengths) >= 100
-    assert set(REQUIRED_LENGTHS) <= set(lengths)
-    for b in (16, 64):
-        for k in range(1, 1024 // b + 1):
-            near = {k * b - 1, k * b, k * b + 1, k * b + 2}
-            assert {n for n in near if n <= 1024} <= set(lengths), (b, k)
-    assert lengths == sorted(set(lengths))
-    assert max(lengths) <= 1024
-
-
-def test_sweep_tops_up_to_the_minimum_count() -> None:
-    # One boundary only: the even spacing must fill up to 100 lengths.
-    lengths = sweep_lengths([512], max_len=1024, required=())
-    assert len(lengths) >= 100
-    assert {511, 512, 513, 514, 1023, 1024} <= set(lengths)
-
-
 def test_every_sweep_prompt_has_its_exact_length(tok: Tokenizer) -> None:
-    lengths = sweep_lengths([16], max_len=1024)
+    config = load_config(EXAMPLES / "dsv4-pro-1p1d.toml")
+    lengths = planned_lengths(config)
     assert len(lengths) >= 100
     for n in lengths:
         p = kv_prompt(tok, n)
@@ -52,7 +37,7 @@ def test_every_sweep_prompt_has_its_exact_length(tok: Tokenizer) -> None:
         assert p.token_ids[0] == tok.token_to_id("<s>")
 
 
-@pytest.mark.parametrize("n", REQUIRED_LENGTHS)
+@pytest.mark.parametrize("n", SEED_LENGTHS)
 def test_kv_prompt_asks_for_a_key_it_lists(tok: Tokenizer, n: int) -> None:
     p = kv_prompt(tok, n)
     text = tok.decode(p.token_ids)
@@ -87,3 +72,15 @@ def test_needle_prompt_word_count_and_needle(tok: Tokenizer, words: int) -> None
 def test_a_missing_tokenizer_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="model.tokenizer .*: cannot load"):
         load_tokenizer(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.897])
+def test_prefix_pair_shares_exactly_its_fraction(
+    tok: Tokenizer, fraction: float
+) -> None:
+    first, second = prefix_pair(tok, 1000, fraction)
+    assert first.length == second.length == 1000
+    shared = int(1000 * fraction)
+    assert first.token_ids[:shared] == second.token_ids[:shared]
+    assert first.token_ids[shared:] != second.token_ids[shared:]
+    assert tok.decode(second.token_ids).endswith("The value is")

@@ -4,6 +4,9 @@ config whose kv_transfer_config the installed MoRIIO code accepts."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -22,8 +25,9 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
 )
 
-from vllm_overlay.e2e.config import PairConfig, Server
-from vllm_overlay.e2e.plan import build_plan
+from tests.e2e.conftest import LLAMA_TP8
+from vllm_overlay.e2e.config import RunConfig, Speculative
+from vllm_overlay.e2e.servers import Server, serve_command, servers
 
 
 def parse_serve(argv: list[str]) -> argparse.Namespace:
@@ -45,18 +49,13 @@ def engine_config(argv: list[str]) -> VllmConfig:
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
-def serve_lines(config: PairConfig) -> dict[str, list[str]]:
-    plan = build_plan(config)
-    return {
-        s.role: s.inner
-        for s in plan.setup
-        if s.action == "start" and s.role != "router"
-    }
+def serve_lines(config: RunConfig) -> dict[str, list[str]]:
+    return {s.role: serve_command(config, s) for s in servers(config)}
 
 
-def with_dcp(config: PairConfig, dcp: int) -> PairConfig:
+def with_sides(config: RunConfig, **kw: object) -> RunConfig:
     legs = {
-        leg: msgspec.structs.replace(getattr(config, leg), dcp=dcp)
+        leg: msgspec.structs.replace(getattr(config, leg), **kw)
         for leg in ("prefill", "decode")
     }
     return msgspec.structs.replace(config, **legs)
@@ -65,10 +64,10 @@ def with_dcp(config: PairConfig, dcp: int) -> PairConfig:
 @pytest.mark.parametrize("dcp", [1, 2])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_serve_line_builds_moriio_read_config(
-    local_example: PairConfig, role: str, dcp: int, monkeypatch: pytest.MonkeyPatch
+    local_example: RunConfig, role: str, dcp: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = with_dcp(local_example, dcp)
-    server: Server = getattr(config, role)
+    config = with_sides(local_example, dcp=dcp)
+    server: Server = servers(config, role)[0]  # type: ignore[arg-type]
     vllm_config = engine_config(serve_lines(config)[role])
 
     assert vllm_config.parallel_config.tensor_parallel_size == server.tp
@@ -100,7 +99,7 @@ def test_serve_line_builds_moriio_read_config(
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_serve_line_builds_the_scheduler_connector(
-    local_example: PairConfig, role: str
+    local_example: RunConfig, role: str
 ) -> None:
     vllm_config = engine_config(serve_lines(local_example)[role])
     spec = FullAttentionSpec(
@@ -120,3 +119,50 @@ def test_serve_line_builds_the_scheduler_connector(
         )
     assert connector.connector_scheduler is not None
     assert connector.connector_worker is None
+
+
+def test_data_parallel_and_expert_parallel_per_side(
+    local_example: RunConfig, tmp_path: Path
+) -> None:
+    # Defect 10: TP/DP per side, parsed by vLLM's own CLI (an MoE model, so
+    # that vLLM accepts expert parallelism).
+    moe = {
+        **LLAMA_TP8,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    config = with_sides(local_example, tp=4, dp=2, expert_parallel=True)
+    model = msgspec.structs.replace(config.model, path=str(tmp_path))
+    config = msgspec.structs.replace(config, model=model)
+    vllm_config = engine_config(serve_lines(config)["decode"])
+    parallel = vllm_config.parallel_config
+    assert parallel.tensor_parallel_size == 4
+    assert parallel.data_parallel_size == 2
+    assert parallel.enable_expert_parallel is True
+
+
+@pytest.mark.parametrize(
+    ("method", "tokens"),
+    [("mtp", 9), ("mtp", 1), ("eagle", 3), ("eagle3", 2), ("dflash", 4),
+     ("draft_model", 5), ("dspark", 3), ("ngram", 4)],
+)  # fmt: skip
+def test_lookahead_slots_agree_with_vllm(method: str, tokens: int) -> None:
+    """Our lookahead per speculative method (it decides which lengths fail)
+    is what vLLM 0.33.0's VllmConfig.num_lookahead_tokens reserves."""
+    from vllm.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.__new__(SpeculativeConfig)
+    object.__setattr__(spec, "method", method)
+    object.__setattr__(spec, "num_speculative_tokens", tokens)
+    object.__setattr__(spec, "num_speculative_tokens_per_batch_size", None)
+    # DSpark's drafter samples from the anchor (no fill-in slot).
+    anchor = SimpleNamespace(hf_config=SimpleNamespace(sample_from_anchor=True))
+    object.__setattr__(spec, "draft_model_config", anchor)
+    holder = VllmConfig.__new__(VllmConfig)
+    object.__setattr__(holder, "speculative_config", spec)
+    object.__setattr__(holder, "diffusion_config", None)
+    ours = Speculative(method, tokens).lookahead_slots()
+    assert ours == VllmConfig.num_lookahead_tokens.fget(holder)  # type: ignore[attr-defined]

@@ -1,0 +1,260 @@
+"""A stand-in for the `docker` CLI, enough for the harness: run (detached or
+in the foreground), inspect, logs, rm --force, pull, image inspect.
+
+"Containers" are local processes. The image's entry points map to stand-ins:
+`vllm serve ...` -> tests/e2e/standin.py, `vllm-router` -> the real router of
+this environment, `python3 .../moriio_toy_proxy_server.py` ->
+tests/e2e/frontend.py. State lives in $FAKE_DOCKER_STATE. Behaviour knobs:
+- FAKE_DOCKER_DIE: comma list; a container whose name contains one prints a
+  start-up failure and exits with 3 (a MoRI assert, an OOM ...);
+- FAKE_DOCKER_PULL: ok (default, prints progress), hang, fail;
+- FAKE_DOCKER_HAVE_IMAGE=1: `image inspect` finds the image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+VALUE_FLAGS = {
+    "--name", "--network", "--ipc", "--device", "--group-add", "--cap-add",
+    "--security-opt", "--ulimit", "--shm-size", "--volume", "-v", "--env", "-e",
+    "--entrypoint", "--user", "--format", "--tail",
+}  # fmt: skip
+DIE_LINES = (
+    "INFO 11-30 12:00:00 api_server.py:1] vLLM API server version 0.33.0",
+    "INFO 11-30 12:00:05 core.py:1] Initializing MoRIIO worker",
+    "ERROR 11-30 12:00:09 core.py:2] RuntimeError: MoRI: RdmaContext::Initialize: "
+    "no RDMA device matches MORI_RDMA_DEVICES",
+    "ERROR 11-30 12:00:09 core.py:3] EngineCore failed to start.",
+)
+
+
+def state() -> Path:
+    d = Path(os.environ["FAKE_DOCKER_STATE"])
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def parse(args: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """Flags (with values) and the positional arguments after them."""
+    flags: dict[str, list[str]] = {}
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        flag = args[i]
+        if flag in VALUE_FLAGS:
+            flags.setdefault(flag, []).append(args[i + 1])
+            i += 2
+        else:
+            flags.setdefault(flag, []).append("")
+            i += 1
+    return flags, args[i:]
+
+
+def command_for(name: str, entrypoint: str, args: list[str]) -> list[str]:
+    die = [d for d in os.environ.get("FAKE_DOCKER_DIE", "").split(",") if d]
+    if any(d in name for d in die):
+        text = "\n".join(DIE_LINES)
+        return [
+            sys.executable,
+            "-c",
+            f"print({text!r}, flush=True); raise SystemExit(3)",
+        ]
+    if entrypoint == "vllm":
+        return [sys.executable, str(HERE / "standin.py"), *args]
+    if entrypoint == "vllm-router":
+        return [str(Path(sys.executable).parent / "vllm-router"), *args]
+    if (
+        entrypoint == "python3"
+        and args
+        and args[0].endswith("moriio_toy_proxy_server.py")
+    ):
+        return [sys.executable, str(HERE / "frontend.py"), *args[1:]]
+    raise SystemExit(f"fake docker: no stand-in for entrypoint {entrypoint} {args[:1]}")
+
+
+def child_env(flags: dict[str, list[str]]) -> dict[str, str]:
+    env = dict(os.environ)
+    for kv in flags.get("--env", []) + flags.get("-e", []):
+        key, _, value = kv.partition("=")
+        env[key] = value
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def supervise(name: str, argv: list[str], env: dict[str, str], log: Path | None) -> int:
+    """Run the container's process in a process group of its own (what
+    `rm --force` kills); forward SIGTERM/SIGINT; record its exit."""
+    out = log.open("ab") if log is not None else None
+    child = subprocess.Popen(
+        argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    info = state() / f"{name}.json"
+    info.write_text(json.dumps({"pid": os.getpid(), "group": child.pid}))
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = child.wait()
+    (state() / f"{name}.exit").write_text(str(code))
+    return code
+
+
+def cmd_run(args: list[str]) -> int:
+    flags, rest = parse(args)
+    name = flags["--name"][0]
+    entrypoint = flags["--entrypoint"][0]
+    image, inner = rest[0], rest[1:]
+    assert image, "no image"
+    if (state() / f"{name}.json").exists():
+        print(
+            f"docker: Error: the container name {name} is already in use",
+            file=sys.stderr,
+        )
+        return 125
+    argv = command_for(name, entrypoint, inner)
+    env = child_env(flags)
+    log = state() / f"{name}.log"
+    log.write_bytes(b"")
+    (state() / f"{name}.exit").unlink(missing_ok=True)
+    if "--detach" in flags:
+        spec = state() / f"{name}.cmd"
+        spec.write_text(json.dumps({"argv": argv, "env": env}))
+        sup = subprocess.Popen(
+            [sys.executable, __file__, "_supervise", name],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        # The supervisor records itself and the container's process group.
+        deadline = time.monotonic() + 30
+        while not (state() / f"{name}.json").exists():
+            if sup.poll() is not None or time.monotonic() > deadline:
+                print(f"docker: {name} did not start", file=sys.stderr)
+                return 125
+            time.sleep(0.05)
+        print(f"fake{sup.pid:012d}")
+        return 0
+    (state() / f"{name}.json").write_text(json.dumps({"pid": os.getpid()}))
+    try:
+        return supervise(name, argv, env, None)
+    finally:
+        if "--rm" in flags:
+            for suffix in (".json", ".exit", ".cmd", ".log"):
+                (state() / f"{name}{suffix}").unlink(missing_ok=True)
+
+
+def cmd_supervise(name: str) -> int:
+    spec = json.loads((state() / f"{name}.cmd").read_text())
+    return supervise(name, spec["argv"], spec["env"], state() / f"{name}.log")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def cmd_inspect(args: list[str]) -> int:
+    flags, rest = parse(args)
+    name = rest[0]
+    info = state() / f"{name}.json"
+    if not info.exists():
+        print(f"Error: No such object: {name}", file=sys.stderr)
+        return 1
+    exit_file = state() / f"{name}.exit"
+    if exit_file.exists():
+        print(f"exited {exit_file.read_text().strip()} false")
+    elif alive(json.loads(info.read_text())["pid"]):
+        print("running 0 false")
+    else:
+        print("dead 137 false")
+    return 0
+
+
+def cmd_logs(args: list[str]) -> int:
+    flags, rest = parse(args)
+    log = state() / f"{rest[0]}.log"
+    if not (state() / f"{rest[0]}.json").exists():
+        print(f"Error: No such container: {rest[0]}", file=sys.stderr)
+        return 1
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    if "--tail" in flags:
+        lines = lines[-int(flags["--tail"][0]) :]
+    print("\n".join(lines))
+    return 0
+
+
+def cmd_rm(args: list[str]) -> int:
+    flags, rest = parse(args)
+    name = rest[0]
+    info = state() / f"{name}.json"
+    if not info.exists():
+        print(f"Error: No such container: {name}", file=sys.stderr)
+        return 1
+    # Like docker: SIGKILL, at once, to everything in the container.
+    record = json.loads(info.read_text())
+    group = record.get("group")
+    if group is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    pid = record["pid"]
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for suffix in (".json", ".exit", ".cmd", ".log"):
+        (state() / f"{name}{suffix}").unlink(missing_ok=True)
+    print(name)
+    return 0
+
+
+def cmd_pull(args: list[str]) -> int:
+    mode = os.environ.get("FAKE_DOCKER_PULL", "ok")
+    image = args[-1]
+    print(
+        f"{image.rsplit(':', 1)[-1]}: Pulling from {image.rsplit(':', 1)[0]}",
+        flush=True,
+    )
+    if mode == "fail":
+        print(f"Error response from daemon: manifest for {image} not found", flush=True)
+        return 1
+    for layer in ("3f1a0c2e", "9b2d4e61"):
+        print(f"{layer}: Pulling fs layer", flush=True)
+        if mode == "hang":
+            time.sleep(3600)
+        print(f"{layer}: Pull complete", flush=True)
+    print(f"Status: Downloaded newer image for {image}", flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        return 2
+    cmd, args = argv[0], argv[1:]
+    if cmd == "_supervise":
+        return cmd_supervise(args[0])
+    if cmd == "image" and args[:1] == ["inspect"]:
+        return 0 if os.environ.get("FAKE_DOCKER_HAVE_IMAGE") == "1" else 1
+    handlers = {
+        "run": cmd_run, "inspect": cmd_inspect, "logs": cmd_logs, "rm": cmd_rm,
+        "pull": cmd_pull,
+    }  # fmt: skip
+    if cmd not in handlers:
+        print(f"fake docker: unknown command {cmd}", file=sys.stderr)
+        return 2
+    return handlers[cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

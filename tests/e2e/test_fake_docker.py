@@ -1,0 +1,120 @@
+"""The harness against a fake `docker` on PATH (tests/e2e/fakedocker.py):
+containers are local stand-in processes, so liveness, the pull step and a
+whole run through containers are exercised without a Docker engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tests.e2e.conftest import SERIES, loopback_config, write_config
+from vllm_overlay.cli import main
+from vllm_overlay.e2e.config import RunConfig
+from vllm_overlay.e2e.report import read_report
+from vllm_overlay.e2e.runner import run
+
+
+def with_timeouts(config: RunConfig, **kw: float) -> RunConfig:
+    return msgspec.structs.replace(
+        config, timeouts=msgspec.structs.replace(config.timeouts, **kw)
+    )
+
+
+def test_a_container_that_exits_at_start_fails_the_run_at_once(
+    fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # The decode server dies during start-up (a MoRI device assert). The
+    # health wait allows an hour: only the liveness check can end the run.
+    monkeypatch.setenv("FAKE_DOCKER_DIE", "decode-0")
+    config = with_timeouts(loopback_config(tokenizer_json), health_s=3600)
+    said: list[str] = []
+    report = run(config, tmp_path, SERIES, say=said.append)
+    assert not report.ok
+    assert report.error.startswith("ContainerExited: decode-0 @ local exited (exit 3)")
+    launch = report.sections[0]
+    assert (launch.name, launch.status) == ("launch", "fail")
+    assert launch.cases[0].id == "decode-0"
+    detail = launch.cases[0].detail
+    assert "no RDMA device matches MORI_RDMA_DEVICES" in detail
+    assert "EngineCore failed to start." in detail
+    md = (tmp_path / "report.md").read_text()
+    assert "RdmaContext::Initialize" in md and md.startswith("# MoRIIO E2E: FAIL")
+    # The dead container's log is collected and every container removed.
+    assert "EngineCore failed" in (tmp_path / "logs" / "decode-0.log").read_text()
+    assert not list(fake_docker.glob("*.json"))
+    assert any("docker rm --force moriio-e2e-loop-prefill-0" in s for s in said)
+
+
+def test_the_pull_is_its_own_step_with_progress(
+    fake_docker: Path, tokenizer_json: Path, tmp_path: Path
+) -> None:
+    config = loopback_config(tokenizer_json, container__pull="always")
+    said: list[str] = []
+    report = run(config, tmp_path, SERIES, say=said.append)
+    assert report.ok, report.error
+    pulls = [s for s in said if s.startswith("[pull @ local]")]
+    assert "[pull @ local] 3f1a0c2e: Pulling fs layer" in pulls
+    assert pulls[-1].endswith(
+        "Downloaded newer image for registry.example.com/overlay:test"
+    )
+    # One pull per host, before any container starts.
+    first_run = next(i for i, s in enumerate(said) if " run --detach" in s)
+    assert max(i for i, s in enumerate(said) if s.startswith("[pull")) < first_run
+
+
+def test_a_pull_that_hangs_stops_at_its_timeout_with_a_report(
+    fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setenv("FAKE_DOCKER_PULL", "hang")
+    config = with_timeouts(loopback_config(tokenizer_json), pull_s=2)
+    path = write_config(config, tmp_path / "run.toml")
+    run_dir = tmp_path / "run"
+    assert main(["e2e", "--config", str(path), "--run-dir", str(run_dir)]) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    report = read_report(run_dir / "report.json")
+    assert (
+        "did not finish in 2s (last output: 3f1a0c2e: Pulling fs layer)" in report.error
+    )
+    assert "[pull @ local] 3f1a0c2e: Pulling fs layer" in out
+
+
+def test_a_failed_pull_names_the_registry_answer(
+    fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("FAKE_DOCKER_PULL", "fail")
+    report = run(loopback_config(tokenizer_json), tmp_path, SERIES, say=lambda _: None)
+    assert "pull @ local: exit 1: Error response from daemon: manifest" in report.error
+
+
+def test_a_whole_run_through_containers_and_the_toy_proxy(
+    fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # The front end is the image's toy proxy (here its stand-in), in a
+    # container like the servers; it hands the decoder max_tokens - 1.
+    config = loopback_config(
+        tokenizer_json, 2, 2, kind="toy-proxy", router_container=True,
+        router__proxy_ping_port=36367,
+    )  # fmt: skip
+    discovery = f"127.0.0.1:{config.router.proxy_ping_port}"
+    monkeypatch.setenv("STANDIN_DISCOVERY", discovery)
+    config = msgspec.structs.replace(
+        config,
+        router=msgspec.structs.replace(config.router, proxy_ping_port=36367),
+    )
+    report = run(config, tmp_path, SERIES, say=lambda _: None)
+    failures = {
+        s.name: [c.detail for c in s.cases if c.status == "fail"][:2]
+        for s in report.sections
+    }
+    assert report.ok, (report.error, failures)
+    front = next(s for s in report.sections if s.name == "front end")
+    assert front.summary["max_tokens"] == "minus-one"
+    assert report.front_end == "toy-proxy"
+    assert not list(fake_docker.glob("*.json"))
