@@ -12,6 +12,7 @@ import pytest
 
 from tests.e2e.conftest import EXAMPLE, FIXTURES
 from vllm_overlay.cli import main
+from vllm_overlay.e2e.cli import series_patches
 from vllm_overlay.e2e.config import (
     UNPRIVILEGED_FLAGS,
     ConfigError,
@@ -44,8 +45,11 @@ def starts(plan: Plan) -> dict[str, Step]:
 
 def test_dry_run_matches_the_reviewed_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["e2e", "--config", str(EXAMPLE), "--dry-run"]) == 0
+    # The reviewed plan names the series id of this checkout.
+    series = series_patches()
+    assert series is not None
     expected = (FIXTURES / "llama-smoke.plan.txt").read_text()
-    assert capsys.readouterr().out == expected
+    assert capsys.readouterr().out == expected.replace("{series}", series[0])
 
 
 def test_plan_order() -> None:
