@@ -61,12 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; every failure is one line on stderr and status 2
+    (with ``--json``, also a JSON object on stdout)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     app = App(json="--json" in args_list)
     try:
         args = build_parser().parse_args(args_list)
         app = App(repo=args.repo, json=args.json)
-        return int(args.handler(app, args))
+        code = int(args.handler(app, args))
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
     except (OverlayError, UsageError) as e:
         return app.fail(str(e))
     except KeyboardInterrupt:
@@ -76,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_ERROR
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        return app.fail(f"{where}{e.strerror or e}")
     except Exception as e:  # a bug: still one line, unless asked for more
         if os.environ.get("VLLM_OVERLAY_DEBUG"):
             raise

@@ -9,7 +9,8 @@ Output rules, the same in every command:
 
 - text for people on stdout, ending with a one-line summary;
 - with ``--json``, stdout holds exactly one JSON object (the command's
-  result, or ``{"error": ...}``) and the text goes to stderr;
+  result, or ``{"error": ...}``) and the text is left out (progress of long
+  work still shows on stderr);
 - an error is one line ``error: ...`` on stderr and exit status 2.
 """
 
@@ -59,8 +60,9 @@ class App:
         return self.stderr or sys.stderr
 
     def say(self, text: str = "") -> None:
-        """A line for people: stdout, or stderr under ``--json``."""
-        print(text, file=self.err if self.json else self.out, flush=self.json)
+        """A line for people on stdout (left out under ``--json``)."""
+        if not self.json:
+            print(text, file=self.out)
 
     def progress(self, line: str) -> None:
         """A line that overwrites the previous one on a terminal (stderr)."""
@@ -123,7 +125,7 @@ def global_options(*, root: bool) -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         default=False if root else argparse.SUPPRESS,
-        help="print the result as one JSON object on stdout (text goes to stderr)",
+        help="print the result as one JSON object on stdout instead of text",
     )
     return p
 

@@ -114,25 +114,71 @@ def _strip_prefix(path: str) -> str:
     return path
 
 
+# Lines of a git diff that change something other than text lines: modes,
+# renames and copies, binary contents. A patch holding one is refused (its
+# change would otherwise be skipped without a word).
+_NOT_TEXT = (
+    ("old mode ", "a mode change"),
+    ("new mode ", "a mode change"),
+    ("new file mode ", "a new file"),
+    ("deleted file mode ", "a deleted file"),
+    ("rename from ", "a rename"),
+    ("rename to ", "a rename"),
+    ("copy from ", "a copy"),
+    ("copy to ", "a copy"),
+    ("similarity index ", "a rename or copy"),
+    ("dissimilarity index ", "a rewrite"),
+    ("GIT binary patch", "a binary patch"),
+    ("Binary files ", "a binary file"),
+)
+
+
+def _not_text(line: str) -> str | None:
+    for prefix, what in _NOT_TEXT:
+        if line.startswith(prefix):
+            return what
+    return None
+
+
 def parse_patch(text: str) -> list[FilePatch]:
     """Parse the unified diff part of ``text`` (anything before the first
-    ``diff --git`` / ``---`` file header is ignored)."""
+    ``diff --git`` / ``---`` file header is ignored). Anything but text
+    hunks (a binary, mode, rename or copy section) is a ``DiffError``."""
     lines = text.splitlines(keepends=True)
     files: list[FilePatch] = []
     i = 0
     n = len(lines)
+    in_git = False  # inside a `diff --git` section, before its hunks
     while i < n:
         line = lines[i]
+        if line.startswith("diff --git "):
+            if in_git:
+                raise DiffError(
+                    f"line {i + 1}: the `diff --git` section before this line has "
+                    "no text hunks (a binary, mode or rename change?)"
+                )
+            in_git = True
+        elif in_git and (what := _not_text(line)) is not None:
+            raise DiffError(
+                f"line {i + 1}: {what} ({line.rstrip()!r}); only text hunks can "
+                "be applied"
+            )
         is_header = line.startswith("--- ") and i + 1 < n
         if not (is_header and lines[i + 1].startswith("+++ ")):
             i += 1
             continue
+        in_git = False
         old_path = _strip_prefix(line[4:].rstrip("\r\n"))
         new_path = _strip_prefix(lines[i + 1][4:].rstrip("\r\n"))
         if old_path == "/dev/null" or new_path == "/dev/null":
             raise DiffError(
                 f"line {i + 1}: creating or deleting files is not supported "
                 f"({old_path} -> {new_path})"
+            )
+        if old_path != new_path:
+            raise DiffError(
+                f"line {i + 1}: {old_path} -> {new_path} renames a file; only "
+                "text hunks can be applied"
             )
         i += 2
         hunks: list[Hunk] = []
@@ -142,6 +188,8 @@ def parse_patch(text: str) -> list[FilePatch]:
         if not hunks:
             raise DiffError(f"{new_path}: file header without hunks")
         files.append(FilePatch(old_path, new_path, tuple(hunks)))
+    if in_git:
+        raise DiffError("the last `diff --git` section has no text hunks")
     if not files:
         raise DiffError("no file diffs found")
     seen: set[str] = set()

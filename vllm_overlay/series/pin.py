@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import posixpath
 from pathlib import Path
 from typing import Annotated
 
@@ -59,6 +60,11 @@ class Pin(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("`files` must name at least one file")
         prefix = self.module.rstrip("/") + "/"
         for path in self.files:
+            if posixpath.normpath(path) != path or path.startswith("/"):
+                raise ValueError(
+                    f"`files`: {path!r} is not a normalised relative path "
+                    f"(no '..', '.', '//' or leading '/')"
+                )
             if not path.startswith(prefix):
                 raise ValueError(f"`files`: {path!r} is outside module {self.module!r}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -14,7 +15,8 @@ from vllm_overlay.command import (
     add_command,
     base_source,
 )
-from vllm_overlay.simulate.layouts import all_layouts
+from vllm_overlay.errors import OverlayError
+from vllm_overlay.simulate.layouts import all_layouts, expand
 from vllm_overlay.simulate.matrix import (
     MATRIX_JSON,
     format_matrix,
@@ -26,8 +28,29 @@ from vllm_overlay.simulate.run import (
     DEFAULT_HITS,
     DEFAULT_LENGTHS,
     FAMILY_LENGTHS,
+    parse_hits,
+    parse_lengths,
     run_sweep,
 )
+
+
+class SimulateArgsError(OverlayError):
+    """A --layouts, --lengths or --hits value the simulator cannot use."""
+
+
+def _check_args(layouts: list[str], lengths: str | None, hits: str) -> None:
+    checks: list[tuple[str, object, Callable[[], object]]] = [
+        ("--layouts", ",".join(layouts), lambda: expand(layouts or None)),
+        ("--hits", hits, lambda: parse_hits(hits)),
+    ]
+    if lengths is not None:
+        checks.append(("--lengths", lengths, lambda: parse_lengths(lengths)))
+    for option, value, parse in checks:
+        try:
+            parse()
+        except (ValueError, KeyError) as e:
+            why = e.args[0] if isinstance(e, KeyError) and e.args else e
+            raise SimulateArgsError(f"{option} {value!r}: {why}") from None
 
 
 def register(sub: Subparsers) -> None:
@@ -105,6 +128,7 @@ def _run(app: App, args: argparse.Namespace) -> int:
     """
     variants = ["base", "overlay"] if args.variant == "both" else [args.variant]
     layouts = [x for x in args.layouts.split(",") if x.strip()]
+    _check_args(layouts, args.lengths, args.hits)
     if args.update_readme:
         if layouts or args.variant != "both":
             return app.fail("--update-readme runs every family, base and overlay")

@@ -112,7 +112,13 @@ def materialize(
     written = []
     for path, text in sorted(texts.items()):
         dest = out / path
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(text)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text)
+        except OSError as e:
+            where = e.filename or dest
+            raise MaterializeError(
+                f"--out {out}: cannot write {where}: {e.strerror}"
+            ) from None
         written.append(dest)
     return written
