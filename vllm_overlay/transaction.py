@@ -20,7 +20,8 @@ commit that has a journal (each backup renamed back, each file the commit
 created removed) and removes every leftover temporary or backup; it is
 idempotent, so a kill during recovery is recovered by the next one. A
 failure or SIGINT/SIGTERM inside ``commit`` runs the same undo before the
-error is raised: the files are as they were, modes included.
+error is raised: the files are as they were, modes included (a signal past
+the commit point is ignored: the commit is complete).
 
 ``Lock`` serialises writers of one directory with ``flock`` on a lock file
 holding the writer's pid; the file is removed when the lock is released.
@@ -170,11 +171,13 @@ class Transaction:
         if not entries:
             return
         data = {rel: change.data for rel, change in changes.items()}
+        journal = Journal(os.getpid(), entries)
         with _signals_raise():
             try:
-                self._run(Journal(os.getpid(), entries), data)
+                self._run(journal, data)
             except (OSError, Interrupted) as e:
                 self.undo()
+                (self.root / _JOURNAL_TMP).unlink(missing_ok=True)
                 if isinstance(e, Interrupted):
                     raise
                 where = e.filename or self.root
@@ -182,6 +185,7 @@ class Transaction:
                     f"writing {where} failed ({e.strerror or e}); every file was "
                     "restored, the target is unchanged"
                 ) from None
+            self._clean_up(journal)
 
     def _run(self, journal: Journal, data: Mapping[str, bytes | None]) -> None:
         tmp = self.root / _JOURNAL_TMP
@@ -212,15 +216,23 @@ class Transaction:
         self._sync("renames", dirs)
         _check_signals()
         # The commit point: from here on the new files stand.
+        _step("remove journal")
+        os.unlink(self.journal)
+
+    def _clean_up(self, journal: Journal) -> None:
+        """After the commit point: the backups go. Best effort, step by step:
+        what a failure here leaves, the next ``recover`` removes."""
+        dirs = {self._resolve(e.path).parent for e in journal.entries}
         with _signals_deferred():
-            _step("remove journal")
-            os.unlink(self.journal)
-            self._sync("commit")
+            with contextlib.suppress(OSError):
+                self._sync("commit")
             for e in journal.entries:
                 if e.existed:
-                    _step(f"remove backup {e.path}")
-                    backup_name(self._resolve(e.path)).unlink(missing_ok=True)
-            self._sync("cleanup", dirs)
+                    with contextlib.suppress(OSError):
+                        _step(f"remove backup {e.path}")
+                        backup_name(self._resolve(e.path)).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self._sync("cleanup", dirs)
 
     def _sync(self, what: str, dirs: set[Path] | None = None) -> None:
         for d in sorted(dirs or {self.root}):
@@ -334,30 +346,24 @@ def _check_signals() -> None:
 @contextmanager
 def _signals_raise() -> Iterator[None]:
     """SIGINT/SIGTERM are recorded and raised between steps (then undone).
-    One that arrives past the commit point is delivered again once the
-    commit is complete."""
+    One that arrives past the commit point is dropped: the commit is done."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _pending.clear()
     old = {s: signal.signal(s, _record) for s in (signal.SIGINT, signal.SIGTERM)}
-    completed = False
     try:
         yield
-        completed = True
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-        late = list(_pending) if completed else []
         _pending.clear()
-        for signum in late[:1]:
-            os.kill(os.getpid(), signum)
 
 
 @contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """Past the commit point (or while undoing) a signal waits until the
-    step is done: the result is then reported as it is."""
+    """Past the commit point, and while undoing, a signal does not stop the
+    work: it is only recorded."""
     saved = list(_pending)
     _pending.clear()
     try:

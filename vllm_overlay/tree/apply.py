@@ -2,54 +2,62 @@
 
 Policy: every hunk must match at the exact line its header names (no fuzz, no
 offset). The series is made against the pinned base and apply refuses any
-file that is not byte-identical to it, so an offset could only mean the patch
-file itself was edited by hand: that is an error, not something to tolerate.
+file that is not byte-identical to it or to a known overlay of it, so an
+offset could only mean the patch file itself was edited by hand: that is an
+error, not something to tolerate.
 
-Writes go through one ``Transaction``: every new file is written next to its
-target, and only when all are written are they renamed into place. A failure
-restores every file already replaced and removes the temporaries, leaving the
-target byte-identical to before.
+Both directions compute every file in memory first, from the pinned base
+texts (the tree's files peeled back to the base), then change the pinned
+files and the manifest in one ``Transaction``, under the module directory's
+lock. A write cut short by a kill is undone by the next `apply` or
+`apply --revert` before it does anything else; a manifest that is missing,
+unreadable or out of date is rewritten whenever the bytes are a known state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
 
 from vllm_overlay import __version__
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.series.diff import HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.series.pin import Pin, sha256_bytes
-from vllm_overlay.transaction import Change, Transaction, TransactionError
+from vllm_overlay.transaction import Change, Transaction, TransactionError, lock
 from vllm_overlay.tree.manifest import (
     MANIFEST_NAME,
     AppliedPatch,
     Manifest,
     ManifestFile,
     encode_manifest,
-    manifest_path,
 )
 from vllm_overlay.tree.status import StatusReport, tree_status
-from vllm_overlay.tree.target import Target
+from vllm_overlay.tree.target import Target, TargetError
 
 
 class ApplyError(OverlayError):
     """The series cannot be applied or reverted; the target is unchanged."""
 
 
-@dataclass(frozen=True)
-class ApplyReport:
-    """What `apply` (or `apply --revert`) did."""
+class ApplyReport(msgspec.Struct):
+    """What `apply` (or `apply --revert`) did, for people and ``--json``."""
 
-    action: str  # "applied", "reverted", "no-op"
+    action: str  # "applied", "reverted", "repaired", "no-op"
     message: str
-    files: list[str]
+    files: list[str]  # pinned paths written
+    series_id: str = ""
+    recovered: list[str] = []  # what was undone or cleaned up first
+    warnings: list[str] = []
 
 
 def overlay_texts(bases: dict[str, str], series: Series) -> dict[str, str]:
     """The overlaid text of every file the series touches, from base texts."""
     out: dict[str, str] = {}
     for path in series.touched_paths():
+        if path not in bases:
+            raise ApplyError(f"the series touches {path}, which is not pinned")
         text = bases[path]
         for patch in series.patches_for(path):
             for fp in patch.files:
@@ -64,84 +72,141 @@ def overlay_texts(bases: dict[str, str], series: Series) -> dict[str, str]:
 
 
 def _refuse_unless_known(report: StatusReport) -> None:
-    bad = [f for f in report.files if f.state in ("unknown", "missing")]
+    bad = [f for f in report.files if f.pinned and f.state in ("unknown", "missing")]
     if not bad:
         return
     f = bad[0]
     if f.state == "missing":
         raise ApplyError(f"{f.path}: missing from the target; nothing was written")
+    why = f" ({f.detail})" if f.detail else ""
     raise ApplyError(
-        f"{f.path}: does not match the pinned base (expected sha256 "
+        f"{f.path}: does not match the pinned base{why} (expected sha256 "
         f"{f.expected_sha256}, actual {f.actual_sha256}); nothing was written"
     )
 
 
-def apply_series(target: Target, pin: Pin, series: Series) -> ApplyReport:
-    report, bases = tree_status(target, pin, series)
-    _refuse_unless_known(report)
-    if report.state == "overlaid":
-        return ApplyReport(
-            "no-op", f"already overlaid with series {series.series_id}", []
+def _warnings(report: StatusReport) -> list[str]:
+    return [
+        f"{f.path}: not in the pin; left as it is" for f in report.files if not f.pinned
+    ]
+
+
+def _manifest(pin: Pin, series: Series, texts: dict[str, str]) -> bytes:
+    return encode_manifest(
+        Manifest(
+            tool_version=__version__,
+            series_id=series.series_id,
+            vllm_version=pin.vllm.version,
+            vllm_git_commit=pin.vllm.git_commit,
+            patches=[AppliedPatch(p.name, p.text) for p in series.patches],
+            files={
+                path: ManifestFile(pin.files[path], sha256_bytes(text.encode()))
+                for path, text in texts.items()
+            },
         )
-    if report.state == "partial":
-        raise ApplyError(
-            "the target is partly overlaid (some patches of the series are "
-            "missing); run with --revert first; nothing was written"
-        )
-    # base or stale: compute everything in memory from the known base texts.
-    new_texts = overlay_texts(bases, series)
-    changes = {
-        path: text.encode()
-        for path, text in new_texts.items()
-        if target.file(path).read_bytes() != text.encode()
-    }
-    # A stale overlay may also cover files this series leaves alone.
-    for f in report.files:
-        if f.state == "stale" and f.path not in new_texts:
-            changes[f.path] = bases[f.path].encode()
-    manifest = Manifest(
-        tool_version=__version__,
-        series_id=series.series_id,
-        vllm_version=pin.vllm.version,
-        vllm_git_commit=pin.vllm.git_commit,
-        patches=[AppliedPatch(p.name, p.text) for p in series.patches],
-        files={
-            path: ManifestFile(pin.files[path], sha256_bytes(text.encode()))
-            for path, text in new_texts.items()
-        },
-    )
-    _commit(target, pin, changes, encode_manifest(manifest))
-    verb = "re-applied over a stale overlay" if report.state == "stale" else "applied"
-    return ApplyReport(
-        "applied",
-        f"{verb} {len(series.patches)} patches (series {series.series_id})",
-        sorted(changes),
     )
 
 
-def revert_series(target: Target, pin: Pin, series: Series) -> ApplyReport:
-    report, bases = tree_status(target, pin, series)
-    _refuse_unless_known(report)
-    if report.state == "base":
-        manifest = manifest_path(target.root, pin.module)
-        if manifest.exists():
-            _commit(target, pin, {}, None)
-        return ApplyReport("no-op", "already the pinned base", [])
-    changes = {
-        f.path: bases[f.path].encode() for f in report.files if f.state != "base"
-    }
-    _commit(target, pin, changes, None)
-    return ApplyReport("reverted", "restored the pinned base", sorted(changes))
+def _module_dir(target: Target, pin: Pin) -> Path:
+    module_dir = target.root / pin.module
+    if not module_dir.is_dir():
+        raise TargetError(f"{target.describe()}: has no {pin.module}")
+    return module_dir
 
 
-def _commit(
-    target: Target, pin: Pin, changes: dict[str, bytes], manifest: bytes | None
-) -> None:
-    """Write ``changes`` and the manifest (None: remove it) all or nothing."""
-    module = pin.module.rstrip("/") + "/"
-    files = {path.removeprefix(module): Change(data) for path, data in changes.items()}
-    files[MANIFEST_NAME] = Change(manifest)
+def _rel(pin: Pin, path: str) -> str:
+    return path[len(pin.module.rstrip("/")) + 1 :]
+
+
+def apply_series(
+    target: Target, pin: Pin, series: Series, *, wait: bool = False
+) -> ApplyReport:
+    """Bring the tree to exactly the base with the series, with its manifest."""
+    return _change(target, pin, series, overlay=True, wait=wait)
+
+
+def revert_series(
+    target: Target, pin: Pin, series: Series, *, wait: bool = False
+) -> ApplyReport:
+    """Bring the tree to exactly the pinned base, without a manifest."""
+    return _change(target, pin, series, overlay=False, wait=wait)
+
+
+def _change(
+    target: Target, pin: Pin, series: Series, *, overlay: bool, wait: bool
+) -> ApplyReport:
     try:
-        Transaction(target.root / pin.module).commit(files)
+        return _locked_change(target, pin, series, overlay=overlay, wait=wait)
     except TransactionError as e:
         raise ApplyError(str(e)) from None
+
+
+def _locked_change(
+    target: Target, pin: Pin, series: Series, *, overlay: bool, wait: bool
+) -> ApplyReport:
+    module_dir = _module_dir(target, pin)
+    with lock(module_dir, wait=wait):
+        txn = Transaction(module_dir)
+        recovered = txn.recover()
+        report, bases = tree_status(target, pin, series)
+        _refuse_unless_known(report)
+        desired = {path: bases[path] for path in pin.files}
+        if overlay:
+            desired.update(overlay_texts(bases, series))
+        changes = {
+            _rel(pin, path): Change(text.encode())
+            for path, text in sorted(desired.items())
+            if target.file(path).read_bytes() != text.encode()
+        }
+        manifest_ok = report.manifest in ("ok", "absent")
+        if overlay and series.patches and (changes or not manifest_ok):
+            touched = {p: desired[p] for p in series.touched_paths()}
+            changes[MANIFEST_NAME] = Change(_manifest(pin, series, touched))
+        elif not overlay and (module_dir / MANIFEST_NAME).exists():
+            changes[MANIFEST_NAME] = Change(None)
+        txn.commit(changes)
+    written = sorted(path for path in desired if _rel(pin, path) in changes)
+    return ApplyReport(
+        action=_action(overlay, report, written, changes),
+        message=_message(overlay, report, series, written, changes),
+        files=written,
+        series_id=series.series_id if overlay else "",
+        recovered=recovered,
+        warnings=_warnings(report),
+    )
+
+
+def _action(
+    overlay: bool, report: StatusReport, written: list[str], changes: dict[str, Change]
+) -> str:
+    if written:
+        return "applied" if overlay else "reverted"
+    return "repaired" if changes else "no-op"
+
+
+def _message(
+    overlay: bool,
+    report: StatusReport,
+    series: Series,
+    written: list[str],
+    changes: dict[str, Change],
+) -> str:
+    sid = series.series_id
+    if not overlay:
+        if written:
+            return "restored the pinned base"
+        if changes:
+            return "already the pinned base; removed the manifest"
+        return "already the pinned base"
+    if written:
+        verb = {
+            "stale": "re-applied over a stale overlay",
+            "partial": "completed a partial overlay",
+        }.get(report.state, "applied")
+        return f"{verb}: {len(series.patches)} patches (series {sid})"
+    if changes:
+        return (
+            f"the files were already overlaid with series {sid}; rewrote the "
+            f"manifest (it was {report.manifest.split(':')[0]})"
+        )
+    return f"already overlaid with series {sid}"

@@ -12,7 +12,7 @@ from vllm_overlay.command import (
     add_command,
     base_source,
 )
-from vllm_overlay.series.patch_series import SeriesError
+from vllm_overlay.series.patch_series import Series, SeriesError, check_series
 from vllm_overlay.tree.apply import apply_series, revert_series
 from vllm_overlay.tree.materialize import materialize
 from vllm_overlay.tree.status import format_status, tree_status
@@ -32,20 +32,46 @@ def cmd_apply(app: App, args: argparse.Namespace) -> int:
     """Apply the series to a vLLM tree (or --revert it).
 
     Every pinned file is checked against pin.toml, every hunk must match at
-    its exact line, and the files change all together or not at all.
+    its exact line, and the files change all together or not at all. A kill
+    at any moment leaves a journal: the next `apply` or `apply --revert`
+    undoes the cut-short write first, removes leftovers, and repairs a
+    missing or stale manifest.
     """
-    pin, series = app.checkout.pin, app.checkout.series
+    checkout = app.checkout
+    pin = checkout.pin
     target = resolve_target(args.target)
     app.say(f"target: {target.describe()}")
     if args.revert:
-        outcome = revert_series(target, pin, series)
+        series = _series_for_revert(app)
+        outcome = revert_series(target, pin, series, wait=args.wait)
     else:
-        outcome = apply_series(target, pin, series)
+        problems = check_series(checkout.root, pin, tests=False)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise SeriesError(
+                f"{problems[0]}{more}; nothing was written (`vllm-overlay series "
+                "check` lists every problem)"
+            )
+        outcome = apply_series(target, pin, checkout.series, wait=args.wait)
+    for line in outcome.recovered:
+        app.say(f"  first {line}")
+    for line in outcome.warnings:
+        app.say(f"  warning: {line}")
     for path in outcome.files:
         app.say(f"  wrote {path}")
     app.say(f"{'revert' if args.revert else 'apply'}: {outcome.message}")
     app.result(outcome)
     return 0
+
+
+def _series_for_revert(app: App) -> Series:
+    """The series; when it does not load, none: the tree is then reverted by
+    what its manifest records."""
+    try:
+        return app.checkout.series
+    except SeriesError as e:
+        app.say(f"  warning: {e}; reverting by the manifest's record")
+        return Series(app.checkout.root, ())
 
 
 def cmd_status(app: App, args: argparse.Namespace) -> int:
@@ -59,9 +85,8 @@ def cmd_status(app: App, args: argparse.Namespace) -> int:
     report, _ = tree_status(target, pin, series)
     app.say(format_status(report))
     app.result(report)
-    if args.require is not None:
-        return 0 if report.state == args.require else 1
-    return 0 if report.state in ("base", "overlaid") else 1
+    ok = report.clean and (args.require is None or report.state == args.require)
+    return 0 if ok else 1
 
 
 def cmd_materialize(app: App, args: argparse.Namespace) -> int:
@@ -91,6 +116,11 @@ def register(sub: Subparsers) -> None:
     apply = add_command(sub, "apply", cmd_apply)
     apply.add_argument("--target", type=Path, metavar="PATH", help=TARGET_HELP)
     apply.add_argument("--revert", action="store_true", help="restore the pinned base")
+    apply.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for another apply on the same tree instead of failing",
+    )
 
     status = add_command(sub, "status", cmd_status)
     status.add_argument("--target", type=Path, metavar="PATH", help=TARGET_HELP)

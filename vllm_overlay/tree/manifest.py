@@ -36,13 +36,26 @@ def manifest_path(root: Path, module: str) -> Path:
     return root / module / MANIFEST_NAME
 
 
-def read_manifest(path: Path) -> Manifest | None:
-    """The manifest at ``path``; None when absent or unreadable (status then
-    relies on hashes alone and says so)."""
+def load_manifest(path: Path) -> tuple[Manifest | None, str]:
+    """The manifest at ``path`` and "", or None and why it cannot be used
+    ("" when there is none)."""
     try:
-        return msgspec.json.decode(path.read_bytes(), type=Manifest)
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return None
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, ""
+    except IsADirectoryError:
+        return None, "a directory stands at its path"
+    except OSError as e:
+        return None, f"cannot read it: {e.strerror}"
+    try:
+        return msgspec.json.decode(data, type=Manifest), ""
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return None, f"not a manifest ({e})"
+
+
+def read_manifest(path: Path) -> Manifest | None:
+    """The manifest at ``path``; None when absent or unusable."""
+    return load_manifest(path)[0]
 
 
 def encode_manifest(manifest: Manifest) -> bytes:

@@ -1,17 +1,34 @@
-"""What state a vLLM tree's MoRIIO files are in: base, overlaid, or neither."""
+"""What state a vLLM tree's MoRIIO files are in: base, overlaid, or neither.
+
+A file is ``base`` (the pinned bytes), ``overlaid`` (the base with every
+patch of the series that touches it), ``stale`` (the base with the patches
+the manifest records, an earlier series), ``partial`` (the base with only a
+prefix of its patches, and no manifest saying so), ``unknown`` or
+``missing``. The manifest is checked against the bytes; an interrupted
+write (a journal), a running apply (the lock) and leftover temporary files
+are reported as notes.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import msgspec
 
-from vllm_overlay.series.diff import FilePatch, HunkError, apply_file_patch, parse_patch
-from vllm_overlay.series.patch_series import Series, split_header
+from vllm_overlay.series.diff import (
+    DiffError,
+    FilePatch,
+    HunkError,
+    apply_file_patch,
+    parse_patch,
+)
+from vllm_overlay.series.patch_series import Series, SeriesError, split_header
 from vllm_overlay.series.pin import Pin, module_files, sha256_bytes
-from vllm_overlay.tree.manifest import Manifest, manifest_path, read_manifest
+from vllm_overlay.transaction import Transaction, TransactionError, lock_holder
+from vllm_overlay.tree.manifest import Manifest, load_manifest, manifest_path
 from vllm_overlay.tree.target import Target
 
 FileStateName = Literal["base", "overlaid", "partial", "stale", "unknown", "missing"]
@@ -26,6 +43,7 @@ class FileStatus(msgspec.Struct):
     actual_sha256: str
     overlaid_sha256: str = ""
     detail: str = ""
+    pinned: bool = True
 
 
 class StatusReport(msgspec.Struct):
@@ -35,6 +53,17 @@ class StatusReport(msgspec.Struct):
     patches: list[str]
     files: list[FileStatus]
     manifest_series_id: str = ""
+    # "ok", "absent" (a base tree has none), "missing", "invalid: ...",
+    # "stale: ..." (it does not describe the bytes).
+    manifest: str = ""
+    # What needs attention besides the states: an interrupted write, a
+    # running apply, leftovers, a manifest to repair.
+    notes: list[str] = []
+
+    @property
+    def clean(self) -> bool:
+        """Base or overlaid, with nothing to repair."""
+        return self.state in ("base", "overlaid") and not self.notes
 
 
 @dataclass(frozen=True)
@@ -59,6 +88,8 @@ def peel(text: str, file_patches: Sequence[FilePatch], base_sha: str) -> Peeled 
 
 
 def manifest_file_patches(manifest: Manifest, path: str) -> list[FilePatch]:
+    """The file patches the manifest records for ``path``; raises
+    ``SeriesError`` or ``DiffError`` when a recorded patch is not one."""
     out: list[FilePatch] = []
     for applied in manifest.patches:
         _, body = split_header(applied.text, applied.name)
@@ -78,44 +109,93 @@ def file_status(
     actual = sha256_bytes(data)
     if actual == expected:
         return FileStatus(path, "base", [], expected, actual), data.decode()
-    text = data.decode(errors="surrogateescape")
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        detail = f"not UTF-8 text (byte {e.start})"
+        return FileStatus(path, "unknown", [], expected, actual, detail=detail), None
     own = series.patches_for(path)
-    own_files = [fp for p in own for fp in p.files if fp.path == path]
-    peeled = peel(text, own_files, expected)
-    if peeled is not None:
-        state: FileStateName = "overlaid" if peeled.count == len(own) else "partial"
-        names = [p.name for p in own[: peeled.count]]
-        status = FileStatus(path, state, names, expected, actual, actual)
-        return status, peeled.base_text
+    mine = peel(text, [fp for p in own for fp in p.files if fp.path == path], expected)
+    if mine is not None and mine.count == len(own):
+        names = [p.name for p in own]
+        return FileStatus(path, "overlaid", names, expected, actual, actual), (
+            mine.base_text
+        )
+    recorded = _recorded(manifest, path)
+    earlier = peel(text, recorded, expected) if recorded else None
+    if manifest is not None and earlier is not None:
+        detail = f"overlaid by an earlier series ({manifest.series_id})"
+        overlaid = manifest.files[path].overlaid_sha256
+        status = FileStatus(
+            path, "stale", manifest.patch_names, expected, actual, overlaid, detail
+        )
+        return status, earlier.base_text
+    if mine is not None:
+        names = [p.name for p in own[: mine.count]]
+        detail = f"{len(names)} of its {len(own)} patches, no manifest records it"
+        status = FileStatus(path, "partial", names, expected, actual, actual, detail)
+        return status, mine.base_text
+    recorded_sha = ""
     if manifest is not None and path in manifest.files:
-        stale = peel(text, manifest_file_patches(manifest, path), expected)
-        if stale is not None:
-            return (
-                FileStatus(
-                    path,
-                    "stale",
-                    manifest.patch_names,
-                    expected,
-                    actual,
-                    manifest.files[path].overlaid_sha256,
-                    f"overlaid by an earlier series ({manifest.series_id})",
-                ),
-                stale.base_text,
-            )
-    recorded = manifest.files.get(path) if manifest is not None else None
-    overlaid = recorded.overlaid_sha256 if recorded is not None else ""
+        recorded_sha = manifest.files[path].overlaid_sha256
+    detail = "matches neither the pinned base nor the base with the series"
     return (
-        FileStatus(
-            path,
-            "unknown",
-            [],
-            expected,
-            actual,
-            overlaid,
-            "matches neither the pinned base nor the base with the series",
-        ),
+        FileStatus(path, "unknown", [], expected, actual, recorded_sha, detail),
         None,
     )
+
+
+def _recorded(manifest: Manifest | None, path: str) -> list[FilePatch]:
+    """The file patches the manifest records for ``path`` (none when the
+    manifest does not hold a readable patch for it)."""
+    if manifest is None or path not in manifest.files:
+        return []
+    try:
+        return manifest_file_patches(manifest, path)
+    except (SeriesError, DiffError):
+        return []
+
+
+def _tree_state(files: list[FileStatus], touched: set[str]) -> TreeStateName:
+    states = {f.state for f in files}
+    if states <= {"base"}:
+        return "base"
+    if states & {"unknown", "missing"}:
+        return "unknown"
+    if "stale" in states:
+        return "stale"
+    if all(f.state == ("overlaid" if f.path in touched else "base") for f in files):
+        return "overlaid"
+    return "partial"
+
+
+def _manifest_verdict(
+    state: TreeStateName,
+    manifest: Manifest | None,
+    problem: str,
+    series: Series,
+    files: list[FileStatus],
+) -> str:
+    """Whether the manifest describes the bytes: "ok", "absent" (a base
+    tree has none), "missing", "invalid: ...", "stale: ..."."""
+    if problem:
+        return f"invalid: {problem}"
+    if manifest is None:
+        return "absent" if state == "base" else "missing"
+    for applied in manifest.patches:
+        try:
+            _, body = split_header(applied.text, applied.name)
+            parse_patch(body)
+        except (SeriesError, DiffError) as e:
+            return f"invalid: {applied.name} as recorded is not a patch ({e})"
+    if state == "base":
+        return f"stale: records series {manifest.series_id} on a base tree"
+    if state == "overlaid":
+        recorded = {p: f.overlaid_sha256 for p, f in manifest.files.items()}
+        actual = {f.path: f.actual_sha256 for f in files if f.state == "overlaid"}
+        if manifest.series_id != series.series_id or recorded != actual:
+            return f"stale: records series {manifest.series_id}"
+    return "ok"
 
 
 def tree_status(
@@ -125,7 +205,8 @@ def tree_status(
 
     Returns the report and the base text of every file whose base is known.
     """
-    manifest = read_manifest(manifest_path(target.root, pin.module))
+    module_dir = target.root / pin.module
+    manifest, problem = load_manifest(manifest_path(target.root, pin.module))
     files: list[FileStatus] = []
     bases: dict[str, str] = {}
     for path in sorted(pin.files):
@@ -133,25 +214,22 @@ def tree_status(
         files.append(status)
         if base is not None:
             bases[path] = base
-    if (target.root / pin.module).is_dir():
+    if module_dir.is_dir():
         for path, sha in module_files(target.root, pin.module).items():
             if path not in pin.files:
                 files.append(
-                    FileStatus(path, "unknown", [], "", sha, detail="not in the pin")
+                    FileStatus(
+                        path,
+                        "unknown",
+                        [],
+                        "",
+                        sha,
+                        detail="not in the pin",
+                        pinned=False,
+                    )
                 )
-    touched = set(series.touched_paths())
-    states = {f.state for f in files}
-    state: TreeStateName
-    if states <= {"base"}:
-        state = "base"
-    elif states & {"unknown", "missing"}:
-        state = "unknown"
-    elif "stale" in states:
-        state = "stale"
-    elif all(f.state == ("overlaid" if f.path in touched else "base") for f in files):
-        state = "overlaid"
-    else:
-        state = "partial"
+    state = _tree_state(files, set(series.touched_paths()))
+    verdict = _manifest_verdict(state, manifest, problem, series, files)
     report = StatusReport(
         target=target.describe(),
         state=state,
@@ -159,8 +237,38 @@ def tree_status(
         patches=series.names,
         files=files,
         manifest_series_id=manifest.series_id if manifest else "",
+        manifest=verdict,
+        notes=_notes(module_dir, state, verdict),
     )
     return report, bases
+
+
+def _notes(module_dir: Path, state: TreeStateName, manifest: str) -> list[str]:
+    notes = []
+    holder = lock_holder(module_dir) if module_dir.is_dir() else None
+    if holder is not None:
+        notes.append(f"an apply is running (pid {holder or 'unknown'})")
+    txn = Transaction(module_dir)
+    try:
+        interrupted = txn.read_journal() is not None
+    except TransactionError as e:
+        notes.append(str(e))
+        interrupted = False
+    if interrupted and holder is None:
+        notes.append(
+            "an apply was interrupted: `vllm-overlay apply` or `apply --revert` "
+            "undoes it first"
+        )
+    stray = txn.leftovers()
+    if stray and not interrupted and holder is None:
+        notes.append(
+            f"{len(stray)} leftover temporary file(s), e.g. {stray[0].name}: the "
+            "next apply removes them"
+        )
+    if state in ("base", "overlaid") and manifest not in ("ok", "absent"):
+        fix = "apply --revert removes it" if state == "base" else "apply rewrites it"
+        notes.append(f"the manifest is {manifest.split(':')[0]}: {fix}")
+    return notes
 
 
 def format_status(report: StatusReport) -> str:
@@ -175,14 +283,17 @@ def format_status(report: StatusReport) -> str:
         line = f"  {f.path:<{width}}  {f.state}"
         if f.patches:
             line += "  " + ", ".join(n.split("-", 1)[0] for n in f.patches)
-        if f.state in ("unknown", "stale", "missing"):
+        if f.state in ("unknown", "stale", "missing", "partial"):
             if f.detail:
                 line += f"  ({f.detail})"
-            line += f"\n      expected {f.expected_sha256 or '-'}"
-            if f.overlaid_sha256:
-                line += f" (base) or {f.overlaid_sha256} (overlaid)"
-            line += f"\n      actual   {f.actual_sha256 or '-'}"
+            if f.pinned:
+                line += f"\n      expected {f.expected_sha256 or '-'}"
+                if f.overlaid_sha256:
+                    line += f" (base) or {f.overlaid_sha256} (overlaid)"
+                line += f"\n      actual   {f.actual_sha256 or '-'}"
         lines.append(line)
+    lines.append(f"manifest: {report.manifest}")
+    lines.extend(f"note: {note}" for note in report.notes)
     counts: dict[str, int] = {}
     for f in report.files:
         counts[f.state] = counts.get(f.state, 0) + 1
