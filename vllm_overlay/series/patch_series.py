@@ -153,14 +153,19 @@ class Series:
         return Series(self.root, self.patches[:count])
 
 
+def _read_text(path: Path, name: str) -> str:
+    """The file's text; unreadable or not UTF-8 is a ``SeriesError``."""
+    try:
+        return path.read_bytes().decode()
+    except OSError as e:
+        raise SeriesError(f"{name}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SeriesError(f"{name}: not UTF-8 text (byte {e.start})") from None
+
+
 def read_series_file(patch_dir: Path) -> list[str]:
     series_path = patch_dir / SERIES_FILE
-    try:
-        raw = series_path.read_bytes().decode()
-    except OSError as e:
-        raise SeriesError(f"{series_path}: cannot read: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise SeriesError(f"{series_path}: not UTF-8 text (byte {e.start})") from None
+    raw = _read_text(series_path, str(series_path))
     names = []
     for line in raw.splitlines():
         entry = line.split("#", 1)[0].strip()
@@ -303,12 +308,7 @@ def parse_header(text: str, name: str) -> PatchHeader:
 
 
 def load_patch(path: Path, index: int) -> SeriesPatch:
-    try:
-        text = path.read_bytes().decode()
-    except OSError as e:
-        raise SeriesError(f"{path.name}: cannot read: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise SeriesError(f"{path.name}: not UTF-8 text (byte {e.start})") from None
+    text = _read_text(path, path.name)
     head, body = split_header(text, path.name)
     header = parse_header(head, path.name)
     try:
@@ -369,13 +369,10 @@ def check_series(root: Path, pin: Pin, *, tests: bool = True) -> list[str]:
             problems.append(f"series lists {name}, but {path} does not exist")
             continue
         try:
-            text = path.read_bytes().decode()
+            text = _read_text(path, name)
             head, body = split_header(text, name)
-        except UnicodeDecodeError as e:
-            problems.append(f"{name}: not UTF-8 text (byte {e.start})")
-            continue
-        except (OSError, SeriesError) as e:
-            problems.append(str(e) if isinstance(e, SeriesError) else f"{name}: {e}")
+        except SeriesError as e:
+            problems.append(str(e))
             continue
         header, header_issues = header_problems(head, name)
         problems.extend(header_issues)
@@ -392,9 +389,7 @@ def check_series(root: Path, pin: Pin, *, tests: bool = True) -> list[str]:
     return problems + _series_problems(root, loaded, tests)
 
 
-def _series_problems(
-    root: Path, patches: list[SeriesPatch], tests: bool
-) -> list[str]:
+def _series_problems(root: Path, patches: list[SeriesPatch], tests: bool) -> list[str]:
     """What a patch's header says about the rest of the series and (unless
     ``tests`` is false) the test files it names."""
     problems: list[str] = []

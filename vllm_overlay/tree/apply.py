@@ -146,7 +146,7 @@ def _locked_change(
 ) -> ApplyReport:
     module_dir = _module_dir(target, pin)
     with lock(module_dir, wait=wait):
-        txn = Transaction(module_dir)
+        txn = Transaction(module_dir, dirs={target.file(p).parent for p in pin.files})
         recovered = txn.recover()
         report, bases = tree_status(target, pin, series)
         _refuse_unless_known(report)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -206,6 +205,7 @@ def tree_status(
     Returns the report and the base text of every file whose base is known.
     """
     module_dir = target.root / pin.module
+    dirs = {target.file(p).parent for p in pin.files}
     manifest, problem = load_manifest(manifest_path(target.root, pin.module))
     files: list[FileStatus] = []
     bases: dict[str, str] = {}
@@ -238,17 +238,16 @@ def tree_status(
         files=files,
         manifest_series_id=manifest.series_id if manifest else "",
         manifest=verdict,
-        notes=_notes(module_dir, state, verdict),
+        notes=_notes(Transaction(module_dir, dirs), state, verdict),
     )
     return report, bases
 
 
-def _notes(module_dir: Path, state: TreeStateName, manifest: str) -> list[str]:
+def _notes(txn: Transaction, state: TreeStateName, manifest: str) -> list[str]:
     notes = []
-    holder = lock_holder(module_dir) if module_dir.is_dir() else None
+    holder = lock_holder(txn.root) if txn.root.is_dir() else None
     if holder is not None:
         notes.append(f"an apply is running (pid {holder or 'unknown'})")
-    txn = Transaction(module_dir)
     try:
         interrupted = txn.read_journal() is not None
     except TransactionError as e:
