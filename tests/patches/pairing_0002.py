@@ -23,7 +23,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import msgspec
-
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (
     MoRIIOConnector,
 )
@@ -34,7 +33,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request, RequestStatus
 
-from tests.patches.conftest import (
+from tests.patches.builders import (
     full_attention_spec,
     kda_mamba_spec,
     make_kv_cache_config,

@@ -27,7 +27,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheSpec
 from vllm.v1.request import Request, RequestStatus
 
-from tests.patches.conftest import (
+from tests.patches.builders import (
     full_attention_spec,
     kda_mamba_spec,
     make_kv_cache_blocks,

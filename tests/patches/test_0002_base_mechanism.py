@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from tests.patches.pairing_0002 import (
     ALL_SWEEP_CASES,
     MAX_PROMPT_TOKENS,
@@ -31,9 +32,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _materialize_base(out: Path) -> Path:
     """The pinned base MoRIIO files, recovered from the installed vLLM."""
-    from vllm_overlay.tree.materialize import base_from_target, materialize
-    from vllm_overlay.series.pin import PIN_FILE, load_pin
     from vllm_overlay.series.patch_series import load_series
+    from vllm_overlay.series.pin import PIN_FILE, load_pin
+    from vllm_overlay.tree.materialize import base_from_target, materialize
     from vllm_overlay.tree.target import detect_target, installed_vllm
 
     pin = load_pin(REPO / PIN_FILE)
@@ -50,9 +51,7 @@ def sweep_base(
     """Sweep ``cases`` against the pinned base in a separate interpreter."""
     moriio_dir = _materialize_base(work / "base")
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     # Redirect the MoRIIO package to the base files before anything imports it.
     code = (
         "import sys; from pathlib import Path; "

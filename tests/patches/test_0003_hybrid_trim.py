@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from tests.patches.pairing_0002 import (
     Case,
     Layout,

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tests.patches.conftest import (
+
+from tests.patches.builders import (
     full_attention_spec,
     make_kv_cache_blocks,
     make_kv_cache_config,

@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
+    MoRIIOError,
+)
+
 from tests.patches.prefix_hit_0005 import (
     HITS,
     Group,
@@ -24,10 +28,6 @@ from tests.patches.prefix_hit_0005 import (
     run_transfer,
     transfer_cases,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
-    MoRIIOError,
-)
-
 
 # ---------------------------------------------------------------------------
 # Selection per block size and hit

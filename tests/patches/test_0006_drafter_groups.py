@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
-from tests.patches.conftest import make_kv_cache_config, make_scheduler_output
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from tests.patches.builders import make_kv_cache_config, make_scheduler_output
 from tests.patches.prefix_hit_0005 import (
     Group,
+    TransferCase,
     all_pages,
     connector,
     finish_prefill,
-    TransferCase,
     hashed_request,
     missing_pages,
     next_request_id,
@@ -29,7 +31,6 @@ from tests.patches.prefix_hit_0005 import (
     run_transfer,
     transfer_cases,
 )
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 
 def test_target_spec_in_another_block_pool_reads_every_page(llama_model_dir: Path):

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tests.patches.conftest import make_kv_cache_blocks, make_request
+from vllm.v1.request import RequestStatus
+
+from tests.patches.builders import make_kv_cache_blocks, make_request
 from tests.patches.prefix_hit_0005 import (
     Group,
     connector,
@@ -22,7 +24,6 @@ from tests.patches.prefix_hit_0005 import (
     next_request_id,
     run_transfer,
 )
-from vllm.v1.request import RequestStatus
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     # Before the initial conftests: tests/patches/conftest.py imports the
-    # connector.
+    # connector (through builders.py).
     directory = early_config.known_args_namespace.moriio_dir
     if directory is not None:
         use_moriio_dir(directory.resolve())

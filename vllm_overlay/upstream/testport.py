@@ -1,12 +1,13 @@
 """Port a patch's test module to vLLM's layout as one self-contained file.
 
-The overlay's tests live in ``tests/patches/`` and use builders from the
-``conftest.py`` beside them (and sibling helper modules). vLLM's tree has
-neither, so the port inlines every definition the test module needs, found
-by name: functions, classes and constants it references, fixtures it names
-as parameters, autouse fixtures, and what those need in turn. Imports are
-merged and rewritten; imports of the local modules are dropped (an alias
-becomes an assignment). The result starts with vLLM's SPDX header.
+The overlay's tests live in ``tests/patches/`` and use the fixtures of the
+``conftest.py`` beside them and sibling helper modules (``builders.py``, a
+patch's harness). vLLM's tree has neither, so the port inlines every
+definition the test module needs, found by name: functions, classes and
+constants it references, fixtures it names as parameters, autouse fixtures,
+and what those need in turn. Imports are merged and rewritten; imports of
+the local modules are dropped (an alias becomes an assignment). The result
+starts with vLLM's SPDX header.
 
 What cannot be ported is an error, never guessed around: a local module used
 as a module (``import helpers``; ``helpers.x``), a name defined twice by
