@@ -63,7 +63,8 @@ KDA0_LAYERS = ("layers.0.kda", "layers.2.kda", "layers.5.kda")
 KDA1_LAYERS = ("layers.1.kda", "layers.4.kda", "layers.6.kda")
 
 
-def indexer_spec(is_draft: bool = False) -> MLAAttentionSpec:
+def indexer_spec(is_draft: bool = False, **kw: Any) -> MLAAttentionSpec:
+    """The kpool indexer: an MLA spec in the indexer cache role."""
     return MLAAttentionSpec(
         block_size=B,
         num_kv_heads=1,
@@ -72,6 +73,7 @@ def indexer_spec(is_draft: bool = False) -> MLAAttentionSpec:
         dtype=torch.uint8,
         cache_role=SparseCacheRole.INDEXER,
         is_draft=is_draft,
+        **kw,
     )
 
 
@@ -397,16 +399,7 @@ def glm5_next_layer_specs() -> dict[str, KVCacheSpec]:
     for i in ("3", "7", "mtp"):
         draft = i == "mtp"
         specs[f"layers.{i}.mla"] = mla_spec(B, is_draft=draft)
-        specs[f"layers.{i}.indexer"] = MLAAttentionSpec(
-            block_size=B,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=128,
-            dtype=torch.uint8,
-            cache_role=SparseCacheRole.INDEXER,
-            tokens_per_state=4,
-            is_draft=draft,
-        )
+        specs[f"layers.{i}.indexer"] = indexer_spec(draft, tokens_per_state=4)
         specs[f"layers.{i}.tail"] = CircularBufferSpec(
             block_size=8,
             num_kv_heads=2,

@@ -228,10 +228,6 @@ def missing_pages(num_prompt_tokens: int, hit_tokens: int, page: int) -> list[in
     return list(range(hit_tokens // page, -(-end // page)))
 
 
-def all_pages(num_prompt_tokens: int, page: int) -> list[int]:
-    return missing_pages(num_prompt_tokens, 0, page)
-
-
 HITS = ["none", "partial", "page_aligned", "one_short_of_full"]
 
 
@@ -266,15 +262,38 @@ def hashed_request(
 
 @dataclass(frozen=True)
 class TransferCase:
-    """A random hybrid layout, prompt, decoder hit and lookahead tails."""
+    """One transfer: the hybrid layout, the prompt, the decoder's local hit,
+    and the run's options (``run_transfer``'s keywords)."""
 
-    groups: list[Group]
-    dcp: int
+    groups: tuple[Group, ...]
     num_prompt_tokens: int
     hit_tokens: int
-    lag_pages: int  # how many pages a drafter's own hit lags the target's
-    decode_tail_tokens: int
-    prefill_tail_pages: int
+    dcp: int = 1
+    final_external_tokens: int | None = None
+    decode_tail_tokens: int = 1
+    prefill_tail_pages: int = 0
+    short_local_group: int | None = None
+    lag_pages: int = 0  # how many pages a drafter's own hit lags the target's
+
+    def plan(self, model_dir: Path) -> ReadPlan:
+        return run_transfer(
+            model_dir,
+            self.groups,
+            dcp=self.dcp,
+            num_prompt_tokens=self.num_prompt_tokens,
+            local_hit_tokens=self.hit_tokens,
+            final_external_tokens=self.final_external_tokens,
+            decode_tail_tokens=self.decode_tail_tokens,
+            prefill_tail_pages=self.prefill_tail_pages,
+            short_local_group=self.short_local_group,
+        )
+
+    def missing(self, group_index: int, hit_tokens: int | None = None) -> list[int]:
+        """The pages of the group that a hit of ``hit_tokens`` (default: the
+        local hit) leaves missing."""
+        hit = self.hit_tokens if hit_tokens is None else hit_tokens
+        page = self.groups[group_index].page_tokens(self.dcp)
+        return missing_pages(self.num_prompt_tokens, hit, page)
 
 
 @st.composite
@@ -306,7 +325,7 @@ def transfer_cases(draw: st.DrawFn, with_drafter: bool) -> TransferCase:
     page = target.page_tokens(dcp)
     num_prompt_tokens = draw(st.integers(2, 6000))
     return TransferCase(
-        groups=list(groups),
+        groups=tuple(groups),
         dcp=dcp,
         num_prompt_tokens=num_prompt_tokens,
         hit_tokens=page * draw(st.integers(0, (num_prompt_tokens - 2) // page)),
@@ -319,19 +338,8 @@ def transfer_cases(draw: st.DrawFn, with_drafter: bool) -> TransferCase:
 def run_case(model_dir: Path, case: TransferCase) -> ReadPlan:
     """The transfer of ``case``; the target groups read only the pages the
     decoder lacks (whatever either leg's lookahead tail)."""
-    plan = run_transfer(
-        model_dir,
-        case.groups,
-        dcp=case.dcp,
-        num_prompt_tokens=case.num_prompt_tokens,
-        local_hit_tokens=case.hit_tokens,
-        decode_tail_tokens=case.decode_tail_tokens,
-        prefill_tail_pages=case.prefill_tail_pages,
-    )
+    plan = case.plan(model_dir)
     for index, group in enumerate(case.groups):
         if group.kind == "target":
-            page = group.page_tokens(case.dcp)
-            assert plan.pages(index) == missing_pages(
-                case.num_prompt_tokens, case.hit_tokens, page
-            )
+            assert plan.pages(index) == case.missing(index)
     return plan

@@ -21,14 +21,11 @@ from tests.patches.builders import make_kv_cache_config, make_scheduler_output
 from tests.patches.prefix_hit_0005 import (
     Group,
     TransferCase,
-    all_pages,
     connector,
     finish_prefill,
     hashed_request,
-    missing_pages,
     next_request_id,
     run_case,
-    run_transfer,
     transfer_cases,
 )
 
@@ -37,18 +34,10 @@ def test_target_spec_in_another_block_pool_reads_every_page(llama_model_dir: Pat
     """An equal spec in the host pool is looked up apart from the device
     groups, so its hit can be shorter: it reads every prompt page."""
     host = Group("target", 64, host_resident=True)
-    groups = [Group("target", 64), host, Group("kda")]
-    num_prompt_tokens = 64 * 10 + 9
-    hit_tokens = 64 * 6
-    plan = run_transfer(
-        llama_model_dir,
-        groups,
-        dcp=1,
-        num_prompt_tokens=num_prompt_tokens,
-        local_hit_tokens=hit_tokens,
-    )
-    assert plan.pages(0) == missing_pages(num_prompt_tokens, hit_tokens, 64)
-    assert plan.pages(1) == all_pages(num_prompt_tokens, 64)
+    case = TransferCase((Group("target", 64), host, Group("kda")), 64 * 10 + 9, 64 * 6)
+    plan = case.plan(llama_model_dir)
+    assert plan.pages(0) == case.missing(0)
+    assert plan.pages(1) == case.missing(1, 0)
 
 
 @pytest.mark.parametrize("drafter_block", [64, 128])
@@ -57,23 +46,14 @@ def test_drafter_own_group_reads_every_page_it_lacks(
 ):
     """The drafter's hit is a page shorter than the target's; the target reads
     only its missing pages, the drafter group reads every prompt page."""
-    groups = [Group("target", 128), Group("drafter", drafter_block), Group("kda")]
-    num_prompt_tokens = 128 * 8 + 7
-    hit_tokens = 128 * 5
-    plan = run_transfer(
-        llama_model_dir,
-        groups,
-        dcp=1,
-        num_prompt_tokens=num_prompt_tokens,
-        local_hit_tokens=hit_tokens,
-    )
-    assert plan.pages(0) == missing_pages(num_prompt_tokens, hit_tokens, 128)
-    drafter_hit = hit_tokens - drafter_block
+    groups = (Group("target", 128), Group("drafter", drafter_block), Group("kda"))
+    case = TransferCase(groups, 128 * 8 + 7, 128 * 5)
+    plan = case.plan(llama_model_dir)
+    assert plan.pages(0) == case.missing(0)
+    drafter_hit = case.hit_tokens - drafter_block
     drafter_pages = plan.pages(1)
-    assert set(missing_pages(num_prompt_tokens, drafter_hit, drafter_block)) <= set(
-        drafter_pages
-    )
-    assert drafter_pages == all_pages(num_prompt_tokens, drafter_block)
+    assert set(case.missing(1, drafter_hit)) <= set(drafter_pages)
+    assert drafter_pages == case.missing(1, 0)
 
 
 def test_drafter_hit_from_the_kv_cache_manager(llama_model_dir: Path):
@@ -144,11 +124,10 @@ def test_property_drafter_group_reads_every_page(
     target's), its group reads every page it lacks; the target groups still
     read only theirs."""
     plan = run_case(llama_model_dir, case)
-    n = case.num_prompt_tokens
     for index, group in enumerate(case.groups):
         if group.kind == "drafter":
             page = group.page_tokens(case.dcp)
             drafter_hit = max(case.hit_tokens // page - case.lag_pages, 0) * page
             read = plan.pages(index)
-            assert set(missing_pages(n, drafter_hit, page)) <= set(read)
-            assert read == all_pages(n, page)
+            assert set(case.missing(index, drafter_hit)) <= set(read)
+            assert read == case.missing(index, 0)

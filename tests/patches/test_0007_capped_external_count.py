@@ -17,12 +17,11 @@ from vllm.v1.request import RequestStatus
 from tests.patches.builders import make_kv_cache_blocks, make_request
 from tests.patches.prefix_hit_0005 import (
     Group,
+    TransferCase,
     connector,
     decode_tables,
     finish_prefill,
-    missing_pages,
     next_request_id,
-    run_transfer,
 )
 
 
@@ -51,15 +50,13 @@ def test_capped_external_count_still_fills_from_the_local_hit(
     external = cap(num_prompt_tokens - 1 - hit_tokens)
     assert external > 0 and hit_tokens + external < num_prompt_tokens - 1
     assert (num_prompt_tokens - 1 - external) // page > hit_tokens // page
-    plan = run_transfer(
-        llama_model_dir,
-        [Group("target", page), Group("kda")],
-        dcp=1,
-        num_prompt_tokens=num_prompt_tokens,
-        local_hit_tokens=hit_tokens,
+    case = TransferCase(
+        (Group("target", page), Group("kda")),
+        num_prompt_tokens,
+        hit_tokens,
         final_external_tokens=external,
     )
-    assert plan.pages(0) == missing_pages(num_prompt_tokens, hit_tokens, page)
+    assert case.plan(llama_model_dir).pages(0) == case.missing(0)
 
 
 def test_recorded_local_hit_is_released(llama_model_dir: Path):
