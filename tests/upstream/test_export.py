@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.upstream.conftest import (
+from tests.upstream.repos import (
     COMMON,
     CONNECTOR,
     MakeRepo,
@@ -214,7 +214,7 @@ def _git_with_base(git: Path, base: dict[str, str]) -> Callable[..., str]:
 
 
 def _site(tmp_path: Path, base: dict[str, str]) -> Path:
-    from tests.upstream.conftest import write_tree
+    from tests.upstream.repos import write_tree
 
     return write_tree(tmp_path / "site", base)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.upstream.conftest import (
+from tests.upstream.repos import (
     COMMON,
     CONNECTOR,
     MakeRepo,

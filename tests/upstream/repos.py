@@ -1,0 +1,84 @@
+"""Helpers for the export and rebase tests: patch texts, throwaway vLLM
+trees and wheel-shaped zips (the fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from vllm_overlay.series.diff import unified_diff
+from vllm_overlay.series.pin import MODULE_DIR
+
+REPO = Path(__file__).resolve().parents[2]
+MODULE = MODULE_DIR
+CONNECTOR = f"{MODULE}/moriio_connector.py"
+COMMON = f"{MODULE}/moriio_common.py"
+OLD_WHEEL_ENV = "VLLM_OVERLAY_TEST_OLD_WHEEL"
+
+
+def header(subject: str, tests: str = "tests/patches/test_x.py::test_x") -> str:
+    return (
+        f"Subject: [KV Connector][ROCm] MoRIIO: {subject}\n"
+        f"Description: {subject}.\n"
+        " Root cause: the test needs one.\n"
+        " .\n"
+        " Changes: one line.\n"
+        "Origin: vendor\n"
+        "Author: overlay-tests\n"
+        "Forwarded: no\n"
+        "Applied-Upstream:\n"
+        "Remove-When: never\n"
+        f"Tests: {tests}\n"
+        "Last-Update: 2026-11-29\n"
+    )
+
+
+def patch_text(subject: str, diffs: list[str], tests: str | None = None) -> str:
+    head = header(subject) if tests is None else header(subject, tests)
+    return head + "---\n" + "".join(diffs)
+
+
+def edit(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, f"anchor {old!r} is not unique"
+    return text.replace(old, new)
+
+
+MakeRepo = Callable[[Mapping[str, str]], Path]
+
+
+def write_tree(root: Path, files: Mapping[str, str | bytes]) -> Path:
+    """A minimal vLLM source tree holding ``files``."""
+    (root / "vllm" / "distributed").mkdir(parents=True, exist_ok=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    (root / "pyproject.toml").write_text("[project]\nname = 'vllm'\n")
+    for path, data in files.items():
+        dest = root / path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, str):
+            dest.write_text(data)
+        else:
+            dest.write_bytes(data)
+    return root
+
+
+def write_wheel(
+    path: Path, files: Mapping[str, str], version: str, commit: str = "abc1234"
+) -> Path:
+    """A wheel-shaped zip holding ``files`` and a ``vllm/_version.py``."""
+    version_py = (
+        f"__version__ = version = '{version}'\n"
+        f"__commit_id__ = commit_id = 'g{commit}'\n"
+    )
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("vllm/__init__.py", "")
+        zf.writestr("vllm/_version.py", version_py)
+        for name, text in files.items():
+            zf.writestr(name, text)
+    return path
+
+
+def diff(path: str, old: str, new: str) -> str:
+    text = unified_diff(path, old, new)
+    assert text, "the edit changed nothing"
+    return text
