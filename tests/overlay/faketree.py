@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from tests.overlay.workspace import REPO, header, make_diff
+from tests.overlay.workspace import REPO, make_diff, patch_header
 from vllm_overlay.cli import main
 from vllm_overlay.series.pin import (
     MODULE_DIR,
@@ -128,7 +128,7 @@ def _edit(text: str, line: str, new: str) -> str:
 
 
 def patch_text(name: str, diffs: list[str]) -> str:
-    return header(name) + "---\n" + "".join(diffs)
+    return patch_header(name) + "---\n" + "".join(diffs)
 
 
 def series_patches() -> dict[str, str]:

@@ -76,7 +76,7 @@ def test_non_utf8_byte_in_a_patch(
     patch = tree.repo / "patches" / "0002-connector.patch"
     patch.write_bytes(patch.read_bytes().replace(b"# 0002", b"# \xfe002"))
     before = tree.snapshot()
-    assert main(["--repo", str(tree.repo), "series", "check"]) == 1
+    assert main(["--repo", str(tree.repo), "series", "check"]) == 2
     out = capsys.readouterr().out
     assert "0002-connector.patch: not UTF-8 text" in out
     err = _one_error(capsys, tree.argv("apply"))
@@ -235,7 +235,7 @@ def test_non_text_section_is_refused_by_check_and_apply(
     patch = tree.repo / "patches" / "0002-connector.patch"
     patch.write_text(patch.read_text() + NOT_TEXT[kind].format(p=COMMON))
     before = tree.snapshot()
-    assert main(["--repo", str(tree.repo), "series", "check"]) == 1
+    assert main(["--repo", str(tree.repo), "series", "check"]) == 2
     out = capsys.readouterr().out
     assert "0002-connector.patch: not a unified diff" in out
     assert "only text hunks" in out or "no text hunks" in out
@@ -288,7 +288,7 @@ def test_series_check_problem_stops_apply(
     with (tree.repo / "patches" / "series").open("a") as f:
         f.write(entry + "\n")
     before = tree.snapshot()
-    assert main(["--repo", str(tree.repo), "series", "check"]) == 1
+    assert main(["--repo", str(tree.repo), "series", "check"]) == 2
     capsys.readouterr()
     err = _one_error(capsys, tree.argv("apply"))
     assert "more than once" in err or "must be a .patch file in patches/" in err

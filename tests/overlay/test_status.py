@@ -27,6 +27,7 @@ def _series(ws: Workspace) -> str:
         CONNECTOR,
         lambda t: replace_once(t, ANCHOR, "# b\n" + ANCHOR),
         on=first,
+        own_tests=True,
     )
 
 

@@ -47,6 +47,12 @@ def header(subject: str, **overrides: str | None) -> str:
     )
 
 
+def patch_header(name: str) -> str:
+    """The header of patch ``name``, its Tests a test of its own (a test proves
+    one patch)."""
+    return header(name, Tests=f"tests/overlay/conftest.py::test_{name[:4]}")
+
+
 def replace_once(text: str, old: str, new: str) -> str:
     assert text.count(old) == 1, f"anchor {old!r} not unique in the base"
     return text.replace(old, new)
@@ -71,12 +77,20 @@ class Workspace:
                 f.write(name + "\n")
 
     def patch_from_edit(
-        self, name: str, path: str, edit: Callable[[str], str], *, on: str | None = None
+        self,
+        name: str,
+        path: str,
+        edit: Callable[[str], str],
+        *,
+        on: str | None = None,
+        own_tests: bool = False,
     ) -> str:
-        """A patch turning ``on`` (default: the base text) into ``edit(on)``."""
+        """A patch turning ``on`` (default: the base text) into ``edit(on)``;
+        ``own_tests``: its Tests name a test no other patch names."""
         old = self.base[path] if on is None else on
         new = edit(old)
-        self.add_patch(name, header(name) + "---\n" + make_diff(path, old, new))
+        head = patch_header(name) if own_tests else header(name)
+        self.add_patch(name, head + "---\n" + make_diff(path, old, new))
         return new
 
     def snapshot(self) -> dict[str, bytes]:
