@@ -13,6 +13,7 @@ Sessions are a few lines each over the helpers below (`cpu_python`,
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import sys
 import tomllib
@@ -31,6 +32,7 @@ CPU_ENV = ROOT / ".nox" / "cpu-vllm"
 DEV_ENV = ROOT / ".venv"
 PIN = tomllib.loads((ROOT / "pin.toml").read_text())
 
+PYTEST = "pytest==9.0.3"  # ci/requirements-test.txt
 TORCH = "torch==2.13.0"
 # Installed --no-deps next to vllm: their own pins would pull CUDA builds.
 NO_DEPS = ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.11")
@@ -182,7 +184,12 @@ def lint(session: nox.Session) -> None:
         files = [str(out / path) for path in touched]
         session.run("ruff", "check", *config, *files)
         session.run("ruff", "format", "--check", *config, *files)
-    session.run("hadolint", str(ROOT / "docker" / "Dockerfile"))
+    containerfiles = [
+        ROOT / "docker" / "Dockerfile",
+        ROOT / "docker" / "standin" / "Containerfile",
+        ROOT / "tests" / "image" / "fixtures" / "Containerfile.tiny",
+    ]
+    session.run("hadolint", *(str(f) for f in containerfiles))
     session.log(f"lint: ok ({len(touched)} overlaid vLLM files checked)")
 
 
@@ -274,9 +281,35 @@ def rebase(session: nox.Session) -> None:
 
 @nox.session
 def image(session: nox.Session) -> None:
-    """Build the ROCm image: `nox -s image -- [--tag T] [--push] [--dry-run]`."""
+    """Build the ROCm image and check it from inside:
+    `nox -s image -- [--tag T] [--push] [--dry-run] [--base IMAGE]`."""
     session.install("-e", ".")
-    session.run("vllm-overlay", "image", *session.posargs)
+    session.run("vllm-overlay", "image", "build", *session.posargs)
+
+
+@nox.session(name="image-standin")
+def image_standin(session: nox.Session) -> None:
+    """docker/Dockerfile built for real from a local stand-in for the ROCm
+    base (buildah here), checked from inside; then the build's failure cases."""
+    session.run("sh", str(ROOT / "ci" / "install-image-tools.sh"), external=True)
+    session.install("-e", ".", PYTEST)
+    wheel = pinned_wheel(session)
+    reports = [REPORTS / "image-standin.json", REPORTS / "image-standin-again.json"]
+    for report in reports:  # the second build: every layer from the cache
+        session.run(
+            "vllm-overlay", "image", "build", "--standin", "--wheel", str(wheel),
+            "--report", str(report), *session.posargs,
+        )  # fmt: skip
+    env = {"VLLM_OVERLAY_IMAGE_BUILDS": "1", "VLLM_OVERLAY_WHEEL": str(wheel)}
+    session.run(
+        "python", "-m", "pytest", "-q", "tests/image/test_build_real.py", env=env
+    )
+    first, again = (json.loads(r.read_text()) for r in reports)
+    session.log(
+        f"image-standin: {first['tag']} ({first['size']}): build "
+        f"{first['build_seconds']} s, again with nothing changed "
+        f"{again['build_seconds']} s"
+    )
 
 
 @nox.session

@@ -72,3 +72,8 @@ def site(tmp_path: Path, bases: dict[str, str]) -> Path:
     (site / "vllm" / "__init__.py").write_text("")
     materialize(bases, Series(REPO, ()), site, overlay=False)
     return site
+
+
+@pytest.fixture(scope="module")
+def pin_text() -> str:
+    return (REPO / PIN_FILE).read_text()

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from tests.image.conftest import ENGINE, REPO
+from vllm_overlay.image.build import IMAGE_REPO
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.series.pin import PIN_FILE, Pin
 from vllm_overlay.tree.manifest import MANIFEST_NAME, Manifest
@@ -111,18 +112,38 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 
 def test_dockerfile_runs_this_script_on_the_images_vllm() -> None:
     instructions = dockerfile_instructions()
-    copies = [rest for word, rest in instructions if word == "COPY"]
-    assert "docker/apply-overlay.sh ./docker/apply-overlay.sh" in copies
-    assert any(c.startswith("patches ") for c in copies)
-    assert any(PIN_FILE in c.split() for c in copies)
+    copies = [rest.split() for word, rest in instructions if word == "COPY"]
+    assert ["docker/apply-overlay.sh", f"{IMAGE_REPO}/docker/"] in copies
+    assert ["patches", f"{IMAGE_REPO}/patches"] in copies
+    assert [PIN_FILE, f"{IMAGE_REPO}/"] in copies
     runs = [rest for word, rest in instructions if word == "RUN"]
     calls = [r for r in runs if "apply-overlay.sh" in r]
     assert len(calls) == 1
-    # Invoked with no TARGET: the image's own vllm, as tested above.
-    assert re.search(r"(^|&&\s*)\./docker/apply-overlay\.sh\s*$", calls[0])
+    # Invoked with no TARGET: the image's own vllm, as tested above; then
+    # the checks from inside, in the same step.
+    assert re.fullmatch(
+        rf"{IMAGE_REPO}/docker/apply-overlay\.sh\s+&&\s+"
+        rf"vllm-overlay --repo {IMAGE_REPO} image verify",
+        calls[0],
+    )
     assert "TARGET=" not in calls[0]
-    workdir = [rest for word, rest in instructions if word == "WORKDIR"][0]
-    assert workdir == "/opt/vllm-moriio-overlay"
+    # The base's working directory (/app in vllm/vllm-openai-rocm) stays.
+    assert not [rest for word, rest in instructions if word == "WORKDIR"]
+
+
+def test_the_context_holds_what_the_dockerfile_copies() -> None:
+    sources = {
+        src
+        for word, rest in dockerfile_instructions()
+        if word == "COPY"
+        for src in rest.split()[:-1]
+    }
+    ignore = (REPO / ".dockerignore").read_text().splitlines()
+    assert ignore[[i for i, x in enumerate(ignore) if not x.startswith("#")][0]] == "*"
+    admitted = {x[1:] for x in ignore if x.startswith("!")}
+    assert admitted == sources
+    for src in sources:
+        assert (REPO / src).exists(), src
 
 
 def test_dockerfile_base_image_is_the_pin(pin: Pin) -> None:

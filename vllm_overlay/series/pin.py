@@ -11,6 +11,7 @@ import msgspec
 import tomli_w
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.image.reference import ImageReferenceError, parse_reference
 from vllm_overlay.tomlfile import decode_toml, read_toml
 
 PIN_FILE = "pin.toml"
@@ -35,15 +36,24 @@ class VllmBase(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ImageRef(msgspec.Struct, forbid_unknown_fields=True):
+    # Fully qualified (`docker.io/...`): buildah and podman do not guess a
+    # registry for a short name.
     reference: Annotated[str, msgspec.Meta(pattern=r"^[\w.\-/:]+$")]
+    # The manifest digest of `reference` when known; builds then use it.
     digest: Annotated[str, msgspec.Meta(pattern=r"^(sha256:[0-9a-f]{64})?$")] = ""
+
+    def __post_init__(self) -> None:
+        try:
+            parse_reference(self.reference)
+        except ImageReferenceError as e:
+            raise ValueError(str(e)) from None
 
     @property
     def pull_ref(self) -> str:
-        """The reference to build from: by digest when the pin has one."""
-        if self.digest:
-            return f"{self.reference.split(':', 1)[0]}@{self.digest}"
-        return self.reference
+        """The reference to build from: `name@digest` when the pin has a
+        digest (a registry port stays: `reg:5000/x@sha256:...`)."""
+        ref = parse_reference(self.reference).qualified()
+        return ref.with_digest(self.digest).by_digest() if self.digest else str(ref)
 
 
 class Pin(msgspec.Struct, forbid_unknown_fields=True):

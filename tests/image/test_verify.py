@@ -1,0 +1,142 @@
+"""`vllm-overlay image verify`, the checks the image build runs from inside
+the image, here run on this environment's vLLM and on throwaway trees."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tests.image.conftest import REPO
+from vllm_overlay.image.verify import (
+    Verification,
+    check_banner,
+    check_connector,
+    check_overlay,
+    check_router,
+    check_version,
+    router_pin,
+    same_release,
+    verify_install,
+)
+from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.series.pin import Pin
+from vllm_overlay.tree.apply import apply_series
+from vllm_overlay.tree.status import tree_status
+from vllm_overlay.tree.target import detect_target, installed_vllm
+
+SERIES = load_series(REPO)
+
+
+def installed_is_overlaid(pin: Pin) -> bool:
+    report, _ = tree_status(detect_target(installed_vllm()), pin, SERIES)
+    return report.state == "overlaid"
+
+
+def test_overlay_check_on_a_base_and_an_overlaid_tree(site: Path, pin: Pin) -> None:
+    base = check_overlay(site / "vllm", pin, SERIES)
+    assert not base.ok and base.detail.startswith("status base")
+    apply_series(detect_target(site / "vllm"), pin, SERIES)
+    done = check_overlay(site / "vllm", pin, SERIES)
+    assert done.ok, done.detail
+    assert (
+        done.detail
+        == f"series {SERIES.series_id} overlaid on {len(pin.files)} pinned files"
+    )
+
+
+def test_overlay_check_names_the_series_of_another_checkout(
+    site: Path, pin: Pin, one_patch_repo: Path
+) -> None:
+    apply_series(detect_target(site / "vllm"), pin, load_series(one_patch_repo))
+    check = check_overlay(site / "vllm", pin, SERIES)
+    assert not check.ok  # overlaid, but not by this series
+
+
+def test_version_check(pin: Pin) -> None:
+    assert check_version(pin).ok
+    other = msgspec.structs.replace(
+        pin, vllm=msgspec.structs.replace(pin.vllm, version="0.32.0")
+    )
+    check = check_version(other)
+    assert not check.ok
+    assert check.detail == (
+        f"vllm.__version__ {pin.vllm.version}, distribution {pin.vllm.version}; "
+        "the pin is 0.32.0"
+    )
+
+
+@pytest.mark.parametrize(
+    ("found", "ok"),
+    [
+        ("0.33.0", True),
+        ("0.33.0+rocm721", True),
+        ("0.33.0rc1", False),
+        ("0.33.0.post1", False),
+        ("0.33.1", False),
+        ("0.33.0.dev5+g4ba787ec9", False),
+    ],
+)
+def test_a_local_build_label_is_the_same_release(found: str, ok: bool) -> None:
+    assert same_release(found, "0.33.0") is ok
+
+
+def test_connector_check_imports_from_the_tree_it_names(site: Path, pin: Pin) -> None:
+    check = check_connector(installed_vllm(), pin)
+    assert check.ok, check.detail
+    assert check.detail.startswith("MoRIIOConnector from ")
+    # The module this Python imports is not the one in a copied tree.
+    elsewhere = check_connector(site / "vllm", pin)
+    assert not elsewhere.ok and "imported from" in elsewhere.detail
+
+
+def test_banner_check_through_vllms_plugin_loader(pin: Pin) -> None:
+    check = check_banner(installed_vllm(), SERIES)
+    assert check.ok == installed_is_overlaid(pin), check.detail
+    if check.ok:
+        assert check.detail.startswith("moriio_overlay_banner logs: ")
+        assert f"series {SERIES.series_id} " in check.detail
+
+
+def test_router_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert router_pin(REPO) == "0.1.17"
+    assert check_router("0.1.17").ok
+    wrong = check_router("9.9.9")
+    assert not wrong.ok and wrong.detail.startswith("vllm-router 0.1.17 (pinned 9.9.9)")
+
+
+def test_every_check_runs_and_the_verdict_is_their_and(pin: Pin) -> None:
+    v = verify_install(REPO, pin, SERIES)
+    names = [c.name for c in v.checks]
+    assert names == [
+        "overlay",
+        "vllm-version",
+        "connector-import",
+        "banner-plugin",
+        "vllm-router",
+    ]
+    assert v.ok == all(c.ok for c in v.checks)
+    assert v.ok == installed_is_overlaid(pin)
+
+
+def test_cli_json_and_exit_status(pin: Pin) -> None:
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_overlay.cli", "--repo", str(REPO),
+         "image", "verify", "--json"],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    v = msgspec.json.decode(out.stdout, type=Verification)
+    assert out.returncode == (0 if v.ok else 1)
+    assert v.series_id == SERIES.series_id
+    assert json.loads(out.stdout)["checks"][0]["name"] == "overlay"
+    assert (
+        out.stderr.rstrip()
+        .splitlines()[-1]
+        .startswith("verify: ok" if v.ok else "verify: FAILED")
+    )
