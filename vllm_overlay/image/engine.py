@@ -55,18 +55,14 @@ class Engine:
     def _run_opts(self) -> list[str]:
         return [f"--isolation={self.isolation}"] if self.isolation else []
 
+    def _inspect_image(self, fmt: str, ref: str) -> list[str]:
+        """buildah's image query (its `inspect` also takes containers)."""
+        return [self.path, "inspect", "--type", "image", "--format", fmt, ref]
+
     def exists(self, ref: str) -> list[str]:
         """Exit status 0 when ``ref`` is in local storage."""
         if self.is_buildah:
-            return [
-                self.path,
-                "inspect",
-                "--type",
-                "image",
-                "--format",
-                "{{.FromImageID}}",
-                ref,
-            ]
+            return self._inspect_image("{{.FromImageID}}", ref)
         return [self.path, "image", "inspect", "--format", "{{.Id}}", ref]
 
     def pull(self, ref: str) -> list[str]:
@@ -76,15 +72,7 @@ class Engine:
         """Prints the manifest digest of a local image (docker: its
         RepoDigests, one per line; empty for an image never pushed)."""
         if self.is_buildah:
-            return [
-                self.path,
-                "inspect",
-                "--type",
-                "image",
-                "--format",
-                "{{.FromImageDigest}}",
-                ref,
-            ]
+            return self._inspect_image("{{.FromImageDigest}}", ref)
         if self.name == "podman":
             return [self.path, "image", "inspect", "--format", "{{.Digest}}", ref]
         fmt = "{{range .RepoDigests}}{{println .}}{{end}}"
