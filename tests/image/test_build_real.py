@@ -146,6 +146,12 @@ def build(
     )  # fmt: skip
 
 
+def containers(engine: Engine) -> set[str]:
+    if not engine.is_buildah:
+        return set()
+    return set(run([engine.path, "containers", "--quiet"]).stdout.split())
+
+
 def failed_at(out: subprocess.CompletedProcess[str], engine: Engine) -> str:
     text = out.stdout + out.stderr
     verb = "bud" if engine.is_buildah else "build"
@@ -160,7 +166,9 @@ def test_pip_cannot_install_into_an_externally_managed_python(
     tiny_base: TinyBase, engine: Engine, tmp_path: Path
 ) -> None:
     base = tiny_base("externally-managed", externally_managed=True)
+    before = containers(engine)
     text = failed_at(build(REPO, base, "externally-managed", engine), engine)
+    assert containers(engine) == before  # the failed step's container is gone
     assert "externally-managed-environment" in text, text[-3000:]
     assert "apply-overlay:" not in text  # stopped at the first pip install
 

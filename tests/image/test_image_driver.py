@@ -122,7 +122,7 @@ def test_dry_run_buildah_chroot_without_an_oci_runtime(
     assert "buildah: works at" in engine_line
     assert "no OCI runtime (runc, crun) installed): chosen" in engine_line
     bud = next(x for x in lines if " bud " in x)
-    assert "--layers --pull=never --isolation=chroot" in bud
+    assert "--layers --force-rm --pull=never --isolation=chroot" in bud
     assert f"--build-arg BASE_IMAGE={BASE}" in bud
     assert any(x.endswith(f"pull {BASE}") for x in lines)
     run = next(x for x in lines if " run " in x)

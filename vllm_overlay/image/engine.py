@@ -90,9 +90,11 @@ class Engine:
         if self.is_buildah:
             # --layers: cache every step (buildah's default is one layer);
             # the base is resolved and present before the build starts.
-            argv = [self.path, "bud", "--layers", "--pull=never", *self._run_opts()]
+            # --force-rm: a failed step leaves no working container behind.
+            argv = [self.path, "bud", "--layers", "--force-rm", "--pull=never"]
+            argv += self._run_opts()
         elif self.name == "podman":
-            argv = [self.path, "build", "--layers", "--pull=never"]
+            argv = [self.path, "build", "--layers", "--force-rm", "--pull=never"]
         else:
             argv = [self.path, "build"]
         argv += ["--file", dockerfile]
