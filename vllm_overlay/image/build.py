@@ -32,7 +32,11 @@ from vllm_overlay import __version__
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.image.engine import Choice, Engine, Probe, Which, choose_engine
 from vllm_overlay.image.engine import probe_info as _probe_info
-from vllm_overlay.image.reference import ImageReference, parse_reference
+from vllm_overlay.image.reference import (
+    ImageReference,
+    ImageReferenceError,
+    parse_reference,
+)
 from vllm_overlay.image.verify import Verification, format_verification
 from vllm_overlay.series.patch_series import Series, load_series
 from vllm_overlay.series.pin import PIN_FILE, ImageRef, Pin, encode_pin, load_pin
@@ -213,6 +217,13 @@ def _stream(argv: Sequence[str], say: Say) -> int:
         raise ImageError(f"`{argv[0]}`: {e}") from e
 
 
+def _repo_of(line: str) -> str:
+    try:
+        return parse_reference(line).qualified().name
+    except ImageReferenceError:
+        return ""
+
+
 def resolve_base(engine: Engine, base: ImageReference, say: Say) -> ImageReference:
     """Make the base present (pulled as its own step) and learn its digest."""
     pull_ref = base.by_digest() if base.digest else str(base)
@@ -234,13 +245,10 @@ def resolve_base(engine: Engine, base: ImageReference, say: Say) -> ImageReferen
     digest = ""
     if out.returncode == 0:
         for line in out.stdout.split():
-            found = line.rpartition("@")[2]
-            if (
-                engine.name != "docker"
-                or parse_reference(line).qualified().name == base.name
-            ):
-                digest = found
-                break
+            if engine.name == "docker" and _repo_of(line) != base.name:
+                continue  # another name's digest (docker lists one per repo)
+            digest = line.rpartition("@")[2]
+            break
     if digest.startswith("sha256:"):
         say(f"base: digest {digest}")
         return base.with_digest(digest)
@@ -250,30 +258,24 @@ def resolve_base(engine: Engine, base: ImageReference, say: Say) -> ImageReferen
     return base
 
 
-def run_verify(engine: Engine, tag: str, say: Say) -> Verification:
+def run_verify(engine: Engine, tag: str) -> Verification:
     """`vllm-overlay image verify --json` in a throwaway container of ``tag``."""
     steps = engine.run(tag, VERIFY)
-    container = ""
-    result: subprocess.CompletedProcess[str] | None = None
-    try:
-        for argv in steps:
-            argv = [a.replace("{container}", container) for a in argv]
-            if argv[1] == "rm":
-                continue  # in finally
-            out = _capture(argv, timeout=1800)
-            if argv[1] == "from":
-                if out.returncode != 0:
-                    raise ImageError(
-                        f"`{shlex.join(argv)}` failed: {out.stderr.strip()}"
-                    )
-                container = out.stdout.strip().splitlines()[-1]
-                continue
-            result = out
-    finally:
-        if container:
-            rm = [a.replace("{container}", container) for a in steps[-1]]
-            _capture(rm)
-    assert result is not None
+    if engine.is_buildah:  # from, run, rm
+        made = _capture(steps[0])
+        if made.returncode != 0 or not made.stdout.split():
+            raise ImageError(f"`{shlex.join(steps[0])}` failed: {made.stderr.strip()}")
+        container = made.stdout.split()[-1]
+
+        def fill(argv: list[str]) -> list[str]:
+            return [a.replace("{container}", container) for a in argv]
+
+        try:
+            result = _capture(fill(steps[1]), timeout=1800)
+        finally:
+            _capture(fill(steps[2]))
+    else:
+        result = _capture(steps[0], timeout=1800)
     try:
         return msgspec.json.decode(result.stdout, type=Verification)
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -405,7 +407,7 @@ def build_image(
     verification = None
     if verify:
         say(f"verify: `{shlex.join(VERIFY)}` in a container of {tag}")
-        verification = run_verify(eng, tag, say)
+        verification = run_verify(eng, tag)
         say(format_verification(verification))
     size = read_size(eng, tag)
     report = ImageReport(
