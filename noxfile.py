@@ -261,6 +261,16 @@ def simulate(session: nox.Session) -> None:
     overlay(session, cpu_python(session), "simulate", *args)
 
 
+@nox.session(name="simulate-bytes", venv_backend="none")
+def simulate_bytes(session: nox.Session) -> None:
+    """Byte level: both legs' real MoRIIO workers move real KV cache tensors
+    over a loopback stand-in for mori, base vs overlay, every layout, mode,
+    TP pair and KV cache layout; prints the table. Arguments after `--` go to
+    `vllm-overlay simulate --bytes` (e.g. `-- --layouts llama --modes read`)."""
+    args = session.posargs or ["--report", str(REPORTS / "simulate-bytes.json")]
+    overlay(session, cpu_python(session), "simulate", "--bytes", *args)
+
+
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Benchmarks: figures printed, never asserted."""

@@ -16,6 +16,7 @@ from vllm_overlay.command import (
     base_source,
 )
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.simulate.bytes import cli as bytes_cli
 from vllm_overlay.simulate.layouts import all_layouts, expand
 from vllm_overlay.simulate.matrix import (
     MATRIX_JSON,
@@ -23,7 +24,8 @@ from vllm_overlay.simulate.matrix import (
     readme_section,
     replace_section,
 )
-from vllm_overlay.simulate.report import format_table, summary_line
+from vllm_overlay.simulate.procs import SweepOptions
+from vllm_overlay.simulate.report import SweepReport, format_table, summary_line
 from vllm_overlay.simulate.run import (
     DEFAULT_HITS,
     DEFAULT_LENGTHS,
@@ -38,11 +40,12 @@ class SimulateArgsError(OverlayError):
     """A --layouts, --lengths or --hits value the simulator cannot use."""
 
 
-def _check_args(layouts: list[str], lengths: str | None, hits: str) -> None:
+def _check_args(layouts: list[str], lengths: str | None, hits: str | None) -> None:
     checks: list[tuple[str, object, Callable[[], object]]] = [
         ("--layouts", ",".join(layouts), lambda: expand(layouts or None)),
-        ("--hits", hits, lambda: parse_hits(hits)),
     ]
+    if hits is not None:
+        checks.append(("--hits", hits, lambda: parse_hits(hits)))
     if lengths is not None:
         checks.append(("--lengths", lengths, lambda: parse_lengths(lengths)))
     for option, value, parse in checks:
@@ -69,13 +72,13 @@ def register(sub: Subparsers) -> None:
         metavar="RANGES",
         help="prompt lengths: ranges a-b, a-b/step, lists (default "
         f"{DEFAULT_LENGTHS} for the mechanism layouts, {FAMILY_LENGTHS} for "
-        "the model families)",
+        f"the model families; with --bytes {bytes_cli.DEFAULT_LENGTHS})",
     )
     p.add_argument(
         "--hits",
-        default=DEFAULT_HITS,
         metavar="PERCENTS",
-        help="decoder prefix-hit percentages (default %(default)s)",
+        help=f"decoder prefix-hit percentages (default {DEFAULT_HITS}; with "
+        f"--bytes {bytes_cli.DEFAULT_HITS})",
     )
     p.add_argument(
         "--variant",
@@ -111,6 +114,7 @@ def register(sub: Subparsers) -> None:
         metavar="N",
         help="worker processes per variant (default: cores / variants)",
     )
+    bytes_cli.add_arguments(p)
 
 
 def _family_layouts() -> list[str]:
@@ -125,38 +129,49 @@ def _run(app: App, args: argparse.Namespace) -> int:
     Run both legs' real vLLM schedulers on CPU with the MoRIIO connector in
     READ mode, base against overlay, for every layout, prompt length and
     decoder prefix hit, and check what the decoder reads.
+
+    With --bytes: both legs' real MoRIIO workers (prefill and decode ranks
+    as processes, real KV cache tensors in vLLM's layout, the real handshake)
+    move the KV over a loopback stand-in for mori, in READ and WRITE mode, for
+    every TP pair and KV cache layout, and every byte the decoder attends to
+    is checked against what the prefiller computed.
     """
     variants = ["base", "overlay"] if args.variant == "both" else [args.variant]
     layouts = [x for x in args.layouts.split(",") if x.strip()]
     _check_args(layouts, args.lengths, args.hits)
     if args.update_readme:
-        if layouts or args.variant != "both":
+        if layouts or args.variant != "both" or args.bytes:
             return app.fail("--update-readme runs every family, base and overlay")
         layouts = _family_layouts()
-    report = run_sweep(
-        layouts,
-        args.lengths,
-        args.hits,
-        variants,
-        base_source=base_source(args),
-        overlay_source=args.overlay_from,
-        processes_per_variant=args.processes,
-        progress=app.progress,
-        checkout=app.checkout,
+    options = SweepOptions(
+        base_source(args), args.overlay_from, app.progress, app.checkout
     )
+    report: SweepReport | bytes_cli.BytesReport
+    if args.bytes:
+        report = bytes_cli.sweep(args, layouts, variants, options)
+        text = bytes_cli.show(report)
+        summary = bytes_cli.summary_line(report)
+    else:
+        hits = args.hits or DEFAULT_HITS
+        report = run_sweep(
+            layouts, args.lengths, hits, variants, options, args.processes
+        )
+        text = format_table(report)
+        if args.markdown:
+            text = format_matrix(report, markdown=True)
+        else:
+            text += "\n\n" + format_matrix(report)
+        summary = summary_line(report)
     app.end_progress()
     for variant, where in report.variants.items():
         app.say(f"{variant}: {where}")
     app.say(f"lengths {report.lengths}, hits {report.hits} %")
-    if args.markdown:
-        app.say(format_matrix(report, markdown=True))
-    else:
-        app.say(format_table(report))
-        app.say()
-        app.say(format_matrix(report))
+    app.say(text)
     if args.report is not None:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
     if args.update_readme:
+        assert isinstance(report, SweepReport)
         root = app.checkout.root
         (root / MATRIX_JSON).write_bytes(
             msgspec.json.format(msgspec.json.encode(report)) + b"\n"
@@ -164,6 +179,6 @@ def _run(app: App, args: argparse.Namespace) -> int:
         readme = root / "README.md"
         readme.write_text(replace_section(readme.read_text(), readme_section(report)))
         app.say(f"wrote {MATRIX_JSON} and the README's supported-models table")
-    app.say(summary_line(report))
+    app.say(summary)
     app.result(report)
     return 0

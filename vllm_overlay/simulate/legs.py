@@ -7,9 +7,11 @@ connector in READ mode (no sockets, no threads).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,20 +67,31 @@ _EAGLE3_JSON: dict[str, Any] = {
 }
 
 
-def _model_dir(name: str = "llama", config: dict[str, Any] | None = None) -> str:
+def _model_dir(
+    name: str = "llama",
+    config: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> str:
+    """A folder holding only ``config.json``; one per distinct config, so
+    processes building different models never share a file."""
+    merged = {**(config or _LLAMA_JSON), **(overrides or {})}
+    text = json.dumps(merged, sort_keys=True)
+    if overrides:
+        name += "-" + hashlib.sha256(text.encode()).hexdigest()[:12]
     path = Path(tempfile.gettempdir()) / f"vllm-overlay-sim-{name}"
     path.mkdir(exist_ok=True)
     cfg = path / "config.json"
-    text = json.dumps(config or _LLAMA_JSON)
     if not cfg.exists() or cfg.read_text() != text:
-        cfg.write_text(text)
+        tmp = path / f"config.json.{id(text)}"
+        tmp.write_text(text)
+        tmp.replace(cfg)
     return str(path)
 
 
-def _target_dir(spec: SpecDecode | None) -> str:
+def _target_dir(spec: SpecDecode | None, overrides: dict[str, Any]) -> str:
     if spec is not None and spec.method == "mtp":
-        return _model_dir("mtp-target", _MTP_TARGET_JSON)
-    return _model_dir()
+        return _model_dir("mtp-target", _MTP_TARGET_JSON, overrides)
+    return _model_dir(overrides=overrides)
 
 
 def _speculative_config(spec: SpecDecode | None, model_config: Any) -> Any:
@@ -132,6 +145,25 @@ def _with_spec_slots(vllm_config: Any, slots: SpecSlots) -> Any:
     return vllm_config
 
 
+@dataclass(frozen=True)
+class LegOptions:
+    """What the byte-level simulator changes; the defaults are the scheduler
+    simulator's legs."""
+
+    read_mode: bool = True
+    tensor_parallel_size: int | None = None
+    """Default: the layout's DCP size."""
+    kv_cache_layout: str | None = None
+    """Default: the layout's."""
+    model_json: dict[str, Any] = field(default_factory=dict)
+    """Merged over the target's ``config.json``."""
+    specs: Callable[[], dict[str, Any]] | None = None
+    """Per-layer specs of this leg's ranks; default: the layout's."""
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    """Merged over ``kv_connector_extra_config``."""
+    with_scheduler: bool = True
+
+
 @dataclass
 class Leg:
     """One leg: its scheduler, config and the resolved block geometry."""
@@ -151,9 +183,14 @@ class Leg:
 
 
 def leg_config(
-    layout: Layout, role: str, port: int, max_model_len: int
+    layout: Layout,
+    role: str,
+    port: int,
+    max_model_len: int,
+    options: LegOptions | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """One leg's ``VllmConfig`` (MoRIIO READ) and the layout's layer specs."""
+    """One leg's ``VllmConfig`` (MoRIIO READ unless ``options`` say WRITE)
+    and the layer specs."""
     import torch  # noqa: F401  (vLLM expects torch imported first)
     from vllm.config import (
         AttentionConfig,
@@ -167,9 +204,10 @@ def leg_config(
     from vllm.config.attention import HiSparseConfig
     from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
 
+    opts = options or LegOptions()
     dcp = layout.dcp
     layout.register_specs()
-    specs = layout.layer_specs()
+    specs = opts.specs() if opts.specs is not None else layout.layer_specs()
     has_state = layout.has_state or any(
         isinstance(s, MambaSpec)
         for spec in specs.values()
@@ -181,11 +219,12 @@ def leg_config(
         "notify_port": port + 1,
         "proxy_ip": "127.0.0.1",
         "http_port": port + 2,
-        "read_mode": True,
+        "read_mode": opts.read_mode,
         "host_ip": "127.0.0.1",
+        **opts.extra_config,
     }
     model_config = ModelConfig(
-        model=_target_dir(layout.speculative),
+        model=_target_dir(layout.speculative, opts.model_json),
         skip_tokenizer_init=True,
         max_model_len=max_model_len,
     )
@@ -202,7 +241,8 @@ def leg_config(
         speculative_config=_speculative_config(layout.speculative, model_config),
         attention_config=attention_config,
         parallel_config=ParallelConfig(
-            tensor_parallel_size=dcp, decode_context_parallel_size=dcp
+            tensor_parallel_size=opts.tensor_parallel_size or dcp,
+            decode_context_parallel_size=dcp,
         ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_model_len,
@@ -218,7 +258,9 @@ def leg_config(
     )
     slots = layout.decode_slots if role == "kv_consumer" else layout.prefill_slots
     vllm_config = _with_spec_slots(vllm_config, slots)
-    vllm_config.cache_config.kv_cache_layout = layout.kv_cache_layout
+    vllm_config.cache_config.kv_cache_layout = (
+        opts.kv_cache_layout or layout.kv_cache_layout
+    )
     return vllm_config, specs
 
 
@@ -233,7 +275,13 @@ def plan_groups(layout: Layout, max_model_len: int = 4160) -> list[Any]:
     return groups
 
 
-def build_leg(layout: Layout, role: str, port: int, max_model_len: int) -> Leg:
+def build_leg(
+    layout: Layout,
+    role: str,
+    port: int,
+    max_model_len: int,
+    options: LegOptions | None = None,
+) -> Leg:
     """Build one leg; raises whatever vLLM or the connector raise at start."""
     from vllm.config import set_current_vllm_config
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -254,7 +302,7 @@ def build_leg(layout: Layout, role: str, port: int, max_model_len: int) -> Leg:
     from vllm.v1.structured_output import StructuredOutputManager
 
     dcp = layout.dcp
-    vllm_config, specs = leg_config(layout, role, port, max_model_len)
+    vllm_config, specs = leg_config(layout, role, port, max_model_len, options)
     register_all_kvcache_specs(vllm_config)
     groups = get_global_kv_cache_groups(vllm_config, [specs])
     vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
@@ -288,14 +336,16 @@ def build_leg(layout: Layout, role: str, port: int, max_model_len: int) -> Leg:
         cfg.hash_block_size = hash_bs
         cfg.cache_hit_alignment_tokens = align
 
-    with set_current_vllm_config(vllm_config):
-        scheduler = Scheduler(
-            vllm_config=vllm_config,
-            kv_cache_config=sched_cfg,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=sched_bs,
-            hash_block_size=hash_bs,
-        )
+    scheduler = None
+    if options is None or options.with_scheduler:
+        with set_current_vllm_config(vllm_config):
+            scheduler = Scheduler(
+                vllm_config=vllm_config,
+                kv_cache_config=sched_cfg,
+                structured_output_manager=StructuredOutputManager(vllm_config),
+                block_size=sched_bs,
+                hash_block_size=hash_bs,
+            )
     hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(

@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import msgspec
 
 from vllm_overlay.simulate.check import CaseResult
+from vllm_overlay.simulate.procs import ratio, table
+
+
+class CaseCounts(Protocol):
+    cases: int
+    error_cases: int
+    first_errors: list[str]
+
+
+def count_case(report: CaseCounts, error: str | None) -> bool:
+    """Count one case; True when it is an error (the first three distinct
+    errors are kept)."""
+    report.cases += 1
+    if error is None:
+        return False
+    report.error_cases += 1
+    if len(report.first_errors) < 3 and error not in report.first_errors:
+        report.first_errors.append(error)
+    return True
 
 
 class PlanItem(msgspec.Struct):
@@ -51,11 +72,7 @@ class LayoutReport(msgspec.Struct, tag="layout"):
     seconds: float = 0.0
 
     def add(self, result: CaseResult) -> None:
-        self.cases += 1
-        if result.error is not None:
-            self.error_cases += 1
-            if len(self.first_errors) < 3 and result.error not in self.first_errors:
-                self.first_errors.append(result.error)
+        if count_case(self, result.error):
             return
         key = f"{result.hit_fraction * 100:g}"
         if result.wrong:
@@ -85,12 +102,6 @@ class SweepReport(msgspec.Struct):
 
 
 WorkerLine = Progress | LayoutReport
-
-
-def _ratio(num: int, den: int) -> str:
-    if den == 0:
-        return "-" if num == 0 else "inf"
-    return f"{num / den:.2f}"
 
 
 def _first(ns: list[int], k: int = 6) -> str:
@@ -142,24 +153,14 @@ def format_table(report: SweepReport) -> str:
                     f"{hit}:{len(r.wrong_lengths_by_hit.get(hit, []))}"
                     for hit in (f"{h:g}" for h in hits)
                 ),
-                f"{r.pages_read}/{r.min_pages} = {_ratio(r.pages_read, r.min_pages)}",
-                _ratio(r.bytes_read, r.min_bytes),
+                f"{r.pages_read}/{r.min_pages} = {ratio(r.pages_read, r.min_pages)}",
+                ratio(r.bytes_read, r.min_bytes),
                 f"{r.extra_reads}/{r.duplicate_reads}/{r.unread}",
                 str(r.error_cases)
                 + (f" ({r.first_errors[0][:60]})" if r.first_errors else ""),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for i, row in enumerate(rows):
-        lines.append(
-            "  ".join(
-                cell.ljust(w) for cell, w in zip(row, widths, strict=True)
-            ).rstrip()
-        )
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return table(rows)
 
 
 def summary_line(report: SweepReport) -> str:

@@ -8,30 +8,27 @@ by ``worker.py``; layouts are split across processes to use both cores.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
-import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.series.pin import MODULE_DIR
+from vllm_overlay.simulate import procs
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     LayoutReport,
     PlanItem,
-    Progress,
     SweepReport,
     WorkerLine,
 )
 from vllm_overlay.simulate.worker import MARK
 from vllm_overlay.tree.materialize import BaseSource
-from vllm_overlay.tree.variant import MORIIO_FILES, build_variant_dir
+from vllm_overlay.tree.variant import MORIIO_FILES
+
+_DECODER = msgspec.json.Decoder(WorkerLine)
 
 DEFAULT_LENGTHS = "1-4096/17"
 FAMILY_LENGTHS = "1-4096/67"
@@ -153,47 +150,11 @@ def _split(layouts: list[str], parts: int) -> list[list[str]]:
     return [b for b in buckets if b]
 
 
-def _reader(
-    proc: subprocess.Popen[str],
-    sink: Callable[[WorkerLine], None],
-    tail: list[str],
-) -> None:
-    decoder = msgspec.json.Decoder(WorkerLine)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(MARK):
-            sink(decoder.decode(line[len(MARK) :]))
-        else:
-            tail.append(line)
-            del tail[:-20]
-
-
 def _start_worker(
     moriio_dir: Path, variant: str, plan: list[PlanItem], port: int
 ) -> subprocess.Popen[str]:
-    env = dict(
-        os.environ,
-        VLLM_TARGET_DEVICE="cpu",
-        VLLM_LOGGING_LEVEL="ERROR",
-        # One thread per process: two workers on two cores otherwise spin.
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-    )
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm_overlay.simulate.worker",
-        f"--moriio-dir={moriio_dir}",
-        f"--variant={variant}",
-        "--plan=" + msgspec.json.encode(plan).decode(),
-        f"--port={port}",
-    ]
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+    args = [*procs.variant_args(moriio_dir, variant, plan), f"--port={port}"]
+    return procs.start("vllm_overlay.simulate.worker", args)
 
 
 def run_variant(
@@ -203,26 +164,13 @@ def run_variant(
     port: int = 30000,
 ) -> list[LayoutReport]:
     """Run one plan in one worker process whose moriio files are ``files``."""
-    root = Path(tempfile.mkdtemp(prefix="vllm-overlay-sim-"))
-    moriio_dir = build_variant_dir(root / variant / "moriio", files)
-    proc = _start_worker(moriio_dir, variant, plan, port)
-    results: list[LayoutReport] = []
-    tail: list[str] = []
-
-    def sink(line: WorkerLine) -> None:
-        if isinstance(line, LayoutReport):
-            results.append(line)
-
-    try:
-        _reader(proc, sink, tail)
-        proc.wait()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"simulator worker exited {proc.returncode}:\n" + "".join(tail)
-        )
-    return results
+    return procs.run_variant_process(
+        variant,
+        files,
+        lambda moriio_dir: _start_worker(moriio_dir, variant, plan, port),
+        MARK,
+        _DECODER,
+    )
 
 
 def run_sweep(
@@ -230,13 +178,11 @@ def run_sweep(
     lengths: str | None,
     hits: str,
     variants: list[str],
-    base_source: BaseSource | None = None,
-    overlay_source: str | None = None,
+    options: procs.SweepOptions | None = None,
     processes_per_variant: int | None = None,
-    progress: Callable[[str], None] | None = None,
-    checkout: Checkout | None = None,
 ) -> SweepReport:
     start = time.monotonic()
+    options = options or procs.SweepOptions()
     names = [layout.name for layout in expand(layouts or None)]
     per_layout = (
         {name: lengths for name in names} if lengths else default_lengths(names)
@@ -244,62 +190,37 @@ def run_sweep(
     for text in set(per_layout.values()):
         parse_lengths(text)
     parse_hits(hits)
-    sources: dict[str, tuple[dict[str, str], str]] = {}
-    base = base_files(base_source, checkout)
-    if "base" in variants:
-        sources["base"] = base
-    if "overlay" in variants:
-        sources["overlay"] = overlay_files(base[0], overlay_source, checkout)
-
-    root = Path(tempfile.mkdtemp(prefix="vllm-overlay-sim-"))
-    results: list[LayoutReport] = []
-    state: dict[tuple[str, str], tuple[int, int]] = {}
-    lock = threading.Lock()
-
-    def sink(line: WorkerLine) -> None:
-        with lock:
-            if isinstance(line, Progress):
-                state[(line.variant, line.layout)] = (line.done, line.total)
-            else:
-                results.append(line)
-                state.pop((line.variant, line.layout), None)
-            if progress is not None:
-                busy = ", ".join(
-                    f"{v}:{lay} {d}/{t}" for (v, lay), (d, t) in sorted(state.items())
-                )
-                progress(f"[{len(results)}/{len(names) * len(sources)} done] {busy}")
-
+    sources = options.sources(variants)
+    tally = procs.Tally(
+        len(names) * len(sources), lambda r: str(r.layout), options.progress
+    )
     if processes_per_variant is None:
         # Each process pays ~20 s of imports: one per variant when both run.
         processes_per_variant = max(1, (os.cpu_count() or 2) // len(sources))
-    procs = []
-    for v_index, (variant, (files, _)) in enumerate(sources.items()):
-        moriio_dir = build_variant_dir(root / variant / "moriio", files)
-        for p_index, chunk in enumerate(_split(names, processes_per_variant)):
-            port = 20000 + 4000 * v_index + 2000 * p_index
-            plan = [PlanItem(name, per_layout[name], hits) for name in chunk]
-            proc = _start_worker(moriio_dir, variant, plan, port)
-            tail: list[str] = []
-            thread = threading.Thread(target=_reader, args=(proc, sink, tail))
-            thread.start()
-            procs.append((proc, thread, tail, variant, chunk))
-    for proc, thread, *_ in procs:
-        proc.wait()
-        thread.join()
-    shutil.rmtree(root, ignore_errors=True)
-    for proc, _, tail, variant, chunk in procs:
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"simulator worker {variant} {chunk} exited {proc.returncode}:\n"
-                + "".join(tail)
+    chunks = _split(names, processes_per_variant)
+    ports = {v: 20000 + 4000 * i for i, v in enumerate(sources)}
+
+    def launch(variant: str, moriio_dir: Path) -> list[procs.Started]:
+        return [
+            (
+                _start_worker(
+                    moriio_dir,
+                    variant,
+                    [PlanItem(name, per_layout[name], hits) for name in chunk],
+                    ports[variant] + 2000 * i,
+                ),
+                f"simulator worker {variant} {chunk}",
             )
+            for i, chunk in enumerate(chunks)
+        ]
+
+    procs.run_processes(sources, launch, MARK, _DECODER, tally)
     order = {name: i for i, name in enumerate(names)}
-    vorder = {v: i for i, v in enumerate(sources)}
-    results.sort(key=lambda r: (order.get(r.layout, 0), vorder[r.variant]))
+    results = tally.ordered(lambda r: order.get(r.layout, 0), list(sources))
     return SweepReport(
         lengths=", ".join(sorted(set(per_layout.values()))),
         hits=[h * 100 for h in parse_hits(hits)],
-        variants={v: where for v, (_, where) in sources.items()},
+        variants=options.where(sources),
         layouts=results,
         wall_seconds=time.monotonic() - start,
     )

@@ -7,24 +7,18 @@ Run as ``python -m vllm_overlay.simulate.worker`` by ``run.py``. Writes one
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import msgspec
 
-from vllm_overlay.simulate.report import LayoutReport, PlanItem, Progress, WorkerLine
+from vllm_overlay.simulate.procs import Emitter, variant_parser
+from vllm_overlay.simulate.report import LayoutReport, PlanItem, Progress
 
 MARK = "@@simulate "
-_ENCODER = msgspec.json.Encoder()
-
-
-def emit(line: WorkerLine) -> None:
-    sys.stdout.write(MARK + _ENCODER.encode(line).decode() + "\n")
-    sys.stdout.flush()
+emit = Emitter(MARK)
 
 
 def refusal_origin(exc: BaseException) -> str:
@@ -78,10 +72,7 @@ def run_layout(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--moriio-dir", type=Path, required=True)
-    ap.add_argument("--variant", required=True)
-    ap.add_argument("--plan", required=True, help="JSON list of PlanItem")
+    ap = variant_parser()
     ap.add_argument("--port", type=int, default=40000)
     args = ap.parse_args(argv)
 

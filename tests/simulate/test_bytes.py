@@ -1,0 +1,94 @@
+"""Byte level, sampled: both legs' real MoRIIO workers (the installed vLLM,
+overlaid in ``nox -s unit``) move real KV cache tensors over the loopback
+``mori`` stand-in; ``nox -s simulate-bytes`` runs the full table.
+
+One zygote process runs every configuration below, each in forked rank
+processes. The checker is tested in the same run: a shifted source offset, a
+shifted destination offset and a wrong head split must all be reported.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport
+from vllm_overlay.simulate.bytes.run import run_zygote
+
+LENGTHS = "2,65,120,250,530"
+HITS = "0,50"
+
+# One of everything: each layout, both modes, every TP pair kind (equal,
+# fan-out, fan-in), both KV cache layouts; READ with unequal TP needs
+# replicated KV heads (1 KV head), WRITE slices heads (4 KV heads).
+SAMPLED = [
+    ConfigItem("llama", "read", 1, 1, "LBNHC"),
+    ConfigItem("llama", "read", 1, 2, "BLNHC", kv_heads=1),
+    ConfigItem("llama", "write", 2, 1, "BLNHC"),
+    ConfigItem("llama", "write", 1, 2, "LBNHC"),
+    ConfigItem("gemma", "read", 2, 2, "LBNHC"),
+    ConfigItem("dsv4", "read", 1, 1, "BLNHC"),
+    ConfigItem("kimi", "read", 2, 2, "LBNHC"),
+    ConfigItem("kimi", "write", 1, 2, "BLNHC"),
+    ConfigItem("glm", "read", 1, 1, "BLNHC"),
+]
+REFUSED = {
+    ConfigItem("gemma", "write", 1, 1, "LBNHC"): "does not support sliding-window",
+    ConfigItem("llama", "read", 1, 2, "LBNHC"): "KV heads per rank",
+    ConfigItem("kimi", "read", 1, 2, "LBNHC"): "heterogeneous-TP mamba/KDA",
+}
+FAULTS = {
+    "shift-remote": ConfigItem("llama", "read", 1, 1, "LBNHC", fault="shift-remote"),
+    "shift-local": ConfigItem("llama", "read", 1, 1, "BLNHC", fault="shift-local"),
+    "swap-heads": ConfigItem("llama", "write", 1, 2, "LBNHC", fault="swap-heads"),
+}
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[ConfigItem, ConfigReport]:
+    plan = [*SAMPLED, *REFUSED, *FAULTS.values()]
+    results = run_zygote("installed", None, plan, LENGTHS, HITS)
+    return {r.item: r for r in results}
+
+
+def _id(item: ConfigItem) -> str:
+    return f"{item.layout}-{item.mode}-{item.p_tp}{item.d_tp}-{item.kv_layout}"
+
+
+@pytest.mark.parametrize("item", SAMPLED, ids=_id)
+def test_every_byte_the_decoder_attends_to_is_the_prefillers(reports, item):
+    report = reports[item]
+    assert report.refused_at_start is None and report.refused is None
+    assert report.first_errors == []
+    assert report.cases == report.planned == 10
+    assert report.wrong_cases == 0, report.wrong_notes
+    assert report.moved_bytes >= report.min_bytes > 0
+
+
+@pytest.mark.parametrize("item", list(REFUSED), ids=_id)
+def test_unsupported_pairs_fail_closed(reports, item):
+    report = reports[item]
+    refusal = report.refused_at_start or report.refused
+    assert refusal is not None and REFUSED[item] in refusal
+    assert report.wrong_cases == 0
+
+
+def test_a_shifted_source_offset_is_reported(reports):
+    report = reports[FAULTS["shift-remote"]]
+    assert report.first_errors == []
+    assert report.wrong_cases == report.cases == 10
+    assert report.stray_cases == 0
+
+
+def test_a_shifted_destination_is_a_write_outside_the_destination_pages(reports):
+    # A stray write of the bytes already there changes nothing and cannot be
+    # seen (nor harm); recycled blocks make that possible in some cases.
+    report = reports[FAULTS["shift-local"]]
+    assert report.wrong_cases == report.cases == 10
+    assert report.stray_cases >= report.cases // 2
+    assert any("outside the destination pages" in n for n in report.wrong_notes)
+
+
+def test_a_wrong_head_split_is_reported(reports):
+    report = reports[FAULTS["swap-heads"]]
+    assert report.first_errors == []
+    assert report.wrong_cases == report.cases == 10

@@ -1,0 +1,84 @@
+"""The byte simulator's KV caches are vLLM's: the per-layer views over the
+shared-memory buffer have the geometry vLLM's own ``allocate_kv_cache`` gives
+the same ``KVCacheConfig``, for every layout family and both KV cache
+layouts; and the content function tells prompts, layers and heads apart."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_overlay.simulate.bytes.content import (
+    attention_bytes,
+    global_heads,
+    prefix_hashes,
+    state_bytes,
+)
+from vllm_overlay.simulate.bytes.geometry import Geometry, rank_specs
+from vllm_overlay.simulate.layouts import expand
+from vllm_overlay.simulate.legs import LegOptions, build_leg
+
+
+@pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])
+@pytest.mark.parametrize("name", ["llama", "gemma", "kimi", "glm"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_views_match_vllms_allocation(tmp_path, name, kv_layout, tp):
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from vllm_overlay.simulate.bytes.geometry import model_json
+    from vllm_overlay.simulate.bytes.kvmem import SharedKV
+
+    layout = expand([name])[0]
+    geometry = Geometry()
+    leg = build_leg(
+        layout,
+        "kv_consumer",
+        1,
+        300,
+        LegOptions(
+            tensor_parallel_size=tp,
+            kv_cache_layout=kv_layout,
+            model_json=model_json(layout, geometry),
+            specs=lambda: rank_specs(layout, tp, geometry, 1),
+            extra_config={"proxy_ip": ""},
+            with_scheduler=False,
+        ),
+    )
+    config = leg.worker_config
+    ours = SharedKV(config, kv_layout, str(tmp_path / "kv"), canary=0xC3)
+    try:
+        theirs = allocate_kv_cache(
+            config, torch.device("cpu"), KVCacheLayout[kv_layout]
+        )
+        assert set(ours.tensors) == set(theirs)
+        for name_, view in ours.tensors.items():
+            ref = theirs[name_]
+            assert (view.shape, view.stride(), view.dtype) == (
+                ref.shape,
+                ref.stride(),
+                ref.dtype,
+            ), name_
+            assert view.storage_offset() == ref.storage_offset(), name_
+    finally:
+        ours.close()
+
+
+def test_content_depends_on_prefix_layer_head_and_byte():
+    a = prefix_hashes([5, 6, 7, 8])
+    b = prefix_hashes([5, 6, 9, 8])
+    assert a[1] == b[1] and a[2] != b[2] and a[3] != b[3]
+    page = attention_bytes(a, 1, [0, 1], 64)
+    assert page.shape == (2, 4, 64)
+    assert not np.array_equal(page[0], page[1])
+    assert not np.array_equal(page, attention_bytes(a, 2, [0, 1], 64))
+    # A shard starting at byte 8 is the whole state's bytes from 8 on.
+    whole = state_bytes(int(a[3]), 1, 0, 0, 64)
+    assert np.array_equal(state_bytes(int(a[3]), 1, 0, 8, 56), whole[8:])
+
+
+def test_global_heads_follow_vllms_sharding():
+    assert global_heads(1, 2, 4, 2) == [2, 3]
+    assert global_heads(1, 2, 1, 1) == [0]
+    assert global_heads(3, 4, 2, 1) == [1]

@@ -1,0 +1,92 @@
+"""``vllm-overlay simulate --bytes``: both legs' real MoRIIO workers moving
+real KV cache tensors over the loopback ``mori`` stand-in, base vs overlay
+(the output is ``simulate/cli.py``'s, shared with the scheduler simulator)."""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm_overlay.command import UsageError
+from vllm_overlay.simulate.bytes.report import (
+    BytesReport,
+    findings,
+    format_table,
+    summary_line,
+)
+from vllm_overlay.simulate.bytes.run import (
+    DEFAULT_HITS,
+    DEFAULT_LENGTHS,
+    KV_LAYOUTS,
+    MODES,
+    TP_PAIRS,
+    parse_tp_pairs,
+    plan_items,
+    run_bytes_sweep,
+)
+from vllm_overlay.simulate.layouts import BASE_LAYOUTS
+from vllm_overlay.simulate.procs import SweepOptions
+
+__all__ = [
+    "DEFAULT_HITS",
+    "DEFAULT_LENGTHS",
+    "BytesReport",
+    "add_arguments",
+    "show",
+    "summary_line",
+    "sweep",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--bytes",
+        action="store_true",
+        help="byte level: real MoRIIO workers on both legs move real KV cache "
+        "tensors over a loopback stand-in for mori, every byte checked",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        metavar="LIST",
+        help="--bytes: read, write or both (default %(default)s)",
+    )
+    p.add_argument(
+        "--tp",
+        default=",".join(f"{p}-{d}" for p, d in TP_PAIRS),
+        metavar="PAIRS",
+        help="--bytes: prefill-decode TP pairs (default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-layouts",
+        default=",".join(KV_LAYOUTS),
+        metavar="LIST",
+        help="--bytes: vLLM KV cache layouts (default %(default)s)",
+    )
+
+
+def sweep(
+    args: argparse.Namespace,
+    layouts: list[str],
+    variants: list[str],
+    options: SweepOptions,
+) -> BytesReport:
+    modes = [x for x in args.modes.split(",") if x.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise UsageError(f"--modes: unknown {bad}; choose from {list(MODES)}")
+    items = plan_items(
+        layouts or list(BASE_LAYOUTS),
+        modes,
+        parse_tp_pairs(args.tp),
+        [x for x in args.kv_layouts.split(",") if x.strip()],
+    )
+    lengths, hits = args.lengths or DEFAULT_LENGTHS, args.hits or DEFAULT_HITS
+    return run_bytes_sweep(items, lengths, hits, variants, options)
+
+
+def show(report: BytesReport) -> str:
+    """The table, then every configuration with wrong bytes."""
+    found = findings(report)
+    return format_table(report) + (
+        "\n\nwrong bytes:\n" + "\n".join(found) if found else ""
+    )

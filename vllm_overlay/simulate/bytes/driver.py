@@ -1,0 +1,428 @@
+"""One configuration (layout, mode, TP pair, KV cache layout): fork its ranks,
+run prompts through both legs as vLLM's engine core and executor would, and
+collect each case's byte verdict.
+
+A case is the scheduler simulator's case (``simulate/drive.py``): an optional
+decoder warm-up sharing a prefix of the prompt, then the prompt through the
+prefill leg and the decode leg. READ: P prefills and returns its
+``kv_transfer_params``; D's first step reads and is judged before its
+forward. WRITE: the proxy gives both legs each other's address up front; D
+allocates (the destination is snapshotted), P prefills and writes; once every
+D rank reported the request received, D's first compute step is judged.
+Results from the ranks are aggregated like vLLM's ``KVOutputAggregator``: a
+request finished sending or receiving once every rank of the leg said so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import multiprocessing
+import random
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from vllm_overlay.simulate.bytes.geometry import Geometry
+from vllm_overlay.simulate.bytes.rank import (
+    READ,
+    RankConfig,
+    StepPlan,
+    StepResult,
+    Verdict,
+    Watch,
+    serve,
+)
+from vllm_overlay.simulate.drive import prompt_tokens
+
+_REPLY_TIMEOUT = 120.0
+_MAX_STEPS = 64
+_PORTS = 100
+
+
+def free_port_block(count: int = _PORTS) -> int:
+    """First of ``count`` consecutive loopback ports that are free now, below
+    the ephemeral range (the connector's own ``get_open_port`` draws there).
+    Ranks add their TP rank to a leg's base ports, as vLLM's workers do."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, 32000 - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free loopback ports")
+
+
+@dataclass(frozen=True)
+class Config:
+    layout: str
+    mode: str
+    p_tp: int
+    d_tp: int
+    kv_layout: str
+    fault: str | None = None
+
+
+class CaseBytes(msgspec.Struct, frozen=True):
+    n: int
+    hit_fraction: float
+    wrong: bool
+    wrong_bytes: int = 0
+    wrong_needs: int = 0
+    stray_bytes: int = 0
+    moved_bytes: int = 0
+    min_bytes: int = 0
+    notes: list[str] = []
+    error: str | None = None
+
+
+class RankError(RuntimeError):
+    pass
+
+
+class _Leg:
+    def __init__(self, ctx: Any, configs: list[RankConfig]) -> None:
+        self.configs = configs
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        for cfg in configs:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=serve, args=(child, cfg), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.pending_sending: Counter[str] = Counter()
+        self.pending_recving: Counter[str] = Counter()
+        self.moved = [0] * len(configs)
+        """Bytes each rank's engine moved, from its latest step."""
+
+    @property
+    def tp(self) -> int:
+        return len(self.configs)
+
+    def wait_ready(self) -> None:
+        for conn in self.conns:
+            self._reply(conn)
+
+    def _reply(self, conn: Any) -> Any:
+        if not conn.poll(_REPLY_TIMEOUT):
+            raise RankError("timeout: no reply from a rank")
+        status, payload = conn.recv()
+        if status != "ok":
+            raise RankError(payload)
+        return payload
+
+    def call0(self, cmd: str, *args: Any) -> Any:
+        self.conns[0].send((cmd, args))
+        return self._reply(self.conns[0])
+
+    def broadcast(self, cmd: str, *args: Any) -> list[Any]:
+        for conn in self.conns:
+            conn.send((cmd, args))
+        return [self._reply(conn) for conn in self.conns]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send(("exit", ()))
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+class Driver:
+    """The processes of one configuration and the cases run through them."""
+
+    def __init__(
+        self,
+        config: Config,
+        max_model_len: int,
+        geometry: Geometry | None = None,
+    ) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.geometry = geometry or Geometry()
+        self._ctx = multiprocessing.get_context("fork")
+        self._seq = 0
+        self.p: _Leg | None = None
+        self.d: _Leg | None = None
+
+    # -- processes -----------------------------------------------------------
+
+    def start(self) -> None:
+        base = free_port_block()
+        c = self.config
+
+        def leg(role: str, tp: int, hs: int, dist: int) -> list[RankConfig]:
+            return [
+                RankConfig(
+                    layout=c.layout,
+                    mode=c.mode,
+                    role=role,
+                    tp_size=tp,
+                    tp_rank=r,
+                    kv_layout=c.kv_layout,
+                    handshake_port=hs,
+                    notify_port=hs + 10,
+                    dist_port=dist,
+                    max_model_len=self.max_model_len,
+                    geometry=self.geometry,
+                    fault=c.fault if role == "kv_consumer" or c.mode != READ else None,
+                )
+                for r in range(tp)
+            ]
+
+        # Per leg: handshake, notify and HTTP ports 10 apart (a rank adds its
+        # TP rank), then the two legs' torch.distributed rendezvous ports.
+        self.p = _Leg(self._ctx, leg("kv_producer", c.p_tp, base, base + 80))
+        self.d = _Leg(self._ctx, leg("kv_consumer", c.d_tp, base + 40, base + 81))
+        try:
+            self.p.wait_ready()
+            self.d.wait_ready()
+        except RankError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for leg in (self.p, self.d):
+            if leg is not None:
+                leg.close()
+        self.p = self.d = None
+
+    # -- stepping ------------------------------------------------------------
+
+    def _step(
+        self, leg: _Leg, watch: Watch | None = None
+    ) -> tuple[list[tuple[str, str | None, Any]], list[Verdict]]:
+        plan: StepPlan = leg.call0("schedule", [watch.rid] if watch else [])
+        results: list[StepResult] = leg.broadcast("execute", plan, watch)
+        done_send: set[str] = set()
+        done_recv: set[str] = set()
+        for i, r in enumerate(results):
+            leg.moved[i] = r.moved
+            leg.pending_sending.update(r.finished_sending)
+            leg.pending_recving.update(r.finished_recving)
+        for rid, count in list(leg.pending_sending.items()):
+            if count >= leg.tp:
+                done_send.add(rid)
+                del leg.pending_sending[rid]
+        for rid, count in list(leg.pending_recving.items()):
+            if count >= leg.tp:
+                done_recv.add(rid)
+                del leg.pending_recving[rid]
+        output = {
+            "finished_sending": done_send,
+            "finished_recving": done_recv,
+            "failed_recving": set().union(*(r.failed_recving for r in results)),
+            "invalid_block_ids": set().union(*(r.invalid_block_ids for r in results)),
+        }
+        outs = leg.call0("update", output)
+        self._last_recv = done_recv
+        verdicts = [r.verdict for r in results if r.verdict is not None]
+        return outs, verdicts
+
+    def _until_finished(self, leg: _Leg, rid: str) -> tuple[str, str | None, Any]:
+        for _ in range(_MAX_STEPS):
+            outs, _ = self._step(leg)
+            for out in outs:
+                if out[0] == rid and out[1] is not None:
+                    return out
+        raise RankError(f"{rid} did not finish")
+
+    def _until_freed(self, leg: _Leg, rid: str) -> None:
+        deadline = time.monotonic() + 30
+        while leg.call0("alive", rid):
+            if time.monotonic() > deadline:
+                raise RankError(f"{rid} was never released on the prefill leg")
+            self._step(leg)
+            time.sleep(0.001)
+
+    def _moved(self) -> int:
+        assert self.p is not None and self.d is not None
+        return sum(self.p.moved) + sum(self.d.moved)
+
+    # -- one case ------------------------------------------------------------
+
+    def run_case(self, n: int, hit_fraction: float) -> CaseBytes:
+        try:
+            if self.p is None:
+                self.start()
+            return self._run_case(n, hit_fraction)
+        except RankError as exc:
+            self.stop()
+            return CaseBytes(n, hit_fraction, wrong=False, error=_first_error(str(exc)))
+
+    def _run_case(self, n: int, hit_fraction: float) -> CaseBytes:
+        assert self.p is not None and self.d is not None
+        self._seq += 1
+        uid = self._seq
+        tokens = prompt_tokens(uid, n)
+        rid = f"r{uid}"
+        moved = self._moved()
+        shared = round(n * hit_fraction)
+        if shared > 0:
+            warm = prompt_tokens(uid, shared + 1, shared=shared)
+            self.d.call0("add", f"w{uid}", warm, None)
+            self._until_finished(self.d, f"w{uid}")
+        if self.config.mode == READ:
+            verdicts = self._read_case(rid, uid, tokens)
+        else:
+            verdicts = self._write_case(rid, uid, tokens)
+        self._until_freed(self.p, rid)
+        moved = self._moved() - moved
+        if self._seq % 64 == 0:
+            self.p.call0("reset")
+            self.d.call0("reset")
+        return _case(n, hit_fraction, verdicts, moved)
+
+    def _read_case(self, rid: str, uid: int, tokens: list[int]) -> list[Verdict]:
+        assert self.p is not None and self.d is not None
+        p_params = {"do_remote_decode": True, "transfer_id": f"t{uid}"}
+        self.p.call0("add", rid, tokens, p_params)
+        _, _, params = self._until_finished(self.p, rid)
+        if not params:
+            raise RankError("prefill returned no kv_transfer_params")
+        d_params = copy.deepcopy(params)
+        d_params["do_remote_prefill"] = True
+        self.d.call0("add", rid, tokens, d_params)
+        return self._judged(Watch(rid, len(tokens), tokens, arm=True, judge=True))
+
+    def _write_case(self, rid: str, uid: int, tokens: list[int]) -> list[Verdict]:
+        assert self.p is not None and self.d is not None
+        p_cfg, d_cfg = self.p.configs[0], self.d.configs[0]
+        transfer_id = f"t{uid}"
+        d_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": transfer_id,
+            "remote_host": "127.0.0.1",
+            "remote_handshake_port": p_cfg.handshake_port,
+            "remote_notify_port": p_cfg.notify_port,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_tp_size": self.p.tp,
+            "remote_dp_size": 1,
+        }
+        p_params = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": transfer_id,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": "127.0.0.1",
+            "remote_handshake_port": d_cfg.handshake_port,
+            "remote_notify_port": d_cfg.notify_port,
+            "remote_tp_size": self.d.tp,
+            "remote_dp_size": 1,
+        }
+        n = len(tokens)
+        self.d.call0("add", rid, tokens, d_params)
+        self._step(self.d, Watch(rid, n, tokens, arm=True, dest="table"))
+        self.p.call0("add", rid, tokens, p_params)
+        self._until_finished(self.p, rid)
+        deadline = time.monotonic() + 30
+        while True:
+            self._step(self.d)
+            if rid in self._last_recv:
+                break
+            if time.monotonic() > deadline:
+                raise RankError("the decoder never received the WRITE")
+            time.sleep(0.002)
+        return self._judged(Watch(rid, n, tokens, judge=True, dest="table"))
+
+    def _judged(self, watch: Watch) -> list[Verdict]:
+        """The request's first decoder step, judged on every decoder rank,
+        then its remaining steps."""
+        assert self.d is not None
+        outs, verdicts = self._step(self.d, watch)
+        if len(verdicts) != self.d.tp:
+            raise RankError(f"the decoder did not schedule {watch.rid}")
+        if not any(out[0] == watch.rid and out[1] for out in outs):
+            self._until_finished(self.d, watch.rid)
+        return verdicts
+
+
+def _first_error(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else text)[:300]
+
+
+def _case(n: int, hit: float, verdicts: list[Verdict], moved: int) -> CaseBytes:
+    wrong_bytes = sum(v.wrong_bytes for v in verdicts)
+    stray = sum(v.stray_bytes for v in verdicts)
+    notes = [note for v in verdicts for note in v.notes][:4]
+    return CaseBytes(
+        n=n,
+        hit_fraction=hit,
+        wrong=bool(wrong_bytes or stray),
+        wrong_bytes=wrong_bytes,
+        wrong_needs=sum(v.wrong_needs for v in verdicts),
+        stray_bytes=stray,
+        moved_bytes=moved,
+        min_bytes=sum(v.min_bytes for v in verdicts),
+        notes=notes,
+    )
+
+
+@dataclass
+class ConfigRun:
+    config: Config
+    cases: list[CaseBytes] = field(default_factory=list)
+    refused: str | None = None
+    refused_at_start: str | None = None
+
+
+def run_config(
+    config: Config,
+    lengths: list[int],
+    hits: list[float],
+    geometry: Geometry | None = None,
+    progress: Any = None,
+) -> ConfigRun:
+    """Every (hit, length) case of one configuration. A configuration vLLM or
+    the connector rejects while the ranks start is refused at start; three
+    identical case errors in a row on fresh processes end it too (refused)."""
+    run = ConfigRun(config)
+    driver = Driver(config, max(lengths) + 64, geometry)
+    streak: list[str] = []
+    try:
+        try:
+            driver.start()
+        except RankError as exc:
+            # vLLM or the connector refused the configuration while the
+            # ranks started: no case can run.
+            run.refused_at_start = _first_error(str(exc))
+            return run
+        for hit in hits:
+            for n in lengths:
+                case = driver.run_case(n, hit)
+                run.cases.append(case)
+                if progress is not None:
+                    progress(len(run.cases))
+                if case.error is None:
+                    streak = []
+                    continue
+                streak.append(case.error)
+                if len(streak) >= 3 and len(set(streak[-3:])) == 1:
+                    run.refused = case.error
+                    return run
+    finally:
+        driver.stop()
+    return run

@@ -1,0 +1,128 @@
+"""The per-rank KV cache specs of a layout under tensor parallelism.
+
+The scheduler simulator's layouts (``simulate/layouts.py``) fix the group
+structure: block sizes, windows, group kinds and speculative slots. A worker
+also needs what TP changes: GQA layers hold ``kv_heads / tp`` heads (one
+replicated head past ``kv_heads`` ranks), MLA latents are replicated, and a
+KDA layer holds ``1 / tp`` of its conv and recurrent state, shaped the way
+vLLM's model code shapes it (``MambaStateShapeCalculator.kda_state_shape``,
+``GDN_ATTN``). Nothing else of a layout changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vllm_overlay.simulate.layouts import Layout
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Model dimensions; small, so a case moves little memory."""
+
+    kv_heads: int = 4
+    """KV heads of every GQA (full or sliding-window) layer, before TP."""
+    head_size: int = 32
+    kda_heads: int = 2
+    kda_head_dim: int = 32
+    conv_kernel: int = 4
+
+
+def is_mla(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+
+    return isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))
+
+
+def local_heads(tp_size: int, total: int) -> int:
+    return total // tp_size if tp_size <= total else 1
+
+
+def total_heads(spec: Any, geometry: Geometry) -> int:
+    """Global KV heads of an attention layer (MLA: the one latent)."""
+    return 1 if is_mla(spec) else geometry.kv_heads
+
+
+def uses_mla(layout: Layout) -> bool:
+    return any(is_mla(spec) for spec in layout.layer_specs().values())
+
+
+def model_json(layout: Layout, geometry: Geometry) -> dict[str, Any]:
+    """``config.json`` overrides: the total KV heads the connector reads from
+    the model config, and a DeepSeek-style MLA model when the layout has MLA
+    layers (the worker's ``use_mla``)."""
+    if uses_mla(layout):
+        return {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "kv_lora_rank": 512,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 256,
+            "first_k_dense_replace": 2,
+        }
+    return {
+        "num_attention_heads": 2 * geometry.kv_heads,
+        "num_key_value_heads": geometry.kv_heads,
+        "head_dim": geometry.head_size,
+    }
+
+
+def rank_specs(
+    layout: Layout, tp_size: int, geometry: Geometry, num_speculative_tokens: int
+) -> dict[str, Any]:
+    """Per-layer specs of one rank of a leg with ``tp_size`` ranks."""
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateShapeCalculator,
+    )
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    out: dict[str, Any] = {}
+    mamba: dict[str, Any] = {}
+    for name, spec in layout.layer_specs().items():
+        if isinstance(spec, MambaSpec):
+            mamba[name] = spec
+        elif isinstance(spec, AttentionSpec) and not is_mla(spec):
+            out[name] = replace(
+                spec,
+                num_kv_heads=local_heads(tp_size, geometry.kv_heads),
+                head_size=geometry.head_size,
+                head_size_v=geometry.head_size,
+            )
+        else:
+            out[name] = spec
+    if mamba:
+        page = max(spec.page_size_bytes for spec in out.values())
+        shapes = MambaStateShapeCalculator.kda_state_shape(
+            tp_size,
+            geometry.kda_heads,
+            geometry.kda_head_dim,
+            conv_kernel_size=geometry.conv_kernel,
+            num_spec=num_speculative_tokens,
+        )
+        for name, spec in mamba.items():
+            kda = MambaSpec(
+                block_size=spec.block_size,
+                shapes=shapes,
+                dtypes=(torch.bfloat16, torch.float32),
+                page_size_padded=page,
+                mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                mamba_cache_mode=spec.mamba_cache_mode,
+                num_speculative_blocks=spec.num_speculative_blocks,
+            )
+            if kda.real_page_size_bytes > page:
+                raise ValueError(
+                    f"{layout.name}: KDA state ({kda.real_page_size_bytes} B) "
+                    f"exceeds the attention page ({page} B)"
+                )
+            out[name] = kda
+    return {name: out[name] for name in layout.layer_specs()}

@@ -1,0 +1,701 @@
+"""One rank of one leg, in its own process, driven over a pipe.
+
+Every rank builds its leg's ``VllmConfig`` and per-rank ``KVCacheConfig``
+through vLLM's planner (``simulate.legs.build_leg``), joins its leg's TP group
+(vLLM's parallel state on gloo), builds the real ``MoRIIOConnector`` in the
+WORKER role, allocates its KV cache in shared memory in vLLM's layout
+(``kvmem``) and registers it (``register_kv_caches``: the real handshake
+listener, notify listener and memory registration on the ``mori`` stand-in).
+Rank 0 also runs the leg's real ``Scheduler``.
+
+Per step the driver sends what vLLM's executor sends a worker: the
+scheduler's output (connector metadata, blocks to zero, block copies, the
+requests and token ranges to compute). The rank runs the worker side in
+vLLM's model-runner order (``kv_connector_model_runner_mixin``): zero, copy,
+bind metadata, ``start_load_kv`` before the forward when the step has a
+synchronous load, the "forward" (``content`` bytes for every computed
+position, the attention layers' ``save_kv_layer`` hooks), ``start_load_kv``
+after it otherwise, ``wait_for_save``, ``get_transfer_results``.
+
+The watched request of a case is judged byte by byte (``judge``): every byte
+the decoder holds for a position it attends to, and every byte that changed
+outside the transfer's destination pages.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_overlay.simulate.bytes.content import (
+    POISON,
+    attention_bytes,
+    global_heads,
+    layer_key,
+    prefix_hashes,
+    state_bytes,
+)
+from vllm_overlay.simulate.bytes.geometry import Geometry, total_heads
+from vllm_overlay.simulate.check import STATE_KIND, needs
+
+READ, WRITE = "read", "write"
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    layout: str
+    mode: str
+    role: str
+    tp_size: int
+    tp_rank: int
+    kv_layout: str
+    handshake_port: int
+    notify_port: int
+    dist_port: int
+    max_model_len: int
+    geometry: Geometry = field(default_factory=Geometry)
+    fault: str | None = None
+    transfer_timeout: float = 20.0
+
+
+@dataclass
+class Compute:
+    """Positions ``[start, end)`` of a request computed in this step."""
+
+    rid: str
+    tokens: list[int]
+    start: int
+    end: int
+    tables: list[list[int]]
+
+
+@dataclass
+class StepPlan:
+    metadata: Any
+    zero: list[int]
+    copies: list[tuple[int, int]]
+    computes: list[Compute]
+    has_sync_kv_loads: bool
+    finished_req_ids: set[str]
+    tables: dict[str, list[list[int]]]
+    """Block tables of the watched requests, scheduled or not."""
+    payload_groups: list[int]
+    """``kv_cache_groups`` index of each list of a READ ``ReqMeta``."""
+
+
+@dataclass
+class Watch:
+    """The case's request on the decoder: snapshot (``arm``) and judge."""
+
+    rid: str
+    n: int
+    tokens: list[int]
+    arm: bool = False
+    judge: bool = False
+    dest: str = "meta"
+    """Destination pages: ``meta`` (the READ ReqMeta's local lists) or
+    ``table`` (the request's block table, WRITE)."""
+
+
+@dataclass
+class Verdict:
+    """One decoder rank's judgement of one request."""
+
+    wrong_needs: int = 0
+    """Pages (positions of a block, or a state) with a wrong byte."""
+    wrong_bytes: int = 0
+    stray_bytes: int = 0
+    """Bytes changed outside the transfer's destination pages."""
+    min_bytes: int = 0
+    """Bytes of the pages the decoder lacked before the transfer."""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+    invalid_block_ids: set[int]
+    moved: int
+    """Bytes this rank's engine has moved so far, as the initiator."""
+    verdict: Verdict | None = None
+
+
+def _apply_fault(fault: str | None) -> None:
+    """Checker self-tests: break the worker's offsets on purpose."""
+    if fault is None:
+        return
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_connector as mc,
+    )
+
+    if fault == "shift-remote":
+        original = mc.compute_block_transfer_offsets
+
+        def shifted(*args: Any, **kwargs: Any) -> Any:
+            local, remote, sizes = original(*args, **kwargs)
+            return local, [r + 64 for r in remote], sizes
+
+        mc.compute_block_transfer_offsets = shifted
+    elif fault == "shift-local":
+        original = mc.compute_block_transfer_offsets
+
+        def shifted_local(*args: Any, **kwargs: Any) -> Any:
+            local, remote, sizes = original(*args, **kwargs)
+            return [x + 64 for x in local], remote, sizes
+
+        mc.compute_block_transfer_offsets = shifted_local
+    elif fault == "swap-heads":
+        from dataclasses import replace
+
+        original_mapping = mc.compute_write_tp_mapping
+
+        def swapped(*args: Any, **kwargs: Any) -> Any:
+            mapping = original_mapping(*args, **kwargs)
+            targets = mapping.targets
+            if len(targets) > 1:
+                heads = [t.local_head for t in targets]
+                targets = tuple(
+                    replace(t, local_head=h)
+                    for t, h in zip(targets, heads[1:] + heads[:1], strict=True)
+                )
+            else:
+                targets = tuple(
+                    replace(t, remote_head=(t.remote_head + t.num_heads) % 2)
+                    if t.num_heads
+                    else t
+                    for t in targets
+                )
+            return replace(mapping, targets=targets)
+
+        mc.compute_write_tp_mapping = swapped
+    else:
+        raise ValueError(f"unknown fault {fault!r}")
+
+
+def _cpu_cuda_shim() -> None:
+    """WRITE schedules each layer's write after a CUDA event of the forward
+    (``schedule_write_blocks``). The CPU "forward" has finished before the
+    hook runs, so the event orders nothing: record and synchronize are
+    no-ops. Only the rank's own process sees this."""
+    import torch
+
+    class _Event:
+        def record(self, stream: Any = None) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    torch.cuda.current_stream = lambda device=None: None
+    torch.cuda.Event = _Event
+
+
+class Rank:
+    def __init__(self, cfg: RankConfig) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorRole,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (  # noqa: E501
+            MoRIIOConnector,
+        )
+        from vllm.distributed.parallel_state import (
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+
+        from vllm_overlay.simulate.bytes.geometry import model_json, rank_specs
+        from vllm_overlay.simulate.bytes.kvmem import SharedKV
+        from vllm_overlay.simulate.drive import group_infos
+        from vllm_overlay.simulate.layouts import expand
+        from vllm_overlay.simulate.legs import LegOptions, build_leg
+
+        self.cfg = cfg
+        layout = expand([cfg.layout])[0]
+        slots = (
+            layout.decode_slots if cfg.role == "kv_consumer" else layout.prefill_slots
+        )
+        options = LegOptions(
+            read_mode=cfg.mode == READ,
+            tensor_parallel_size=cfg.tp_size,
+            kv_cache_layout=cfg.kv_layout,
+            model_json=model_json(layout, cfg.geometry),
+            specs=lambda: rank_specs(
+                layout, cfg.tp_size, cfg.geometry, slots.num_speculative_tokens
+            ),
+            extra_config={
+                "handshake_port": cfg.handshake_port,
+                "notify_port": cfg.notify_port,
+                "http_port": cfg.notify_port + 10,
+                "proxy_ip": "",
+                "transfer_timeout": cfg.transfer_timeout,
+            },
+            with_scheduler=cfg.tp_rank == 0,
+        )
+        self.leg = build_leg(
+            layout, cfg.role, cfg.handshake_port, cfg.max_model_len, options
+        )
+        self.vllm_config = self.leg.vllm_config
+        self.groups = group_infos(self.leg, layout)
+        self.scheduler = self.leg.scheduler
+        self._ctx = set_current_vllm_config(self.vllm_config)
+        self._ctx.__enter__()
+        init_distributed_environment(
+            world_size=cfg.tp_size,
+            rank=cfg.tp_rank,
+            distributed_init_method=f"tcp://127.0.0.1:{cfg.dist_port}",
+            local_rank=cfg.tp_rank,
+            backend="gloo",
+        )
+        initialize_model_parallel(cfg.tp_size)
+        _apply_fault(cfg.fault)
+        if cfg.mode == WRITE:
+            _cpu_cuda_shim()
+        self.connector = MoRIIOConnector(
+            self.vllm_config, KVConnectorRole.WORKER, self.leg.worker_config
+        )
+        self.worker = self.connector.connector_worker
+        self.kv = SharedKV(
+            self.leg.worker_config,
+            cfg.kv_layout,
+            f"/dev/shm/vllm-overlay-bytes-{os.getpid()}",
+            canary=0x3C if cfg.role == "kv_producer" else 0xC3,
+            zero=0x11 if cfg.role == "kv_producer" else 0,
+        )
+        self.connector.register_kv_caches(self.kv.tensors)
+        self._heads = {
+            name: global_heads(
+                cfg.tp_rank,
+                cfg.tp_size,
+                total_heads(view.spec, cfg.geometry),
+                view.u8.shape[1],
+            )
+            for name, view in self.kv.layers.items()
+            if self.groups[view.group].kind != STATE_KIND
+        }
+        self._regions = {
+            name: self._state_regions(view)
+            for name, view in self.kv.layers.items()
+            if self.groups[view.group].kind == STATE_KIND
+        }
+        self._layer_keys = {name: layer_key(name) for name in self.kv.layers}
+        self._hashes: dict[str, np.ndarray] = {}
+        self._so: Any = None
+        self._snapshot: np.ndarray | None = None
+        self._min_bytes = 0
+
+    # -- geometry ----------------------------------------------------------
+
+    def _state_regions(self, view: Any) -> list[tuple[int, int, int, int]]:
+        """(region, local byte offset, bytes, first global byte) per region
+        of a KDA page: the conv sub-projections, then the recurrent state."""
+        from math import prod
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import (  # noqa: E501
+            derive_mamba_conv_split,
+        )
+        from vllm.utils.torch_utils import get_dtype_size
+
+        spec = view.spec
+        split = derive_mamba_conv_split(spec, self.cfg.tp_size)
+        regions = []
+        offset = 0
+        for k, size in enumerate(split.proj_bytes):
+            regions.append((k, offset, size, self.cfg.tp_rank * size))
+            offset += size
+        conv_bytes = prod(spec.shapes[0]) * get_dtype_size(spec.dtypes[0])
+        assert offset == conv_bytes, (offset, conv_bytes)
+        ssm = prod(spec.shapes[1]) * get_dtype_size(spec.dtypes[1])
+        regions.append((len(split.proj_bytes), offset, ssm, self.cfg.tp_rank * ssm))
+        return regions
+
+    def _state_page_bytes(self, view: Any) -> int:
+        return sum(size for _, _, size, _ in self._regions[view.name])
+
+    def _hash(self, rid: str, tokens: list[int], end: int = 0) -> np.ndarray:
+        """Prefix hashes of a request's tokens, at least ``end`` long:
+        rows scheduled past the known tokens (speculative padding) hash a
+        filler token."""
+        need = max(len(tokens), end)
+        cached = self._hashes.get(rid)
+        if cached is None or len(cached) < need:
+            padded = list(tokens) + [-1] * (need - len(tokens))
+            cached = prefix_hashes(padded)
+            self._hashes[rid] = cached
+            while len(self._hashes) > 16:
+                del self._hashes[next(iter(self._hashes))]
+        return cached
+
+    # -- the "forward" -------------------------------------------------------
+
+    def _write_state(self, view: Any, block: int, h: int | None) -> None:
+        page = view.u8[block].reshape(-1)
+        for region, offset, size, first in self._regions[view.name]:
+            if h is None:
+                page[offset : offset + size] = POISON
+            else:
+                page[offset : offset + size] = state_bytes(
+                    h, self._layer_keys[view.name], region, first, size
+                )
+
+    def _state_wrong(self, view: Any, block: int, h: int) -> int:
+        page = view.u8[block].reshape(-1)
+        wrong = 0
+        for region, offset, size, first in self._regions[view.name]:
+            expected = state_bytes(h, self._layer_keys[view.name], region, first, size)
+            wrong += int(np.count_nonzero(page[offset : offset + size] != expected))
+        return wrong
+
+    def _attention_wrong(
+        self, view: Any, block: int, slot: int, hashes: np.ndarray
+    ) -> int:
+        actual = view.u8[block][:, slot : slot + len(hashes), :]
+        expected = attention_bytes(
+            hashes,
+            self._layer_keys[view.name],
+            self._heads[view.name],
+            actual.shape[-1],
+        )
+        return int(np.count_nonzero(actual != expected))
+
+    def compute(self, item: Compute) -> None:
+        hashes = self._hash(item.rid, item.tokens, item.end)
+        null = 0
+        for g, info in enumerate(self.groups):
+            table = item.tables[g]
+            bt = info.block_tokens
+            layers = self.kv.layers_of(g)
+            if info.kind == STATE_KIND:
+                idx = -(-item.end // bt) - 1
+                if idx >= len(table) or table[idx] == null:
+                    continue
+                prev = (item.start - 1) // bt
+                ok = item.start == 0 or (
+                    prev < len(table)
+                    and table[prev] != null
+                    and all(
+                        self._state_wrong(v, table[prev], int(hashes[item.start - 1]))
+                        == 0
+                        for v in layers
+                    )
+                )
+                h = int(hashes[item.end - 1]) if ok else None
+                for view in layers:
+                    self._write_state(view, table[idx], h)
+                continue
+            first = item.start // bt
+            last = min((item.end - 1) // bt, len(table) - 1)
+            for index in range(first, last + 1):
+                block = table[index]
+                if block == null:
+                    continue
+                lo = max(item.start, index * bt)
+                hi = min(item.end, (index + 1) * bt)
+                for view in layers:
+                    view.u8[block][:, lo - index * bt : hi - index * bt, :] = (
+                        attention_bytes(
+                            hashes[lo:hi],
+                            self._layer_keys[view.name],
+                            self._heads[view.name],
+                            view.u8.shape[-1],
+                        )
+                    )
+
+    def _precopy(self, tables: list[list[int]], n: int) -> None:
+        """Align-mode state copy of the request's first decoder step, before
+        any load (vLLM's ``preprocess_mamba``)."""
+        last = n - 1
+        if last <= 0:
+            return
+        for g, info in enumerate(self.groups):
+            if info.kind != STATE_KIND:
+                continue
+            prev, curr = (last - 1) // info.block_tokens, last // info.block_tokens
+            table = tables[g]
+            if prev != curr and curr < len(table):
+                if prev < len(table):
+                    self.kv.copy_block(table[prev], table[curr], g)
+                else:
+                    for view in self.kv.layers_of(g):
+                        view.u8[table[curr]] = 0
+
+    # -- the judge -----------------------------------------------------------
+
+    def _needs(
+        self, watch: Watch, tables: list[list[int]]
+    ) -> list[tuple[Any, int, int]]:
+        """(need, wrong bytes, bytes a transfer of its page moves) per need."""
+        hashes = self._hash(watch.rid, watch.tokens)
+        out = []
+        for need in needs(self.groups, watch.n):
+            info = self.groups[need.group]
+            table = tables[need.group]
+            layers = self.kv.layers_of(need.group)
+            if info.kind == STATE_KIND:
+                size = sum(self._state_page_bytes(v) for v in layers)
+            else:
+                size = sum(v.page_bytes for v in layers)
+            if need.index >= len(table) or table[need.index] == 0:
+                out.append((need, size, size))
+                continue
+            block = table[need.index]
+            if info.kind == STATE_KIND:
+                wrong = sum(
+                    self._state_wrong(v, block, int(hashes[need.lo - 1]))
+                    for v in layers
+                )
+            else:
+                slot = need.lo - need.index * info.block_tokens
+                wrong = sum(
+                    self._attention_wrong(v, block, slot, hashes[need.lo : need.hi])
+                    for v in layers
+                )
+            out.append((need, wrong, size))
+        return out
+
+    def arm(self, watch: Watch, tables: list[list[int]]) -> None:
+        """Snapshot the buffer; the bytes of the pages the decoder lacks now
+        are the minimum a transfer must move."""
+        self._snapshot = self.kv.bytes.copy()
+        needs = self._needs(watch, tables)
+        self._min_bytes = sum(size for _, wrong, size in needs if wrong)
+
+    def judge(
+        self, watch: Watch, tables: list[list[int]], plan: StepPlan | None
+    ) -> Verdict:
+        assert self._snapshot is not None, "judge before arm"
+        verdict = Verdict(min_bytes=self._min_bytes)
+        for need, wrong, _ in self._needs(watch, tables):
+            if wrong:
+                verdict.wrong_needs += 1
+                verdict.wrong_bytes += wrong
+                if len(verdict.notes) < 3:
+                    what = "state" if need.hi == 0 else f"{need.lo}..{need.hi}"
+                    verdict.notes.append(
+                        f"rank {self.cfg.tp_rank}: group {need.group} page "
+                        f"{need.index} ({what}): {wrong} wrong bytes"
+                    )
+        pages = []
+        if watch.dest == "meta":
+            assert plan is not None
+            meta = plan.metadata.reqs_to_recv.get(watch.rid)
+            if meta is not None:
+                for g, blocks in zip(
+                    plan.payload_groups, meta.local_block_ids, strict=False
+                ):
+                    pages += [(v, b) for b in blocks for v in self.kv.layers_of(g)]
+        else:
+            for g, blocks in enumerate(tables):
+                pages += [
+                    (v, b) for b in blocks if b != 0 for v in self.kv.layers_of(g)
+                ]
+        changed = self.kv.bytes != self._snapshot
+        stray = np.flatnonzero(changed & ~self.kv.mask(pages))
+        verdict.stray_bytes = int(stray.size)
+        if stray.size:
+            verdict.notes.append(
+                f"rank {self.cfg.tp_rank}: {stray.size} bytes written outside the "
+                f"destination pages, first at {self._describe(int(stray[0]))}"
+            )
+        self._snapshot = None
+        return verdict
+
+    def _describe(self, offset: int) -> str:
+        for view in self.kv.layers.values():
+            start = self.kv.page_offset(view, 0)
+            stride = view.u8.strides[0]
+            block, within = divmod(offset - start, stride)
+            if 0 <= block < view.u8.shape[0] and within < view.page_bytes:
+                return f"byte {offset} ({view.name} block {block} +{within})"
+        return f"byte {offset}"
+
+    # -- one step ------------------------------------------------------------
+
+    def execute(self, plan: StepPlan, watch: Watch | None) -> StepResult:
+        self.kv.zero_blocks(plan.zero)
+        for src, dst in plan.copies:
+            self.kv.copy_block(src, dst)
+        tables = plan.tables.get(watch.rid) if watch is not None else None
+        if watch is not None and watch.judge:
+            # The request's first decoder step: align-mode state copy first.
+            assert tables is not None
+            self._precopy(tables, watch.n)
+        if watch is not None and watch.arm:
+            assert tables is not None
+            self.arm(watch, tables)
+        verdict = None
+        self.connector.bind_connector_metadata(plan.metadata)
+        try:
+            if plan.has_sync_kv_loads:
+                self.connector.start_load_kv(None)
+            if watch is not None and watch.judge:
+                assert tables is not None
+                verdict = self.judge(watch, tables, plan)
+            for item in plan.computes:
+                self.compute(item)
+            if self.cfg.mode == WRITE and self.cfg.role == "kv_producer":
+                for name, view in self.kv.layers.items():
+                    if self.groups[view.group].kind != STATE_KIND:
+                        self.connector.save_kv_layer(name, view.tensor, None)
+            if not plan.has_sync_kv_loads:
+                self.connector.start_load_kv(None)
+            self.connector.wait_for_save()
+            results = self.connector.get_transfer_results(plan.finished_req_ids)
+            invalid = self.connector.get_block_ids_with_load_errors()
+        finally:
+            self.connector.clear_connector_metadata()
+        return StepResult(
+            set(results.finished_sending or ()),
+            set(results.finished_recving or ()),
+            set(results.failed_recving or ()),
+            set(invalid),
+            self.stats(),
+            verdict,
+        )
+
+    # -- rank 0: the scheduler ---------------------------------------------
+
+    def add(self, rid: str, tokens: list[int], params: dict[str, Any] | None) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = {"kv_transfer_params": params} if params is not None else None
+        self.scheduler.add_request(
+            Request(
+                rid,
+                list(tokens),
+                SamplingParams(max_tokens=1, ignore_eos=True, extra_args=extra),
+                None,
+                block_hasher=self.leg.block_hasher,
+            )
+        )
+
+    def schedule(self, watch: list[str]) -> StepPlan:
+        sched = self.scheduler
+        so = sched.schedule()
+        self._so = so
+        manager = sched.kv_cache_manager
+        computes = []
+        for rid, k in so.num_scheduled_tokens.items():
+            req = sched.requests[rid]
+            end = req.num_computed_tokens
+            computes.append(
+                Compute(
+                    rid,
+                    list(req.all_token_ids),
+                    end - k,
+                    end,
+                    [list(t) for t in manager.get_block_ids(rid)],
+                )
+            )
+        tables = {
+            rid: [list(t) for t in manager.get_block_ids(rid)]
+            for rid in watch
+            if rid in sched.requests
+        }
+        return StepPlan(
+            metadata=so.kv_connector_metadata,
+            zero=list(so.new_block_ids_to_zero or []),
+            copies=[
+                (c.src_block_id, c.dst_block_id) for c in so.kv_cache_block_copies or []
+            ],
+            computes=computes,
+            has_sync_kv_loads=bool(getattr(so, "has_sync_kv_loads", False)),
+            finished_req_ids=set(so.finished_req_ids),
+            tables=tables,
+            payload_groups=self._payload_groups(),
+        )
+
+    def _payload_groups(self) -> list[int]:
+        from vllm_overlay.simulate.drive import Pair
+
+        return Pair._payload_groups(self.leg)
+
+    def update(self, output: dict[str, Any]) -> list[tuple[str, str | None, Any]]:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self._so
+        sched = self.scheduler
+        ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = sched.requests.get(rid)
+            done = req is not None and req.num_computed_tokens >= req.num_tokens
+            sampled.append([7] if done else [])
+        kv_out = KVConnectorOutput(
+            finished_sending=output["finished_sending"] or None,
+            finished_recving=output["finished_recving"] or None,
+            invalid_block_ids=output["invalid_block_ids"],
+            failed_recving=output["failed_recving"],
+        )
+        out = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
+        )
+        outputs = sched.update_from_output(so, out)
+        self._so = None
+        return [
+            (
+                o.request_id,
+                str(o.finish_reason) if o.finish_reason else None,
+                o.kv_transfer_params,
+            )
+            for eco in outputs.values()
+            for o in eco.outputs
+        ]
+
+    def alive(self, rid: str) -> bool:
+        return rid in self.scheduler.requests
+
+    def reset(self) -> bool:
+        return bool(self.scheduler.reset_prefix_cache())
+
+    def stats(self) -> int:
+        s = self.worker.moriio_engine.loopback_stats
+        return int(s.bytes_read + s.bytes_written)
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+def serve(conn: Any, cfg: RankConfig) -> None:
+    """Process body: build the rank, then answer commands until ``exit``."""
+    try:
+        rank = Rank(cfg)
+        conn.send(("ok", None))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        os._exit(0)
+    commands: dict[str, Callable[..., Any]] = {
+        "execute": rank.execute,
+        "schedule": rank.schedule,
+        "add": rank.add,
+        "update": rank.update,
+        "alive": rank.alive,
+        "reset": rank.reset,
+    }
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "exit":
+            break
+        try:
+            conn.send(("ok", commands[cmd](*args)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+    rank.close()
+    conn.send(("ok", None))
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,133 @@
+"""Byte-level report structs (they cross the zygote's stdout and --json) and
+the table: layout x mode x TP x KV cache layout, base and overlay side by
+side, each cell {cases, wrong-byte cases, bytes moved / minimum}."""
+
+from __future__ import annotations
+
+import msgspec
+
+from vllm_overlay.simulate.procs import ratio, table
+from vllm_overlay.simulate.report import Progress
+
+
+class ConfigItem(msgspec.Struct, frozen=True):
+    """One configuration of a zygote's plan."""
+
+    layout: str
+    mode: str
+    p_tp: int
+    d_tp: int
+    kv_layout: str
+    kv_heads: int = 4
+    fault: str | None = None
+
+
+def config_name(item: ConfigItem) -> str:
+    """How progress lines name a configuration."""
+    return f"{item.layout} {item.mode} {item.p_tp}->{item.d_tp} {item.kv_layout}" + (
+        f" fault={item.fault}" if item.fault else ""
+    )
+
+
+class ConfigReport(msgspec.Struct, tag="bytes-config"):
+    variant: str
+    item: ConfigItem
+    cases: int = 0
+    planned: int = 0
+    refused_at_start: str | None = None
+    """vLLM or the connector rejected the configuration as the ranks
+    started; no case ran."""
+    refused: str | None = None
+    """Every case failed the same way, three times in a row on fresh
+    processes; the remaining cases were not run."""
+    error_cases: int = 0
+    first_errors: list[str] = []
+    wrong_cases: int = 0
+    """Cases with a wrong byte the decoder attends to or a stray write."""
+    stray_cases: int = 0
+    wrong_lengths: dict[str, list[int]] = {}
+    """Hit percentage -> prompt lengths with wrong bytes."""
+    wrong_notes: list[str] = []
+    moved_bytes: int = 0
+    min_bytes: int = 0
+    seconds: float = 0.0
+
+
+class BytesReport(msgspec.Struct):
+    lengths: list[int]
+    hits: list[float]
+    variants: dict[str, str]
+    configs: list[ConfigReport]
+    wall_seconds: float
+
+
+ZygoteLine = Progress | ConfigReport
+
+
+def cell(r: ConfigReport | None) -> str:
+    if r is None:
+        return ""
+    if r.refused_at_start is not None:
+        return "refused at start: " + r.refused_at_start.split(": ", 1)[-1][:40]
+    if r.refused is not None and r.error_cases == r.cases:
+        return "refused: " + r.refused.split(": ", 1)[-1][:40]
+    text = f"{r.cases} / {r.wrong_cases} / {ratio(r.moved_bytes, r.min_bytes)}"
+    if r.error_cases:
+        text += f" ({r.error_cases} errors)"
+    return text
+
+
+def row_key(item: ConfigItem) -> tuple[str, str, str, str]:
+    heads = "" if item.kv_heads == 4 else f" ({item.kv_heads} KV head)"
+    return (item.layout, item.mode, f"{item.p_tp}->{item.d_tp}{heads}", item.kv_layout)
+
+
+def format_table(report: BytesReport) -> str:
+    variants = list(report.variants)
+    rows_by_key: dict[tuple[str, str, str, str], dict[str, ConfigReport]] = {}
+    for r in report.configs:
+        rows_by_key.setdefault(row_key(r.item), {})[r.variant] = r
+    header = ("layout", "mode", "TP", "KV layout", *variants)
+    rows = [header]
+    for key, by_variant in rows_by_key.items():
+        rows.append((*key, *(cell(by_variant.get(v)) for v in variants)))
+    return (
+        table(rows)
+        + "\n\ncell: cases / wrong-byte cases / bytes moved / minimum (the bytes "
+        "of the pages the decoder lacked)"
+    )
+
+
+def findings(report: BytesReport) -> list[str]:
+    out = []
+    for r in report.configs:
+        if r.wrong_cases:
+            key = " ".join(row_key(r.item))
+            lengths = "; ".join(
+                f"hit {hit} %: {ns[:8]}{' ...' if len(ns) > 8 else ''}"
+                for hit, ns in r.wrong_lengths.items()
+            )
+            out.append(f"{r.variant} {key}: {r.wrong_cases} wrong ({lengths})")
+            out += [f"    {note}" for note in r.wrong_notes[:2]]
+    return out
+
+
+def summary_line(report: BytesReport) -> str:
+    parts = []
+    for variant in report.variants:
+        rs = [r for r in report.configs if r.variant == variant]
+        wrong = sum(bool(r.wrong_cases) for r in rs)
+        refused = sum(
+            r.refused is not None or r.refused_at_start is not None for r in rs
+        )
+        over = sum(r.moved_bytes > r.min_bytes for r in rs)
+        parts.append(
+            f"{variant}: {wrong} configuration(s) with wrong bytes, {over} moving "
+            f"more than the minimum, {refused} refused"
+        )
+    cases = sum(r.cases for r in report.configs)
+    return (
+        f"{cases} cases in {len(report.configs)} configurations; "
+        + "; ".join(parts)
+        + f"; wall {report.wall_seconds:.1f} s"
+    )

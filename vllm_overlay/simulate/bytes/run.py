@@ -1,0 +1,142 @@
+"""Sweep: base and overlay side by side, one zygote process per variant.
+
+Each variant's moriio package is materialized into a directory (as in the
+scheduler simulator, ``simulate/run.py``); its zygote runs with the ``mori``
+stand-in (``standin/``) first on ``PYTHONPATH``, the only place it is ever
+importable as ``mori``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import msgspec
+
+from vllm_overlay.simulate import procs
+from vllm_overlay.simulate.bytes.report import (
+    BytesReport,
+    ConfigItem,
+    ConfigReport,
+    ZygoteLine,
+    config_name,
+)
+from vllm_overlay.simulate.bytes.zygote import MARK
+from vllm_overlay.simulate.layouts import BASE_LAYOUTS
+from vllm_overlay.simulate.run import parse_hits, parse_lengths
+
+STANDIN_DIR = Path(__file__).resolve().parent / "standin"
+
+# Every residue class the scheduler-side bugs depend on: (N - 1) mod 16 and
+# mod 64 below and above 55 (the lookahead shift at block 64), N against the
+# windows (128, 512) and the 16-token tail ring, one and two pages.
+DEFAULT_LENGTHS = "2,17,33,56,64,65,100,120,129,192,250,257,300,513,530,700"
+DEFAULT_HITS = "0,50,100"
+MODES = ("read", "write")
+TP_PAIRS = ((1, 1), (2, 2), (1, 2), (2, 1))
+KV_LAYOUTS = ("LBNHC", "BLNHC")
+_MLA_LAYOUTS = frozenset({"kimi", "glm"})
+
+
+def plan_items(
+    layouts: list[str],
+    modes: list[str],
+    tp_pairs: list[tuple[int, int]],
+    kv_layouts: list[str],
+) -> list[ConfigItem]:
+    """Every combination. READ with unequal TP needs replicated KV heads
+    (``validate_moriio_heterogeneous_tp_kv_heads``), so its GQA layouts run
+    with one KV head; MLA latents are replicated anyway."""
+    items = []
+    for layout in layouts:
+        for mode in modes:
+            for p_tp, d_tp in tp_pairs:
+                heads = 1 if mode == "read" and p_tp != d_tp else 4
+                if layout.split("/")[0] in _MLA_LAYOUTS:
+                    heads = 4
+                for kv_layout in kv_layouts:
+                    items.append(ConfigItem(layout, mode, p_tp, d_tp, kv_layout, heads))
+    return items
+
+
+def parse_tp_pairs(text: str) -> list[tuple[int, int]]:
+    """``1-1,2-2,1-2,2-1`` (prefill-decode)."""
+    pairs = []
+    for part in text.split(","):
+        p, _, d = part.strip().partition("-")
+        pairs.append((int(p), int(d or p)))
+    return pairs
+
+
+_DECODER = msgspec.json.Decoder(ZygoteLine)
+
+
+def _start_zygote(
+    moriio_dir: Path,
+    variant: str,
+    plan: list[ConfigItem],
+    lengths: str,
+    hits: str,
+) -> subprocess.Popen[str]:
+    args = [
+        *procs.variant_args(moriio_dir, variant, plan),
+        f"--lengths={lengths}",
+        f"--hits={hits}",
+    ]
+    # MoRIIO's KDA transfer needs the dim-first conv state layout.
+    env = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+    return procs.start("vllm_overlay.simulate.bytes.zygote", args, [STANDIN_DIR], env)
+
+
+def run_zygote(
+    variant: str,
+    files: dict[str, str] | None,
+    items: list[ConfigItem],
+    lengths: str,
+    hits: str,
+) -> list[ConfigReport]:
+    """One variant's plan in one zygote; ``files`` None runs the installed
+    moriio package."""
+    return procs.run_variant_process(
+        variant,
+        files,
+        lambda moriio_dir: _start_zygote(moriio_dir, variant, items, lengths, hits),
+        MARK,
+        _DECODER,
+    )
+
+
+def run_bytes_sweep(
+    items: list[ConfigItem],
+    lengths: str,
+    hits: str,
+    variants: list[str],
+    options: procs.SweepOptions | None = None,
+) -> BytesReport:
+    start = time.monotonic()
+    options = options or procs.SweepOptions()
+    for item in items:
+        if item.layout.split("/")[0] not in BASE_LAYOUTS:
+            raise ValueError(f"unknown layout {item.layout!r}")
+    lengths_list = parse_lengths(lengths)
+    hits_list = parse_hits(hits)
+    sources = options.sources(variants)
+    tally = procs.Tally(
+        len(items) * len(sources), lambda r: config_name(r.item), options.progress
+    )
+
+    def launch(variant: str, moriio_dir: Path) -> list[procs.Started]:
+        proc = _start_zygote(moriio_dir, variant, items, lengths, hits)
+        return [(proc, f"byte simulator {variant}")]
+
+    procs.run_processes(sources, launch, MARK, _DECODER, tally)
+    order = {item: i for i, item in enumerate(items)}
+    results = tally.ordered(lambda r: order.get(r.item, 0), list(sources))
+    return BytesReport(
+        lengths=lengths_list,
+        hits=[h * 100 for h in hits_list],
+        variants=options.where(sources),
+        configs=results,
+        wall_seconds=time.monotonic() - start,
+    )

@@ -1,0 +1,136 @@
+"""One variant's process: import vLLM once, then fork every configuration's
+ranks from here.
+
+Run as ``python -m vllm_overlay.simulate.bytes.zygote`` by ``run.py`` with
+the ``mori`` stand-in first on ``PYTHONPATH``. Redirects the moriio package
+to the variant's directory, imports what the ranks use (so a forked rank
+starts in well under a second), then runs its plan one configuration at a
+time. Writes one ``Progress`` / ``ConfigReport`` per line to stdout after
+``MARK``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+
+import msgspec
+
+from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport, config_name
+from vllm_overlay.simulate.procs import Emitter, variant_parser
+from vllm_overlay.simulate.report import Progress, count_case
+
+MARK = "@@bytes "
+emit = Emitter(MARK)
+
+
+def check_standin() -> None:
+    import mori.io
+
+    if not getattr(mori.io, "STANDIN", False):
+        raise SystemExit(
+            f"{mori.io.__file__}: not the loopback stand-in; the byte-level "
+            "simulator moves bytes over loopback only"
+        )
+
+
+def warm_imports() -> None:
+    """Import in the zygote what every rank imports, before any fork."""
+    import torch  # noqa: F401
+    import vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector  # noqa: F401
+    import vllm.distributed.parallel_state  # noqa: F401
+    import vllm.v1.core.sched.scheduler  # noqa: F401
+    import vllm.v1.executor  # noqa: F401
+    import vllm.v1.worker.worker_base  # noqa: F401
+    from vllm.distributed.kv_transfer.kv_connector.v1 import (  # noqa: F401
+        ssm_conv_transfer_utils,
+    )
+    from vllm.model_executor.layers.mamba import mamba_utils  # noqa: F401
+    from vllm.v1.attention import selector  # noqa: F401
+
+    from vllm_overlay.simulate.bytes import driver, rank  # noqa: F401
+    from vllm_overlay.simulate.layouts import expand
+    from vllm_overlay.simulate.legs import LegOptions, build_leg
+
+    # The worker resolves its attention backend by name, which imports the
+    # platform's backend module on first use: seconds per forked rank.
+    with contextlib.suppress(ImportError):
+        import vllm.v1.attention.backends.cpu_attn  # noqa: F401
+    # Planner and config code import more on first use.
+    build_leg(
+        expand(["llama"])[0],
+        "kv_producer",
+        1,
+        256,
+        LegOptions(extra_config={"proxy_ip": ""}, with_scheduler=False),
+    )
+
+
+def run_item(
+    variant: str,
+    item: ConfigItem,
+    lengths: list[int],
+    hits: list[float],
+) -> ConfigReport:
+    from vllm_overlay.simulate.bytes.driver import Config, run_config
+    from vllm_overlay.simulate.bytes.geometry import Geometry
+
+    config = Config(
+        item.layout, item.mode, item.p_tp, item.d_tp, item.kv_layout, item.fault
+    )
+    total = len(lengths) * len(hits)
+    report = ConfigReport(variant=variant, item=item, planned=total)
+    start = time.monotonic()
+
+    def progress(done: int) -> None:
+        if done % 10 == 0:
+            emit(Progress(variant, config_name(item), done, total))
+
+    run = run_config(config, lengths, hits, Geometry(kv_heads=item.kv_heads), progress)
+    report.refused = run.refused
+    report.refused_at_start = run.refused_at_start
+    for case in run.cases:
+        if count_case(report, case.error):
+            continue
+        report.moved_bytes += case.moved_bytes
+        report.min_bytes += case.min_bytes
+        if case.wrong:
+            report.wrong_cases += 1
+            report.stray_cases += bool(case.stray_bytes)
+            key = f"{case.hit_fraction * 100:g}"
+            report.wrong_lengths.setdefault(key, []).append(case.n)
+            for note in case.notes:
+                if len(report.wrong_notes) < 4:
+                    report.wrong_notes.append(f"n={case.n} hit {key} %: {note}")
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = variant_parser()
+    ap.add_argument("--lengths", required=True)
+    ap.add_argument("--hits", required=True)
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # MoRIIO's KDA transfer needs the dim-first conv state layout.
+    os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    check_standin()
+    from vllm_overlay.simulate.run import parse_hits, parse_lengths
+    from vllm_overlay.tree.variant import use_moriio_dir
+
+    use_moriio_dir(args.moriio_dir)
+    warm_imports()
+    plan = msgspec.json.decode(args.plan, type=list[ConfigItem])
+    lengths, hits = parse_lengths(args.lengths), parse_hits(args.hits)
+    for item in plan:
+        emit(run_item(args.variant, item, lengths, hits))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

@@ -1,0 +1,269 @@
+"""What both simulators' process trees share.
+
+A sweep runs one Python process per moriio variant (base, overlay) or per
+share of one, each loading its variant's files (``tree.variant``) and writing
+one msgspec struct per stdout line after a mark; the parent reads them back,
+shows progress, and fails with the process's last lines if it dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from vllm_overlay.checkout import Checkout
+from vllm_overlay.tree.materialize import BaseSource
+
+Sources = dict[str, tuple[dict[str, str], str]]
+"""Variant name -> (its moriio files by name, where they came from)."""
+Started = tuple["subprocess.Popen[str]", str]
+"""A started process and its label for errors."""
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class SweepOptions:
+    """Where a sweep's variants come from, and where its progress goes."""
+
+    base_source: BaseSource | None = None
+    overlay_source: str | None = None
+    """``series`` (default), a directory or ``REPO@REF`` (``overlay_files``)."""
+    progress: Callable[[str], None] | None = None
+    checkout: Checkout | None = None
+
+    @staticmethod
+    def where(sources: Sources) -> dict[str, str]:
+        """Variant name -> where its files came from (for reports)."""
+        return {variant: where for variant, (_, where) in sources.items()}
+
+    def sources(self, variants: Sequence[str]) -> Sources:
+        from vllm_overlay.simulate.run import base_files, overlay_files
+
+        sources: Sources = {}
+        base = base_files(self.base_source, self.checkout)
+        if "base" in variants:
+            sources["base"] = base
+        if "overlay" in variants:
+            sources["overlay"] = overlay_files(
+                base[0], self.overlay_source, self.checkout
+            )
+        return sources
+
+
+class Tally:
+    """A sweep's results as its processes report them (one reader thread
+    each), and a progress line naming what each process is on."""
+
+    def __init__(
+        self,
+        total: int,
+        key: Callable[[Any], str],
+        progress: Callable[[str], None] | None,
+    ) -> None:
+        self.results: list[Any] = []
+        self._total = total
+        self._key = key
+        self._progress = progress
+        self._busy: dict[tuple[str, str], tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def ordered(self, plan_index: Callable[[Any], int], variants: list[str]) -> Any:
+        """The results in plan order, each item's variants side by side."""
+        where = {v: i for i, v in enumerate(variants)}
+        return sorted(self.results, key=lambda r: (plan_index(r), where[r.variant]))
+
+    def __call__(self, line: Any) -> None:
+        from vllm_overlay.simulate.report import Progress
+
+        with self._lock:
+            if isinstance(line, Progress):
+                self._busy[(line.variant, line.layout)] = (line.done, line.total)
+            else:
+                self.results.append(line)
+                self._busy.pop((line.variant, self._key(line)), None)
+            if self._progress is not None:
+                busy = ", ".join(
+                    f"{v}:{what} {d}/{t}"
+                    for (v, what), (d, t) in sorted(self._busy.items())
+                )
+                self._progress(f"[{len(self.results)}/{self._total} done] {busy}")
+
+
+def start(
+    module: str,
+    args: Sequence[str],
+    path: Sequence[Path] = (),
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[str]:
+    """``python -m module args`` on CPU vLLM, quiet, one thread per process
+    (two processes on two cores otherwise spin), ``path`` first on
+    ``PYTHONPATH``, then this checkout."""
+    full = dict(
+        os.environ,
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_LOGGING_LEVEL="ERROR",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        **(env or {}),
+    )
+    full["PYTHONPATH"] = os.pathsep.join(
+        [*map(str, path), str(REPO_ROOT), full.get("PYTHONPATH", "")]
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full,
+    )
+
+
+def read(
+    proc: subprocess.Popen[str],
+    mark: str,
+    decoder: msgspec.json.Decoder[Any],
+    sink: Callable[[Any], None],
+    tail: list[str],
+) -> None:
+    """Decode the marked lines into ``sink``; keep the others' last lines."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(mark):
+            sink(decoder.decode(line[len(mark) :]))
+        else:
+            tail.append(line)
+            del tail[:-30]
+
+
+def collect(
+    started: Sequence[Started],
+    mark: str,
+    decoder: msgspec.json.Decoder[Any],
+    sink: Callable[[Any], None],
+) -> None:
+    """Read every (process, label) to its end, one thread each; a process
+    that exits non-zero raises with its label and last lines. Processes
+    still running when this fails are killed."""
+    running = []
+    try:
+        for proc, label in started:
+            tail: list[str] = []
+            thread = threading.Thread(
+                target=read, args=(proc, mark, decoder, sink, tail)
+            )
+            thread.start()
+            running.append((proc, thread, tail, label))
+        for proc, thread, _, _ in running:
+            proc.wait()
+            thread.join()
+    finally:
+        for proc, _ in started:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, _, tail, label in running:
+        if proc.returncode != 0:
+            raise RuntimeError(f"{label} exited {proc.returncode}:\n" + "".join(tail))
+
+
+class Emitter:
+    """The child side: one struct per stdout line after ``mark``."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+        self._encoder = msgspec.json.Encoder()
+
+    def __call__(self, line: msgspec.Struct) -> None:
+        sys.stdout.write(self.mark + self._encoder.encode(line).decode() + "\n")
+        sys.stdout.flush()
+
+
+def variant_args(moriio_dir: Path, variant: str, plan: Any) -> list[str]:
+    """The arguments ``variant_parser`` reads."""
+    return [
+        f"--moriio-dir={moriio_dir}",
+        f"--variant={variant}",
+        "--plan=" + msgspec.json.encode(plan).decode(),
+    ]
+
+
+def variant_parser() -> argparse.ArgumentParser:
+    """The child's command line: its variant's moriio directory and name,
+    and its plan (JSON)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moriio-dir", type=Path, required=True)
+    ap.add_argument("--variant", required=True)
+    ap.add_argument("--plan", required=True, help="JSON list of plan items")
+    return ap
+
+
+def ratio(num: int, den: int) -> str:
+    if den == 0:
+        return "-" if num == 0 else "inf"
+    return f"{num / den:.2f}"
+
+
+def table(rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns; a rule under the first row."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for i, row in enumerate(rows):
+        cells = (cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_processes(
+    sources: Mapping[str, tuple[dict[str, str] | None, str]],
+    start: Callable[[str, Path], list[Started]],
+    mark: str,
+    decoder: msgspec.json.Decoder[Any],
+    tally: Tally,
+) -> None:
+    """Write each variant's moriio directory (files None: the installed
+    package), start its processes with ``start(variant, moriio_dir)`` and
+    read them all into ``tally``; the directories go afterwards."""
+    from vllm_overlay.tree.variant import build_variant_dir
+
+    root = Path(tempfile.mkdtemp(prefix="vllm-overlay-sim-"))
+    try:
+        started = []
+        for variant, (files, _) in sources.items():
+            moriio_dir = build_variant_dir(root / variant / "moriio", files)
+            started += start(variant, moriio_dir)
+        collect(started, mark, decoder, tally)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_variant_process(
+    variant: str,
+    files: dict[str, str] | None,
+    start: Callable[[Path], subprocess.Popen[str]],
+    mark: str,
+    decoder: msgspec.json.Decoder[Any],
+) -> list[Any]:
+    """One process on its variant's moriio directory, started by
+    ``start(moriio_dir)``; its results."""
+    tally = Tally(1, lambda r: "", None)
+    run_processes(
+        {variant: (files, "")},
+        lambda v, d: [(start(d), f"simulator process ({v})")],
+        mark,
+        decoder,
+        tally,
+    )
+    return tally.results
