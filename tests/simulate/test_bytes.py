@@ -30,6 +30,19 @@ SAMPLED = [
     ConfigItem("kimi", "read", 2, 2, "LBNHC"),
     ConfigItem("kimi", "write", 1, 2, "BLNHC"),
     ConfigItem("glm", "read", 1, 1, "BLNHC"),
+    # Model families of the matrix, in their own head geometry: MLA with
+    # the fp8 DSA indexer (132-byte rows), GDN + full, GQA + indexer.
+    ConfigItem("deepseek-v3.2-mtp", "read", 1, 1, "LBNHC"),
+    ConfigItem("qwen3.5", "write", 2, 1, "LBNHC"),
+    ConfigItem("minimax-m3", "read", 2, 2, "LBNHC"),
+]
+# Group kinds the pinned connector may refuse and a later patch may carry
+# (the circular-buffer ring, chunked local attention): whatever the series
+# holds, each is either refused at start with MoRIIO's own error or moves
+# every byte right.
+FAIL_CLOSED_OR_RIGHT = [
+    ConfigItem("deepseek-v4.1-BLNHC", "read", 1, 1, "BLNHC"),
+    ConfigItem("llama4", "write", 1, 1, "LBNHC"),
 ]
 REFUSED = {
     ConfigItem("gemma", "write", 1, 1, "LBNHC"): "does not support sliding-window",
@@ -45,7 +58,7 @@ FAULTS = {
 
 @pytest.fixture(scope="module")
 def reports() -> dict[ConfigItem, ConfigReport]:
-    plan = [*SAMPLED, *REFUSED, *FAULTS.values()]
+    plan = [*SAMPLED, *FAIL_CLOSED_OR_RIGHT, *REFUSED, *FAULTS.values()]
     results = run_zygote("installed", None, plan, LENGTHS, HITS)
     return {r.item: r for r in results}
 
@@ -62,6 +75,17 @@ def test_every_byte_the_decoder_attends_to_is_the_prefillers(reports, item):
     assert report.cases == report.planned == 10
     assert report.wrong_cases == 0, report.wrong_notes
     assert report.moved_bytes >= report.min_bytes > 0
+
+
+@pytest.mark.parametrize("item", FAIL_CLOSED_OR_RIGHT, ids=_id)
+def test_a_ring_or_chunked_group_fails_closed_or_moves_right(reports, item):
+    report = reports[item]
+    if report.refused_at_start is not None:
+        assert "MoRIIO" in report.refused_at_start
+        return
+    assert report.refused is None and report.first_errors == []
+    assert report.cases == report.planned == 10
+    assert report.wrong_cases == 0, report.wrong_notes
 
 
 @pytest.mark.parametrize("item", list(REFUSED), ids=_id)

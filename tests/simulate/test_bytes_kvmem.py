@@ -82,3 +82,38 @@ def test_global_heads_follow_vllms_sharding():
     assert global_heads(1, 2, 4, 2) == [2, 3]
     assert global_heads(1, 2, 1, 1) == [0]
     assert global_heads(3, 4, 2, 1) == [1]
+
+
+def test_rows_that_are_not_whole_words_are_the_rows_prefix():
+    # An fp8 indexer row: 128 bytes + a 4-byte scale.
+    a = prefix_hashes([5, 6, 7])
+    assert np.array_equal(
+        attention_bytes(a, 1, [0], 132)[..., :128], attention_bytes(a, 1, [0], 128)
+    )
+
+
+def test_ring_and_compressed_rows_land_where_the_checker_looks():
+    from vllm_overlay.simulate.bytes.rank import _need_rows, _rows
+    from vllm_overlay.simulate.check import FULL, RING, GroupInfo, needs
+
+    ring = GroupInfo(RING, 16, 16, 0, 1, 16)
+    # Positions 30..33 of a 16-slot ring: slots 14, 15, 0, 1 of its one block.
+    ((block, slots, at),) = _rows(ring, [7], 30, 34)
+    assert block == 7 and list(slots) == [14, 15, 0, 1] and list(at) == [30, 31, 32, 33]
+    # A compressed cache of one row per 4 tokens, 8 rows (32 tokens) a block:
+    # a forward over 6..41 completes rows 2..9 (row r: prefix up to 4r + 3).
+    comp = GroupInfo(FULL, 32, 0, 0, 4)
+    rows = _rows(comp, [3, 9], 6, 42)
+    assert [(b, list(s), list(p)) for b, s, p in rows] == [
+        (3, [1, 2, 3, 4, 5, 6, 7], [7, 11, 15, 19, 23, 27, 31]),
+        (9, [0, 1], [35, 39]),
+    ]
+    # The checker needs only complete rows before N-1 = 41: rows 0..9.
+    got = [(n.index, *map(list, _need_rows(comp, n))) for n in needs([comp], 42)]
+    assert got == [
+        (0, list(range(8)), [4 * r + 3 for r in range(8)]),
+        (1, [0, 1], [35, 39]),
+    ]
+    (need,) = needs([ring], 42)
+    slots, at = _need_rows(ring, need)
+    assert list(at) == list(range(32, 41)) and list(slots) == list(range(0, 9))

@@ -16,6 +16,7 @@ from vllm_overlay.simulate.bytes.report import (
 from vllm_overlay.simulate.bytes.run import (
     DEFAULT_HITS,
     DEFAULT_LENGTHS,
+    FAMILY_TP_PAIRS,
     KV_LAYOUTS,
     MODES,
     TP_PAIRS,
@@ -23,7 +24,7 @@ from vllm_overlay.simulate.bytes.run import (
     plan_items,
     run_bytes_sweep,
 )
-from vllm_overlay.simulate.layouts import BASE_LAYOUTS
+from vllm_overlay.simulate.layouts import all_layouts
 from vllm_overlay.simulate.procs import SweepOptions
 
 __all__ = [
@@ -52,9 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tp",
-        default=",".join(f"{p}-{d}" for p, d in TP_PAIRS),
+        default=None,
         metavar="PAIRS",
-        help="--bytes: prefill-decode TP pairs (default %(default)s)",
+        help="--bytes: prefill-decode TP pairs (default "
+        + ",".join(f"{p}-{d}" for p, d in TP_PAIRS)
+        + " for the mechanism layouts, "
+        + ",".join(f"{p}-{d}" for p, d in FAMILY_TP_PAIRS)
+        + " for the model families)",
     )
     p.add_argument(
         "--kv-layouts",
@@ -74,12 +79,15 @@ def sweep(
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise UsageError(f"--modes: unknown {bad}; choose from {list(MODES)}")
-    items = plan_items(
-        layouts or list(BASE_LAYOUTS),
-        modes,
-        parse_tp_pairs(args.tp),
-        [x for x in args.kv_layouts.split(",") if x.strip()],
-    )
+    try:
+        items = plan_items(
+            layouts or list(all_layouts()),
+            modes,
+            parse_tp_pairs(args.tp) if args.tp else None,
+            [x for x in args.kv_layouts.split(",") if x.strip()],
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     lengths, hits = args.lengths or DEFAULT_LENGTHS, args.hits or DEFAULT_HITS
     return run_bytes_sweep(items, lengths, hits, variants, options)
 

@@ -53,12 +53,14 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def _bytes(tags: np.ndarray, first_word: np.ndarray | int, nbytes: int) -> np.ndarray:
-    """``nbytes`` bytes per tag: 8-byte words ``mix(tag + (w + word) * G)``."""
-    assert nbytes % 8 == 0, nbytes
-    words = np.arange(nbytes // 8, dtype=np.uint64) + np.uint64(first_word)
+    """``nbytes`` bytes per tag: 8-byte words ``mix(tag + (w + word) * G)``,
+    the last one cut short when ``nbytes`` is not a whole number of words
+    (an fp8 indexer row of 128 + 4 scale bytes)."""
+    nwords = -(-nbytes // 8)
+    words = np.arange(nwords, dtype=np.uint64) + np.uint64(first_word)
     with np.errstate(over="ignore"):
         out = _mix(tags[..., None] + words * _GOLDEN)
-    return out.view(np.uint8).reshape(*tags.shape, nbytes)
+    return out.view(np.uint8).reshape(*tags.shape, nwords * 8)[..., :nbytes]
 
 
 def global_heads(

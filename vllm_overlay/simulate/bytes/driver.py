@@ -121,7 +121,14 @@ class _Leg:
     def _reply(self, conn: Any) -> Any:
         if not conn.poll(_REPLY_TIMEOUT):
             raise RankError("timeout: no reply from a rank")
-        status, payload = conn.recv()
+        try:
+            status, payload = conn.recv()
+        except (EOFError, OSError):
+            proc = self.procs[self.conns.index(conn)]
+            proc.join(5)
+            raise RankError(
+                f"a rank process died (exit code {proc.exitcode})"
+            ) from None
         if status != "ok":
             raise RankError(payload)
         return payload

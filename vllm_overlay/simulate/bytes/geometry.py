@@ -6,7 +6,8 @@ also needs what TP changes: GQA layers hold ``kv_heads / tp`` heads (one
 replicated head past ``kv_heads`` ranks), MLA latents are replicated, and a
 KDA layer holds ``1 / tp`` of its conv and recurrent state, shaped the way
 vLLM's model code shapes it (``MambaStateShapeCalculator.kda_state_shape``,
-``GDN_ATTN``). Nothing else of a layout changes.
+``GDN_ATTN``). A model family keeps its own head geometry (only TP splits its heads).
+Nothing else of a layout changes.
 """
 
 from __future__ import annotations
@@ -39,11 +40,6 @@ def local_heads(tp_size: int, total: int) -> int:
     return total // tp_size if tp_size <= total else 1
 
 
-def total_heads(spec: Any, geometry: Geometry) -> int:
-    """Global KV heads of an attention layer (MLA: the one latent)."""
-    return 1 if is_mla(spec) else geometry.kv_heads
-
-
 def uses_mla(layout: Layout) -> bool:
     return any(is_mla(spec) for spec in layout.layer_specs().values())
 
@@ -68,10 +64,32 @@ def model_json(layout: Layout, geometry: Geometry) -> dict[str, Any]:
             "moe_intermediate_size": 256,
             "first_k_dense_replace": 2,
         }
+    heads, head_size = geometry.kv_heads, geometry.head_size
+    if layout.family:
+        gqa = next(s for s in layout.layer_specs().values() if _is_gqa(s))
+        heads, head_size = gqa.num_kv_heads, gqa.head_size
     return {
-        "num_attention_heads": 2 * geometry.kv_heads,
-        "num_key_value_heads": geometry.kv_heads,
-        "head_dim": geometry.head_size,
+        "num_attention_heads": 2 * heads,
+        "num_key_value_heads": heads,
+        "head_dim": head_size,
+    }
+
+
+def _is_gqa(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    return isinstance(spec, AttentionSpec) and not is_mla(spec)
+
+
+def layer_total_heads(layout: Layout, geometry: Geometry) -> dict[str, int | None]:
+    """Global KV heads of each GQA layer (None: replicated on every rank).
+    A model family keeps its own head geometry (its page sizes are what the
+    planner unifies); a mechanism layout takes ``geometry``'s."""
+    return {
+        name: (spec.num_kv_heads if layout.family else geometry.kv_heads)
+        if _is_gqa(spec)
+        else None
+        for name, spec in layout.layer_specs().items()
     }
 
 
@@ -84,14 +102,18 @@ def rank_specs(
         MambaStateShapeCalculator,
     )
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import MambaSpec
 
     out: dict[str, Any] = {}
     mamba: dict[str, Any] = {}
     for name, spec in layout.layer_specs().items():
         if isinstance(spec, MambaSpec):
             mamba[name] = spec
-        elif isinstance(spec, AttentionSpec) and not is_mla(spec):
+        elif _is_gqa(spec) and layout.family:
+            out[name] = replace(
+                spec, num_kv_heads=local_heads(tp_size, spec.num_kv_heads)
+            )
+        elif _is_gqa(spec):
             out[name] = replace(
                 spec,
                 num_kv_heads=local_heads(tp_size, geometry.kv_heads),

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 
 PAGE = 4096
+MAX_BYTES = 1 << 30
+"""Per rank: every rank's buffer lives in /dev/shm, on a 24 GB machine."""
 
 
 @dataclass
@@ -59,6 +61,11 @@ class SharedKV:
         sizes = {t.size for t in kv_cache_config.kv_cache_tensors}
         assert len(sizes) == 1, "KV cache tensors must share one backing allocation"
         raw = sizes.pop()
+        if raw > MAX_BYTES:
+            raise ValueError(
+                f"byte simulator: a KV cache of {raw / 2**30:.1f} GiB per rank "
+                f"exceeds its {MAX_BYTES // 2**30} GiB budget"
+            )
         self.nbytes = -(-raw // PAGE) * PAGE
         self.path = path
         self.buffer = torch.from_file(

@@ -41,10 +41,56 @@ from vllm_overlay.simulate.bytes.content import (
     prefix_hashes,
     state_bytes,
 )
-from vllm_overlay.simulate.bytes.geometry import Geometry, total_heads
-from vllm_overlay.simulate.check import STATE_KIND, needs
+from vllm_overlay.simulate.bytes.geometry import Geometry, layer_total_heads
+from vllm_overlay.simulate.check import (
+    LOCAL_ONLY,
+    RING,
+    STATE_KIND,
+    GroupInfo,
+    Need,
+    needs,
+)
 
 READ, WRITE = "read", "write"
+
+
+def _rows(
+    info: GroupInfo, table: list[int], start: int, end: int
+) -> list[tuple[int, Any, np.ndarray]]:
+    """Where a forward over positions ``[start, end)`` writes an attention
+    group's rows: (block, slots in it, position whose prefix hash each row
+    holds). A ring keeps position p in slot ``p % capacity`` of its one
+    block; a compressed cache (one row per ``t`` tokens) writes row r once
+    position ``(r + 1) * t - 1`` is computed, hashing that prefix; a block
+    holds ``block_tokens / t`` rows. Null blocks take no rows."""
+    out: list[tuple[int, Any, np.ndarray]] = []
+    if info.kind == RING:
+        if table and table[0] != 0 and start < end:
+            positions = np.arange(start, end)
+            out.append((table[0], positions % info.ring_capacity, positions))
+        return out
+    t = info.tokens_per_state
+    per_block = info.block_tokens // t
+    first, stop = start // t, end // t
+    for index in range(first // per_block, -(-stop // per_block)):
+        if index >= len(table) or table[index] == 0:
+            continue
+        lo, hi = max(first, index * per_block), min(stop, (index + 1) * per_block)
+        if lo < hi:
+            rows = np.arange(lo, hi)
+            out.append((table[index], rows - index * per_block, (rows + 1) * t - 1))
+    return out
+
+
+def _need_rows(info: GroupInfo, need: Need) -> tuple[Any, np.ndarray]:
+    """The slots and hash positions of an attention need (``check.needs``:
+    positions ``[lo, hi)`` of block ``index``)."""
+    if info.kind == RING:
+        positions = np.arange(need.lo, need.hi)
+        return positions % info.ring_capacity, positions
+    t = info.tokens_per_state
+    rows = np.arange(need.lo // t, need.hi // t)
+    return rows - need.index * (info.block_tokens // t), (rows + 1) * t - 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +108,14 @@ class RankConfig:
     geometry: Geometry = field(default_factory=Geometry)
     fault: str | None = None
     transfer_timeout: float = 20.0
+
+
+def _heads_of(cfg: RankConfig, view: Any, total: int | None) -> list[int]:
+    """The global KV heads a rank's layer holds (replicated: all of them)."""
+    local = int(view.u8.shape[1])
+    if total is None:
+        return list(range(local))
+    return global_heads(cfg.tp_rank, cfg.tp_size, total, local)
 
 
 @dataclass
@@ -274,13 +328,9 @@ class Rank:
             zero=0x11 if cfg.role == "kv_producer" else 0,
         )
         self.connector.register_kv_caches(self.kv.tensors)
+        totals = layer_total_heads(layout, cfg.geometry)
         self._heads = {
-            name: global_heads(
-                cfg.tp_rank,
-                cfg.tp_size,
-                total_heads(view.spec, cfg.geometry),
-                view.u8.shape[1],
-            )
+            name: _heads_of(cfg, view, totals[name])
             for name, view in self.kv.layers.items()
             if self.groups[view.group].kind != STATE_KIND
         }
@@ -358,9 +408,9 @@ class Rank:
         return wrong
 
     def _attention_wrong(
-        self, view: Any, block: int, slot: int, hashes: np.ndarray
+        self, view: Any, block: int, slots: Any, hashes: np.ndarray
     ) -> int:
-        actual = view.u8[block][:, slot : slot + len(hashes), :]
+        actual = view.u8[block][:, slots, :]
         expected = attention_bytes(
             hashes,
             self._layer_keys[view.name],
@@ -394,22 +444,15 @@ class Rank:
                 for view in layers:
                     self._write_state(view, table[idx], h)
                 continue
-            first = item.start // bt
-            last = min((item.end - 1) // bt, len(table) - 1)
-            for index in range(first, last + 1):
-                block = table[index]
-                if block == null:
-                    continue
-                lo = max(item.start, index * bt)
-                hi = min(item.end, (index + 1) * bt)
+            if info.kind == LOCAL_ONLY:
+                continue
+            for block, slots, at in _rows(info, table, item.start, item.end):
                 for view in layers:
-                    view.u8[block][:, lo - index * bt : hi - index * bt, :] = (
-                        attention_bytes(
-                            hashes[lo:hi],
-                            self._layer_keys[view.name],
-                            self._heads[view.name],
-                            view.u8.shape[-1],
-                        )
+                    view.u8[block][:, slots, :] = attention_bytes(
+                        hashes[at],
+                        self._layer_keys[view.name],
+                        self._heads[view.name],
+                        view.u8.shape[-1],
                     )
 
     def _precopy(self, tables: list[list[int]], n: int) -> None:
@@ -456,10 +499,9 @@ class Rank:
                     for v in layers
                 )
             else:
-                slot = need.lo - need.index * info.block_tokens
+                slots, at = _need_rows(info, need)
                 wrong = sum(
-                    self._attention_wrong(v, block, slot, hashes[need.lo : need.hi])
-                    for v in layers
+                    self._attention_wrong(v, block, slots, hashes[at]) for v in layers
                 )
             out.append((need, wrong, size))
         return out

@@ -23,7 +23,7 @@ from vllm_overlay.simulate.bytes.report import (
     config_name,
 )
 from vllm_overlay.simulate.bytes.zygote import MARK
-from vllm_overlay.simulate.layouts import BASE_LAYOUTS
+from vllm_overlay.simulate.layouts import all_layouts
 from vllm_overlay.simulate.run import parse_hits, parse_lengths
 
 STANDIN_DIR = Path(__file__).resolve().parent / "standin"
@@ -35,6 +35,9 @@ DEFAULT_LENGTHS = "2,17,33,56,64,65,100,120,129,192,250,257,300,513,530,700"
 DEFAULT_HITS = "0,50,100"
 MODES = ("read", "write")
 TP_PAIRS = ((1, 1), (2, 2), (1, 2), (2, 1))
+FAMILY_TP_PAIRS = ((1, 1),)
+"""By default a model family runs TP 1->1 only: the mechanism layouts cover
+every TP pair, and each configuration costs its own rank processes."""
 KV_LAYOUTS = ("LBNHC", "BLNHC")
 _MLA_LAYOUTS = frozenset({"kimi", "glm"})
 
@@ -42,21 +45,40 @@ _MLA_LAYOUTS = frozenset({"kimi", "glm"})
 def plan_items(
     layouts: list[str],
     modes: list[str],
-    tp_pairs: list[tuple[int, int]],
+    tp_pairs: list[tuple[int, int]] | None,
     kv_layouts: list[str],
 ) -> list[ConfigItem]:
     """Every combination. READ with unequal TP needs replicated KV heads
-    (``validate_moriio_heterogeneous_tp_kv_heads``), so its GQA layouts run
-    with one KV head; MLA latents are replicated anyway."""
+    (``validate_moriio_heterogeneous_tp_kv_heads``), so its GQA layers run
+    with one KV head; MLA latents are replicated anyway. A model family's
+    layout fixes its KV cache layout (its grouping depends on it: the
+    matrix's ``-BLNHC`` rows), so it runs only in that one. ``tp_pairs``
+    None: ``TP_PAIRS`` for mechanism layouts, ``FAMILY_TP_PAIRS`` for
+    families."""
+    known = all_layouts()
     items = []
-    for layout in layouts:
+    for name in layouts:
+        key, _, dcp = name.partition("/dcp")
+        if key not in known:
+            raise ValueError(f"unknown layout {name!r}; known: {', '.join(known)}")
+        if dcp and dcp != "1":
+            raise ValueError(
+                f"{name}: the byte-level simulation does not model decode "
+                "context parallelism (see docs/simulate-bytes.md)"
+            )
+        layout = known[key]
+        own = [layout.kv_cache_layout] if layout.family else kv_layouts
+        pairs = tp_pairs or (FAMILY_TP_PAIRS if layout.family else TP_PAIRS)
         for mode in modes:
-            for p_tp, d_tp in tp_pairs:
+            for p_tp, d_tp in pairs:
                 heads = 1 if mode == "read" and p_tp != d_tp else 4
-                if layout.split("/")[0] in _MLA_LAYOUTS:
+                if key in _MLA_LAYOUTS:
                     heads = 4
-                for kv_layout in kv_layouts:
-                    items.append(ConfigItem(layout, mode, p_tp, d_tp, kv_layout, heads))
+                for kv_layout in own:
+                    if kv_layout in kv_layouts:
+                        items.append(
+                            ConfigItem(key, mode, p_tp, d_tp, kv_layout, heads)
+                        )
     return items
 
 
@@ -116,9 +138,6 @@ def run_bytes_sweep(
 ) -> BytesReport:
     start = time.monotonic()
     options = options or procs.SweepOptions()
-    for item in items:
-        if item.layout.split("/")[0] not in BASE_LAYOUTS:
-            raise ValueError(f"unknown layout {item.layout!r}")
     lengths_list = parse_lengths(lengths)
     hits_list = parse_hits(hits)
     sources = options.sources(variants)
