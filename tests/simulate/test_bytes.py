@@ -31,9 +31,10 @@ SAMPLED = [
     ConfigItem("kimi", "write", 1, 2, "BLNHC"),
     ConfigItem("glm", "read", 1, 1, "BLNHC"),
     # Model families of the matrix, in their own head geometry: MLA with
-    # the fp8 DSA indexer (132-byte rows), GDN + full, GQA + indexer.
+    # the fp8 DSA indexer (132-byte rows), MLA gathered from two prefill ranks,
+    # GQA + indexer.
     ConfigItem("deepseek-v3.2-mtp", "read", 1, 1, "LBNHC"),
-    ConfigItem("qwen3.5", "write", 2, 1, "LBNHC"),
+    ConfigItem("deepseek-v3", "write", 2, 1, "LBNHC"),
     ConfigItem("minimax-m3", "read", 2, 2, "LBNHC"),
 ]
 # Group kinds the pinned connector may refuse and a later patch may carry

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 PAGE = 4096
-MAX_BYTES = 1 << 30
+MAX_BYTES = 2 << 30
 """Per rank: every rank's buffer lives in /dev/shm, on a 24 GB machine."""
 
 
