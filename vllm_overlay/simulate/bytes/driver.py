@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from vllm_overlay.simulate.bytes.geometry import Geometry
+from vllm_overlay.simulate.bytes.kvmem import remove_shm
 from vllm_overlay.simulate.bytes.rank import (
     READ,
     RankConfig,
@@ -152,6 +153,8 @@ class _Leg:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+            if proc.pid is not None:
+                remove_shm(proc.pid)
 
 
 class Driver:

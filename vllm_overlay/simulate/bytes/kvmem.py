@@ -25,6 +25,20 @@ MAX_BYTES = 2 << 30
 """Per rank: every rank's buffer lives in /dev/shm, on a 24 GB machine."""
 
 
+def shm_path(pid: int) -> str:
+    """The file backing rank process ``pid``'s KV cache.
+
+    The rank unlinks it when it closes; the driver unlinks it again after the
+    process is gone, so a rank that was killed leaves nothing in /dev/shm.
+    """
+    return f"/dev/shm/vllm-overlay-bytes-{pid}"
+
+
+def remove_shm(pid: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(shm_path(pid))
+
+
 @dataclass
 class LayerView:
     name: str

@@ -270,7 +270,7 @@ class Rank:
         )
 
         from vllm_overlay.simulate.bytes.geometry import model_json, rank_specs
-        from vllm_overlay.simulate.bytes.kvmem import SharedKV
+        from vllm_overlay.simulate.bytes.kvmem import SharedKV, shm_path
         from vllm_overlay.simulate.drive import group_infos
         from vllm_overlay.simulate.layouts import expand
         from vllm_overlay.simulate.legs import LegOptions, build_leg
@@ -323,7 +323,7 @@ class Rank:
         self.kv = SharedKV(
             self.leg.worker_config,
             cfg.kv_layout,
-            f"/dev/shm/vllm-overlay-bytes-{os.getpid()}",
+            shm_path(os.getpid()),
             canary=0x3C if cfg.role == "kv_producer" else 0xC3,
             zero=0x11 if cfg.role == "kv_producer" else 0,
         )

@@ -1,0 +1,43 @@
+"""A rank's /dev/shm file goes with the rank, even when the rank is killed."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from typing import Any
+
+from vllm_overlay.simulate.bytes.driver import _Leg
+from vllm_overlay.simulate.bytes.kvmem import shm_path
+
+
+def _hold_a_buffer(conn: Any, _cfg: object) -> None:
+    with open(shm_path(os.getpid()), "wb") as f:
+        f.truncate(4096)
+    conn.send(("ok", None))
+    time.sleep(600)
+
+
+class _Ctx:
+    """multiprocessing's fork context, with ranks that only hold a buffer."""
+
+    def __init__(self) -> None:
+        self._mp = multiprocessing.get_context("fork")
+
+    def Pipe(self) -> Any:  # noqa: N802 - multiprocessing's name
+        return self._mp.Pipe()
+
+    def Process(self, target: Any, args: Any, daemon: bool) -> Any:  # noqa: N802
+        return self._mp.Process(target=_hold_a_buffer, args=args, daemon=daemon)
+
+
+def test_a_killed_rank_leaves_no_shared_memory_file() -> None:
+    leg = _Leg(_Ctx(), [object(), object()])  # type: ignore[list-item]
+    leg.wait_ready()
+    paths = [shm_path(proc.pid) for proc in leg.procs]
+    assert all(os.path.exists(p) for p in paths)
+    os.kill(leg.procs[0].pid, signal.SIGKILL)
+    leg.procs[0].join()
+    leg.close()
+    assert [p for p in paths if os.path.exists(p)] == []
