@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,9 +83,11 @@ def _model_dir(
     path.mkdir(exist_ok=True)
     cfg = path / "config.json"
     if not cfg.exists() or cfg.read_text() != text:
-        tmp = path / f"config.json.{id(text)}"
+        # Ranks, test workers and other checkouts share this folder: each
+        # writer renames its own file, so a reader never sees half a file.
+        tmp = path / f".config.json.{os.getpid()}"
         tmp.write_text(text)
-        tmp.replace(cfg)
+        os.replace(tmp, cfg)
     return str(path)
 
 
