@@ -124,19 +124,25 @@ def test_every_check_runs_and_the_verdict_is_their_and(pin: Pin) -> None:
     assert v.ok == installed_is_overlaid(pin)
 
 
-def test_cli_json_and_exit_status(pin: Pin) -> None:
+def _verify_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "vllm_overlay.cli", "--repo", str(REPO),
-         "image", "verify", "--json"],
+         "image", "verify", *args],
         capture_output=True, text=True, env=env, timeout=600, check=False,
     )  # fmt: skip
+
+
+def test_cli_json_and_exit_status(pin: Pin) -> None:
+    out = _verify_cli("--json")
+    # Under --json stdout is the one JSON object and nothing else.
     v = msgspec.json.decode(out.stdout, type=Verification)
     assert out.returncode == (0 if v.ok else 1)
     assert v.series_id == SERIES.series_id
     assert json.loads(out.stdout)["checks"][0]["name"] == "overlay"
-    assert (
-        out.stderr.rstrip()
-        .splitlines()[-1]
-        .startswith("verify: ok" if v.ok else "verify: FAILED")
-    )
+
+
+def test_cli_text_ends_with_the_verdict(pin: Pin) -> None:
+    out = _verify_cli()
+    verdict = "verify: ok" if out.returncode == 0 else "verify: FAILED"
+    assert out.stdout.rstrip().splitlines()[-1].startswith(verdict)
