@@ -160,6 +160,17 @@ def add_subcommands(parser: argparse.ArgumentParser, dest: str) -> Subparsers:
     )
 
 
+def add_target_option(parser: argparse.ArgumentParser) -> None:
+    """``--target PATH``: the vLLM tree a command reads or changes."""
+    parser.add_argument(
+        "--target",
+        type=Path,
+        metavar="PATH",
+        help="an installed vllm package directory or a vLLM source root "
+        "(default: this Python's vllm)",
+    )
+
+
 def add_base_options(parser: argparse.ArgumentParser, what: str) -> None:
     """``--wheel WHEEL | --from DIR``: where ``what`` (the pinned base files)
     comes from; read back with ``base_source(args)``."""

@@ -89,7 +89,11 @@ TRUE_LEVELS = _levels(
 
 def _report(series: Series, levels: dict[int, dict[str, str]]):
     return build_report(
-        series, "0.33.0", levels[0], levels[3], {k: levels[k] for k in (1, 2)}
+        series,
+        "0.33.0",
+        base=levels[0],
+        overlay=levels[3],
+        levels={k: levels[k] for k in (1, 2)},
     )
 
 
@@ -144,7 +148,7 @@ def test_failing_with_the_patch_and_broken_guards_are_reported(
 
 def test_named_tests_not_run_are_reported(ws: Workspace) -> None:
     series = _stack(ws)
-    report = build_report(series, "0.33.0", {}, {})
+    report = build_report(series, "0.33.0", base={}, overlay={})
     assert gate(report, series) == [
         "no test ran",
         f"0001-a.patch: {PROBE}::test_has_a was not run",

@@ -214,7 +214,28 @@ def last_lines(text: str, n: int = LAST_LINES) -> list[str]:
     return [line for line in text.splitlines() if line.strip()][-n:]
 
 
-class Launcher:
+class ClosedOnExit:
+    """Leaving the ``with`` block, whatever happened, runs ``close``; an
+    exception is said first, with what closing does about it."""
+
+    say: Callable[[str], None]
+    closing = "tearing down"
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            self.say(f"e2e: {exc_type.__name__}: {exc}; {self.closing}")
+        self.close()
+
+
+class Launcher(ClosedOnExit):
     """Runs a plan's setup; on leaving the ``with`` block, whatever happened,
     collects logs into ``log_dir`` and runs the teardown.
 
@@ -247,16 +268,6 @@ class Launcher:
     def __enter__(self) -> Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is not None:
-            self.say(f"e2e: {exc_type.__name__}: {exc}; tearing down")
-        self.close()
 
     def setup(self) -> Endpoints:
         for step in self.plan.setup:

@@ -22,11 +22,11 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 from vllm_overlay.e2e.config import RunConfig
 from vllm_overlay.e2e.launch import (
     STOP_GRACE_S,
+    ClosedOnExit,
     ContainerExited,
     ContainerState,
     Endpoints,
@@ -232,9 +232,11 @@ def dry_run_lines(job: SlurmJob) -> list[str]:
     ]
 
 
-class SlurmLauncher:
+class SlurmLauncher(ClosedOnExit):
     """Submit the job, wait for every server, watch the job; on leaving the
     ``with`` block, cancel the job and wait until it has left the queue."""
+
+    closing = "cancelling the job"
 
     def __init__(
         self,
@@ -256,16 +258,6 @@ class SlurmLauncher:
 
     def __enter__(self) -> SlurmLauncher:
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is not None:
-            self.say(f"e2e: {exc_type.__name__}: {exc}; cancelling the job")
-        self.close()
 
     def command(self, argv: list[str]) -> str:
         t = self.config.timeouts.command_s

@@ -87,9 +87,9 @@ def cmd_revert_red(app: App, args: argparse.Namespace) -> int:
     report = build_report(
         series,
         checkout.pin.vllm.version,
-        load_outcomes(args.base_outcomes),
-        load_outcomes(args.overlay_outcomes),
-        levels,
+        base=load_outcomes(args.base_outcomes),
+        overlay=load_outcomes(args.overlay_outcomes),
+        levels=levels,
     )
     out = args.out or checkout.unit_base_report
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -118,9 +118,7 @@ def cmd_revert_red(app: App, args: argparse.Namespace) -> int:
 
 def register(sub: Subparsers) -> None:
     lv = add_command(sub, "levels", cmd_levels)
-    lv.add_argument(
-        "--out", type=Path, required=True, metavar="DIR", help="levels and outcomes"
-    )
+    lv.add_argument("--out", type=Path, required=True, metavar="DIR", help="outcomes")
     lv.add_argument(
         "--pytest-args",
         default="",

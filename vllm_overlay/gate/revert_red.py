@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
+from typing import TypeAlias
 
 from vllm_overlay.gate.reports import (
     RevertRedReport,
@@ -22,6 +23,8 @@ from vllm_overlay.gate.stack import level_label, named_tests
 from vllm_overlay.series.patch_series import Series
 
 NOT_RUN: TestOutcome = "not run"
+# Test id -> outcome, for one run of the suite.
+Outcomes: TypeAlias = Mapping[str, TestOutcome]
 
 
 def _named_by(series: Series, test_id: str) -> str:
@@ -32,9 +35,7 @@ def _named_by(series: Series, test_id: str) -> str:
     return ""
 
 
-def _stack_rows(
-    series: Series, levels: Mapping[int, Mapping[str, TestOutcome]]
-) -> list[StackRow]:
+def _stack_rows(series: Series, levels: Mapping[int, Outcomes]) -> list[StackRow]:
     rows: list[StackRow] = []
     for k, patch in enumerate(series.patches, 1):
         below, with_ = levels.get(k - 1, {}), levels.get(k, {})
@@ -57,9 +58,10 @@ def _stack_rows(
 def build_report(
     series: Series,
     vllm_version: str,
-    base: Mapping[str, TestOutcome],
-    overlay: Mapping[str, TestOutcome],
-    levels: Mapping[int, Mapping[str, TestOutcome]] | None = None,
+    *,
+    base: Outcomes,
+    overlay: Outcomes,
+    levels: Mapping[int, Outcomes] | None = None,
 ) -> RevertRedReport:
     """``base`` and ``overlay``: the whole suite on the pinned base and with
     the whole series; ``levels``: the named tests on each intermediate stack

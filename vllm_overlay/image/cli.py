@@ -9,7 +9,13 @@ from pathlib import Path
 
 import msgspec
 
-from vllm_overlay.command import App, Subparsers, add_command, add_subcommands
+from vllm_overlay.command import (
+    App,
+    Subparsers,
+    add_command,
+    add_subcommands,
+    add_target_option,
+)
 from vllm_overlay.image.build import ImageError, build_image, default_tag
 from vllm_overlay.image.engine import ENGINES, choose_engine
 from vllm_overlay.image.standin import build_standin
@@ -196,12 +202,7 @@ def register(sub: Subparsers) -> None:
     )
     add_standin_options(p)
     v = add_command(image_sub, "verify", cmd_verify)
-    v.add_argument(
-        "--target",
-        type=Path,
-        metavar="PATH",
-        help="the vllm package (default: this Python's)",
-    )
+    add_target_option(v)
     s = add_command(image_sub, "standin", cmd_standin)
     add_engine_option(s)
     add_standin_options(s)

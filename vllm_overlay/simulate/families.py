@@ -18,7 +18,7 @@ sizes, windows and slot counts, so these are what the builders reproduce.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_overlay.simulate.layouts import Layout, Ring, SpecDecode
@@ -71,37 +71,32 @@ def _attention(block: int, kv_heads: int, head: int, window: int | None = None) 
     )
 
 
+def _latent(block: int, head: int, dtype: Any, **kw: Any) -> Any:
+    """An ``MLAAttentionSpec``: one row per token (or per state), never
+    sharded across TP ranks."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return _one_head(MLAAttentionSpec, block, head, dtype, max_tp_shards=1, **kw)
+
+
 def _mla(block: int, head: int = 576, *, leader: bool = False, **kw: Any) -> Any:
     """``MLAAttention.get_kv_cache_spec`` (model_executor/layers/attention/
     mla_attention.py): one latent vector per token, ``max_tp_shards=1``."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-    return MLAAttentionSpec(
-        block_size=block,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=head,
-        dtype=kw.pop("dtype", _torch().bfloat16),
-        cache_dtype_str="auto",
-        is_index_group_leader=leader,
-        **kw,
+    dtype = kw.pop("dtype", _torch().bfloat16)
+    return _latent(
+        block, head, dtype, cache_dtype_str="auto", is_index_group_leader=leader, **kw
     )
 
 
 def _indexer(block: int, head: int = 132, tokens_per_state: int = 1, **kw: Any) -> Any:
     """``DeepseekV32IndexerCache.get_kv_cache_spec`` (model_executor/models/
     deepseek_v2.py): fp8 keys + fp32 scales (128 + 4 bytes), uint8."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+    from vllm.v1.kv_cache_interface import SparseCacheRole
 
-    return MLAAttentionSpec(
-        block_size=block,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=head,
-        dtype=kw.pop("dtype", _torch().uint8),
-        cache_role=SparseCacheRole.INDEXER,
-        tokens_per_state=tokens_per_state,
-        **kw,
+    dtype = kw.pop("dtype", _torch().uint8)
+    role = SparseCacheRole.INDEXER
+    return _latent(
+        block, head, dtype, cache_role=role, tokens_per_state=tokens_per_state, **kw
     )
 
 
@@ -150,6 +145,43 @@ def _draft(spec: Any) -> Any:
     return replace(spec, is_draft=True)
 
 
+def _one_head(cls: Any, block: int, head: int, dtype: Any, **kw: Any) -> Any:
+    """A spec of ``cls`` with one KV head (a latent, key or state row)."""
+    return cls(block_size=block, num_kv_heads=1, head_size=head, dtype=dtype, **kw)
+
+
+def _bf16_16(cls: Any, kv_heads: int, head: int = 128, **kw: Any) -> Any:
+    """A bf16 attention spec of ``cls`` on block 16."""
+    return cls(
+        block_size=16,
+        num_kv_heads=kv_heads,
+        head_size=head,
+        dtype=_torch().bfloat16,
+        **kw,
+    )
+
+
+def _decoder(num_layers: int, spec: Any) -> Specs:
+    """``num_layers`` decoder layers sharing one attention spec."""
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+
+
+def _one_in_four(num_layers: int, fourth: Specs, others: Specs) -> Specs:
+    """Decoder layers ``model.layers.I.NAME``: every 4th (I % 4 == 3) holds
+    the caches ``fourth``, the others ``others``."""
+    specs: Specs = {}
+    for i in range(num_layers):
+        parts = fourth if i % 4 == 3 else others
+        _put(specs, f"model.layers.{i}", parts)
+    return specs
+
+
+def _put(specs: Specs, prefix: str, parts: Specs, draft: bool = False) -> None:
+    """One layer's caches, ``prefix.NAME`` for each part; a drafter's marked."""
+    for name, spec in parts.items():
+        specs[f"{prefix}.{name}"] = _draft(spec) if draft else spec
+
+
 # -- families -------------------------------------------------------------------
 
 
@@ -157,8 +189,7 @@ def llama3() -> Specs:
     """Llama-3-8B: ``Attention.get_kv_cache_spec`` (model_executor/layers/
     attention/attention.py) via ``LlamaAttention`` (model_executor/models/
     llama.py); 32 layers, 8 KV heads x 128, block 16."""
-    spec = _attention(16, 8, 128)
-    return {f"model.layers.{i}.self_attn.attn": spec for i in range(32)}
+    return _decoder(32, _attention(16, 8, 128))
 
 
 def gemma3() -> Specs:
@@ -220,22 +251,27 @@ def deepseek_v32(mtp: bool = False) -> Specs:
     return specs
 
 
+def _dsv4_rows(cls: Any, block: int, **kw: Any) -> Any:
+    """DeepSeek-V4's bf16 512-wide latent rows, pages aligned to 512 bytes."""
+    return _one_head(
+        cls,
+        block,
+        512,
+        _torch().bfloat16,
+        max_tp_shards=1,
+        cache_dtype_str="auto",
+        alignment=512,
+        model_version="deepseek_v4",
+        **kw,
+    )
+
+
 def _dsv4_mla(block: int, ratio: int) -> Any:
     """``DeepseekV4Attention.get_kv_cache_spec`` (vllm/models/deepseek_v4/
     attention.py): bf16 compressed MLA rows, one per ``ratio`` tokens."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    return MLAAttentionSpec(
-        block_size=block,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=512,
-        dtype=_torch().bfloat16,
-        tokens_per_state=ratio,
-        cache_dtype_str="auto",
-        alignment=512,
-        model_version="deepseek_v4",
-    )
+    return _dsv4_rows(MLAAttentionSpec, block, tokens_per_state=ratio)
 
 
 def _dsv4_swa(block: int, window: int, bounded_replay: bool = False) -> Any:
@@ -243,16 +279,10 @@ def _dsv4_swa(block: int, window: int, bounded_replay: bool = False) -> Any:
     sparse_swa.py), bf16 rows, 512-byte page alignment."""
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
 
-    return SlidingWindowMLASpec(
-        block_size=block,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=512,
-        dtype=_torch().bfloat16,
+    return _dsv4_rows(
+        SlidingWindowMLASpec,
+        block,
         sliding_window=window,
-        cache_dtype_str="auto",
-        alignment=512,
-        model_version="deepseek_v4",
         bounded_replay=bounded_replay,
     )
 
@@ -264,12 +294,12 @@ def _dsv4_compressor_state(ratio: int, head: int) -> Any:
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
 
     coff = 1 + (ratio == 4)
-    return SlidingWindowMLASpec(
-        block_size=4 if ratio == 4 else 8,
-        num_kv_heads=1,
+    return _one_head(
+        SlidingWindowMLASpec,
+        4 if ratio == 4 else 8,
+        2 * coff * head,
+        _torch().float32,
         max_tp_shards=1,
-        head_size=2 * coff * head,
-        dtype=_torch().float32,
         sliding_window=coff * ratio,
         alignment=512,
     )
@@ -333,12 +363,12 @@ def deepseek_v41(num_spec: int = 0) -> Specs:
             256, tokens_per_state=ratio, alignment=512
         )
         if ratio == 2:
-            specs[f"{p}.compressor.state_cache"] = CircularBufferSpec(
-                block_size=ring,
-                num_kv_heads=1,
-                head_size=2 * 512,
+            specs[f"{p}.compressor.state_cache"] = _one_head(
+                CircularBufferSpec,
+                ring,
+                2 * 512,
+                _torch().float32,
                 head_size_v=0,
-                dtype=_torch().float32,
             )
     return specs
 
@@ -363,12 +393,7 @@ def kimi_k3(num_spec: int = 0) -> Specs:
     block = _hybrid_block(576 * 2, _mamba_page(shapes, dtypes), 128)
     mla = _mla(block)
     kda = _mamba(block, shapes, dtypes, num_spec, mla.page_size_bytes)
-    specs: Specs = {}
-    for i in range(48):
-        if i % 4 == 3:
-            specs[f"model.layers.{i}.self_attn.mla_attn"] = mla
-        else:
-            specs[f"model.layers.{i}.self_attn.kda"] = kda
+    specs = _one_in_four(48, {"self_attn.mla_attn": mla}, {"self_attn.kda": kda})
     if num_spec:
         specs["model.layers.48.self_attn.mla_attn"] = _draft(mla)
     return specs
@@ -448,12 +473,7 @@ def qwen35(num_spec: int = 0, eagle3: bool = False) -> Specs:
     block = _hybrid_block(attn_1tok, _mamba_page(shapes, dtypes), 16)
     attn = _attention(block, 2, 256)
     gdn = _mamba(block, shapes, dtypes, num_spec, attn.page_size_bytes)
-    specs: Specs = {}
-    for i in range(48):
-        if i % 4 == 3:
-            specs[f"model.layers.{i}.self_attn.attn"] = attn
-        else:
-            specs[f"model.layers.{i}.linear_attn"] = gdn
+    specs = _one_in_four(48, {"self_attn.attn": attn}, {"linear_attn": gdn})
     if num_spec and not eagle3:
         specs["mtp.layers.0.self_attn.attn"] = _draft(attn)
     if eagle3:
@@ -492,36 +512,36 @@ def qwen4_exp(num_spec: int = 0) -> Specs:
         block, ple_shapes, (torch.bfloat16,), num_spec, page, tp_replicated=True
     )
     capacity = _round_up(ratio + num_spec, ratio)
-    key_ring = CircularBufferSpec(
-        block_size=capacity,
-        num_kv_heads=1,
-        head_size=128,
+    key_ring = _one_head(
+        CircularBufferSpec,
+        capacity,
+        128,
+        torch.bfloat16,
         head_size_v=0,
-        dtype=torch.bfloat16,
     )
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    compressed = MLAAttentionSpec(
-        block_size=block,
-        num_kv_heads=1,
-        head_size=128,
-        dtype=torch.bfloat16,
+    compressed = _one_head(
+        MLAAttentionSpec,
+        block,
+        128,
+        torch.bfloat16,
         tokens_per_state=ratio,
     )
     specs: Specs = {"model.layers.0.ple": ple}
 
-    def qsa(prefix: str, mk: Callable[[Any], Any]) -> None:
-        specs[f"{prefix}.attn"] = mk(attn)
-        specs[f"{prefix}.key_state_cache"] = mk(key_ring)
-        specs[f"{prefix}.compressed_key_cache"] = mk(compressed)
-
+    qsa = {
+        "attn": attn,
+        "key_state_cache": key_ring,
+        "compressed_key_cache": compressed,
+    }
     for i in range(40):
         if i % 4 == 3:
-            qsa(f"model.layers.{i}.self_attn", lambda s: s)
+            _put(specs, f"model.layers.{i}.self_attn", qsa)
         else:
             specs[f"model.layers.{i}.linear_attn"] = gdn
     if num_spec:
-        qsa("mtp.layers.0.self_attn", _draft)
+        _put(specs, "mtp.layers.0.self_attn", qsa, draft=True)
     return specs
 
 
@@ -544,36 +564,31 @@ def step5(num_spec: int = 0) -> Specs:
     block = 64
     main = _attention(block, 8, 128)
     page = main.page_size_bytes
-    summary = FullAttentionSpec(
-        block_size=block,
-        num_kv_heads=1,
-        head_size=256,
+    summary = _one_head(
+        FullAttentionSpec,
+        block,
+        256,
+        torch.uint8,
         head_size_v=0,
-        dtype=torch.uint8,
         tokens_per_state=8,
     )
-    ring = CircularBufferSpec(
-        block_size=block,
-        num_kv_heads=1,
-        head_size=page // (block * 2),
+    ring = _one_head(
+        CircularBufferSpec,
+        block,
+        page // (block * 2),
+        torch.bfloat16,
         head_size_v=0,
-        dtype=torch.bfloat16,
         block_stride_alignment=_STEP5_ROW_BYTES,
     )
+    full = {"attn": main, "summary_cache": summary, "csa_tail_ring": ring}
     specs: Specs = {}
-
-    def full(prefix: str, mk: Callable[[Any], Any]) -> None:
-        specs[f"{prefix}.attn"] = mk(main)
-        specs[f"{prefix}.summary_cache"] = mk(summary)
-        specs[f"{prefix}.csa_tail_ring"] = mk(ring)
-
     for i in range(48):
         if i % 4 == 3:
-            full(f"model.layers.{i}.self_attn", lambda s: s)
+            _put(specs, f"model.layers.{i}.self_attn", full)
         else:
             specs[f"model.layers.{i}.self_attn.attn"] = _attention(block, 8, 128, 512)
     if num_spec:
-        full("model.layers.48.self_attn", _draft)
+        _put(specs, "model.layers.48.self_attn", full, draft=True)
     return specs
 
 
@@ -597,12 +612,8 @@ def llama4() -> Specs:
         if i % 4 == 3:
             specs[name] = _attention(16, 8, 128)
         else:
-            specs[name] = ChunkedLocalAttentionSpec(
-                block_size=16,
-                num_kv_heads=8,
-                head_size=128,
-                dtype=_torch().bfloat16,
-                attention_chunk_size=8192,
+            specs[name] = _bf16_16(
+                ChunkedLocalAttentionSpec, 8, attention_chunk_size=8192
             )
     return specs
 
@@ -615,14 +626,7 @@ def openpangu_sink() -> Specs:
     8 KV heads x 128, 128 sink tokens, block 16."""
     from vllm.v1.kv_cache_interface import SinkFullAttentionSpec
 
-    spec = SinkFullAttentionSpec(
-        block_size=16,
-        num_kv_heads=8,
-        head_size=128,
-        dtype=_torch().bfloat16,
-        sink_len=128,
-    )
-    return {f"model.layers.{i}.self_attn.attn": spec for i in range(32)}
+    return _decoder(32, _bf16_16(SinkFullAttentionSpec, 8, sink_len=128))
 
 
 def unlimited_ocr() -> Specs:
@@ -634,14 +638,7 @@ def unlimited_ocr() -> Specs:
     model_executor/models/config.py)."""
     from vllm.v1.kv_cache_interface import RSWASpec
 
-    spec = RSWASpec(
-        block_size=16,
-        num_kv_heads=10,
-        head_size=128,
-        dtype=_torch().bfloat16,
-        rswa_window=128,
-    )
-    return {f"model.layers.{i}.self_attn.attn": spec for i in range(12)}
+    return _decoder(12, _bf16_16(RSWASpec, 10, rswa_window=128))
 
 
 def llama3_hidden_states() -> Specs:
@@ -653,8 +650,8 @@ def llama3_hidden_states() -> Specs:
     from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
     specs = llama3()
-    specs["hidden_states_model.cache_layer.attn"] = HiddenStateCacheSpec(
-        block_size=16, num_kv_heads=4, head_size=4096, dtype=_torch().bfloat16
+    specs["hidden_states_model.cache_layer.attn"] = _bf16_16(
+        HiddenStateCacheSpec, 4, head=4096
     )
     return specs
 
@@ -714,12 +711,12 @@ def dots3_note() -> Specs:
         if i % 4 == 0:
             specs[name] = _mla(64)
         else:
-            specs[name] = SlidingWindowMLASpec(
-                block_size=64,
-                num_kv_heads=1,
+            specs[name] = _one_head(
+                SlidingWindowMLASpec,
+                64,
+                576,
+                _torch().bfloat16,
                 max_tp_shards=1,
-                head_size=576,
-                dtype=_torch().bfloat16,
                 cache_dtype_str="auto",
                 sliding_window=2048,
             )
@@ -756,8 +753,23 @@ class Family:
     dcp: tuple[int, ...] = (1,)
 
 
-def _spec(method: str, n: int) -> SpecDecode:
-    return SpecDecode(method=method, num_speculative_tokens=n)
+# Layouts whose grouping changes with the block-outermost KV cache layout.
+BOTH = ("LBNHC", "BLNHC")
+
+
+def _drafted(
+    served: Family, method: str, n: int, build: Callable[[], Specs], title: str
+) -> Family:
+    """``served`` with a drafter proposing ``n`` tokens (``method``), its
+    specs built by ``build``; the drafter rows do not run under DCP."""
+    return replace(
+        served,
+        key=f"{served.key}-{method}",
+        title=title,
+        build=build,
+        speculative=SpecDecode(method=method, num_speculative_tokens=n),
+        dcp=(1,),
+    )
 
 
 def families() -> list[Family]:
@@ -765,152 +777,115 @@ def families() -> list[Family]:
     from functools import partial
 
     glm_kpool = 16
+    gpt_oss_f = Family("gpt-oss", "gpt-oss (full + SW 128, 1:1)", gpt_oss, 16)
+    dsv3 = Family("deepseek-v3", "DeepSeek-V3 (MLA)", deepseek_v3, 64, dcp=(1, 2))
+    dsv32 = Family(
+        "deepseek-v3.2", "DeepSeek-V3.2 (MLA + DSA indexer)", deepseek_v32, 64
+    )
+    dsv4 = Family(
+        "deepseek-v4-pro",
+        "DeepSeek-V4-Pro (SWA-MLA + compressed MLA + compressor states)",
+        deepseek_v4,
+        256,
+        kv_cache_layouts=BOTH,
+    )
+    dsv41 = Family(
+        "deepseek-v4.1",
+        "DeepSeek-V4.1 (compressor ring: CircularBufferSpec)",
+        deepseek_v41,
+        256,
+        ring=Ring(group_tokens=2),
+        kv_cache_layouts=BOTH,
+    )
+    kimi = Family("kimi-k3", "Kimi-K3 (MLA + KDA)", kimi_k3, 0, dcp=(1, 2))
+    glm = Family(
+        "glm5next",
+        "GLM-5.3-Flash (MLA + kpool indexer + tail ring + KDA)",
+        glm5next,
+        0,
+        ring=Ring(group_tokens=glm_kpool),
+        kv_cache_layouts=BOTH,
+    )
+    qwen = Family("qwen3.5", "Qwen3.5 / Qwen3-Next (GDN + full)", qwen35, 0)
+    qwen4 = Family(
+        "qwen4-exp",
+        "Qwen4-exp (GDN + PLE + QSA ring)",
+        qwen4_exp,
+        0,
+        ring=Ring(group_tokens=16),
+        kv_cache_layouts=BOTH,
+    )
+    step = Family(
+        "step5",
+        "Step5 (SW + DSA summary + CSA tail ring)",
+        step5,
+        64,
+        ring=Ring(group_tokens=8, capacity=step5_ring_capacity()),
+        kv_cache_layouts=BOTH,
+    )
     return [
         Family("llama3", "Llama-3 (full)", llama3, 16, dcp=(1, 2)),
         Family("gemma3", "Gemma-3 (full + SW 1024, 1:5)", gemma3, 16),
-        Family("gpt-oss", "gpt-oss (full + SW 128, 1:1)", gpt_oss, 16),
-        Family(
-            "gpt-oss-eagle3",
-            "gpt-oss + EAGLE3 (drafter in the full group)",
+        gpt_oss_f,
+        _drafted(
+            gpt_oss_f,
+            "eagle3",
+            3,
             partial(gpt_oss, eagle3=True),
-            16,
-            speculative=_spec("eagle3", 3),
+            "gpt-oss + EAGLE3 (drafter in the full group)",
         ),
-        Family("deepseek-v3", "DeepSeek-V3 (MLA)", deepseek_v3, 64, dcp=(1, 2)),
-        Family(
-            "deepseek-v3-mtp",
-            "DeepSeek-V3 + MTP",
-            partial(deepseek_v3, mtp=True),
-            64,
-            speculative=_spec("mtp", 1),
-        ),
-        Family(
-            "deepseek-v3-eagle3",
-            "DeepSeek-V3 + EAGLE3 (GQA drafter, grouped with the MLA target)",
+        dsv3,
+        _drafted(dsv3, "mtp", 1, partial(deepseek_v3, mtp=True), "DeepSeek-V3 + MTP"),
+        _drafted(
+            dsv3,
+            "eagle3",
+            3,
             partial(deepseek_v3, eagle3=True),
-            64,
-            speculative=_spec("eagle3", 3),
+            "DeepSeek-V3 + EAGLE3 (GQA drafter, grouped with the MLA target)",
         ),
-        Family(
-            "deepseek-v3.2-mtp",
-            "DeepSeek-V3.2 / GLM-5 (MLA + DSA indexer) + MTP",
+        _drafted(
+            dsv32,
+            "mtp",
+            1,
             partial(deepseek_v32, mtp=True),
-            64,
-            speculative=_spec("mtp", 1),
+            "DeepSeek-V3.2 / GLM-5 (MLA + DSA indexer) + MTP",
         ),
-        Family(
-            "deepseek-v4-pro",
-            "DeepSeek-V4-Pro (SWA-MLA + compressed MLA + compressor states)",
-            deepseek_v4,
-            256,
-            kv_cache_layouts=("LBNHC", "BLNHC"),
+        dsv4,
+        _drafted(
+            dsv4, "mtp", 1, partial(deepseek_v4, mtp=True), "DeepSeek-V4-Pro + MTP"
         ),
-        Family(
-            "deepseek-v4-pro-mtp",
-            "DeepSeek-V4-Pro + MTP",
-            partial(deepseek_v4, mtp=True),
-            256,
-            speculative=_spec("mtp", 1),
-            kv_cache_layouts=("LBNHC", "BLNHC"),
-        ),
-        Family(
-            "deepseek-v4.1",
-            "DeepSeek-V4.1 (compressor ring: CircularBufferSpec)",
-            deepseek_v41,
-            256,
-            ring=Ring(group_tokens=2),
-            kv_cache_layouts=("LBNHC", "BLNHC"),
-        ),
-        Family(
-            "deepseek-v4.1-mtp",
-            "DeepSeek-V4.1 + MTP",
-            partial(deepseek_v41, 1),
-            256,
-            speculative=_spec("mtp", 1),
-            ring=Ring(group_tokens=2),
-            kv_cache_layouts=("LBNHC", "BLNHC"),
-        ),
-        Family(
-            "kimi-k3",
-            "Kimi-K3 (MLA + KDA)",
-            kimi_k3,
-            0,
-            dcp=(1, 2),
-        ),
-        Family(
-            "kimi-k3-mtp",
-            "Kimi-K3 + MTP",
-            partial(kimi_k3, 1),
-            0,
-            speculative=_spec("mtp", 1),
-        ),
-        Family(
-            "glm5next",
-            "GLM-5.3-Flash (MLA + kpool indexer + tail ring + KDA)",
-            glm5next,
-            0,
-            ring=Ring(group_tokens=glm_kpool),
-            kv_cache_layouts=("LBNHC", "BLNHC"),
-        ),
-        Family(
-            "glm5next-mtp",
-            "GLM-5.3-Flash + MTP",
-            partial(glm5next, 1),
-            0,
-            speculative=_spec("mtp", 1),
-            ring=Ring(group_tokens=glm_kpool),
-            kv_cache_layouts=("LBNHC", "BLNHC"),
-        ),
-        Family(
-            "qwen3.5",
-            "Qwen3.5 / Qwen3-Next (GDN + full)",
-            qwen35,
-            0,
-        ),
-        Family(
-            "qwen3.5-mtp",
-            "Qwen3.5 + MTP",
-            partial(qwen35, 1),
-            0,
-            speculative=_spec("mtp", 1),
-        ),
-        Family(
-            "qwen3.5-eagle3",
-            "Qwen3.5 + EAGLE3 (hybrid, drafter owns a group)",
+        dsv41,
+        _drafted(dsv41, "mtp", 1, partial(deepseek_v41, 1), "DeepSeek-V4.1 + MTP"),
+        kimi,
+        _drafted(kimi, "mtp", 1, partial(kimi_k3, 1), "Kimi-K3 + MTP"),
+        glm,
+        _drafted(glm, "mtp", 1, partial(glm5next, 1), "GLM-5.3-Flash + MTP"),
+        qwen,
+        _drafted(qwen, "mtp", 1, partial(qwen35, 1), "Qwen3.5 + MTP"),
+        _drafted(
+            replace(qwen, kv_cache_layouts=BOTH),
+            "eagle3",
+            3,
             partial(qwen35, 3, eagle3=True),
-            0,
-            speculative=_spec("eagle3", 3),
-            kv_cache_layouts=("LBNHC", "BLNHC"),
+            "Qwen3.5 + EAGLE3 (hybrid, drafter owns a group)",
         ),
-        Family(
-            "qwen4-exp-mtp",
-            "Qwen4-exp (GDN + PLE + QSA ring) + MTP",
+        _drafted(
+            qwen4,
+            "mtp",
+            1,
             partial(qwen4_exp, 1),
-            0,
-            speculative=_spec("mtp", 1),
-            ring=Ring(group_tokens=16),
-            kv_cache_layouts=("LBNHC", "BLNHC"),
+            "Qwen4-exp (GDN + PLE + QSA ring) + MTP",
         ),
-        Family(
-            "step5-mtp",
-            "Step5 (SW + DSA summary + CSA tail ring) + MTP",
+        _drafted(
+            step,
+            "mtp",
+            1,
             partial(step5, 1),
-            64,
-            speculative=_spec("mtp", 1),
-            ring=Ring(group_tokens=8, capacity=step5_ring_capacity()),
-            kv_cache_layouts=("LBNHC", "BLNHC"),
+            "Step5 (SW + DSA summary + CSA tail ring) + MTP",
         ),
+        Family("llama4", "Llama-4 (chunked local 8192 + full, 3:1)", llama4, 16),
         Family(
-            "llama4",
-            "Llama-4 (chunked local 8192 + full, 3:1)",
-            llama4,
-            16,
-        ),
-        Family(
-            "openpangu-sink",
-            "openPangu (SinkFullAttentionSpec)",
-            openpangu_sink,
-            16,
+            "openpangu-sink", "openPangu (SinkFullAttentionSpec)", openpangu_sink, 16
         ),
         Family(
             "unlimited-ocr",
@@ -931,7 +906,7 @@ def families() -> list[Family]:
             "Inkling (local + global + sconv window)",
             inkling,
             16,
-            kv_cache_layouts=("LBNHC", "BLNHC"),
+            kv_cache_layouts=BOTH,
         ),
         Family("dots3-note", "dots.llm3 NOTE (MLA + SW-MLA)", dots3_note, 64),
         Family(

@@ -10,6 +10,7 @@ from vllm_overlay.command import (
     Subparsers,
     add_base_options,
     add_command,
+    add_target_option,
     base_source,
 )
 from vllm_overlay.series.patch_series import Series, SeriesError, check_series
@@ -17,11 +18,6 @@ from vllm_overlay.tree.apply import apply_series, revert_series
 from vllm_overlay.tree.materialize import materialize
 from vllm_overlay.tree.status import format_status, tree_status
 from vllm_overlay.tree.target import Target, detect_target, installed_vllm
-
-TARGET_HELP = (
-    "an installed vllm package directory or a vLLM source root "
-    "(default: this Python's vllm)"
-)
 
 
 def resolve_target(value: Path | None) -> Target:
@@ -114,7 +110,7 @@ def cmd_materialize(app: App, args: argparse.Namespace) -> int:
 
 def register(sub: Subparsers) -> None:
     apply = add_command(sub, "apply", cmd_apply)
-    apply.add_argument("--target", type=Path, metavar="PATH", help=TARGET_HELP)
+    add_target_option(apply)
     apply.add_argument("--revert", action="store_true", help="restore the pinned base")
     apply.add_argument(
         "--wait",
@@ -123,7 +119,7 @@ def register(sub: Subparsers) -> None:
     )
 
     status = add_command(sub, "status", cmd_status)
-    status.add_argument("--target", type=Path, metavar="PATH", help=TARGET_HELP)
+    add_target_option(status)
     status.add_argument(
         "--require",
         choices=["base", "overlaid"],
