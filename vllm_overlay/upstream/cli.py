@@ -18,7 +18,11 @@ from vllm_overlay.upstream.export import (
     export,
     load_context,
 )
-from vllm_overlay.upstream.rebase.newbase import DEFAULT_CACHE, resolve_new_base
+from vllm_overlay.upstream.rebase.newbase import (
+    DEFAULT_CACHE,
+    is_downgrade,
+    resolve_new_base,
+)
 from vllm_overlay.upstream.rebase.plan import DEFAULT_WORKDIR, rebase_plan, write_plan
 from vllm_overlay.upstream.rebase.report import encode_report, format_table
 
@@ -54,11 +58,12 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
     checkout = app.checkout
     pin, series = checkout.pin, checkout.series
     old_bases = base_source(args).load(pin, series).texts
-    new = resolve_new_base(args.to, pin.module, args.cache)
+    new = resolve_new_base(args.to, pin.module, args.cache, pin.vllm.version)
     workdir = checkout.path(args.workdir) / new.version
     report, plan = rebase_plan(
         pin, series, old_bases, new, workdir, git_commit=args.git_commit
     )
+    report.downgrade = is_downgrade(pin.vllm.version, new.version)
     if plan is not None and args.write:
         for path in write_plan(checkout.root, plan):
             app.say(f"  wrote {path}" if path.exists() else f"  removed {path}")

@@ -46,6 +46,7 @@ class FileOutcome:
     hunks: list[HunkNote] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     merged: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
 
 
 def _hunk_notes(fp: FilePatch, offsets: list[int]) -> list[HunkNote]:
@@ -112,8 +113,15 @@ def classify_file(
         workdir / patch.slug, file_name(fp), merge.text, (new_pre, old_pre, old_post)
     )
     failed = _failed_hunks(fp, new_pre)
-    detail = _conflict_detail(file_name(fp), merge, failed, merged)
-    return FileOutcome("conflict", detail, hunks=failed, merged=[merged])
+    markers = [
+        f"{merged}:{i}"
+        for i, line in enumerate(merge.text.splitlines(), 1)
+        if line.startswith("<<<<<<< ")
+    ]
+    detail = _conflict_detail(file_name(fp), merge, failed)
+    return FileOutcome(
+        "conflict", detail, hunks=failed, merged=[merged], conflicts=markers
+    )
 
 
 def _write_merge(
@@ -127,25 +135,16 @@ def _write_merge(
     return str(out / f"{stem}.merged")
 
 
-def _conflict_detail(
-    stem: str, merge: Merge, failed: list[HunkNote], merged: str
-) -> str:
-    names = ", ".join(f"#{n.hunk} {n.header}" for n in failed) or "none alone"
+def _conflict_detail(stem: str, merge: Merge, failed: list[HunkNote]) -> str:
+    """A short summary; the table lists each conflict (``path:line`` of the
+    ``.merged`` file) and each hunk on its own line."""
+    hunks = f"{len(failed)} hunk(s) do not apply" if failed else "every hunk applies"
     if not merge.conflicts:
         return (
-            f"{stem}: context changed (hunks {names}); the 3-way merge is clean "
-            f"but needs review: {merged}"
+            f"{stem}: context changed ({hunks}); the 3-way merge is clean but "
+            "needs review"
         )
-    markers = [
-        i
-        for i, line in enumerate(merge.text.splitlines(), 1)
-        if line.startswith("<<<<<<< ")
-    ]
-    where = ", ".join(map(str, markers[:8])) + (" ..." if len(markers) > 8 else "")
-    return (
-        f"{stem}: {merge.conflicts} conflict(s) at merged lines {where}; "
-        f"hunks not applying: {names}; see {merged}"
-    )
+    return f"{stem}: {merge.conflicts} conflict(s); {hunks}"
 
 
 def file_name(fp: FilePatch) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,6 +16,12 @@ from vllm_overlay.upstream.rebase.report import RebaseError
 
 DEFAULT_CACHE = Path.home() / ".cache" / "vllm-overlay" / "wheels"
 _VERSION_RE = re.compile(r"^\d+\.\d+\.\d+\S*$")
+_RELEASE_RE = re.compile(r"^(\d+(?:\.\d+)*)")
+FORMS = (
+    "--to takes a vLLM version on the package index (pip download), a wheel "
+    "file (a nightly: --to path/to/vllm-VERSION-*.whl) or a vLLM tree (--to DIR: "
+    "a source checkout or a site-packages directory holding vllm/)"
+)
 
 
 @dataclass(frozen=True)
@@ -104,12 +111,54 @@ def new_base_from_source(path: Path, module: str) -> NewBase:
     )
 
 
-def fetch_version(version: str, cache: Path) -> Path:
-    """The wheel of vLLM ``version`` in ``cache``, downloaded by pip when
-    missing (pip's own cache avoids a second download)."""
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version (``0.34.0.dev12+g1`` -> (0, 34, 0));
+    () when it has none."""
+    m = _RELEASE_RE.match(version)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+
+
+def is_downgrade(pinned: str, new: str) -> bool:
+    old_r, new_r = release(pinned), release(new)
+    return bool(old_r and new_r) and new_r < old_r
+
+
+def index_versions(pip_output: str) -> list[str]:
+    """The versions pip lists in "(from versions: ...)" when a pin matches
+    none, newest first."""
+    m = re.search(r"\(from versions: ([^)]*)\)", pip_output)
+    if m is None:
+        return []
+    found = [v.strip() for v in m.group(1).split(",") if v.strip()]
+    return sorted(found, key=lambda v: (release(v), v), reverse=True)
+
+
+def download_failure(version: str, pip_output: str, pinned: str) -> str:
+    """Why ``pip download vllm==version`` failed, with what --to can be."""
+    versions = index_versions(pip_output)
+    if versions:
+        newer = [v for v in versions if release(v) > release(pinned)]
+        shown = ", ".join((newer or versions)[:5])
+        which = "newer than the pinned" if newer else "none newer than the pinned"
+        why = (
+            f"vllm {version} is not on the package index ({which} {pinned}; "
+            f"newest: {shown})"
+        )
+    else:
+        tail = pip_output.strip().splitlines()[-1:]
+        why = f"pip download vllm=={version} failed: {' '.join(tail) or 'no output'}"
+    return f"{why}; {FORMS}"
+
+
+def fetch_version(version: str, cache: Path, pinned: str = "") -> Path:
+    """The wheel of vLLM ``version`` in ``cache`` (or its ``vllm-VERSION``
+    directory), downloaded by pip when missing (pip's own cache avoids a
+    second download)."""
     dest = cache / f"vllm-{version}"
-    found = sorted(dest.glob(f"vllm-{version}-*.whl"))
+    pattern = f"vllm-{version}-*.whl"
+    found = sorted(cache.glob(pattern)) or sorted(dest.glob(pattern))
     if not found:
+        made = not dest.exists()
         dest.mkdir(parents=True, exist_ok=True)
         cmd = [
             sys.executable,
@@ -122,26 +171,30 @@ def fetch_version(version: str, cache: Path) -> Path:
             "-d",
             str(dest),
         ]
-        print(f"rebase: {' '.join(cmd)}", flush=True)
+        print(f"rebase: downloading vllm {version}: {' '.join(cmd)}", flush=True)
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
-            tail = (run.stderr or run.stdout).strip().splitlines()[-1:]
-            why = " ".join(tail) or f"exit {run.returncode}"
-            raise RebaseError(f"pip download vllm=={version} failed: {why}")
-        found = sorted(dest.glob(f"vllm-{version}-*.whl"))
+            if made:
+                shutil.rmtree(dest, ignore_errors=True)
+            raise RebaseError(
+                download_failure(version, run.stderr + run.stdout, pinned)
+            )
+        found = sorted(dest.glob(pattern))
     if len(found) != 1:
         raise RebaseError(f"{dest}: expected one vllm-{version} wheel, found {found}")
     return found[0]
 
 
-def resolve_new_base(spec: str, module: str, cache: Path) -> NewBase:
+def resolve_new_base(spec: str, module: str, cache: Path, pinned: str = "") -> NewBase:
     path = Path(spec)
     if path.suffix == ".whl":
         if not path.is_file():
-            raise RebaseError(f"{spec}: no such wheel")
+            raise RebaseError(f"{spec}: no such wheel; {FORMS}")
         return new_base_from_wheel(path, module)
     if path.is_dir():
         return new_base_from_source(path, module)
     if _VERSION_RE.match(spec):
-        return new_base_from_wheel(fetch_version(spec, cache), module)
-    raise RebaseError(f"--to {spec!r}: neither a wheel, a directory nor a version")
+        return new_base_from_wheel(fetch_version(spec, cache, pinned), module)
+    raise RebaseError(
+        f"--to {spec!r}: no such wheel or directory, and no version; {FORMS}"
+    )

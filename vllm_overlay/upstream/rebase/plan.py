@@ -135,7 +135,8 @@ def _step(walk: _Walk, patch: SeriesPatch) -> RebaseRow:
             assert o.new_post is not None
             walk.new[fp.path] = o.new_post
     merged = [m for o in outcomes for m in o.merged]
-    return RebaseRow(patch.name, result, detail, hunks, merged)
+    conflicts = [c for o in outcomes for c in o.conflicts]
+    return RebaseRow(patch.name, result, detail, hunks, merged, conflicts)
 
 
 def _assess(walk: _Walk, patch: SeriesPatch) -> list[FileOutcome]:

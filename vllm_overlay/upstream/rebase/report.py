@@ -30,6 +30,9 @@ class RebaseRow(msgspec.Struct, forbid_unknown_fields=True):
     hunks: list[HunkNote] = []
     # Files written to the work directory (conflicts): merged results.
     merged: list[str] = []
+    # Each conflict as ``path:line`` of its ``.merged`` file (the line of its
+    # ``<<<<<<<`` marker), as compilers and grep print places.
+    conflicts: list[str] = []
 
 
 class RebaseReport(msgspec.Struct, forbid_unknown_fields=True):
@@ -40,6 +43,8 @@ class RebaseReport(msgspec.Struct, forbid_unknown_fields=True):
     workdir: str
     rows: list[RebaseRow]
     written: bool = False
+    # The new base is an older vLLM release than the pinned one.
+    downgrade: bool = False
 
     @property
     def ok(self) -> bool:
@@ -47,6 +52,9 @@ class RebaseReport(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def format_table(report: RebaseReport) -> str:
+    """One row per patch; under a conflict, one line per conflict (the
+    ``.merged`` file and line), per hunk that does not apply, and per merge
+    to review."""
     rows = [("patch", "result", "detail")] + [
         (r.patch, r.result, r.detail or "-") for r in report.rows
     ]
@@ -55,7 +63,25 @@ def format_table(report: RebaseReport) -> str:
     lines = [
         f"rebase: {report.from_version} -> {report.to_version} ({report.to_source})"
     ]
-    lines += [f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]
+    if report.downgrade:
+        lines.append(
+            f"rebase: warning: {report.to_version} is older than the pinned "
+            f"{report.from_version}: this moves the series back (a downgrade)"
+        )
+    lines.append(f"  {rows[0][0]:<{w0}}  {rows[0][1]:<{w1}}  {rows[0][2]}")
+    for r, (a, b, c) in zip(report.rows, rows[1:], strict=True):
+        lines.append(f"  {a:<{w0}}  {b:<{w1}}  {c}")
+        if r.result != "conflict":
+            continue
+        lines += [f"      {place}: conflict" for place in r.conflicts]
+        lines += [
+            f"      {h.file.rsplit('/', 1)[-1]}: hunk #{h.hunk} does not apply: "
+            f"{h.header}"
+            for h in r.hunks
+            if h.problem
+        ]
+        marked = {place.rsplit(":", 1)[0] for place in r.conflicts}
+        lines += [f"      {m}: review" for m in r.merged if m not in marked]
     return "\n".join(lines)
 
 
