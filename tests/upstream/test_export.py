@@ -9,6 +9,7 @@ export must use it as given and refuse a missing or foreign one.
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
@@ -119,6 +120,7 @@ TEST_IDS = [
 TEST_0002 = "tests/patches/test_0002_stable.py::test_offsets_stable"
 GUARD_0002 = "tests/patches/test_0002_stable.py::test_offsets_start_at_zero"
 UPSTREAM_PR = "https://github.com/vllm-project/vllm/pull/1"
+SIGNER = "Ada Lovelace <ada@example.org>"
 
 
 def _series(base: dict[str, str], *, line: str = "    # Ranks never share a port.\n"):
@@ -454,6 +456,7 @@ def test_cli_export_and_run_tests_on_the_stack(
     site = _site(tmp_path, base_texts)
     monkeypatch.chdir(repo.parent)  # a relative --repo, as `--repo .` gives
     argv = ["--repo", repo.name, "export", "--from", str(site), "--ruff", _ruff()]
+    argv += ["--signoff", SIGNER]
     assert main([*argv, "--patch", "0001-port-offsets"]) == 0
     out = capsys.readouterr().out
     assert "export: 1 bundle(s)" in out
@@ -536,3 +539,101 @@ def test_identity_and_ruff_version(tmp_path: Path) -> None:
 
 def test_pin_fixture_is_the_real_pin(pin: Pin) -> None:
     assert pin.vllm.version == "0.33.0"
+
+
+def _no_git_identity(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(home / "none"))
+    for var in ("GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_export_without_an_identity_to_sign_off_with_stops(
+    monkeypatch: pytest.MonkeyPatch,
+    repo: Path,
+    tmp_path: Path,
+    base_texts: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _no_git_identity(monkeypatch, tmp_path / "home")
+    site = _site(tmp_path, base_texts)
+    argv = ["--repo", str(repo), "export", "--from", str(site), "--ruff", _ruff()]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "vLLM's DCO check needs a Signed-off-by" in err
+    assert "--signoff 'Name <email>'" in err
+    assert not (repo / "dist").exists()
+    # The git identity is the default; --no-signoff is a choice, said in the log.
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "Ada Lovelace")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "ada@example.org")
+    assert main([*argv, "--patch", "0001-port-offsets"]) == 0
+    d = repo / "dist" / "upstream" / "0001-port-offsets"
+    assert f"\nSigned-off-by: {SIGNER}\n" in (d / "0001-port-offsets.patch").read_text()
+    assert main([*argv, "--no-signoff", "--patch", "0001-port-offsets"]) == 0
+    assert "Signed-off-by" not in (d / "0001-port-offsets.patch").read_text()
+    assert "[--] no Signed-off-by (--no-signoff)" in (d / "checks.log").read_text()
+
+
+def _run_hint(log: str, git: Path, run: Callable[..., str]) -> None:
+    """The hint's `git am` lines, run in a clone holding the pinned files
+    (the checkout of the pinned commit and the push need vLLM's history)."""
+    lines = [ln.strip() for ln in log.splitlines()]
+    start = next(
+        i for i, ln in enumerate(lines) if ln.startswith("open it, in a clone")
+    )
+    hint = lines[start + 1 :]
+    assert hint[0].startswith("git checkout -b moriio/") and hint[0].endswith(
+        " 4ba787ec9"
+    )
+    assert hint[-2].startswith("git push -u <your-fork> moriio/")
+    assert hint[-1].startswith("gh pr create --repo vllm-project/vllm --title ")
+    for line in hint:
+        if line.startswith("git am "):
+            run(*shlex.split(line)[1:])
+    body_file = Path(shlex.split(hint[-1])[-1])
+    assert body_file.is_absolute() and body_file.name == "PR.md" and body_file.is_file()
+
+
+def test_mails_are_dco_ready_and_the_hint_is_the_whole_sequence(
+    make_repo: MakeRepo, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    """Our own patch (Author: vllm-moriio-overlay) is authored and signed off
+    by the exporter, as vLLM's DCO check wants; someone else's keeps its
+    author, gets the exporter's sign-off and says theirs is needed too. The
+    hint's commands apply the mails with git."""
+    patches = _series(base_texts)
+    first, second = patches
+    patches[second] = patches[second].replace(
+        "Author: overlay-tests\n", "Author: vllm-moriio-overlay\n"
+    )
+    root = make_repo(patches)
+    _write_tests(root)
+    _report(root)
+    ctx = load_context(
+        Checkout(root),
+        BaseSource(tree=_site(tmp_path, base_texts)),
+        ruff=_ruff(),
+        run_tests=False,
+        signoff=Identity.parse(SIGNER),
+    )
+    out = root / "dist" / "upstream"
+    export(ctx, [], out)
+    ours = (out / "0002-stable-offsets" / "0002-stable-offsets.patch").read_text()
+    assert f"\nFrom: {SIGNER}\n" in ours
+    assert ours.count("Signed-off-by:") == 1
+    log_ours = (out / "0002-stable-offsets" / "checks.log").read_text()
+    assert f"[ok] DCO: Signed-off-by: {SIGNER}, the mail's author" in log_ours
+    theirs = (out / "0001-port-offsets" / "0001-port-offsets.patch").read_text()
+    assert "\nFrom: overlay-tests <overlay-tests@users.noreply.github.com>\n" in theirs
+    log_theirs = (out / "0001-port-offsets" / "checks.log").read_text()
+    assert "also wants the author's own sign-off (overlay-tests" in log_theirs
+
+    git = tmp_path / "git"
+    run = _git_with_base(git, base_texts)
+    # 0002 applies only on top of 0001: its hint applies 0001's mail first.
+    _run_hint(log_ours, git, run)
+    assert run("log", "--format=%an|%(trailers:key=Signed-off-by,valueonly)", "-2") == (
+        f"Ada Lovelace|{SIGNER}\n\noverlay-tests|{SIGNER}\n\n"
+    )

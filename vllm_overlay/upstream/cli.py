@@ -15,9 +15,11 @@ from vllm_overlay.command import (
 from vllm_overlay.upstream.export import (
     DEFAULT_OUT,
     RUFF_VERSION,
+    ExportError,
     export,
     load_context,
 )
+from vllm_overlay.upstream.gitmail import Identity, user_identity
 from vllm_overlay.upstream.rebase.newbase import (
     DEFAULT_CACHE,
     is_downgrade,
@@ -35,7 +37,11 @@ def cmd_export(app: App, args: argparse.Namespace) -> int:
     proven by the unit-base report and passes vLLM's ruff.
     """
     ctx = load_context(
-        app.checkout, base_source(args), ruff=args.ruff, run_tests=args.run_tests
+        app.checkout,
+        base_source(args),
+        ruff=args.ruff,
+        run_tests=args.run_tests,
+        signoff=_signoff(app, args),
     )
     out = app.checkout.path(args.out)
     written = export(ctx, args.patch or [], out)
@@ -46,6 +52,22 @@ def cmd_export(app: App, args: argparse.Namespace) -> int:
     app.say(f"export: {len(written) // 3} bundle(s) in {out}")
     app.result({"out": str(out), "files": [str(p) for p in written]})
     return 0
+
+
+def _signoff(app: App, args: argparse.Namespace) -> Identity | None:
+    """--signoff, else the exporter's git identity; None with --no-signoff."""
+    if args.no_signoff:
+        return None
+    if args.signoff:
+        return Identity.parse(args.signoff)
+    who = user_identity(app.checkout.root)
+    if who is None:
+        raise ExportError(
+            "no identity to sign the mails off with (vLLM's DCO check needs a "
+            "Signed-off-by): set git config user.name and user.email, or pass "
+            "--signoff 'Name <email>' (--no-signoff: mails without one)"
+        )
+    return who
 
 
 def cmd_rebase(app: App, args: argparse.Namespace) -> int:
@@ -99,6 +121,18 @@ def register(sub: Subparsers) -> None:
         "--run-tests",
         action="store_true",
         help="also run each ported test file alone (this Python's vLLM overlaid)",
+    )
+    sign = p.add_mutually_exclusive_group()
+    sign.add_argument(
+        "--signoff",
+        metavar="'NAME <EMAIL>'",
+        help="who signs the mails off (default: git config user.name/user.email); "
+        "this project's own patches are also authored by them",
+    )
+    sign.add_argument(
+        "--no-signoff",
+        action="store_true",
+        help="no Signed-off-by (vLLM's DCO check then fails)",
     )
 
     p = add_command(sub, "rebase", cmd_rebase)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -80,6 +81,11 @@ from vllm_overlay.upstream.prbody import (
 from vllm_overlay.upstream.testport import port_test, upstream_test_path
 
 RUFF_VERSION = "0.14.0"
+# The Author of this project's own patches: not a person, so the mail is
+# authored and signed off by whoever exports it (vLLM's DCO check wants the
+# author's own Signed-off-by).
+PROJECT_AUTHOR = "vllm-moriio-overlay"
+VLLM_REPO = "vllm-project/vllm"
 RUFF_CONFIG = "ci/ruff-vllm.toml"
 DEFAULT_OUT = Path("dist/upstream")
 _SUBJECT_RE = re.compile(r"^(\[[^\]\n]+\])+ \S.*$")
@@ -96,6 +102,8 @@ class Bundle:
     mail: str
     body: str
     log: list[str] = field(default_factory=list)
+    # The earlier patches whose mails are applied first (slugs).
+    first: list[str] = field(default_factory=list)
 
     @property
     def dirname(self) -> str:
@@ -364,6 +372,8 @@ class Context:
     report: RevertRedReport
     ruff: Ruff
     run_tests: bool
+    # Who signs the mails off (Signed-off-by); None: no sign-off.
+    signoff: Identity | None = None
 
 
 @dataclass(frozen=True)
@@ -373,6 +383,7 @@ class _Trees:
     before: dict[str, str]
     after: dict[str, str]
     depends: list[str]  # the patches touching the same files, when needed
+    first: list[str]  # the slugs of the mails to apply first
 
 
 _PR_URL_RE = re.compile(r"^https://github\.com/vllm-project/vllm/pull/(\d+)$")
@@ -412,7 +423,8 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
     lint = _lint(patch, {**changed, **ported}, ctx.ruff, log)
     pr_after = {**changed, **ported}
     below = level_label(ctx.series, patch.index - 1)
-    mail = _mail(patch, {p: trees.before[p] for p in changed}, pr_after, below, log)
+    before = {p: trees.before[p] for p in changed}
+    mail = _mail(patch, before, pr_after, below, log, ctx.signoff)
     ported_run = ""
     if ctx.run_tests:
         ported_run = _run_ported(ctx, patch, trees.after, ported, log)
@@ -449,7 +461,7 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
         )
     )
     _check_body(patch, body, log)
-    return Bundle(patch, mail, body, log)
+    return Bundle(patch, mail, body, log, trees.first)
 
 
 def _trees(ctx: Context, patch: SeriesPatch, log: list[str]) -> _Trees:
@@ -485,7 +497,10 @@ def _trees(ctx: Context, patch: SeriesPatch, log: list[str]) -> _Trees:
         "[ok] the mail is made against the stack below: "
         + level_label(ctx.series, patch.index - 1)
     )
-    return _Trees(before, after, depends)
+    # Not alone: the mails of every earlier patch first, in stack order (each
+    # is made against the stack below it).
+    first = [p.slug for p in predecessors] if depends else []
+    return _Trees(before, after, depends, first)
 
 
 def _check_header(patch: SeriesPatch, log: list[str]) -> None:
@@ -503,23 +518,53 @@ def _check_header(patch: SeriesPatch, log: list[str]) -> None:
         raise _fail(patch, log, str(e)) from None
 
 
+def mail_author(patch: SeriesPatch, signoff: Identity | None) -> Identity:
+    """The header's Author; for this project's own patches, the person who
+    signs the mail off."""
+    if patch.header.author.strip() == PROJECT_AUTHOR and signoff is not None:
+        return signoff
+    return Identity.parse(patch.header.author)
+
+
 def _mail(
     patch: SeriesPatch,
     before: dict[str, str],
     after: dict[str, str],
     below: str,
     log: list[str],
+    signoff: Identity | None,
 ) -> str:
     """Check 5: the `git format-patch` mail, and `git am` of it onto the
-    stack below gives exactly the after files, subject and author."""
+    stack below gives exactly the after files, subject, author and
+    sign-off."""
     h = patch.header
-    author = Identity.parse(h.author)
+    author = mail_author(patch, signoff)
     date = f"{h.last_update}T00:00:00+00:00"
-    mail = format_patch(before, after, author, date, commit_message(h))
+    mail = format_patch(before, after, author, date, commit_message(h), signoff)
     am = am_check(before, mail, sorted(after))
-    if am.files != after or am.subject != h.subject or am.author != str(author):
+    want = [str(signoff)] if signoff else []
+    if (
+        am.files != after
+        or am.subject != h.subject
+        or am.author != str(author)
+        or am.signoffs[-1:] != want
+    ):
         raise _fail(patch, log, "git am of the mail does not give the expected tree")
     log.append(f"[ok] git am --keep-non-patch onto {below}: exact tree")
+    if signoff is None:
+        log.append(
+            "[--] no Signed-off-by (--no-signoff): vLLM's DCO check fails until "
+            "the author signs the commit off (git commit --amend -s)"
+        )
+    elif str(signoff) == str(author):
+        log.append(f"[ok] DCO: Signed-off-by: {signoff}, the mail's author")
+    else:
+        log.append(
+            f"[ok] Signed-off-by: {signoff}; vLLM's DCO check also wants the "
+            f"author's own sign-off ({author}), so a pull request of this "
+            f"change is theirs to open"
+            + (f": {h.upstream_url}" if h.upstream_url else "")
+        )
     return mail
 
 
@@ -532,14 +577,42 @@ def _check_body(patch: SeriesPatch, body: str, log: list[str]) -> None:
             f"the PR body is {len(body)} characters, over {GITHUB_BODY_LIMIT}",
         )
     log.append(f"[ok] PR body {len(body)} characters (limit {GITHUB_BODY_LIMIT})")
-    log.append(
-        f"open it: git am --keep-non-patch {patch.slug}.patch; "
-        f"gh pr create --title {patch.header.subject!r} --body-file PR.md"
-    )
+
+
+def open_hint(pin: Pin, bundle: Bundle, out: Path) -> list[str]:
+    """The commands that open the pull request from a vLLM clone, with the
+    bundle's absolute paths."""
+    out = out.resolve()
+    slug = bundle.patch.slug
+    branch = f"moriio/{slug.split('-', 1)[-1]}"
+    mails = [out / s / f"{s}.patch" for s in (*bundle.first, slug)]
+    lines = [
+        f"open it, in a clone of https://github.com/{VLLM_REPO} with your fork "
+        "as a remote:",
+        f"  git checkout -b {branch} {pin.vllm.git_commit}",
+    ]
+    if bundle.first:
+        lines.append(
+            "  # it applies only on top of the earlier patches: their mails "
+            "first (export them too)"
+        )
+    lines += [f"  git am --keep-non-patch {m}" for m in mails]
+    title = shlex.quote(bundle.patch.header.subject)
+    lines += [
+        f"  git push -u <your-fork> {branch}",
+        f"  gh pr create --repo {VLLM_REPO} --title {title} "
+        f"--body-file {out / slug / 'PR.md'}",
+    ]
+    return lines
 
 
 def load_context(
-    checkout: Checkout, base: BaseSource, *, ruff: str | None, run_tests: bool
+    checkout: Checkout,
+    base: BaseSource,
+    *,
+    ruff: str | None,
+    run_tests: bool,
+    signoff: Identity | None = None,
 ) -> Context:
     root = checkout.root
     pin, series = checkout.pin, checkout.series
@@ -560,7 +633,15 @@ def load_context(
     bases = base.load(pin, series)
     ruff_exe = find_ruff(ruff, root / RUFF_CONFIG)
     return Context(
-        root, pin, series, bases.texts, bases.source, report, ruff_exe, run_tests
+        root,
+        pin,
+        series,
+        bases.texts,
+        bases.source,
+        report,
+        ruff_exe,
+        run_tests,
+        signoff,
     )
 
 
@@ -608,6 +689,7 @@ def export(ctx: Context, names: Sequence[str], out: Path) -> list[Path]:
         _check_stack(ctx, bundles)
     written = []
     for b in bundles:
+        b.log += open_hint(ctx.pin, b, out)
         d = out / b.dirname
         d.mkdir(parents=True, exist_ok=True)
         for name, text in (

@@ -71,15 +71,40 @@ def _git(repo: Path, *args: str, env: Mapping[str, str] | None = None) -> str:
     return run.stdout
 
 
-def _identity_env(who: Identity, date: str) -> dict[str, str]:
+def _identity_env(
+    who: Identity, date: str, committer: Identity | None = None
+) -> dict[str, str]:
+    committer = committer or who
     return {
         "GIT_AUTHOR_NAME": who.name,
         "GIT_AUTHOR_EMAIL": who.email,
         "GIT_AUTHOR_DATE": date,
-        "GIT_COMMITTER_NAME": who.name,
-        "GIT_COMMITTER_EMAIL": who.email,
+        "GIT_COMMITTER_NAME": committer.name,
+        "GIT_COMMITTER_EMAIL": committer.email,
         "GIT_COMMITTER_DATE": date,
     }
+
+
+def user_identity(cwd: Path) -> Identity | None:
+    """Who is exporting: ``GIT_COMMITTER_NAME``/``EMAIL``, else git's
+    ``user.name``/``user.email`` as seen from ``cwd`` (the identity
+    ``git commit -s`` signs off with); None when either is unset."""
+    values = []
+    for var, key in (
+        ("GIT_COMMITTER_NAME", "user.name"),
+        ("GIT_COMMITTER_EMAIL", "user.email"),
+    ):
+        value = os.environ.get(var, "")
+        if not value:
+            run = subprocess.run(
+                ["git", "-C", str(cwd), "config", "--get", key],
+                capture_output=True,
+                text=True,
+            )
+            value = run.stdout.strip() if run.returncode == 0 else ""
+        values.append(value)
+    name, email = values
+    return Identity(name, email) if name and email else None
 
 
 def _write(repo: Path, files: Mapping[str, str]) -> None:
@@ -104,9 +129,12 @@ def format_patch(
     author: Identity,
     date: str,
     message: str,
+    signoff: Identity | None = None,
 ) -> str:
     """The ``git format-patch`` mail turning ``before`` into ``after``
-    (paths -> texts; a path only in ``after`` is a new file)."""
+    (paths -> texts; a path only in ``after`` is a new file); with
+    ``signoff``, committed by them with ``git commit -s`` (their
+    ``Signed-off-by`` trailer, as vLLM's DCO check wants)."""
     with tempfile.TemporaryDirectory(prefix="vllm-overlay-mail-") as tmp:
         repo = Path(tmp)
         _init_with_base(repo, before)
@@ -119,9 +147,10 @@ def format_patch(
             "commit",
             "-q",
             "--cleanup=verbatim",
+            *(["--signoff"] if signoff else []),
             "-F",
             str(msg),
-            env=_identity_env(author, date),
+            env=_identity_env(author, date, signoff),
         )
         return _git(repo, "format-patch", "-1", "--stdout", "--no-signature")
 
@@ -130,6 +159,7 @@ def format_patch(
 class AmResult:
     subject: str
     author: str
+    signoffs: list[str]  # the Signed-off-by trailers, in order
     files: dict[str, str]
 
 
@@ -145,11 +175,13 @@ def am_check(before: Mapping[str, str], mail: str, paths: list[str]) -> AmResult
         _git(repo, "am", "-q", "--keep-non-patch", str(mbox), env=env)
         subject = _git(repo, "log", "-1", "--format=%s").rstrip("\n")
         author = _git(repo, "log", "-1", "--format=%an <%ae>").rstrip("\n")
+        trailers = "--format=%(trailers:key=Signed-off-by,valueonly)"
+        signoffs = _git(repo, "log", "-1", trailers).split("\n")
         files = {}
         for path in paths:
             with open(repo / path, newline="") as f:
                 files[path] = f.read()
-        return AmResult(subject, author, files)
+        return AmResult(subject, author, [s for s in signoffs if s], files)
 
 
 def am_series(
