@@ -10,7 +10,12 @@ from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
 from vllm_overlay.cli import main
 from vllm_overlay.gate.outcomes import load_outcomes
 from vllm_overlay.gate.reports import load_revert_red
-from vllm_overlay.gate.revert_red import build_report, format_table, gate
+from vllm_overlay.gate.revert_red import (
+    build_report,
+    format_table,
+    gate,
+    series_level_note,
+)
 from vllm_overlay.gate.stack import level_plan, run_levels
 from vllm_overlay.series.patch_series import Series, load_series
 from vllm_overlay.series.pin import load_pin
@@ -164,6 +169,40 @@ def test_unnamed_failure_with_the_overlay_fails_the_gate(ws: Workspace) -> None:
     levels[0]["t::x"] = "passed"
     levels[3]["t::x"] = "failed"
     assert gate(_report(series, levels), series) == ["t::x failed with the overlay"]
+
+
+def test_whole_series_checks_red_on_the_base_are_one_line_not_a_warning(
+    ws: Workspace, tmp_path: Path, capsys
+) -> None:
+    """Tests no patch names that fail on the base and pass with the series
+    (the simulator's checks of the installed overlay) are expected: one line
+    that says so, per file, and the gate is ok."""
+    series = _stack(ws)
+    levels = {k: dict(v) for k, v in TRUE_LEVELS.items()}
+    for n in range(3):
+        levels[0][f"tests/simulate/test_x.py::test_{n}"] = "failed"
+        levels[3][f"tests/simulate/test_x.py::test_{n}"] = "passed"
+    levels[0]["tests/other.py::test_y"] = "error"
+    levels[3]["tests/other.py::test_y"] = "passed"
+    report = _report(series, levels)
+    assert gate(report, series) == []
+    assert series_level_note(report) == (
+        "also expected: 4 test(s) of the whole series (named by no patch) fail on "
+        "the base and pass with the series: tests/other.py (1), "
+        "tests/simulate/test_x.py (3)"
+    )
+    assert series_level_note(_report(series, TRUE_LEVELS)) == ""
+    paths = {}
+    for k, outcomes in levels.items():
+        paths[k] = tmp_path / f"outcomes-level-{k}.json"
+        paths[k].write_text(json.dumps({"outcomes": outcomes}))
+    args = ["--base-outcomes", str(paths[0]), "--overlay-outcomes", str(paths[3])]
+    args += ["--levels", str(tmp_path), "--out", str(tmp_path / "r.json")]
+    assert main(["--repo", str(ws.repo), "revert-red", *args]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2] == series_level_note(report)
+    assert out[-1].startswith("revert-red: ok;")
+    assert not [line for line in out if "test_x.py::" in line]
 
 
 def test_level_plan_runs_each_patch_below_and_with(ws: Workspace) -> None:

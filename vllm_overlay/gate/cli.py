@@ -17,7 +17,12 @@ from vllm_overlay.command import (
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.outcomes import load_outcomes
 from vllm_overlay.gate.reports import TestOutcome, encode_report
-from vllm_overlay.gate.revert_red import build_report, format_table, gate
+from vllm_overlay.gate.revert_red import (
+    build_report,
+    format_table,
+    gate,
+    series_level_note,
+)
 from vllm_overlay.gate.stack import LEVEL_OUTCOMES, level_plan, run_levels
 from vllm_overlay.series.patch_series import Series
 
@@ -95,11 +100,9 @@ def cmd_revert_red(app: App, args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(encode_report(report))
     app.say(format_table(report))
-    red_elsewhere = [r for r in report.rows if not r.patch and r.base != "passed"]
-    if red_elsewhere:
-        app.say(f"{len(red_elsewhere)} test(s) no patch names also fail on the base:")
-        for r in red_elsewhere:
-            app.say(f"  {r.test_id}  base={r.base} overlay={r.overlay}")
+    note = series_level_note(report)
+    if note:
+        app.say(note)
     problems = gate(report, series)
     for problem in problems:
         app.say(f"gate: {problem}")

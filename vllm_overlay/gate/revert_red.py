@@ -119,6 +119,29 @@ def gate(report: RevertRedReport, series: Series) -> list[str]:
     return problems
 
 
+def series_level_note(report: RevertRedReport) -> str:
+    """One line for the tests no patch names that fail on the base and pass
+    with the series (checks of the whole series, such as the simulator's on
+    the installed overlay): expected, and not gated per patch. "" if none.
+    Those failing with the series are gate problems, not counted here."""
+    rows = [
+        r
+        for r in report.rows
+        if not r.patch and r.base != "passed" and r.overlay == "passed"
+    ]
+    if not rows:
+        return ""
+    files: dict[str, int] = {}
+    for r in rows:
+        path = r.test_id.split("::", 1)[0]
+        files[path] = files.get(path, 0) + 1
+    where = ", ".join(f"{path} ({n})" for path, n in files.items())
+    return (
+        f"also expected: {len(rows)} test(s) of the whole series (named by no "
+        f"patch) fail on the base and pass with the series: {where}"
+    )
+
+
 def format_table(report: RevertRedReport) -> str:
     """The per-patch table: each named test on the stack below its patch and
     on the stack with it."""
