@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import shutil
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -35,6 +37,8 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Handler = Callable[["App", argparse.Namespace], int]
 
 EXIT_ERROR = 2
+# Seconds between two progress lines when stderr is not a terminal.
+PROGRESS_EVERY = 30.0
 
 
 @dataclass
@@ -46,6 +50,8 @@ class App:
     json: bool = False
     stdout: TextIO | None = None
     stderr: TextIO | None = None
+    clock: Callable[[], float] = time.monotonic
+    _last_progress: float | None = None
 
     @cached_property
     def checkout(self) -> Checkout:
@@ -65,10 +71,18 @@ class App:
             print(text, file=self.out)
 
     def progress(self, line: str) -> None:
-        """A line that overwrites the previous one on a terminal (stderr)."""
+        """Progress of long work on stderr: on a terminal, one line that
+        overwrites itself; otherwise (a log, CI) a plain line at most every
+        ``PROGRESS_EVERY`` seconds, as pip and pytest do."""
         if self.err.isatty():
-            self.err.write("\r\x1b[K" + line[:150])
+            self.err.write("\r\x1b[K" + line[: shutil.get_terminal_size().columns - 1])
         else:
+            now = self.clock()
+            if self._last_progress is not None and (
+                now - self._last_progress < PROGRESS_EVERY
+            ):
+                return
+            self._last_progress = now
             self.err.write(line + "\n")
         self.err.flush()
 
@@ -76,6 +90,7 @@ class App:
         if self.err.isatty():
             self.err.write("\r\x1b[K")
             self.err.flush()
+        self._last_progress = None
 
     def result(self, value: Any) -> None:
         """The command's result: one JSON object on stdout under ``--json``."""

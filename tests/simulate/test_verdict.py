@@ -1,0 +1,192 @@
+"""The simulator's verdict: exit status 1 when the overlay reads wrong KV,
+crashes or runs no case in a layout the known-gaps file does not list."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from vllm_overlay.cli import main
+from vllm_overlay.command import PROGRESS_EVERY, App
+from vllm_overlay.simulate.layouts import expand
+from vllm_overlay.simulate.report import LayoutReport, SweepReport
+from vllm_overlay.simulate.verdict import (
+    GAPS_FILE,
+    GapsError,
+    KnownGap,
+    judge,
+    load_gaps,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _row(layout: str, variant: str = "overlay", **kw: object) -> LayoutReport:
+    r = LayoutReport(variant=variant, layout=layout, note="", **kw)  # type: ignore[arg-type]
+    return r
+
+
+def _report(*rows: LayoutReport, variants: tuple[str, ...] = ("base", "overlay")):
+    return SweepReport("1-10", [0.0], {v: v for v in variants}, list(rows), 1.0)
+
+
+def _gap(layout: str, problem: str = "wrong KV") -> KnownGap:
+    return KnownGap(layout, problem, "issue 12", "the window's first block")  # type: ignore[arg-type]
+
+
+def test_wrong_kv_crashes_and_no_case_with_the_overlay_fail() -> None:
+    report = _report(
+        _row("llama", lengths_tried=10, cases=10),
+        _row("gemma", lengths_tried=10, cases=10, wrong_lengths=[3, 7]),
+        _row("gemma", variant="base", lengths_tried=10, cases=10, wrong_lengths=[1]),
+        _row("kimi", lengths_tried=10, cases=10, error_cases=2),
+        _row("glm", lengths_tried=10),
+        _row("dsv4", refused_at_start="MoRIIOError: no", refused_by="connector"),
+    )
+    verdict = judge(report, [])
+    assert verdict.exit_code == 1
+    assert verdict.failures == [
+        "gemma reads wrong KV at 2 of 10 lengths",
+        "kimi crashes in 2 of 10 cases",
+        "glm ran no case",
+    ]
+    line = verdict.line()
+    assert line.startswith("simulate: FAILED: the overlay falls short in 3 layout(s)")
+    assert "\n" not in line
+
+
+def test_a_listed_gap_is_known_and_a_gap_that_no_longer_shows_is_said() -> None:
+    report = _report(
+        _row("gemma", lengths_tried=10, cases=10, wrong_lengths=[3]),
+        _row("llama", lengths_tried=10, cases=10),
+        _row("dsv4", refused_at_start="MoRIIOError: no", refused_by="connector"),
+    )
+    verdict = judge(report, [_gap("gemma"), _gap("llama"), _gap("kimi")])
+    assert verdict.exit_code == 0
+    assert verdict.known == ["gemma wrong KV (issue 12)"]
+    assert verdict.passing_gaps == ["llama (wrong KV)"]  # kimi did not run
+    assert verdict.line() == (
+        "simulate: ok: the overlay reads the right KV in every layout that starts "
+        "(2 run, 1 refused at start); 1 known gap(s): gemma wrong KV (issue 12)"
+    )
+    # A gap covers its problem only.
+    crash = _report(_row("gemma", lengths_tried=1, cases=1, error_cases=1))
+    assert judge(crash, [_gap("gemma")]).exit_code == 1
+
+
+def test_a_run_where_every_layout_is_refused_ran_no_case() -> None:
+    refused = _row("gemma/dcp3", refused_at_start="ValidationError", refused_by="vllm")
+    verdict = judge(_report(refused), [])
+    assert verdict.failures == [
+        "no case ran: every layout was refused at start (gemma/dcp3 by vllm)"
+    ]
+    base_only = _report(_row("llama", variant="base"), variants=("base",))
+    assert judge(base_only, []).failures == ["the sweep ran no case"]
+    base_ran = _report(_row("llama", variant="base", cases=3), variants=("base",))
+    assert judge(base_ran, []).exit_code == 0
+
+
+def test_the_known_gaps_file_names_real_layouts_and_trackers() -> None:
+    gaps = load_gaps(REPO / GAPS_FILE)
+    for g in gaps:
+        assert expand([g.layout]), g.layout
+        assert g.tracked_by.strip() and g.why.strip()
+
+
+def test_a_bad_known_gaps_file_is_one_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "gaps.toml"
+    bad.write_text('[[gap]]\nlayout = "gemma"\nproblem = "slow"\n')
+    with pytest.raises(GapsError, match="invalid known-gaps file"):
+        load_gaps(bad)
+    bad.write_text(
+        '[[gap]]\nlayout = "gemma"\nproblem = "wrong KV"\ntracked_by = ""\nwhy = "x"\n'
+    )
+    with pytest.raises(GapsError, match="tracked_by and why are required"):
+        load_gaps(bad)
+    assert load_gaps(tmp_path / "missing.toml") == []
+
+
+def _checkout(tmp_path: Path, gaps: str) -> Path:
+    """A checkout with the real pin and an empty series: its overlay is the
+    pinned base, which reads wrong KV where the seeds say."""
+    root = tmp_path / "checkout"
+    (root / "patches").mkdir(parents=True)
+    (root / "docs").mkdir()
+    shutil.copy(REPO / "pin.toml", root / "pin.toml")
+    (root / "patches" / "series").write_text("")
+    (root / GAPS_FILE).write_text(gaps)
+    return root
+
+
+def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """dsv4 at N=251 on the base: seed 001's window shifted by one block."""
+    root = _checkout(tmp_path, "")
+    report = tmp_path / "sim.json"
+    argv = ["--repo", str(root), "simulate", "--layouts", "dsv4", "--lengths"]
+    argv += ["251", "--hits", "0", "--variant", "overlay", "--report", str(report)]
+    assert main(argv) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == (
+        "simulate: FAILED: the overlay falls short in 1 layout(s): dsv4 reads "
+        "wrong KV at 1 of 1 lengths"
+    )
+    assert json.loads(report.read_text())["layouts"][0]["wrong_lengths"] == [251]
+    (root / GAPS_FILE).write_text(
+        '[[gap]]\nlayout = "dsv4"\nproblem = "wrong KV"\n'
+        'tracked_by = "issue 12"\nwhy = "the test lists it"\n'
+    )
+    assert main(argv) == 0
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .endswith("1 known gap(s): dsv4 wrong KV (issue 12)")
+    )
+
+
+def test_the_json_report_is_written_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Any argument keeps the report: .nox-reports/simulate.json."""
+    root = _checkout(tmp_path, "")
+    argv = ["--repo", str(root), "simulate", "--layouts", "llama", "--lengths", "5"]
+    assert main([*argv, "--hits", "0", "--variant", "overlay"]) == 0
+    written = root / ".nox-reports" / "simulate.json"
+    assert json.loads(written.read_text())["layouts"][0]["cases"] == 1
+    assert f"report: {written}" in capsys.readouterr().out
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_is_a_plain_line_now_and_then_off_a_terminal() -> None:
+    now = [0.0]
+    err = _Stream(tty=False)
+    app = App(stderr=err, clock=lambda: now[0])
+    for i in range(100):
+        now[0] = i * PROGRESS_EVERY / 10
+        app.progress(f"[{i}/100 done]")
+    app.end_progress()
+    lines = err.getvalue().splitlines()
+    assert lines == [f"[{i}/100 done]" for i in range(0, 100, 10)]
+    assert "\x1b" not in err.getvalue() and "\r" not in err.getvalue()
+
+
+def test_progress_overwrites_itself_on_a_terminal() -> None:
+    err = _Stream(tty=True)
+    app = App(stderr=err)
+    app.progress("a")
+    app.progress("b")
+    app.end_progress()
+    assert err.getvalue() == "\r\x1b[Ka\r\x1b[Kb\r\x1b[K"
