@@ -8,12 +8,19 @@ import json
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from vllm_overlay.cli import main
 from vllm_overlay.command import PROGRESS_EVERY, App
 from vllm_overlay.simulate.layouts import expand
-from vllm_overlay.simulate.report import LayoutReport, SweepReport
+from vllm_overlay.simulate.report import (
+    TABLE_WIDTH,
+    LayoutReport,
+    SweepReport,
+    clip,
+    format_table,
+)
 from vllm_overlay.simulate.verdict import (
     GAPS_FILE,
     GapsError,
@@ -190,3 +197,32 @@ def test_progress_overwrites_itself_on_a_terminal() -> None:
     app.progress("b")
     app.end_progress()
     assert err.getvalue() == "\r\x1b[Ka\r\x1b[Kb\r\x1b[K"
+
+
+def _full_sweep() -> SweepReport:
+    """The last full model-family sweep (docs/supported-models.json)."""
+    data = (REPO / "docs" / "supported-models.json").read_bytes()
+    return msgspec.json.decode(data, type=SweepReport)
+
+
+def test_the_table_fits_120_columns_and_cuts_no_word() -> None:
+    report = _full_sweep()
+    texts = [" ".join(t.split()) for r in report.layouts for t in (
+        r.refused_at_start or "", *r.first_errors) if t]  # fmt: skip
+    lines = format_table(report).splitlines()
+    assert len(lines) == len(report.layouts) + 2
+    assert max(len(line) for line in lines) <= TABLE_WIDTH
+    clipped = [line for line in lines if line.endswith("...")]
+    assert clipped, "the sweep holds long refusals: some notes are clipped"
+    for line in clipped:
+        note = line.split("  ")[-1].removesuffix("...")
+        text = note.split(": ", 1)[1]  # after "refused by X" / "N errors"
+        full = next(t for t in texts if t.startswith(text))
+        assert full[len(text)] in " ,;:", (text, full)
+
+
+def test_clip_cuts_after_a_whole_word() -> None:
+    assert clip("Value error, Total number of heads", 18) == "Value error..."
+    assert clip("short", 18) == "short"
+    assert clip("a\n  b", 10) == "a b"
+    assert clip("x" * 30, 10) == "xxxxxxx..."

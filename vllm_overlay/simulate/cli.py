@@ -178,11 +178,10 @@ def _run(app: App, args: argparse.Namespace) -> int:
         report = run_sweep(
             layouts, args.lengths, hits, variants, options, args.processes
         )
-        text = format_table(report)
         if args.markdown:
             text = format_matrix(report, markdown=True)
         else:
-            text += "\n\n" + format_matrix(report)
+            text = format_table(report)
         summary = summary_line(report)
     app.end_progress()
     for variant, where in report.variants.items():

@@ -7,7 +7,7 @@ from typing import Protocol
 import msgspec
 
 from vllm_overlay.simulate.check import CaseResult
-from vllm_overlay.simulate.procs import ratio, table
+from vllm_overlay.simulate.procs import ratio
 
 
 class CaseCounts(Protocol):
@@ -109,58 +109,57 @@ def _first(ns: list[int], k: int = 6) -> str:
     return head + (", ..." if len(ns) > k else "")
 
 
+TABLE_WIDTH = 120
+
+
+def clip(text: str, width: int) -> str:
+    """``text`` on one line in at most ``width`` characters; when longer, cut
+    after a whole word and marked with "..." (the full text is in the JSON)."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    room = max(width - 3, 1)
+    head = text[: room + 1]
+    cut = head.rfind(" ")
+    head = head[:cut] if cut > 0 else text[:room]
+    return head.rstrip(" ,;:") + "..."
+
+
 def format_table(report: SweepReport) -> str:
-    hits = report.hits
-    rows = [
-        (
-            "layout",
-            "variant",
-            "lengths",
-            "wrong-KV lengths",
-            "wrong per hit %",
-            "pages read/min",
-            "bytes",
-            "extra/dup/unread",
-            "errors",
-        )
-    ]
+    """One row per layout and variant, within ``TABLE_WIDTH`` columns: the
+    lengths tried, the lengths with wrong KV, pages read against the minimum,
+    and the first error; a refusal at start spans the row. Texts are clipped
+    at a word; every figure and the full texts are in the JSON report."""
+    head = ("layout", "variant", "lengths", "wrong KV", "pages read/min", "note")
+    rows: list[tuple[str, ...]] = [head]
     for r in report.layouts:
         if r.refused_at_start is not None:
+            who = "MoRIIO" if r.refused_by == "connector" else "vLLM"
             rows.append(
-                (
-                    r.layout,
-                    r.variant,
-                    "-",
-                    "refused at start: " + r.refused_at_start[:70],
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                )
+                (r.layout, r.variant, f"refused by {who}: {r.refused_at_start}")
             )
             continue
         wrong = f"{len(r.wrong_lengths)}"
         if r.wrong_lengths:
-            wrong += f" ({_first(r.wrong_lengths, 5)})"
-        rows.append(
-            (
-                r.layout,
-                r.variant,
-                str(r.lengths_tried),
-                wrong,
-                " ".join(
-                    f"{hit}:{len(r.wrong_lengths_by_hit.get(hit, []))}"
-                    for hit in (f"{h:g}" for h in hits)
-                ),
-                f"{r.pages_read}/{r.min_pages} = {ratio(r.pages_read, r.min_pages)}",
-                ratio(r.bytes_read, r.min_bytes),
-                f"{r.extra_reads}/{r.duplicate_reads}/{r.unread}",
-                str(r.error_cases)
-                + (f" ({r.first_errors[0][:60]})" if r.first_errors else ""),
-            )
-        )
-    return table(rows)
+            wrong += f" ({_first(r.wrong_lengths, 2)})"
+        pages = f"{r.pages_read}/{r.min_pages} = {ratio(r.pages_read, r.min_pages)}"
+        note = f"{r.error_cases} errors: {r.first_errors[0]}" if r.error_cases else ""
+        rows.append((r.layout, r.variant, str(r.lengths_tried), wrong, pages, note))
+    widths = [max(len(row[i]) for row in rows if len(row) == 6) for i in range(5)]
+    widths[:2] = [max(len(row[i]) for row in rows) for i in range(2)]
+    note_room = max(TABLE_WIDTH - sum(widths) - 2 * 5, 20)
+    span_room = TABLE_WIDTH - widths[0] - widths[1] - 2 * 2
+    lines = []
+    for i, row in enumerate(rows):
+        if len(row) == 3:
+            cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
+            lines.append("  ".join([*cells, clip(row[2], span_room)]))
+            continue
+        cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=False)]
+        lines.append("  ".join([*cells, clip(row[5], note_room)]).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in [*widths, min(note_room, 20)]))
+    return "\n".join(lines)
 
 
 def summary_line(report: SweepReport) -> str:
