@@ -92,3 +92,37 @@ def test_require_overlaid_fails_on_base(ws: Workspace) -> None:
     args = ["--repo", str(ws.repo), "status", "--target", str(ws.vllm)]
     assert main([*args, "--require", "overlaid"]) == 1
     assert main([*args, "--require", "base"]) == 0
+
+
+def test_a_failed_require_says_why(ws: Workspace, capsys) -> None:
+    _series(ws)
+    args = ["--repo", str(ws.repo), "status", "--target", str(ws.vllm)]
+    assert main([*args, "--require", "overlaid"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "status: --require overlaid, but the tree is base"
+
+
+def test_status_takes_what_materialize_wrote(ws: Workspace, tmp_path, capsys) -> None:
+    """`materialize --out DIR` writes only the MoRIIO module below DIR/vllm:
+    status and apply take DIR or DIR/vllm as the target."""
+    _series(ws)
+    out = tmp_path / "stack"
+    repo = ["--repo", str(ws.repo)]
+    assert main([*repo, "materialize", "--from", str(ws.vllm), "--out", str(out)]) == 0
+    for target in (out, out / "vllm"):
+        args = [*repo, "status", "--target", str(target)]
+        assert main([*args, "--require", "overlaid"]) == 0, target
+        assert "(MoRIIO files only)" in capsys.readouterr().out
+    base = tmp_path / "base"
+    assert (
+        main(
+            [*repo, "materialize", "--base", "--from", str(ws.vllm), "--out", str(base)]
+        )
+        == 0
+    )
+    assert main([*repo, "status", "--target", str(base), "--require", "base"]) == 0
+    assert main([*repo, "apply", "--target", str(base)]) == 0
+    assert main([*repo, "status", "--target", str(base), "--require", "overlaid"]) == 0
+    capsys.readouterr()
+    assert main([*repo, "status", "--target", str(tmp_path)]) == 2
+    assert "materialize --out" in capsys.readouterr().err

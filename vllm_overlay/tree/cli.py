@@ -81,6 +81,9 @@ def cmd_status(app: App, args: argparse.Namespace) -> int:
     report, _ = tree_status(target, pin, series)
     app.say(format_status(report))
     app.result(report)
+    if args.require is not None and report.state != args.require:
+        app.say(f"status: --require {args.require}, but the tree is {report.state}")
+        return 1
     ok = report.clean and (args.require is None or report.state == args.require)
     return 0 if ok else 1
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.series.pin import MODULE_DIR
 
 
 class TargetError(OverlayError):
@@ -19,13 +20,18 @@ class Target:
     # The directory holding the `vllm` package: site-packages for an
     # installed vLLM, the checkout for a source tree.
     root: Path
-    kind: Literal["installed", "source"]
+    # "files": only the MoRIIO module below vllm/, as `materialize` writes it.
+    kind: Literal["installed", "source", "files"]
 
     def file(self, rel: str) -> Path:
         return self.root / rel
 
     def describe(self) -> str:
-        what = "installed package" if self.kind == "installed" else "source tree"
+        what = {
+            "installed": "installed package",
+            "source": "source tree",
+            "files": "MoRIIO files only",
+        }[self.kind]
         return f"{self.root / 'vllm'} ({what})"
 
 
@@ -33,8 +39,15 @@ def _is_vllm_package(path: Path) -> bool:
     return (path / "__init__.py").is_file() and (path / "distributed").is_dir()
 
 
+def _holds_module_only(root: Path) -> bool:
+    """``root`` holds ``vllm/<MoRIIO module>`` and not a whole vllm package:
+    a directory `vllm-overlay materialize` wrote."""
+    return (root / MODULE_DIR).is_dir() and not (root / "vllm" / "__init__.py").exists()
+
+
 def detect_target(path: Path) -> Target:
-    """Accept ``.../site-packages/vllm`` or a vLLM source root."""
+    """Accept ``.../site-packages/vllm``, a vLLM source root, or a directory
+    `materialize` wrote (its root or its ``vllm/``)."""
     path = path.resolve()
     if not path.is_dir():
         raise TargetError(f"{path}: no such directory")
@@ -45,9 +58,14 @@ def detect_target(path: Path) -> Target:
     if _is_vllm_package(path / "vllm"):
         source = any((path / n).exists() for n in ("setup.py", "pyproject.toml"))
         return Target(path, "source" if source else "installed")
+    if _holds_module_only(path):
+        return Target(path, "files")
+    if path.name == "vllm" and _holds_module_only(path.parent):
+        return Target(path.parent, "files")
     raise TargetError(
         f"{path}: neither an installed vllm package directory "
-        "(…/site-packages/vllm) nor a vLLM source root (a directory holding vllm/)"
+        "(…/site-packages/vllm), a vLLM source root (a directory holding vllm/), "
+        f"nor a directory holding {MODULE_DIR} (`vllm-overlay materialize --out`)"
     )
 
 
