@@ -67,7 +67,10 @@ def test_a_listed_requirement_at_the_wrong_version_is_not_expected() -> None:
 def test_the_editable_install_is_current_so_no_session_reinstalls_it() -> None:
     """The session that started this run installed this checkout once and
     stamped it: the next session finds it current and skips pip."""
-    assert cpuenv.editable_is_current(Path(sys.prefix), REPO, DIST)
+    assert cpuenv.editable_is_current(Path(sys.prefix), REPO, DIST), (
+        "this environment is not stamped for this checkout: a nox session "
+        "(re)installs it; run the tests through nox"
+    )
 
 
 def _fake_env(tmp_path: Path, root: Path, url_root: Path) -> Path:
