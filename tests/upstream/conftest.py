@@ -18,6 +18,19 @@ import pytest
 from tests.upstream.repos import OLD_WHEEL_ENV, REPO, MakeRepo
 from vllm_overlay.series.pin import PIN_FILE, Pin, encode_pin
 
+WHEEL_ENV = "VLLM_OVERLAY_WHEEL"
+
+
+@pytest.fixture(scope="session")
+def pinned_wheel() -> Path:
+    value = os.environ.get(WHEEL_ENV)
+    if not value or not Path(value).is_file():
+        pytest.fail(
+            f"{WHEEL_ENV}={value or ''}: it must name the pinned vLLM wheel "
+            "(nox -s unit downloads it and sets it)"
+        )
+    return Path(value)
+
 
 @pytest.fixture(scope="session")
 def old_wheel() -> Path:

@@ -9,7 +9,6 @@ MoRIIO files differ heavily (``VLLM_OVERLAY_TEST_OLD_WHEEL``).
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import zipfile
@@ -458,13 +457,13 @@ def _readme_rebase_examples() -> list[str]:
 
 
 def test_the_readme_rebase_example_works(
-    tmp_path: Path, pin: Pin, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, pin: Pin, pinned_wheel: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The documented command, as `nox -s rebase` runs it: the pinned wheel
     as the old base and `.nox-cache/wheels` (where it lies) as the cache."""
     examples = _readme_rebase_examples()
     assert examples, "the README shows no `nox -s rebase -- --to VERSION`"
-    wheel = Path(os.environ["VLLM_OVERLAY_WHEEL"])
+    wheel = pinned_wheel
     for version in examples:
         argv = ["rebase", "--to", version, "--wheel", str(wheel)]
         argv += ["--cache", str(wheel.parent), "--workdir", str(tmp_path)]
