@@ -312,3 +312,23 @@ def test_a_window_with_dcp_is_refused_like_vllm_does() -> None:
         ConfigError, match="refuses decode context parallelism with a sliding window"
     ):
         decode_config(text)
+
+
+def test_dry_run_warns_when_the_tokenizer_is_not_on_this_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The harness loads model.tokenizer on the machine it runs on, before
+    anything starts: the dry run there says when it is missing."""
+    config = load_config(EXAMPLE)
+    assert not Path(config.model.tokenizer).exists()
+    assert main(["e2e", "--config", str(EXAMPLE), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"warning: model.tokenizer {config.model.tokenizer}: no such file here" in err
+    )
+    here = tmp_path / "tokenizer.json"
+    here.write_text("{}")
+    local = tmp_path / "local.toml"
+    local.write_text(EXAMPLE.read_text().replace(config.model.tokenizer, str(here), 1))
+    assert main(["e2e", "--config", str(local), "--dry-run"]) == 0
+    assert "warning" not in capsys.readouterr().err

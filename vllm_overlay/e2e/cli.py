@@ -151,6 +151,18 @@ def summary_line(
     )
 
 
+def missing_local_files(config: RunConfig) -> list[str]:
+    """The config's paths on the machine running the harness (this one)
+    that do not exist: the real run would stop there before launching."""
+    path = Path(config.model.tokenizer)
+    if path.is_file():
+        return []
+    return [
+        f"model.tokenizer {path}: no such file here; the harness loads it on "
+        "this machine before anything starts, so the run would stop there"
+    ]
+
+
 def dry_run_text(
     config_path: Path,
     launcher: str = "ssh",
@@ -211,6 +223,8 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         return 0
     if args.dry_run:
         app.say(dry_run_text(args.config, args.launcher, args.run_dir, app).rstrip())
+        for line in missing_local_files(load_config(args.config)):
+            app.err.write(f"warning: {line}\n")
         return 0
     from vllm_overlay.e2e.runner import run
 
