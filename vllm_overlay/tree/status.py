@@ -230,6 +230,9 @@ def tree_status(
                 )
     state = _tree_state(files, set(series.touched_paths()))
     verdict = _manifest_verdict(state, manifest, problem, series, files)
+    if verdict == "missing" and target.kind == "files":
+        # `materialize` writes the files alone: nothing to repair there.
+        verdict = "absent"
     report = StatusReport(
         target=target.describe(),
         state=state,
