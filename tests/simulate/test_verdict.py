@@ -190,13 +190,16 @@ def test_progress_is_a_plain_line_now_and_then_off_a_terminal() -> None:
     assert "\x1b" not in err.getvalue() and "\r" not in err.getvalue()
 
 
-def test_progress_overwrites_itself_on_a_terminal() -> None:
+def test_progress_overwrites_itself_on_a_terminal_within_its_width(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COLUMNS", "40")
     err = _Stream(tty=True)
-    app = App(stderr=err)
+    app = App(stderr=err, clock=lambda: 0.0)
     app.progress("a")
-    app.progress("b")
+    app.progress("b" * 100)
     app.end_progress()
-    assert err.getvalue() == "\r\x1b[Ka\r\x1b[Kb\r\x1b[K"
+    assert err.getvalue() == "\r\x1b[Ka\r\x1b[K" + "b" * 39 + "\r\x1b[K"
 
 
 def _full_sweep() -> SweepReport:
