@@ -388,16 +388,21 @@ def rebase(session: nox.Session) -> None:
 
 @nox.session
 def image(session: nox.Session) -> None:
-    """Build the ROCm image and check it from inside:
-    `nox -s image -- [--tag T] [--push] [--dry-run] [--base IMAGE]`."""
-    session.install("-e", ".")
+    """Build the ROCm image and check it from inside.
+
+    `nox -s image -- [--tag T] [--push] [--dry-run] [--base IMAGE]`.
+    """
+    install_checkout(session)
     session.run("vllm-overlay", "image", "build", *session.posargs)
 
 
 @nox.session(name="image-standin")
 def image_standin(session: nox.Session) -> None:
-    """docker/Dockerfile built for real from a local stand-in for the ROCm
-    base (buildah here), checked from inside; then the build's failure cases."""
+    """The image built for real from a local stand-in base, checked, and its failure cases.
+
+    docker/Dockerfile built for real from a local stand-in for the ROCm
+    base (buildah here), checked from inside; then the build's failure cases.
+    """
     session.run("sh", str(ROOT / "ci" / "install-image-tools.sh"), external=True)
     session.install("-e", ".", *pinned(TEST_REQUIREMENTS, "pytest", "hypothesis"))
     wheel = pinned_wheel(session)
