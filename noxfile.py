@@ -398,7 +398,7 @@ def image(session: nox.Session) -> None:
 
 @nox.session(name="image-standin")
 def image_standin(session: nox.Session) -> None:
-    """The image built for real from a local stand-in base, checked, and its failure cases.
+    """A real build from a local stand-in base, checked from inside; its failure cases.
 
     docker/Dockerfile built for real from a local stand-in for the ROCm
     base (buildah here), checked from inside; then the build's failure cases.

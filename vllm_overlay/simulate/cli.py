@@ -44,7 +44,6 @@ from vllm_overlay.simulate.verdict import (
     load_gaps,
 )
 
-
 BYTES_REPORT = "simulate-bytes.json"
 
 
