@@ -64,15 +64,19 @@ def test_glm_is_refused_at_start(base_reports):
 
 
 def test_gemma_loses_the_window_start_the_prefiller_freed(base_reports):
-    """Not in the seeds; found by the simulator (base and overlay alike).
+    """Not in the seeds; found by the simulator (fixed by patch 0004).
 
     Before ``request_finished`` the prefiller frees out-of-window blocks for
     its next token N (``Scheduler._connector_finished``): positions below
     N - W + 1. The decoder recomputes token N-1, whose window starts at N-W.
     When N-W is the last slot of its block (B=16, W=512: N % 16 == 15), that
     block is the null block in the prefiller's list and the decoder reads it.
+    When N-W starts its block (N % 16 == 0), the clip of cdiv(W, B) + 1 blocks
+    starts one block below the window, which both legs freed: the READ pairs
+    the null block with the decoder's null block.
     """
     report = base_reports["gemma"]
     assert report.error_cases == 0
-    expected = {n for n in range(500, 621) if n - 512 >= 0 and (n - 512) % 16 == 15}
+    expected = {n for n in range(512, 621) if (n - 512) % 16 in (15, 0) and n > 512}
     assert set(report.wrong_lengths) == expected
+    assert report.null_reads >= len(expected)

@@ -173,3 +173,19 @@ def test_local_only_group_needs_nothing():
     from vllm_overlay.simulate.check import LOCAL_ONLY
 
     assert needs([GroupInfo(LOCAL_ONLY, 16, 0, 100)], 100) == []
+
+
+def test_a_null_block_pair_is_wrong_even_off_the_needed_positions():
+    p, d = PageStore(0), PageStore(0)
+    _computed(p, [5, 6, 7], uid=1, n=40)
+    table = [11, 12, 13]
+    check = ReadCheck([FULL16], [table], d, 40, uid=1)
+    for src, dst in zip([5, 6, 7], table, strict=True):
+        d.put(dst, p.get(src))
+    reads = [(0, 11), (0, 12), (0, 13)]
+    assert not check.judge(d, reads, 0.0, 0).wrong
+    # One more pair, null block to null block: no needed position changes.
+    d.put(0, p.get(0))
+    result = check.judge(d, [*reads, (0, 0)], 0.0, 0, null_reads=[0])
+    assert result.wrong and result.wrong_groups == [0]
+    assert result.null_reads == 1 and result.unread == 0

@@ -2,8 +2,9 @@
 
 These fail on the pinned base (``nox -s unit-base``) and pass with the whole
 series: hybrid READ of several attention groups (0001), the window no longer
-shifted by a decode lookahead tail (0002), and a prefix hit that reads only
-the pages the decoder lacks (0003).
+shifted by a decode lookahead tail (0002), a prefix hit that reads only the
+pages the decoder lacks (0003), and the window's first block read from the
+prefiller, never its null block (0004).
 """
 
 from __future__ import annotations
@@ -24,11 +25,33 @@ def dsv4():
 
 
 def test_dsv4_window_is_not_shifted_by_the_decode_lookahead(dsv4):
-    # Seed 001's lengths: (N - 1) % 64 >= 55 with the list clipped. N % 64 == 63
-    # is left out: there the prefiller has already freed the window's first
-    # block (a separate finding, reported by `vllm-overlay simulate`).
+    # Seed 001's lengths: (N - 1) % 64 >= 55 with the list clipped.
     lengths = [251, 377, 384, 440, 636, 832, 1000, 2039, 4094]
     results = [dsv4.run_case(n, 0.0) for n in lengths]
+    assert [r.error for r in results] == [None] * len(lengths)
+    assert [r.n for r in results if r.wrong] == []
+
+
+@pytest.mark.parametrize("hit", [0.0, 0.5])
+def test_dsv4_reads_the_window_start_the_prefiller_used_to_free(dsv4, hit):
+    # N % 64 == 63: N-W ends its block; N % 64 == 0: the clip starts one block
+    # below the window. Seed 001's 447 and 895 are of the first kind.
+    lengths = [191, 192, 447, 448, 895, 896, 4031, 4032]
+    results = [dsv4.run_case(n, hit) for n in lengths]
+    assert [r.error for r in results] == [None] * len(lengths)
+    assert [r.n for r in results if r.wrong] == []
+    assert sum(r.null_reads for r in results) == 0
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return _pair("gemma", 48600)
+
+
+@pytest.mark.parametrize("hit", [0.0, 0.5, 0.897])
+def test_gemma_reads_the_window_start_the_prefiller_used_to_free(gemma, hit):
+    lengths = [527, 528, 543, 544, 1039, 1040, 4095, 4096]
+    results = [gemma.run_case(n, hit) for n in lengths]
     assert [r.error for r in results] == [None] * len(lengths)
     assert [r.n for r in results if r.wrong] == []
 

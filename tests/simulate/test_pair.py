@@ -41,3 +41,21 @@ def test_read_of_an_already_cached_page_shows_in_the_bytes(llama_pair):
     assert extra.bytes_read == plain.bytes_read + extra.bytes_read // extra.pages_read
     assert extra.extra_reads == plain.extra_reads + 1
     assert extra.bytes_read / extra.min_bytes > plain.bytes_read / plain.min_bytes
+
+
+def test_a_read_from_the_null_block_is_wrong_kv(llama_pair):
+    """A pair with the null block on both sides lands on no position the last
+    token needs, and is still reported."""
+    null_p = llama_pair.p_store.null_block_id
+    null_d = llama_pair.d_store.null_block_id
+
+    def add_null_pair(local, remote, tables):
+        del tables
+        return [[*local[0], null_d]], [[*remote[0], null_p]]
+
+    plain = llama_pair.run_case(100, 0.0)
+    result = llama_pair.run_case(100, 0.0, rewrite=add_null_pair)
+    assert plain.error is None and result.error is None
+    assert not plain.wrong and plain.null_reads == 0
+    assert result.wrong and result.wrong_groups == [0]
+    assert result.null_reads == 1 and result.unread == 0

@@ -20,6 +20,11 @@ For a prompt of N tokens the decoder computes position N-1 itself and needs:
 
 A page is "lacked" when the decoder's own page does not hold what is needed
 before the READ (after that copy); the lacked pages are the minimum READ.
+
+A READ that pairs a null block (the prefiller's as its source, or the
+decoder's as its destination) is wrong wherever it lands: the null block is
+vLLM's placeholder for a freed or never-allocated page, so the pair copies
+nothing of the prompt, or writes into a page every request shares.
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class CaseResult(msgspec.Struct, frozen=True):
     unread: int
     """Lacked pages the READ did not fill with the right contents."""
     error: str | None = None
+    null_reads: int = 0
+    """Pages READ from the prefiller's null block or into the decoder's."""
 
 
 def needs(groups: Sequence[GroupInfo], n: int) -> list[Need]:
@@ -171,14 +178,18 @@ class ReadCheck:
         reads: Sequence[tuple[int, int]],
         hit_fraction: float,
         local_hit_tokens: int,
+        null_reads: Sequence[int] = (),
     ) -> CaseResult:
-        """``reads``: (group, local block id) per page the READ copied."""
+        """``reads``: (group, local block id) per page the READ copied;
+        ``null_reads``: the group of each pair with a null block on either
+        side."""
         wrong_groups = sorted(
             {
                 need.group
                 for need in self.needs
                 if not _satisfied(store, self.tables[need.group], need, self.uid)
             }
+            | set(null_reads)
         )
         counts = Counter(reads)
         read_set = set(counts)
@@ -199,4 +210,5 @@ class ReadCheck:
             extra_reads=sum(c for key, c in counts.items() if key not in self.lacked),
             duplicate_reads=sum(c - 1 for c in counts.values()),
             unread=unread,
+            null_reads=len(null_reads),
         )

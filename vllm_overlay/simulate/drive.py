@@ -393,6 +393,7 @@ class Pair:
         precopy_states(self.groups, tables, self.d_store, n)
         check = ReadCheck(self.groups, tables, self.d_store, n, uid)
         reads: list[tuple[int, int]] = []
+        null_reads: list[int] = []
         meta = so.kv_connector_metadata
         req_meta = meta.reqs_to_recv.get(rid) if meta is not None else None
         if req_meta is not None:
@@ -400,29 +401,34 @@ class Pair:
             remote = [list(x) for x in req_meta.remote_block_ids]
             if rewrite is not None:
                 local, remote = rewrite(local, remote, tables)
-            reads = self._read(local, remote)
+            reads, null_reads = self._read(local, remote)
         # Zeroing a READ destination races the READ: count it as lost.
         read_dsts = {dst for _, dst in reads}
         self.d_store.zero([b for b in so.new_block_ids_to_zero or [] if b in read_dsts])
-        return check.judge(self.d_store, reads, hit_fraction, local_hit)
+        return check.judge(self.d_store, reads, hit_fraction, local_hit, null_reads)
 
     def _read(
         self, local: Sequence[list[int]], remote: Sequence[list[int]]
-    ) -> list[tuple[int, int]]:
+    ) -> tuple[list[tuple[int, int]], list[int]]:
         """Copy pages as the workers' ``_read_blocks`` pairs them.
 
         No local destination at all means no READ (the worker only releases
         the producer); otherwise each group's layers zip the lists of the
         payload index the worker routes them to (``worker_routes``).
+        Returns (group, destination) per page copied and the group of every
+        pair whose source is the prefiller's null block or whose destination
+        is the decoder's.
         """
         if not any(local):
-            return []
+            return [], []
         if len(local) != len(remote) or len(local) != len(self.payload_groups):
             raise RuntimeError(
                 f"ReqMeta group count mismatch: local={len(local)} "
                 f"remote={len(remote)} payload={len(self.payload_groups)}"
             )
         reads = []
+        null_reads = []
+        p_null, d_null = self.p_store.null_block_id, self.d_store.null_block_id
         for g, route in self.routes:
             if route is None:
                 raise RuntimeError(
@@ -432,7 +438,9 @@ class Pair:
             for dst, src in zip(local[route], remote[route], strict=False):
                 self.d_store.put(dst, self.p_store.get(src))
                 reads.append((g, dst))
-        return reads
+                if src == p_null or dst == d_null:
+                    null_reads.append(g)
+        return reads, null_reads
 
 
 def _state_ok(store: PageStore, block_id: int, group: int, uid: int, t: int) -> bool:

@@ -69,6 +69,7 @@ class LayoutReport(msgspec.Struct, tag="layout"):
     extra_reads: int = 0
     duplicate_reads: int = 0
     unread: int = 0
+    null_reads: int = 0
     seconds: float = 0.0
 
     def add(self, result: CaseResult) -> None:
@@ -85,6 +86,7 @@ class LayoutReport(msgspec.Struct, tag="layout"):
         self.extra_reads += result.extra_reads
         self.duplicate_reads += result.duplicate_reads
         self.unread += result.unread
+        self.null_reads += result.null_reads
 
     def finish(self) -> None:
         self.wrong_lengths = sorted(
