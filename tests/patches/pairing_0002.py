@@ -8,6 +8,15 @@ both hold the same positions. The decoder recomputes the last prompt token
 (position ``N-1``) and needs from the prefiller every position below it (full
 attention) or every position of its window below it, ``[N-W, N-1)``.
 
+Tables are shaped as vLLM's KV cache manager leaves them: the prompt's blocks
+plus the lookahead slots a leg reserves, and in a window group the null block
+(id 0) wherever ``SlidingWindowManager.remove_skipped_blocks`` freed a block
+below the window of the leg's next token. The prefiller's scheduler frees
+them before ``request_finished`` (``Scheduler._connector_finished``), for the
+tokens it computed (after ``on_new_request`` dropped any); the decoder's KV
+cache manager frees them at allocation, for the ``N-1`` tokens it is given.
+A pair that reads the null block holds no position of the prompt.
+
 ``run_sweep_request`` sweeps prompt lengths for the base-mechanism test,
 which runs it against the pinned base files in a separate interpreter.
 """
@@ -67,13 +76,6 @@ class Layout:
     dcp: int = 1
     mamba: bool = False
 
-    def num_prefilled(self, num_prompt_tokens: int) -> int:
-        """Prompt tokens the prefiller computes: a hybrid prefiller drops the
-        last one (``on_new_request``)."""
-        if self.mamba and num_prompt_tokens > 1:
-            return num_prompt_tokens - 1
-        return num_prompt_tokens
-
     @property
     def spans(self) -> tuple[int, ...]:
         """Tokens one block holds, per transfer group."""
@@ -129,15 +131,30 @@ def decode_id(group: int, index: int) -> int:
     return _DECODE_BASE + group * _GROUP_STRIDE + index
 
 
+def num_freed_blocks(window: int | None, span: int, num_computed_tokens: int) -> int:
+    """Leading blocks of a group that vLLM's KV cache manager has replaced by
+    the null block once ``num_computed_tokens`` are computed: those wholly
+    below the window of the next token (``get_num_skipped_tokens``)."""
+    if window is None:
+        return 0
+    return max(0, num_computed_tokens - window + 1) // span
+
+
 def allocation(
-    layout: Layout, num_tokens: int, make_id: Callable[[int, int], int]
+    layout: Layout,
+    num_tokens: int,
+    make_id: Callable[[int, int], int],
+    num_computed_tokens: int = 0,
 ) -> list[list[int]]:
     """Position-indexed block ids for ``num_tokens`` slots, per group; a
-    Mamba group's table holds its running-state slot last."""
-    tables = [
-        list(range(make_id(g, 0), make_id(g, cdiv(num_tokens, span))))
-        for g, span in enumerate(layout.spans)
-    ]
+    Mamba group's table holds its running-state slot last. A window group's
+    blocks freed for ``num_computed_tokens`` computed tokens are the null
+    block (0)."""
+    tables = []
+    for g, (span, window) in enumerate(zip(layout.spans, layout.windows, strict=True)):
+        table = list(range(make_id(g, 0), make_id(g, cdiv(num_tokens, span))))
+        freed = min(num_freed_blocks(window, span, num_computed_tokens), len(table))
+        tables.append([0] * freed + table[freed:])
     if layout.mamba:
         pages = cdiv(num_tokens, layout.block_size)
         tables.append([0] * (pages - 1) + [make_id(len(tables), pages - 1)])
@@ -154,10 +171,21 @@ def needed_blocks(num_prompt_tokens: int, span: int, window: int | None) -> rang
 
 
 def pairing_errors(
-    layout: Layout, num_prompt_tokens: int, lists: Sequence[tuple[list[int], list[int]]]
+    layout: Layout,
+    num_prompt_tokens: int,
+    lists: Sequence[tuple[list[int], list[int]]],
+    *,
+    judge_null: bool = True,
 ) -> list[str]:
-    """Why a pairing is wrong; empty when every pair is positional and every
-    needed decoder block is paired."""
+    """Why a pairing is wrong; empty when every pair is positional, none holds
+    the null block and every needed decoder block is paired.
+
+    ``judge_null=False`` judges only the pairs between live blocks: a pair
+    with the null block on either side is skipped, and a needed decoder block
+    paired with the prefiller's null block counts as paired. That block was
+    freed by vLLM's scheduler before the connector saw the table (patch 0008
+    and its tests); the patches below it are judged on the rest.
+    """
     num_groups = len(layout.spans) + layout.mamba
     if len(lists) != num_groups:
         return [f"{len(lists)} groups paired, layout has {num_groups}"]
@@ -176,6 +204,17 @@ def pairing_errors(
                 f"group {g}: {len(local_ids)} decoder blocks, "
                 f"{len(remote_ids)} prefiller blocks"
             )
+        # Decoder block indices whose prefiller block is the null block.
+        freed_at_source: set[int] = set()
+        if judge_null and (0 in local_ids or 0 in remote_ids):
+            errors.append(
+                f"group {g}: a pair reads the null block: {local_ids} <- {remote_ids}"
+            )
+        elif not judge_null:
+            pairs = list(zip(local_ids, remote_ids, strict=False))
+            freed_at_source = {lb - decode_id(g, 0) for lb, rb in pairs if rb == 0}
+            live = [(lb, rb) for lb, rb in pairs if lb != 0 and rb != 0]
+            local_ids, remote_ids = [lb for lb, _ in live], [rb for _, rb in live]
         n = min(len(local_ids), len(remote_ids))
         # Block index within this group's table (out of range: another group).
         local = [b - decode_id(g, 0) for b in local_ids[:n]]
@@ -196,7 +235,7 @@ def pairing_errors(
             and needed.stop - 1 <= local[-1]
             and local == list(range(local[0], local[0] + len(local)))
         ):
-            missing = sorted(set(needed) - set(local))
+            missing = sorted(set(needed) - set(local) - freed_at_source)
             if missing:
                 errors.append(f"group {g}: needed decoder blocks {missing} not read")
     return errors
@@ -218,18 +257,34 @@ def predicted_wrong_on_base(
     lists end one block apart), or whenever the prefiller's is the longer one
     (its suffix starts one block later than the decoder's list). With equal
     tables the pairs hold, but a clip counted from a table end past the
-    prompt's blocks can start after the window's first block.
+    prompt's blocks can start after the window's first block. And the base
+    prefiller computes all N tokens, so its window group's blocks below
+    ``N-W+1`` are freed: a pair that reaches below that (the window's first
+    block when ``N-W`` ends its block), or below the decoder's own freed
+    blocks (``N-W``), reads the null block.
     """
     if num_prompt_tokens < 2:
         return False
     for span, window, p_len, d_len in zip(
         layout.spans, layout.windows, prefill_lens, decode_lens, strict=True
     ):
-        clip = d_len if window is None else cdiv(window, span) + 1
-        if p_len > d_len or (d_len > p_len and d_len > clip):
-            return True
-        first_needed = needed_blocks(num_prompt_tokens, span, window).start
-        if p_len == d_len and d_len - clip > first_needed:
+        p_index, d_index = list(range(p_len)), list(range(d_len))
+        if window is not None:
+            clip = cdiv(window, span) + 1
+            p_index, d_index = p_index[-clip:], d_index[-clip:]
+        if len(d_index) > len(p_index):
+            d_index = d_index[: len(p_index)]
+        elif len(d_index) < len(p_index):
+            p_index = p_index[-len(d_index) :] if d_index else []
+        p_freed = num_freed_blocks(window, span, num_prompt_tokens)
+        d_freed = num_freed_blocks(window, span, num_prompt_tokens - 1)
+        needed = needed_blocks(num_prompt_tokens, span, window)
+        if (
+            d_index != p_index
+            or any(k < p_freed for k in p_index)
+            or any(k < d_freed for k in d_index)
+            or not set(needed) <= set(d_index)
+        ):
             return True
     return False
 
@@ -276,9 +331,16 @@ class LegPair:
     counter: itertools.count[int] = field(default_factory=itertools.count)
 
     def prefill(
-        self, num_prompt_tokens: int, table: Sequence[Sequence[int]]
+        self,
+        num_prompt_tokens: int,
+        prefill_tail: int = 0,
+        table: Sequence[Sequence[int]] | None = None,
     ) -> dict[str, Any]:
-        """P's ``request_finished_all_groups``: the params D receives."""
+        """P's ``request_finished_all_groups``: the params D receives.
+
+        Without ``table``, P's table is allocated for the tokens P computes
+        (``on_new_request`` may drop the last one) plus ``prefill_tail``
+        lookahead slots, with its window group freed for those tokens."""
         i = next(self.counter)
         request = make_sweep_request(
             f"p-{i}",
@@ -286,6 +348,11 @@ class LegPair:
             {"do_remote_decode": True, "transfer_id": f"t-{i}"},
         )
         self.producer.on_new_request(request)
+        if table is None:
+            computed = request.num_prompt_tokens
+            table = allocation(
+                self.layout, computed + prefill_tail, prefill_id, computed
+            )
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         _, params = self.producer.request_finished_all_groups(
             request, tuple(list(group) for group in table)
@@ -302,10 +369,14 @@ class LegPair:
         )
         num_external, _ = self.consumer.get_num_new_matched_tokens(request, 0)
         num_tokens = num_prompt_tokens + decode_tail
-        groups = [
-            group[: cdiv(num_tokens, span)]
-            for group, span in zip(self.decode_blocks, self.layout.spans, strict=True)
-        ]
+        groups = []
+        for group, span, window in zip(
+            self.decode_blocks, self.layout.spans, self.layout.windows, strict=True
+        ):
+            table = group[: cdiv(num_tokens, span)]
+            # D's KV cache manager is given N-1 computed tokens (READ).
+            freed = num_freed_blocks(window, span, num_prompt_tokens - 1)
+            groups.append([_null_block()] * freed + table[freed:])
         if self.layout.mamba:
             pages = cdiv(num_tokens, self.layout.block_size)
             m = len(self.layout.spans)
@@ -333,12 +404,19 @@ class LegPair:
     def exchange(
         self,
         num_prompt_tokens: int,
-        prefill_table: Sequence[Sequence[int]],
+        prefill_tail: int,
         decode_tail: int,
+        prefill_table: Sequence[Sequence[int]] | None = None,
     ) -> BlockLists:
-        params = self.prefill(num_prompt_tokens, prefill_table)
+        params = self.prefill(num_prompt_tokens, prefill_tail, prefill_table)
         req_id = self.decode(num_prompt_tokens, dict(params), decode_tail)
         return self.reads()[req_id]
+
+
+def _null_block() -> KVCacheBlock:
+    block = KVCacheBlock(block_id=0)
+    block.is_null = True
+    return block
 
 
 def build_leg_pair(model_dir: Path, layout: Layout, max_tokens: int) -> LegPair:
@@ -406,12 +484,17 @@ def scheduler_handoff(
 
 
 def sweep_summary(
-    leg_pairs: Callable[[Layout], LegPair], sweep_name: str
+    leg_pairs: Callable[[Layout], LegPair], sweep_name: str, *, judge_null: bool = True
 ) -> dict[str, tuple[int, list[int]]]:
     """Every prompt length 1..MAX_PROMPT_TOKENS of the named sweep: per case
     with wrong lengths, their count and the first few."""
     cases = SWEEPS[sweep_name]
-    wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, MAX_PROMPT_TOKENS + 1))
+    wrong = sweep(
+        leg_pairs(cases[0].layout),
+        cases,
+        range(1, MAX_PROMPT_TOKENS + 1),
+        judge_null=judge_null,
+    )
     return {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
 
 
@@ -427,18 +510,23 @@ def prefiller_tail_errors(
         table = allocation(pair.layout, n + prefill_tail, prefill_id)
         if handoff == "scheduler":
             table = scheduler_handoff(pair, table, n)
-        errors = pairing_errors(pair.layout, n, pair.exchange(n, table, 0))
+        errors = pairing_errors(pair.layout, n, pair.exchange(n, 0, 0, table))
         if errors:
             wrong.append(f"N={n}: {errors[0]}")
     return wrong
 
 
 def sweep(
-    pair: LegPair, cases: Sequence[Case], prompt_lengths: Iterable[int]
+    pair: LegPair,
+    cases: Sequence[Case],
+    prompt_lengths: Iterable[int],
+    *,
+    judge_null: bool = True,
 ) -> dict[str, list[int]]:
-    """Wrong prompt lengths per case, both legs' tables shaped as the KV cache
-    manager allocates them (prompt plus lookahead slots). Cases sharing a
-    prefiller tail share its ``request_finished``."""
+    """Wrong prompt lengths per case (``pairing_errors``), both legs' tables
+    shaped as the KV cache manager leaves them (prompt plus lookahead slots,
+    window blocks freed). Cases sharing a prefiller tail share its
+    ``request_finished``."""
     assert all(c.layout == pair.layout for c in cases)
     wrong: dict[str, list[int]] = {c.name: [] for c in cases}
     by_tail: dict[int, list[Case]] = {}
@@ -449,16 +537,13 @@ def sweep(
     def judge() -> None:
         reads = pair.reads()
         for case, n, req_id in pending:
-            if pairing_errors(pair.layout, n, reads[req_id]):
+            if pairing_errors(pair.layout, n, reads[req_id], judge_null=judge_null):
                 wrong[case.name].append(n)
         pending.clear()
 
     for n in prompt_lengths:
         for p_tail, tail_cases in by_tail.items():
-            table = allocation(
-                pair.layout, pair.layout.num_prefilled(n) + p_tail, prefill_id
-            )
-            params = pair.prefill(n, table)
+            params = pair.prefill(n, p_tail)
             for case in tail_cases:
                 pending.append(
                     (case, n, pair.decode(n, dict(params), case.decode_tail))

@@ -4,7 +4,8 @@ prompt clamp count blocks by that span.
 
 Layouts shard the full-attention group over DCP ranks (a sliding-window
 group stays replicated, as vLLM requires); tables are shaped as vLLM's KV
-cache manager allocates them (see ``pairing_0002``).
+cache manager leaves them (see ``pairing_0002``); pairs with the null block
+are judged by patch 0008's tests.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
 def test_sweep_reads_every_needed_block(
     leg_pairs: Callable[[Layout], LegPair], sweep_name: str
 ) -> None:
-    summary = sweep_summary(leg_pairs, sweep_name)
+    summary = sweep_summary(leg_pairs, sweep_name, judge_null=False)
     assert not summary, f"wrong prompt lengths (count, first): {summary}"
 
 
@@ -75,7 +76,8 @@ def test_hybrid_read_one_sided_tail(
     slots past the prompt it computed."""
     layout = Layout(block_size=64, window=window, dcp=2, mamba=True)
     case = Case("hybrid", layout, 9, 0)
-    wrong = sweep(leg_pairs(layout), [case], range(1, 1025))["hybrid"]
+    wrong = sweep(leg_pairs(layout), [case], range(1, 1025), judge_null=False)
+    wrong = wrong["hybrid"]
     assert not wrong, f"{len(wrong)} wrong prompt lengths, first {wrong[:8]}"
 
 
