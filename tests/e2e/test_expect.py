@@ -15,6 +15,7 @@ from vllm_overlay.e2e.expect import (
     HYBRID_GROUPS,
     MISSING_PAGES,
     TRIM_BEFORE_CLIP,
+    WINDOW_START,
     Expectations,
     Geometry,
     patch_slug,
@@ -32,7 +33,7 @@ SEED_001 = (251, 377, 384, 440, 447, 636, 832, 895)
 
 def test_the_series_carries_the_patches_the_rules_name() -> None:
     slugs = {patch_slug(p.name) for p in load_series(REPO).patches}
-    assert {HYBRID_GROUPS, TRIM_BEFORE_CLIP, MISSING_PAGES} <= slugs
+    assert {HYBRID_GROUPS, TRIM_BEFORE_CLIP, MISSING_PAGES, WINDOW_START} <= slugs
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +94,16 @@ def test_dsv4_sweep_holds_every_failing_class_and_the_seed_lengths() -> None:
     residues = {(n - 1) % 64 for n in lengths if exp.verdict(n).base}
     assert set(range(55, 64)) <= residues
     assert any((n - 1) % 64 == 54 and n > 192 for n in lengths)
-    # Every seed length fails on the base; 447 and 895 also with the series.
+    # Every seed length fails on the base, none with the series; below 0008
+    # the window-start lengths still do: 447 and 895 read the null block, 384
+    # and 832 pair it on both legs.
     assert all(exp.verdict(n).base for n in SEED_001)
     slugs = [p.name for p in load_series(REPO).patches]
     still = [n for n in SEED_001 if Expectations(DSV4, slugs).verdict(n).overlay]
-    assert still == [447, 895]
+    assert still == []
+    below = [s for s in slugs if patch_slug(s) != WINDOW_START]
+    still = [n for n in SEED_001 if Expectations(DSV4, below).verdict(n).overlay]
+    assert still == [384, 447, 832, 895]
 
 
 def test_sweep_boundaries_and_minimum() -> None:
@@ -145,10 +151,11 @@ def test_dsv4_dry_run_names_the_failing_lengths(capsys) -> None:  # noqa: ANN001
     assert f"fixed by {TRIM_BEFORE_CLIP}" in shift
     listed = shift.split("lengths: ")[1].split("\n")[0].split()
     assert {str(n) for n in SEED_001} <= set(listed)
-    assert "window-start [(N - 128 + 1) % 64 == 0" in out
-    assert "not fixed by the series (issue 12)" in out
+    start = out.split("  window-start [")[1]
+    assert start.startswith("(N - 128 + 1) % 64 == 0")
+    assert f"fixed by {WINDOW_START}" in start
     over = next(x for x in out.splitlines() if "expected with the overlay" in x)
-    assert "(window-start): 191 255 319 383 447" in over
+    assert "window-start" not in over
 
 
 def test_glm_dry_run_says_the_base_refuses_to_start(capsys) -> None:  # noqa: ANN001

@@ -31,6 +31,7 @@ from vllm_overlay.e2e.config import Checks, RunConfig
 HYBRID_GROUPS = "moriio-hybrid-read-multi-attention-groups"
 TRIM_BEFORE_CLIP = "moriio-trim-prompt-blocks-before-sw-clip"
 MISSING_PAGES = "moriio-hybrid-read-only-missing-attention-pages"
+WINDOW_START = "moriio-read-keeps-sw-window-start"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -180,7 +181,12 @@ def wrong_kv_rules(geo: Geometry) -> tuple[list[Rule], str]:
     per_window = cdiv(w, b) + 1
 
     def window_start(n: int) -> bool:
-        return n - w >= b - 1 and (n - w + 1) % b == 0
+        # Blocks the prefiller of N tokens freed, and the first block of the
+        # clipped list: a clip reaching below the window pairs a freed block.
+        freed = max(n - w + 1, 0) // b
+        clip_start = max(cdiv(n, b) - per_window, 0)
+        start_freed = n - w >= b - 1 and (n - w + 1) % b == 0
+        return start_freed or clip_start < freed
 
     def window_start_samples(max_len: int, per_class: int) -> list[int]:
         hits = list(range(w + b - 1, max_len + 1, b))
@@ -192,8 +198,10 @@ def wrong_kv_rules(geo: Geometry) -> tuple[list[Rule], str]:
             "window-start",
             f"(N - {w} + 1) % {b} == 0: the prefiller frees the block of the "
             f"decoder's window start (position N-{w}) before it hands over its "
-            "table, and the decoder reads vLLM's null block there",
-            open_issue="issue 12",
+            "table, and the decoder reads vLLM's null block there; or the "
+            f"clip of {per_window} blocks reaches below the window and pairs "
+            "the null block on both legs",
+            fixed_by=WINDOW_START,
             applies=window_start,
             samples=window_start_samples,
         )
