@@ -28,7 +28,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from tests.patches.conftest import (
+from tests.patches.builders import (
     make_kv_cache_config,
     make_vllm_config,
     moriio_kv_transfer_config,

@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.patches.conftest import (
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
+    MoRIIOError,
+)
+from vllm.v1.core.kv_cache_planning import unify_hybrid_kv_cache_specs
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from tests.patches.builders import (
     full_attention_spec,
     make_kv_cache_blocks,
     make_kv_cache_config,
@@ -48,12 +54,6 @@ from tests.patches.scheduler_pair_0008 import (
     build_scheduler_pair,
     prompt,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
-    MoRIIOError,
-)
-from vllm.v1.core.kv_cache_planning import unify_hybrid_kv_cache_specs
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-
 
 # ---------------------------------------------------------------------------
 # Real prefill and decode schedulers
