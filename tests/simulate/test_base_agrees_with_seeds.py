@@ -64,7 +64,7 @@ def test_glm_is_refused_at_start(base_reports):
 
 
 def test_gemma_loses_the_window_start_the_prefiller_freed(base_reports):
-    """Not in the seeds; found by the simulator (fixed by patch 0004).
+    """Not in the seeds; found by the simulator (fixed by patch 0008).
 
     Before ``request_finished`` the prefiller frees out-of-window blocks for
     its next token N (``Scheduler._connector_finished``): positions below

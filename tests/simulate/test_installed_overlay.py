@@ -3,8 +3,8 @@
 These fail on the pinned base (``nox -s unit-base``) and pass with the whole
 series: hybrid READ of several attention groups (0001), the window no longer
 shifted by a decode lookahead tail (0002), a prefix hit that reads only the
-pages the decoder lacks (0003), and the window's first block read from the
-prefiller, never its null block (0004).
+pages the decoder lacks (0005), and the window's first block read from the
+prefiller, never its null block (0008).
 """
 
 from __future__ import annotations
