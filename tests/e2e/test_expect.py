@@ -14,6 +14,7 @@ from vllm_overlay.e2e.config import Checks, load_config
 from vllm_overlay.e2e.expect import (
     HYBRID_GROUPS,
     MISSING_PAGES,
+    RINGS,
     TRIM_BEFORE_CLIP,
     WINDOW_START,
     Expectations,
@@ -163,7 +164,12 @@ def test_glm_dry_run_says_the_base_refuses_to_start(capsys) -> None:  # noqa: AN
     assert "the servers refuse to start, so every check fails" in out
     assert "requires exactly one transferable attention group, got 2" in out
     assert f"method='mtp': refused at start; fixed by {HYBRID_GROUPS}" in out
-    assert "still refused at start:\n-   unsupported-spec" in out
+    assert (
+        f"CircularBufferSpec group; the servers fail closed at start; fixed by {RINGS}"
+        in out
+    )
+    over = next(x for x in out.splitlines() if "expected with the overlay" in x)
+    assert "still refused" not in over
 
 
 def test_kimi_dry_run_gives_pages_per_prefix_hit(capsys) -> None:  # noqa: ANN001

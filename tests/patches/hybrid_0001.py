@@ -18,7 +18,6 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import (
-    CircularBufferSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -386,27 +385,3 @@ def base_single_group_payload(groups, tables) -> list[list[int]]:
     attn = list(tables[0])
     mamba = [list(table[: len(table) - spec_blocks][-1:]) for table in tables[1:]]
     return [attn, *mamba]
-
-
-def glm5_next_layer_specs() -> dict[str, KVCacheSpec]:
-    """Per-layer specs shaped like 0.33.0's GLM5-next caches: MLA, the kpool
-    indexer (``tokens_per_state``), the ``CircularBufferSpec`` tail ring, KDA."""
-    specs: dict[str, KVCacheSpec] = {}
-    for i in ("0", "1", "2", "4", "5", "6"):
-        specs[f"layers.{i}.kda"] = kda_mamba_spec(
-            block_size=B, num_speculative_blocks=1, shapes=((3, 513), (4, 64, 64))
-        )
-    for i in ("3", "7", "mtp"):
-        draft = i == "mtp"
-        specs[f"layers.{i}.mla"] = mla_spec(B, is_draft=draft)
-        specs[f"layers.{i}.indexer"] = indexer_spec(draft, tokens_per_state=4)
-        specs[f"layers.{i}.tail"] = CircularBufferSpec(
-            block_size=8,
-            num_kv_heads=2,
-            head_size=128,
-            head_size_v=0,
-            dtype=torch.bfloat16,
-            dcp_sharded=False,
-            is_draft=draft,
-        )
-    return specs

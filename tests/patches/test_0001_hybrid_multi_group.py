@@ -6,7 +6,9 @@ grouping (``get_kv_cache_groups``) gives the kpool tail ring a
 ``CircularBufferSpec`` and, under block-outermost layouts, wraps the KDA groups
 in ``UniformTypeKVCacheSpecs``; #60867's design covers neither (it describes
 the tail as a non-prefix-cacheable sliding-window spec and bare KDA
-``MambaSpec`` groups). The hand-built layout follows #60867's description:
+``MambaSpec`` groups); moriio-read-rings-and-wrapped-state-groups adds them
+(its tests use the real grouping).
+The hand-built layout follows #60867's description:
 
 - MLA + kpool indexer (+ the MTP layer): ``UniformTypeKVCacheSpecs.from_specs``
   over ``MLAAttentionSpec`` layers, block 64, prefix-cacheable;
@@ -41,12 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
     MoRIIOError,
 )
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
-from vllm.v1.kv_cache_interface import (
-    CircularBufferSpec,
-    KVCacheGroupSpec,
-    iter_layer_specs,
-)
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 from vllm.v1.request import RequestStatus
 
 from tests.patches.builders import (
@@ -80,7 +77,6 @@ from tests.patches.hybrid_0001 import (
     build_worker,
     connector_pair,
     decode_leg,
-    glm5_next_layer_specs,
     glm_like_groups,
     prefill_leg,
     produce,
@@ -88,7 +84,6 @@ from tests.patches.hybrid_0001 import (
     run_transfer,
     single_group_hybrid,
     tail_pages_needed,
-    uniform,
     wrapped_window_groups,
 )
 
@@ -410,16 +405,6 @@ def test_hybrid_without_attention_group_is_rejected(plain_vllm_configs) -> None:
         connector_pair(plain_vllm_configs, make_kv_cache_config(groups))
 
 
-def test_wrapped_mamba_group_is_still_rejected(plain_vllm_configs) -> None:
-    kda = {name: kda_mamba_spec(block_size=B) for name in ("kda.0", "kda.1")}
-    groups = [
-        KVCacheGroupSpec(["attn.0"], full_attention_spec(B)),
-        KVCacheGroupSpec(list(kda), uniform(dict(kda))),
-    ]
-    with pytest.raises(NotImplementedError, match="UniformTypeKVCacheSpecs"):
-        connector_pair(plain_vllm_configs, make_kv_cache_config(groups))
-
-
 @pytest.mark.parametrize("wrapped", [False, True], ids=["bare", "wrapped"])
 def test_write_mode_still_rejects_sliding_window(llama_model_dir, wrapped) -> None:
     config = make_vllm_config(
@@ -429,27 +414,6 @@ def test_write_mode_still_rejects_sliding_window(llama_model_dir, wrapped) -> No
         make_scheduler_connector(
             config, make_kv_cache_config(wrapped_window_groups(wrapped))
         )
-
-
-@pytest.mark.parametrize("layout", ["BLNHC", "LBNHC"])
-def test_pinned_glm5_next_grouping_fails_closed(mtp_vllm_configs, layout) -> None:
-    """vLLM 0.33.0's own grouping of GLM5-next-shaped caches yields a
-    CircularBufferSpec tail ring, which neither the base nor #60867 transfers:
-    the connector must refuse it at startup rather than move wrong blocks."""
-    p_config, d_config = mtp_vllm_configs
-    previous = p_config.cache_config.kv_cache_layout
-    p_config.cache_config.kv_cache_layout = layout
-    try:
-        groups = get_kv_cache_groups(p_config, glm5_next_layer_specs())
-    finally:
-        p_config.cache_config.kv_cache_layout = previous
-    assert any(
-        isinstance(spec, CircularBufferSpec)
-        for group in groups
-        for spec in iter_layer_specs(group.kv_cache_spec)
-    )
-    with pytest.raises((MoRIIOError, NotImplementedError)):
-        make_scheduler_connector(d_config, make_kv_cache_config(groups))
 
 
 def test_write_mode_hybrid_still_rejects_mtp(deepseek_mtp_model_dir) -> None:

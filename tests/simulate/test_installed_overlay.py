@@ -3,8 +3,10 @@
 These fail on the pinned base (``nox -s unit-base``) and pass with the whole
 series: hybrid READ of several attention groups (0001), the window no longer
 shifted by a decode lookahead tail (0002), a prefix hit that reads only the
-pages the decoder lacks (0005), and the window's first block read from the
-prefiller, never its null block (0008).
+pages the decoder lacks (0005), the window's first block read from the
+prefiller, never its null block (0008), GLM-5.3-Flash's real grouping
+(moriio-read-rings-and-wrapped-state-groups) and READ destinations kept out of
+zeroing (moriio-read-destinations-out-of-zeroing).
 """
 
 from __future__ import annotations
@@ -84,5 +86,65 @@ def glm():
 def test_glm_two_attention_groups_kda_and_mtp_read_the_right_kv(glm, n, hit):
     assert isinstance(glm, Pair), f"refused at start: {glm}"
     result = glm.run_case(n, hit)
+    assert result.error is None
+    assert not result.wrong
+
+
+# Model families built as vLLM 0.33.0 builds them (families.py).
+
+
+@pytest.fixture(scope="module")
+def glm5next_real():
+    try:
+        return _pair("glm5next-mtp-BLNHC", 48600)
+    except Exception as exc:  # the base and #60867 refuse the ring at start
+        return exc
+
+
+@pytest.mark.parametrize("hit", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("n", [17, 641, 1290, 4000])
+def test_glm5next_real_grouping_with_mtp_reads_the_right_kv(glm5next_real, n, hit):
+    """GLM-5.3-Flash as vLLM 0.33.0 groups it (block-outermost: wrapped KDA
+    groups, a CircularBufferSpec tail ring), MTP on both legs
+    (moriio-read-rings-and-wrapped-state-groups)."""
+    assert isinstance(glm5next_real, Pair), f"refused at start: {glm5next_real}"
+    kinds = [g.kind for g in glm5next_real.groups]
+    assert kinds == ["state", "state", "state", "full", "ring"]
+    result = glm5next_real.run_case(n, hit)
+    assert result.error is None
+    assert not result.wrong
+
+
+def test_deepseek_v4_pro_read_destinations_are_not_zeroed():
+    """Mixed precisions (fp32 compressor states) make vLLM zero fresh pages;
+    non-hybrid READ must keep its destinations out of that list
+    (moriio-read-destinations-out-of-zeroing)."""
+    pair = _pair("deepseek-v4-pro-BLNHC", 48800)
+    results = [pair.run_case(n, 0.0) for n in (100, 1000, 3001)]
+    assert [r.error for r in results] == [None] * 3
+    assert [r.n for r in results if r.wrong] == []
+
+
+@pytest.fixture(scope="module")
+def qwen35_eagle3():
+    try:
+        return _pair("qwen3.5-eagle3", 49000)
+    except Exception as exc:  # the base refuses hybrid READ with >1 group
+        return exc
+
+
+@pytest.mark.parametrize("hit", [0.0, 0.897])
+@pytest.mark.parametrize("n", [300, 2000])
+def test_eagle3_drafter_owning_its_group_reads_the_right_kv(qwen35_eagle3, n, hit):
+    """Hybrid READ with an EAGLE3 drafter in a group of its own: the drafter's
+    group is checked like every other (0001, 0006)."""
+    assert isinstance(qwen35_eagle3, Pair), f"refused at start: {qwen35_eagle3}"
+    drafter = [
+        g for g in qwen35_eagle3.d.kv_cache_config.kv_cache_groups if g.is_eagle_group
+    ]
+    assert len(drafter) == 1 and drafter[0].layer_names == [
+        "drafter.model.layers.0.self_attn.attn"
+    ]
+    result = qwen35_eagle3.run_case(n, hit)
     assert result.error is None
     assert not result.wrong

@@ -32,6 +32,10 @@ HYBRID_GROUPS = "moriio-hybrid-read-multi-attention-groups"
 TRIM_BEFORE_CLIP = "moriio-trim-prompt-blocks-before-sw-clip"
 MISSING_PAGES = "moriio-hybrid-read-only-missing-attention-pages"
 WINDOW_START = "moriio-read-keeps-sw-window-start"
+RINGS = "moriio-read-rings-and-wrapped-state-groups"
+# Group spec kinds the base connector refuses at start, and the patch that
+# makes READ accept them.
+SPEC_FIXES = {"CircularBufferSpec": RINGS}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -150,14 +154,15 @@ def refusals(geo: Geometry) -> list[Rule]:
                 fixed_by=HYBRID_GROUPS,
             )
         )
-    if geo.refused_specs:
-        kinds = ", ".join(geo.refused_specs)
+    for kind in geo.refused_specs:
+        fix = SPEC_FIXES.get(kind, "")
         out.append(
             Rule(
                 "unsupported-spec",
-                f"the connector accepts no {kinds} group, with or without the "
-                "series; the servers fail closed at start",
-                open_issue="upstream: the connector has no path for this spec",
+                f"the base connector accepts no {kind} group; the servers fail "
+                "closed at start",
+                fixed_by=fix,
+                open_issue="" if fix else "the connector has no path for this spec",
             )
         )
     return out

@@ -25,6 +25,16 @@ A READ that pairs a null block (the prefiller's as its source, or the
 decoder's as its destination) is wrong wherever it lands: the null block is
 vLLM's placeholder for a freed or never-allocated page, so the pair copies
 nothing of the prompt, or writes into a page every request shares.
+
+A drafter's layers (MTP; EAGLE, in the target's group or in one of its own)
+are checked by the same rules as the target's: which page holds which
+positions. A drafter row's value is not modelled. The row of position p is
+computed from token p + 1, so a prefiller that computes N-1 tokens (hybrid
+READ, or READ with a sliding-window group) computes the row of N-2 from its
+own sampled token rather than the prompt's token N-1. That row differs from
+the decoder's own only where the sample differs from the prompt; it changes
+what the drafter proposes, never the output (the target verifies every
+draft), as upstream #60867 states for MTP and DSpark.
 """
 
 from __future__ import annotations

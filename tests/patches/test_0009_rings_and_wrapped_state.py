@@ -1,0 +1,523 @@
+"""Patch 0009: MoRIIO READ of GLM-5.3-Flash's real grouping on vLLM 0.33.0.
+
+The per-layer specs follow 0.33.0's GLM5-next code (vllm/models/glm5next):
+KDA layers (``MambaSpec``, one scratch slot per speculative token, the page
+padded to the attention page), indexed-attention layers with MLA (a 512
+latent), the kpool indexer key cache (``tokens_per_state = index_kpool``,
+16) and the kpool tail ring (``CircularBufferSpec``, one block of
+``16 * pow2(cdiv(16 + num_spec, 16))`` rows per request); the MTP layer is an
+indexed-attention layer marked as a draft. Block 640, as
+``Platform._align_hybrid_block_size`` resolves it for these shapes at TP 8.
+
+vLLM's own planner (``get_kv_cache_groups``) groups them. Their pages
+differ, so layer-outermost layouts cannot group them at all and
+block-outermost ones pack them: every group is a ``UniformTypeKVCacheSpecs``
+(three of KDA layers, one of MLA + indexer, one of rings). The scheduler's
+config keeps each group's first layer spec
+(``generate_scheduler_kv_cache_config``); the workers keep the wrappers.
+
+Tables come from vLLM's ``KVCacheManager`` on the scheduler's config; the
+prefiller holds the truncated prompt (N-1 tokens), the decoder N tokens,
+each with its speculative lookahead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import types
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+    moriio_common,
+    moriio_connector,
+)
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
+    iter_layer_specs,
+)
+from vllm.v1.request import RequestStatus
+
+from tests.patches.builders import (
+    full_attention_spec,
+    kda_mamba_spec,
+    make_kv_cache_blocks,
+    make_kv_cache_config,
+    make_request,
+    make_scheduler_connector,
+    make_scheduler_output,
+    make_vllm_config,
+    moriio_kv_transfer_config,
+)
+
+BLOCK = 640
+KPOOL = 16
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+
+
+def glm5_next_layer_specs(num_spec: int) -> dict[str, KVCacheSpec]:
+    """12 layers (3 KDA : 1 indexed attention) and, with MTP, the MTP layer."""
+    mla = MLAAttentionSpec(
+        block_size=BLOCK,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=512,
+        dtype=torch.bfloat16,
+        is_index_group_leader=True,
+    )
+    kda = kda_mamba_spec(
+        block_size=BLOCK,
+        num_speculative_blocks=num_spec,
+        shapes=((3072, 3 + num_spec), (8, 128, 128)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=mla.page_size_bytes,
+    )
+    indexer = MLAAttentionSpec(
+        block_size=BLOCK,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=128 + 4,
+        dtype=torch.uint8,
+        cache_role=SparseCacheRole.INDEXER,
+        tokens_per_state=KPOOL,
+    )
+    ring_rows = KPOOL * (1 << (-(-(KPOOL + num_spec) // KPOOL) - 1).bit_length())
+    ring = CircularBufferSpec(
+        block_size=ring_rows,
+        num_kv_heads=2,
+        head_size=128,
+        head_size_v=0,
+        dtype=torch.bfloat16,
+        dcp_sharded=False,
+    )
+    specs: dict[str, KVCacheSpec] = {}
+
+    def indexed(prefix: str, draft: bool) -> None:
+        for name, spec in (
+            ("mla_attn", mla),
+            ("indexer.k_cache", indexer),
+            ("indexer.tail_cache", ring),
+        ):
+            specs[f"{prefix}.{name}"] = replace(spec, is_draft=draft)
+
+    for i in range(12):
+        if i % 4 == 3:
+            indexed(f"model.layers.{i}.self_attn", False)
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = kda
+    if num_spec:
+        indexed("model.layers.12.self_attn", True)
+    return specs
+
+
+@dataclass
+class Grouping:
+    """vLLM's grouping of the specs: the workers' and the scheduler's view."""
+
+    worker: KVCacheConfig
+    scheduler: KVCacheConfig
+
+    def kinds(self) -> list[str]:
+        out = []
+        for group in self.scheduler.kv_cache_groups:
+            spec = group.kv_cache_spec
+            if isinstance(spec, MambaSpec):
+                out.append("kda")
+            elif isinstance(spec, CircularBufferSpec):
+                out.append("ring")
+            else:
+                out.append("mla")
+        return out
+
+
+def real_grouping(vllm_config: Any, num_spec: int, layout: str = "BLNHC") -> Grouping:
+    previous = vllm_config.cache_config.kv_cache_layout
+    vllm_config.cache_config.kv_cache_layout = layout
+    try:
+        groups = get_kv_cache_groups(vllm_config, glm5_next_layer_specs(num_spec))
+    finally:
+        vllm_config.cache_config.kv_cache_layout = previous
+    worker = make_kv_cache_config(groups, num_blocks=2048)
+    return Grouping(worker, generate_scheduler_kv_cache_config([worker]))
+
+
+def _configs(model_dir: Path, num_spec: int) -> tuple[Any, Any]:
+    spec = MTP if num_spec else None
+    return tuple(  # type: ignore[return-value]
+        make_vllm_config(
+            model_dir,
+            moriio_kv_transfer_config(role),
+            block_size=BLOCK,
+            speculative_config=spec,
+        )
+        for role in ("kv_producer", "kv_consumer")
+    )
+
+
+@pytest.fixture(params=[0, 1], ids=["no-spec", "mtp"])
+def num_spec(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
+@pytest.fixture
+def configs(llama_model_dir: Path, deepseek_mtp_model_dir: Path, num_spec: int):
+    return _configs(deepseek_mtp_model_dir if num_spec else llama_model_dir, num_spec)
+
+
+# --------------------------------------------------------------------------
+# The real grouping starts
+# --------------------------------------------------------------------------
+
+
+def test_real_grouping_wraps_every_group(configs, num_spec) -> None:
+    """What the connector is given on 0.33.0 (holds on the base too)."""
+    grouping = real_grouping(configs[0], num_spec)
+    assert all(
+        isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs)
+        for g in grouping.worker.kv_cache_groups
+    )
+    assert grouping.kinds() == ["kda", "kda", "kda", "mla", "ring"]
+    with pytest.raises(NotImplementedError):
+        real_grouping(configs[0], num_spec, layout="LBNHC")
+
+
+def test_real_grouping_starts_on_both_legs(configs, num_spec) -> None:
+    grouping = real_grouping(configs[0], num_spec)
+    for config in configs:
+        scheduler = make_scheduler_connector(
+            config, grouping.scheduler
+        ).connector_scheduler
+        assert scheduler is not None
+        assert scheduler._attn_group_ids == [3, 4]
+        assert scheduler._mamba_group_ids == [0, 1, 2]
+        assert scheduler._num_ssm_scratch_blocks == num_spec
+
+
+# --------------------------------------------------------------------------
+# READ pairs every group by position, the ring included
+# --------------------------------------------------------------------------
+
+_ids = itertools.count()
+
+
+class Leg:
+    """One leg's KV cache manager on the scheduler's config."""
+
+    def __init__(self, grouping: Grouping) -> None:
+        self.manager = KVCacheManager(
+            grouping.scheduler,
+            max_model_len=8192,
+            scheduler_block_size=BLOCK,
+            hash_block_size=BLOCK,
+            enable_caching=False,
+        )
+
+    def allocate(
+        self, request: Any, num_tokens: int, lookahead: int
+    ) -> list[list[int]]:
+        blocks = self.manager.allocate_slots(
+            request, num_tokens, num_lookahead_tokens=lookahead
+        )
+        assert blocks is not None
+        return [list(t) for t in self.manager.get_block_ids(request.request_id)]
+
+
+def _transfer(configs, grouping: Grouping, num_spec: int, n: int, local_hit: int):
+    """Prefill N-1 tokens on P, admit N on D; the consumer's ReqMeta and both
+    legs' tables."""
+    p_conn = make_scheduler_connector(configs[0], grouping.scheduler)
+    d_conn = make_scheduler_connector(configs[1], grouping.scheduler)
+    rid = f"glm-{next(_ids)}"
+    prefill = make_request(rid, n, {"do_remote_decode": True, "transfer_id": rid})
+    p_conn.on_new_request(prefill)
+    assert prefill.num_prompt_tokens == n - 1
+    p_tables = Leg(grouping).allocate(prefill, n - 1, num_spec)
+    prefill.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = p_conn.request_finished_all_groups(prefill, tuple(p_tables))
+    assert delay and params is not None
+
+    decode = make_request(rid, n, params)
+    external, load_async = d_conn.get_num_new_matched_tokens(decode, local_hit)
+    assert not load_async
+    d_tables = Leg(grouping).allocate(decode, n, 1 + 2 * num_spec)
+    d_conn.update_state_after_alloc(decode, make_kv_cache_blocks(d_tables), external)
+    meta = d_conn.build_connector_meta(make_scheduler_output())
+    return meta.reqs_to_recv[rid], p_tables, d_tables
+
+
+@pytest.mark.parametrize("n", [2, 17, 640, 641, 1300, 4000])
+def test_read_pairs_every_group_by_position(configs, num_spec, n) -> None:
+    grouping = real_grouping(configs[0], num_spec)
+    req, p_tables, d_tables = _transfer(configs, grouping, num_spec, n, 0)
+    payload = [3, 4, 0, 1, 2]  # attention groups, then KDA, in group order
+    assert len(req.local_block_ids) == len(req.remote_block_ids) == len(payload)
+    for slot, group in enumerate(payload):
+        local, remote = req.local_block_ids[slot], req.remote_block_ids[slot]
+        kind = grouping.kinds()[group]
+        if kind == "mla":
+            pages = -(-(n - 1) // BLOCK)
+            assert local == d_tables[group][:pages]
+            assert remote == p_tables[group][:pages]
+        elif kind == "ring":
+            # One ring block per request on each leg: the open group's rows.
+            assert local == d_tables[group] and len(local) == 1
+            assert remote == p_tables[group] and len(remote) == 1
+        else:
+            # The state after N-1 tokens: P's running slot into D's.
+            p_slot = p_tables[group][(n - 2) // BLOCK] if n > 1 else None
+            assert remote == [p_slot]
+            assert len(local) == 1 and local[0] in d_tables[group]
+
+
+def test_full_local_hit_reads_the_ring_and_the_state(configs, num_spec) -> None:
+    """The decoder caches every MLA page; the ring and the KDA state are never
+    a prefix hit, so they are read."""
+    grouping = real_grouping(configs[0], num_spec)
+    n = 2 * BLOCK + 9
+    req, p_tables, d_tables = _transfer(configs, grouping, num_spec, n, n - 1)
+    assert req.local_block_ids[0] == []
+    assert req.local_block_ids[1] == d_tables[4]
+    assert req.remote_block_ids[1] == p_tables[4]
+    assert all(len(group) == 1 for group in req.local_block_ids[2:])
+
+
+# --------------------------------------------------------------------------
+# Workers route every layer of the wrapped groups to its payload list
+# --------------------------------------------------------------------------
+
+
+class _Status:
+    def Succeeded(self) -> bool:
+        return True
+
+    def Failed(self) -> bool:
+        return False
+
+    def InProgress(self) -> bool:
+        return False
+
+    def Code(self) -> int:
+        return 0
+
+    def Message(self) -> str:
+        return ""
+
+
+class _Wrapper:
+    """Stands in for MoRIIOWrapper: records every posted RDMA READ."""
+
+    def __init__(self, **_: Any) -> None:
+        self.lock = threading.Lock()
+        self.reads: list[tuple[str, int, list[int], list[int]]] = []
+        self.notify_port = 0
+
+    def set_moriio_engine(self, engine: Any) -> None:
+        self.engine = engine
+
+    def set_backend_type(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def read_remote_data(self, sizes, local_offsets, remote_offsets, session):
+        layer, region = session
+        self.reads.append((layer, region, list(local_offsets), list(remote_offsets)))
+        return _Status()
+
+    def send_notify(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def stub_mori(monkeypatch: pytest.MonkeyPatch) -> None:
+    mc = moriio_connector
+    monkeypatch.setattr(mc, "MoRIIO_enabled", True)
+    monkeypatch.setattr(mc, "IOEngine", lambda *a, **k: object(), raising=False)
+    monkeypatch.setattr(mc, "IOEngineConfig", lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(
+        mc,
+        "BackendType",
+        types.SimpleNamespace(XGMI="xgmi", RDMA="rdma"),
+        raising=False,
+    )
+    monkeypatch.setattr(mc, "MoRIIOWrapper", _Wrapper)
+    monkeypatch.setattr(
+        mc, "get_world_group", lambda: types.SimpleNamespace(rank=0, local_rank=0)
+    )
+    monkeypatch.setattr(mc, "get_tp_group", lambda: None)
+    monkeypatch.setattr(mc, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(
+        moriio_common, "get_tensor_model_parallel_world_size", lambda: 1
+    )
+    monkeypatch.setattr(
+        mc,
+        "get_attn_backend",
+        lambda *a, **k: types.SimpleNamespace(get_name=lambda: "STUB"),
+    )
+    monkeypatch.setattr(mc.MoRIIOConnectorWorker, "_start_heartbeat", lambda self: None)
+
+
+def _worker(vllm_config: Any, kv_cache_config: KVCacheConfig) -> Any:
+    """The real worker __init__ on stubs; memory registration stubbed: one
+    region per attention layer, two (conv, ssm) per KDA layer; a block's byte
+    offset is its id."""
+    worker = moriio_connector.MoRIIOConnectorWorker(
+        vllm_config, "127.0.0.1:0", kv_cache_config
+    )
+    worker._has_mamba = True
+    worker.layer_name_to_local_kv_cache_metadata = {}
+    sessions: list[tuple[str, int]] = []
+    for group in kv_cache_config.kv_cache_groups:
+        for layer in group.layer_names:
+            state = isinstance(worker.layer_to_spec[layer], MambaSpec)
+            regions = 2 if state else 1
+            worker.layer_name_to_local_kv_cache_metadata[layer] = [b""] * regions
+            sessions += [(layer, r) for r in range(regions)]
+    worker._get_built_session = lambda engine_id: (sessions, object())
+    worker._region_session_indices = lambda layer: [
+        i for i, (name, _) in enumerate(sessions) if name == layer
+    ]
+
+    def attention_offsets(layer, local, remote, *args, **kwargs):
+        return list(local), list(remote[: len(local)]), [1] * len(local)
+
+    def state_offsets(layer, local_slots, remote_slots, remote_tp_size=None):
+        sizes = [1] * (2 * len(local_slots))
+        both = ([*local_slots, *local_slots], [*remote_slots, *remote_slots])
+        return (*both, sizes, len(local_slots))
+
+    worker._compute_read_attention_offsets = attention_offsets
+    worker._compute_mamba_transfer_offsets = state_offsets
+    return worker
+
+
+def test_workers_route_wrapped_kda_and_ring_layers(stub_mori, configs, num_spec):
+    grouping = real_grouping(configs[0], num_spec)
+    worker = _worker(configs[1], grouping.worker)
+    payload = [3, 4, 0, 1, 2]
+    local = [[10 + g, 20 + g] if g == 3 else [10 + g] for g in payload]
+    remote = [[50 + g, 60 + g] if g == 3 else [50 + g] for g in payload]
+    try:
+        worker._read_blocks(
+            local_block_ids=local,
+            remote_block_ids=remote,
+            dst_engine_id="127.0.0.1:1",
+            request_id="route",
+            transfer_id="t-route",
+            remote_host="127.0.0.1",
+            remote_notify_port=1,
+            remote_tp_size=1,
+        )
+        reads = worker.moriio_wrapper.reads
+    finally:
+        worker.shutdown()
+    expected = {
+        layer: payload.index(g)
+        for g, group in enumerate(grouping.worker.kv_cache_groups)
+        for layer in group.layer_names
+    }
+    posted: dict[str, list[tuple[int, list[int], list[int]]]] = {}
+    for layer, region, local_offs, remote_offs in reads:
+        posted.setdefault(layer, []).append((region, local_offs, remote_offs))
+    assert set(posted) == set(expected)
+    for layer, slot in expected.items():
+        for _, local_offs, remote_offs in posted[layer]:
+            assert local_offs == local[slot], layer
+            assert remote_offs == remote[slot], layer
+
+
+# --------------------------------------------------------------------------
+# Fail closed, naming the spec and the group
+# --------------------------------------------------------------------------
+
+
+def test_wrapped_mamba_group_is_accepted(configs, num_spec) -> None:
+    kda = {n: kda_mamba_spec(block_size=64) for n in ("kda.0", "kda.1")}
+    wrapped = UniformTypeKVCacheSpecs.from_specs(dict(kda))
+    assert wrapped is not None
+    groups = [
+        KVCacheGroupSpec(["attn.0"], full_attention_spec(64)),
+        KVCacheGroupSpec(list(kda), wrapped),
+    ]
+    scheduler = make_scheduler_connector(
+        configs[1], make_kv_cache_config(groups)
+    ).connector_scheduler
+    assert scheduler is not None and scheduler._mamba_group_ids == [1]
+
+
+def test_unsupported_group_is_refused_naming_spec_and_group(llama_model_dir) -> None:
+    config = make_vllm_config(llama_model_dir, moriio_kv_transfer_config())
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        attention_chunk_size=8192,
+    )
+    groups = [
+        KVCacheGroupSpec(["layers.3.attn"], full_attention_spec(16)),
+        KVCacheGroupSpec(["layers.0.attn", "layers.1.attn"], chunked),
+    ]
+    with pytest.raises(
+        NotImplementedError,
+        match=r"group 1 \(layers\.0\.attn, 2 layers\): ChunkedLocalAttentionSpec",
+    ):
+        make_scheduler_connector(config, make_kv_cache_config(groups))
+
+
+def test_mamba_refusal_names_the_layer_and_its_group(llama_model_dir) -> None:
+    """Qwen4-exp's PLE short-conv state is one array, not conv + SSM."""
+    config = _configs(llama_model_dir, 0)[1]
+    kda = kda_mamba_spec(block_size=64)
+    ple = kda_mamba_spec(block_size=64, shapes=((3, 1024),), dtypes=(torch.bfloat16,))
+    groups = [
+        KVCacheGroupSpec(["layers.3.attn"], full_attention_spec(64)),
+        KVCacheGroupSpec(["layers.0.gdn"], kda),
+        KVCacheGroupSpec(["layers.0.ple"], ple),
+    ]
+    with pytest.raises(
+        moriio_common.MoRIIOError,
+        match=r"1 shapes and 1 dtypes in the MambaSpec of layer layers\.0\.ple "
+        r"\(transfer group 2\)",
+    ):
+        make_scheduler_connector(config, make_kv_cache_config(groups))
+
+
+def test_write_mode_refuses_rings(llama_model_dir) -> None:
+    config = make_vllm_config(
+        llama_model_dir, moriio_kv_transfer_config("kv_producer", read_mode=False)
+    )
+    ring = CircularBufferSpec(
+        block_size=16, num_kv_heads=2, head_size=64, head_size_v=0, dtype=torch.bfloat16
+    )
+    groups = [
+        KVCacheGroupSpec(["layers.0.attn"], full_attention_spec(16)),
+        KVCacheGroupSpec(["layers.0.tail"], ring),
+    ]
+    with pytest.raises(NotImplementedError, match="circular-buffer"):
+        make_scheduler_connector(config, make_kv_cache_config(groups))
+
+
+def test_every_layer_spec_of_the_real_grouping_is_known() -> None:
+    """Guards the spec construction above against vLLM renaming fields."""
+    specs = glm5_next_layer_specs(1)
+    kinds = {type(s).__name__ for s in specs.values()}
+    assert kinds == {"MambaSpec", "MLAAttentionSpec", "CircularBufferSpec"}
+    assert all(len(iter_layer_specs(s)) == 1 for s in specs.values())
