@@ -12,6 +12,7 @@ stale contents, and the prefix caches are reset every 64 cases.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,15 +37,52 @@ RewriteFn = Callable[[Lists, Lists, Lists], tuple[Lists, Lists]]
 """Test hook: (local, remote, decoder tables) -> the (local, remote) to READ."""
 
 _VOCAB = 60000
+_STRIDE = 7919
+_INVERSE = pow(_STRIDE, -1, _VOCAB)
 
 
 def prompt_tokens(uid: int, n: int, shared: int = -1, salt: int = 0) -> list[int]:
-    """Tokens of prompt ``uid``; positions >= ``shared`` differ (warm-up)."""
+    """Tokens of prompt ``uid``; positions >= ``shared`` differ (warm-up).
+
+    Token ``i`` is ``(start + 7919 i) % 60000 + 1``, ``start`` depending on
+    ``uid`` (and on ``salt`` from ``shared`` on): a run of consecutive
+    multiples of 7919 mod 60000, so a slice of one precomputed cycle.
+    """
     base = uid * 1_000_003
-    out = [(base + i * 7919) % _VOCAB + 1 for i in range(n)]
+    if not 0 <= shared < n:
+        return _run(base, 0, n)
+    return _run(base, 0, shared) + _run(base + 104_729 * (salt + 1), shared, n - shared)
+
+
+@functools.cache
+def _cycle() -> list[int]:
+    """``7919 k % 60000 + 1`` for every ``k`` mod 60000."""
+    return [_STRIDE * k % _VOCAB + 1 for k in range(_VOCAB)]
+
+
+def _run(start: int, first: int, count: int) -> list[int]:
+    """Tokens ``first .. first + count`` of the sequence starting at ``start``:
+    ``(start + 7919 i) % 60000 = 7919 (start / 7919 + i) % 60000``."""
+    cycle = _cycle()
+    k = (start * _INVERSE + first) % _VOCAB
+    out: list[int] = []
+    while count > 0:
+        take = min(count, _VOCAB - k)
+        out += cycle[k : k + take]
+        count -= take
+        k = 0
+    return out
+
+
+def prompt_tokens_reference(
+    uid: int, n: int, shared: int = -1, salt: int = 0
+) -> list[int]:
+    """``prompt_tokens`` one token at a time: what the tests hold it to."""
+    base = uid * 1_000_003
+    out = [(base + i * _STRIDE) % _VOCAB + 1 for i in range(n)]
     if 0 <= shared < n:
         alt = base + 104_729 * (salt + 1)
-        out[shared:] = [(alt + i * 7919) % _VOCAB + 1 for i in range(shared, n)]
+        out[shared:] = [(alt + i * _STRIDE) % _VOCAB + 1 for i in range(shared, n)]
     return out
 
 
