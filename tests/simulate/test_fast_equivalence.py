@@ -53,3 +53,43 @@ def test_cases_equal_with_the_reference_tokens(layout, lengths, monkeypatch):
     slow = _cases(drive.Pair(spec, max(lengths) + 64, port=47400), lengths, hits)
     assert fast == slow
     assert all(r.error is None for r in fast)
+
+
+def _refuse(local, remote, tables):
+    """A READ the workers refuse: one more local list than remote ones."""
+    del tables
+    return [*local, []], remote
+
+
+_SEQUENCE = [
+    (100, 0.0, None),
+    (200, 0.5, _refuse),
+    (100, 0.5, None),
+    (300, 0.897, None),
+    (57, 1.0, _refuse),
+    (58, 1.0, _refuse),
+    (257, 0.0, None),
+]
+
+
+def _idle(leg) -> bool:
+    pool = leg.scheduler.kv_cache_manager.block_pool
+    return not leg.scheduler.requests and (
+        pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    )
+
+
+def test_a_refused_read_gives_what_a_rebuild_gives():
+    from vllm_overlay.simulate.layouts import expand
+
+    spec = expand(["llama"])[0]
+    results = {}
+    for recover, port in ((True, 47600), (False, 47800)):
+        pair = drive.Pair(spec, 400, port=port, recover=recover)
+        results[recover] = [pair.run_case(*case) for case in _SEQUENCE]
+        assert _idle(pair.p) and _idle(pair.d)
+    assert results[True] == results[False]
+    errors = [r.error for r in results[True]]
+    assert [e is not None for e in errors] == [c[2] is _refuse for c in _SEQUENCE]
+    assert all(e.startswith("RuntimeError: ReqMeta group count") for e in errors if e)
+    assert not any(r.wrong for r in results[True])

@@ -163,13 +163,32 @@ def worker_routes(leg: Leg) -> list[int | None]:
     return routes
 
 
-class Pair:
-    """A prefill/decode scheduler pair that runs cases one after another."""
+class _Refused(Exception):
+    """The workers refuse the READ (``_read`` raised); ``__cause__`` says why."""
 
-    def __init__(self, layout: Layout, max_model_len: int, port: int = 40000):
+
+class Pair:
+    """A prefill/decode scheduler pair that runs cases one after another.
+
+    A case that fails rebuilds both legs, since the schedulers may be left
+    mid-step. A READ the workers refuse is the exception when ``recover``:
+    the schedulers are consistent then, so the case runs to its end (the
+    decoder computes on, the prefill frees) and reports the refusal; a
+    layout whose every READ is refused costs a case, not a rebuild (~1 s),
+    per length. ``recover=False`` rebuilds there too (the reference).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        max_model_len: int,
+        port: int = 40000,
+        recover: bool = True,
+    ):
         self.layout = layout
         self.max_model_len = max_model_len
         self.port = port
+        self.recover = recover
         self._build()
 
     def _build(self) -> None:
@@ -344,21 +363,8 @@ class Pair:
             return self._run_case(n, hit_fraction, rewrite)
         except Exception as exc:  # fail-closed refusals and crashes alike
             self._build()
-            return CaseResult(
-                n=n,
-                hit_fraction=hit_fraction,
-                local_hit_tokens=0,
-                wrong=False,
-                wrong_groups=[],
-                pages_read=0,
-                min_pages=0,
-                bytes_read=0,
-                min_bytes=0,
-                extra_reads=0,
-                duplicate_reads=0,
-                unread=0,
-                error=f"{type(exc).__name__}: {exc}"[:300],
-            )
+            cause = exc.__cause__ if isinstance(exc, _Refused) else None
+            return _error_result(n, hit_fraction, cause or exc)
 
     def _run_case(
         self, n: int, hit_fraction: float, rewrite: RewriteFn | None
@@ -389,9 +395,17 @@ class Pair:
         d_params["do_remote_prefill"] = True
         self.d.scheduler.add_request(self._request(self.d, rid, tokens, d_params))
         box: dict[str, CaseResult] = {}
+        refused: list[BaseException] = []
 
         def read_and_check(so: Any) -> None:
-            box["result"] = self._read_and_check(so, rid, n, uid, hit_fraction, rewrite)
+            try:
+                box["result"] = self._read_and_check(
+                    so, rid, n, uid, hit_fraction, rewrite
+                )
+            except _Refused as exc:
+                if not self.recover or exc.__cause__ is None:
+                    raise
+                refused.append(exc.__cause__)
 
         self._step(self.d, self.d_store, {rid: (uid, n)}, before_compute=read_and_check)
         for _ in range(8):
@@ -409,6 +423,8 @@ class Pair:
             and self.d.scheduler.reset_prefix_cache()
         ):
             raise RuntimeError("reset_prefix_cache refused")
+        if refused:
+            return _error_result(n, hit_fraction, refused[0])
         if "result" not in box:
             raise RuntimeError("decoder did not schedule the request")
         return box["result"]
@@ -439,7 +455,10 @@ class Pair:
             remote = [list(x) for x in req_meta.remote_block_ids]
             if rewrite is not None:
                 local, remote = rewrite(local, remote, tables)
-            reads, null_reads = self._read(local, remote)
+            try:
+                reads, null_reads = self._read(local, remote)
+            except RuntimeError as exc:
+                raise _Refused() from exc
         # Zeroing a READ destination races the READ: count it as lost.
         read_dsts = {dst for _, dst in reads}
         self.d_store.zero([b for b in so.new_block_ids_to_zero or [] if b in read_dsts])
@@ -479,6 +498,24 @@ class Pair:
                 if src == p_null or dst == d_null:
                     null_reads.append(g)
         return reads, null_reads
+
+
+def _error_result(n: int, hit_fraction: float, exc: BaseException) -> CaseResult:
+    return CaseResult(
+        n=n,
+        hit_fraction=hit_fraction,
+        local_hit_tokens=0,
+        wrong=False,
+        wrong_groups=[],
+        pages_read=0,
+        min_pages=0,
+        bytes_read=0,
+        min_bytes=0,
+        extra_reads=0,
+        duplicate_reads=0,
+        unread=0,
+        error=f"{type(exc).__name__}: {exc}"[:300],
+    )
 
 
 def _state_ok(store: PageStore, block_id: int, group: int, uid: int, t: int) -> bool:
