@@ -93,3 +93,16 @@ def test_a_refused_read_gives_what_a_rebuild_gives():
     assert [e is not None for e in errors] == [c[2] is _refuse for c in _SEQUENCE]
     assert all(e.startswith("RuntimeError: ReqMeta group count") for e in errors if e)
     assert not any(r.wrong for r in results[True])
+
+
+def test_cases_equal_with_vllms_hasher_alone(monkeypatch):
+    from vllm_overlay.simulate.hashes import PromptHashes
+    from vllm_overlay.simulate.layouts import expand
+
+    lengths, hits = [1, 16, 17, 100, 257, 1000], [0.0, 0.5, 0.897, 1.0]
+    spec = expand(["dsv4"])[0]
+    fast = _cases(drive.Pair(spec, 1100, port=47900), lengths, hits)
+    monkeypatch.setattr(PromptHashes, "wrap", lambda self, hasher, leg: hasher)
+    slow = _cases(drive.Pair(spec, 1100, port=47950), lengths, hits)
+    assert fast == slow
+    assert all(r.error is None for r in fast)

@@ -11,7 +11,6 @@ stale contents, and the prefix caches are reset every 64 cases.
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +27,7 @@ from vllm_overlay.simulate.check import (
     ReadCheck,
     precopy_states,
 )
+from vllm_overlay.simulate.hashes import PromptHashes
 from vllm_overlay.simulate.layouts import Layout
 from vllm_overlay.simulate.legs import Leg, build_leg
 from vllm_overlay.simulate.pages import Page, PageStore
@@ -196,6 +196,9 @@ class Pair:
         self.d = build_leg(
             self.layout, "kv_consumer", self.port + 100, self.max_model_len
         )
+        hashes = PromptHashes()
+        for leg in (self.p, self.d):
+            leg.block_hasher = hashes.wrap(leg.block_hasher, leg)
         self.groups = group_infos(self.d, self.layout)
         self.p_store = PageStore(self._null_id(self.p))
         self.d_store = PageStore(self._null_id(self.d))
@@ -391,7 +394,7 @@ class Pair:
         if params is None:
             raise RuntimeError("prefill returned no kv_transfer_params")
 
-        d_params = copy.deepcopy(params)
+        d_params = _copied(params)
         d_params["do_remote_prefill"] = True
         self.d.scheduler.add_request(self._request(self.d, rid, tokens, d_params))
         box: dict[str, CaseResult] = {}
@@ -498,6 +501,18 @@ class Pair:
                 if src == p_null or dst == d_null:
                     null_reads.append(g)
         return reads, null_reads
+
+
+def _copied(value: Any) -> Any:
+    """A copy of JSON-like ``kv_transfer_params``: dicts and lists are new,
+    the leaves (str, int, bool, None) shared."""
+    if isinstance(value, dict):
+        return {
+            k: _copied(v) if isinstance(v, dict | list) else v for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_copied(v) if isinstance(v, dict | list) else v for v in value]
+    return value
 
 
 def _error_result(n: int, hit_fraction: float, exc: BaseException) -> CaseResult:
