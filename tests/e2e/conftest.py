@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from tests.e2e.ports import free_port
 from vllm_overlay.e2e.config import RunConfig, load_config
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -64,21 +64,6 @@ def local_example(example_config: RunConfig, local_model: Path) -> RunConfig:
     """The smoke example with the model path pointing at the local config."""
     model = msgspec.structs.replace(example_config.model, path=str(local_model))
     return msgspec.structs.replace(example_config, model=model)
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now, and never handed out before in this session (the
-    kernel may give a just-closed port again)."""
-    while True:
-        with socket.socket() as s:
-            s.bind((LOOPBACK, 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 def loopback_config(

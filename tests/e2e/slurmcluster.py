@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.e2e.ports import free_port
+
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo")
 APT_PACKAGES = ("slurm-wlm", "munge")
 
@@ -44,19 +46,6 @@ def ensure_installed() -> str:
         err = done.stderr.decode(errors="replace").strip()[-300:]
         return f"apt-get could not install {' '.join(APT_PACKAGES)}: {err}"
     return ""
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 class LocalSlurm:
