@@ -362,10 +362,21 @@ def simulate_bytes(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """Benchmarks: figures printed, never asserted."""
+    """Benchmarks: figures printed, never asserted.
+
+    Every script under benchmarks/; `nox -s bench -- NAME [ARGS]` runs one,
+    with its arguments.
+    """
+    scripts = {p.stem: p for p in sorted((ROOT / "benchmarks").glob("*.py"))}
+    chosen, args = scripts, list(session.posargs)
+    if args:
+        if args[0] not in scripts:
+            session.error(f"bench: {args[0]!r} is not one of {', '.join(scripts)}")
+        chosen, args = {args[0]: scripts[args[0]]}, args[1:]
     python = str(cpu_python(session))
-    for script in sorted((ROOT / "benchmarks").glob("*.py")):
-        session.run(python, str(script), *session.posargs, env=TEST_ENV, external=True)
+    for script in chosen.values():
+        session.run(python, str(script), *args, env=TEST_ENV, external=True)
+    session.log(f"bench: {len(chosen)} benchmark(s): {', '.join(chosen)}")
 
 
 @nox.session(venv_backend="none")

@@ -8,18 +8,23 @@ on both legs: ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
 ``build_connector_meta`` and ``request_finished`` (or
 ``request_finished_all_groups``, the hybrid form). A request's figure is the
 sum of its calls on one leg (a decoder warm-up that gives the prefix hit is
-not counted); medians and spreads are over repeats in one process, each
-variant in its own process (``vllm_overlay.tree.variant``). Growth is the
-log-log slope of the median against the blocks a request holds (1.0 is
+not counted). Each variant runs in processes of its own
+(``vllm_overlay.tree.variant``), base and overlay taking turns (ABBA...);
+medians and spreads are over the repeats of every round. Times are the
+calling thread's CPU time (on a shared machine wall time also counts other
+processes' turns), with the cyclic garbage collector paused while a case is
+timed (a collection lands on whichever hook happens to allocate). Growth is
+the log-log slope of the median against the blocks a request holds (1.0 is
 linear).
 
 Usage: python benchmarks/hook_cost.py [--layouts L,..] [--lengths N,..]
-       [--hits PCT,..] [--repeats R]
+       [--hits PCT,..] [--repeats R] [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import shutil
@@ -38,7 +43,8 @@ import msgspec
 LAYOUTS = "llama,dsv4,kimi/dcp8,glm"
 LENGTHS = "4096,8192,16384,32768,65536,131072"
 HITS = "0,50"
-REPEATS = 7
+REPEATS = 4
+ROUNDS = 2
 HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -86,13 +92,13 @@ class _Clock:
         clock = self
 
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return inner(self, *args, **kwargs)
             finally:
                 if clock.on:
                     leg = clock.legs.get(id(self), "?")
-                    clock.totals[(leg, hook)] += time.perf_counter() - start
+                    clock.totals[(leg, hook)] += time.thread_time() - start
 
         setattr(cls, name, timed)
 
@@ -142,9 +148,14 @@ def _measure(
                     id(pair.d.scheduler.connector): "D",
                 }
                 clock.totals.clear()
+                gc.collect()
+                gc.disable()
                 clock.on = True
-                result = pair.run_case(n, hit)
-                clock.on = False
+                try:
+                    result = pair.run_case(n, hit)
+                finally:
+                    clock.on = False
+                    gc.enable()
                 if result.error is not None:
                     yield Refused(layout_name, f"{n} tokens: {result.error}")
                     return
@@ -223,6 +234,22 @@ def _run_variant(
     return lines
 
 
+def pooled(lines: list[Line]) -> list[Line]:
+    """One sample per point, its runs from every round; each refusal once."""
+    samples: dict[tuple[str, int, float, str, str], Sample] = {}
+    refused: dict[tuple[str, str], Refused] = {}
+    for line in lines:
+        if isinstance(line, Refused):
+            refused.setdefault((line.layout, line.reason), line)
+            continue
+        key = (line.layout, line.n, line.hit, line.leg, line.hook)
+        if key in samples:
+            seconds = [*samples[key].seconds, *line.seconds]
+            line = msgspec.structs.replace(samples[key], seconds=seconds)
+        samples[key] = line
+    return [*refused.values(), *samples.values()]
+
+
 def _median_us(s: Sample) -> float:
     return statistics.median(s.seconds) * 1e6
 
@@ -299,7 +326,7 @@ def table(lines: dict[str, list[Line]]) -> tuple[str, list[float]]:
                         om = _median_us(o)
                         ends["overlay"].append((o.blocks, om))
                         if b is None:  # the base refuses the layout
-                            row.append(f"-->{om:.0f} ({_spread(o)})")
+                            row.append(f"refused->{om:.0f} ({_spread(o)})")
                             continue
                         bm = _median_us(b)
                         ends["base"].append((b.blocks, bm))
@@ -330,7 +357,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default=LAYOUTS)
     ap.add_argument("--lengths", default=LENGTHS)
     ap.add_argument("--hits", default=HITS, help="decoder prefix-hit percentages")
-    ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument(
+        "--repeats", type=int, default=REPEATS, help="timed runs per point and round"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="worker processes per variant, in the order base, overlay, overlay, "
+        "base, ... so that a drift of the machine's load falls on both",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--moriio-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -345,14 +381,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hook cost: base {base_where}; overlay {overlay_where}")
     print(
         f"layouts {args.layouts}; lengths {args.lengths}; hits {args.hits} %; "
-        f"{args.repeats} repeats"
+        f"{args.repeats} repeats x {args.rounds} rounds"
     )
     root = Path(tempfile.mkdtemp(prefix="vllm-overlay-hooks-"))
     variants: dict[str, dict[str, str]] = {"base": base, "overlay": overlay}
+    lines: dict[str, list[Line]] = {v: [] for v in variants}
     try:
-        lines = {v: _run_variant(v, files, args, root) for v, files in variants.items()}
+        for r in range(args.rounds):
+            for v in list(variants)[:: 1 if r % 2 == 0 else -1]:
+                print(f"round {r + 1}/{args.rounds}: {v}")
+                lines[v] += _run_variant(v, variants[v], args, root / str(r))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    lines = {v: pooled(vlines) for v, vlines in lines.items()}
     text, ratios = table(lines)
     print(
         "growth b/o: log-log slope of the median against the blocks a request "
