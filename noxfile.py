@@ -338,7 +338,7 @@ def dev(session: nox.Session) -> None:
 def simulate(session: nox.Session) -> None:
     """The CPU prefill/decode simulator: base vs overlay, and a verdict on the overlay.
 
-    `nox -s simulate -- --lengths 1-4096` tries every length (about 14 min).
+    `nox -s simulate -- --lengths 1-4096` tries every length (about an hour).
     Exit status 1 when the overlay reads wrong KV, crashes or runs no case in
     a layout docs/known-gaps.toml does not list.
     """
