@@ -1,6 +1,7 @@
-"""Attention pages and bytes a hybrid MoRIIO READ moves per request, base
-selection vs the overlay, on a Kimi-K3-like layout, at several decoder
-prefix-hit ratios. A figure, not a test: nothing is asserted.
+"""Pages and bytes a MoRIIO READ moves per request, base vs the overlay, on
+one decode rank of a Llama-3.1-70B-like, a DSv4-Pro-like and a Kimi-K3-like
+model (TP8; Kimi-K3 with DCP8), at decoder prefix hits of 0/50/89.7/100 %.
+A figure, not a test: nothing is asserted.
 
 Each variant runs in its own subprocess with the MoRIIO package loaded from a
 directory (``vllm_overlay.tree.variant``): the real scheduler-side connector of a
@@ -13,6 +14,15 @@ Without --old/--new the two directories are written by
 ``vllm-overlay materialize`` (base, and the whole series) from the installed
 vLLM.
 
+Shapes per rank (assumed where noted; bytes scale linearly with layers):
+- Llama-3.1-70B-like: 80 layers, GQA 8 KV heads / TP8 = 1 per rank, head 128,
+  bf16, block 16; one full-attention group, no state.
+- DSv4-Pro-like: 43 layers, each an MLA cache (latent 512, bf16, block 64) and
+  a 128-token sliding-window MLA cache (block 64); compression, indexer and
+  compressor states left out (one entry per token).
+- Kimi-K3-like: 16 MLA layers (fp8 latent 576, block 1536, DCP 8: a page holds
+  12288 tokens) and 3 KDA state groups of 16 layers.
+
 Usage: python benchmarks/prefix_hit_reads.py [--old DIR --new DIR]
 """
 
@@ -24,43 +34,81 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from vllm_overlay.series.pin import MODULE_DIR
 
-# Kimi-K3-like decode rank: one MLA group (fp8 latent, 1536-token blocks,
-# DCP 8 so a page holds 12288 tokens) and three KDA state groups.
-DCP = 8
-MLA_BLOCK = 1536
-MLA_LAYERS = 16  # assumed; bytes scale linearly
-KDA_GROUPS = 3
-KDA_LAYERS_PER_GROUP = 16
 HITS = (0.0, 0.5, 0.897, 1.0)
-PROMPTS = (100_000, 8 * MLA_BLOCK * DCP + 1)
 _P_BASE = 10_000_000
 _D_BASE = 20_000_000
 _STRIDE = 100_000
+_NULL = 0  # vLLM's null block: a window page the scheduler has freed
+
+
+class GroupShape(msgspec.Struct, frozen=True):
+    kind: str  # "full" | "window" | "state"
+    block_size: int
+    layers: int
+    head_size: int = 0
+    dtype: str = "bfloat16"
+    num_kv_heads: int = 1
+    window: int = 0
+    dcp_sharded: bool = False
+
+
+class Model(msgspec.Struct, frozen=True):
+    name: str
+    dcp: int
+    groups: list[GroupShape]
+    prompts: list[int]
+
+
+MODELS = [
+    Model(
+        "Llama-3.1-70B-like TP8",
+        1,
+        [GroupShape("full", 16, 80, head_size=128)],
+        [8_000, 100_000],
+    ),
+    Model(
+        "DSv4-Pro-like TP8",
+        1,
+        [
+            GroupShape("full", 64, 43, head_size=512),
+            GroupShape("window", 64, 43, head_size=512, window=128),
+        ],
+        [8_000, 100_000],
+    ),
+    Model(
+        "Kimi-K3-like TP8/DCP8",
+        8,
+        [
+            GroupShape(
+                "full", 1536, 16, head_size=576, dtype="uint8", dcp_sharded=True
+            ),
+            *[GroupShape("state", 1536, 16)] * 3,
+        ],
+        [100_000, 8 * 1536 * 8 + 1],
+    ),
+]
 
 
 class Row(msgspec.Struct, frozen=True):
+    model: str
     prompt_tokens: int
     hit: float
     local_hit_tokens: int
     external_tokens: int
-    attn_pages: int
-    attn_bytes: int
-    kda_bytes: int
+    pages: int
+    min_pages: int
+    bytes_read: int
+    min_bytes: int
+    error: str = ""
 
 
-class Measurement(msgspec.Struct, frozen=True):
-    label: str
-    page_tokens: int
-    attn_page_bytes: int
-    rows: list[Row]
-
-
-def measure(directory: Path, label: str) -> Measurement:
+def measure(directory: Path) -> list[Row]:
     from vllm_overlay.tree.variant import use_moriio_dir
 
     use_moriio_dir(directory)
@@ -82,28 +130,47 @@ def measure(directory: Path, label: str) -> Measurement:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        KVCacheSpec,
         MambaSpec,
         MLAAttentionSpec,
+        SlidingWindowMLASpec,
     )
     from vllm.v1.request import Request, RequestStatus
 
-    mla = MLAAttentionSpec(
-        block_size=MLA_BLOCK,
-        num_kv_heads=1,
-        head_size=576,
-        dtype=torch.uint8,
-        dcp_sharded=True,
-    )
-    kda = MambaSpec(
-        block_size=MLA_BLOCK,
-        shapes=((3, 3 * 8 * 128), (8, 128, 128)),
-        dtypes=(torch.bfloat16, torch.float32),
-        mamba_cache_mode="align",
-    )
-    specs = [mla, *[kda] * KDA_GROUPS]
-    page_tokens = MLA_BLOCK * DCP
+    def spec(shape: GroupShape) -> KVCacheSpec:
+        dtype = getattr(torch, shape.dtype)
+        if shape.kind == "state":
+            return MambaSpec(
+                block_size=shape.block_size,
+                shapes=((3, 3 * 8 * 128), (8, 128, 128)),
+                dtypes=(torch.bfloat16, torch.float32),
+                mamba_cache_mode="align",
+            )
+        if shape.kind == "window":
+            return SlidingWindowMLASpec(
+                block_size=shape.block_size,
+                num_kv_heads=1,
+                head_size=shape.head_size,
+                dtype=dtype,
+                sliding_window=shape.window,
+            )
+        if shape.head_size in (512, 576):
+            return MLAAttentionSpec(
+                block_size=shape.block_size,
+                num_kv_heads=1,
+                head_size=shape.head_size,
+                dtype=dtype,
+                dcp_sharded=shape.dcp_sharded,
+            )
+        return FullAttentionSpec(
+            block_size=shape.block_size,
+            num_kv_heads=shape.num_kv_heads,
+            head_size=shape.head_size,
+            dtype=dtype,
+        )
 
     tmp = Path(tempfile.mkdtemp(prefix="prefix-hit-model-"))
     (tmp / "config.json").write_text(
@@ -121,8 +188,10 @@ def measure(directory: Path, label: str) -> Measurement:
             }
         )
     )
+    ports = iter(range(26000, 30000, 10))
 
-    def connector(role: str, port: int) -> MoRIIOConnector:
+    def connector(model: Model, specs: list[KVCacheSpec], role: str) -> Any:
+        port = next(ports)
         vllm_config = VllmConfig(
             model_config=ModelConfig(
                 model=str(tmp), skip_tokenizer_init=True, max_model_len=1 << 20
@@ -141,12 +210,12 @@ def measure(directory: Path, label: str) -> Measurement:
                 },
             ),
         )
-        vllm_config.parallel_config.decode_context_parallel_size = DCP
+        vllm_config.parallel_config.decode_context_parallel_size = model.dcp
         kv_cache_config = KVCacheConfig(
             num_blocks=1 << 20,
             kv_cache_tensors=[],
             kv_cache_groups=[
-                KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)
+                KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)
             ],
         )
         with set_current_vllm_config(vllm_config):
@@ -154,84 +223,133 @@ def measure(directory: Path, label: str) -> Measurement:
                 vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config
             )
 
-    def table(base: int, group: int, num_tokens: int) -> list[int]:
-        if group > 0:
-            return [base + group * _STRIDE]
-        pages = -(-num_tokens // page_tokens)
-        return [base + page for page in range(pages)]
-
-    producer = connector("kv_producer", 26000)
-    consumer = connector("kv_consumer", 27000)
     rows: list[Row] = []
-    for n, (prompt_tokens, hit) in enumerate((p, h) for p in PROMPTS for h in HITS):
-        request_id = f"bench-{n}"
-        local_hit = int(hit * (prompt_tokens - 1)) // page_tokens * page_tokens
-        prefill = Request(
-            request_id,
-            list(range(prompt_tokens)),
-            SamplingParams(
-                max_tokens=1,
-                extra_args={
-                    "kv_transfer_params": {
-                        "do_remote_decode": True,
-                        "transfer_id": request_id,
-                    }
-                },
-            ),
-            None,
-        )
-        producer.on_new_request(prefill)
-        prefill.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        _, params = producer.request_finished_all_groups(
-            prefill,
-            tuple(
-                table(_P_BASE, g, prefill.num_prompt_tokens) for g in range(len(specs))
-            ),
-        )
-        assert params is not None
-        decode = Request(
-            request_id,
-            list(range(prompt_tokens)),
-            SamplingParams(
-                max_tokens=8, extra_args={"kv_transfer_params": dict(params)}
-            ),
-            None,
-        )
-        external, _ = consumer.get_num_new_matched_tokens(decode, local_hit)
-        blocks = KVCacheBlocks(
-            tuple(
-                [KVCacheBlock(b) for b in table(_D_BASE, g, prompt_tokens + 1)]
-                for g in range(len(specs))
-            )
-        )
-        consumer.update_state_after_alloc(decode, blocks, external)
-        meta = consumer.build_connector_meta(SchedulerOutput.make_empty())
-        local = meta.reqs_to_recv[request_id].local_block_ids
-        scheduler = consumer.connector_scheduler
-        assert scheduler is not None
-        num_attn = len(scheduler._attn_group_ids)
-        attn_pages = sum(len(group) for group in local[:num_attn])
-        kda_slots = sum(len(group) for group in local[num_attn:])
-        rows.append(
-            Row(
-                prompt_tokens=prompt_tokens,
-                hit=hit,
-                local_hit_tokens=local_hit,
-                external_tokens=external,
-                attn_pages=attn_pages,
-                attn_bytes=attn_pages * mla.page_size_bytes * MLA_LAYERS,
-                kda_bytes=kda_slots * kda.page_size_bytes * KDA_LAYERS_PER_GROUP,
-            )
-        )
-    return Measurement(
-        label=label,
-        page_tokens=page_tokens,
-        attn_page_bytes=mla.page_size_bytes * MLA_LAYERS,
-        rows=rows,
-    )
+    for model in MODELS:
+        specs = [spec(shape) for shape in model.groups]
+        page_tokens = [
+            shape.block_size * (model.dcp if shape.dcp_sharded else 1)
+            for shape in model.groups
+        ]
+        page_bytes = [
+            s.page_size_bytes * shape.layers
+            for s, shape in zip(specs, model.groups, strict=True)
+        ]
+        hybrid = any(shape.kind == "state" for shape in model.groups)
+
+        def table(base: int, g: int, num_tokens: int, window_end: int) -> list[int]:
+            """Position-indexed; window pages wholly below the window of the
+            leg's last token are the null block (vLLM frees them)."""
+            shape = model.groups[g]  # noqa: B023
+            if shape.kind == "state":
+                return [base + g * _STRIDE]
+            pt = page_tokens[g]  # noqa: B023
+            pages = -(-num_tokens // pt)
+            out = [base + g * _STRIDE + k for k in range(pages)]
+            if shape.kind == "window":
+                first = max(window_end - shape.window, 0) // pt
+                out[:first] = [_NULL] * first
+            return out
+
+        def lacked(n: int, local_hit: int) -> list[int]:
+            """Pages per group the decoder lacks for its last prompt token."""
+            last = n - 1
+            out = []
+            for g, shape in enumerate(model.groups):  # noqa: B023
+                pt = page_tokens[g]  # noqa: B023
+                if shape.kind == "state":
+                    out.append(int(local_hit < last and last > 0))
+                    continue
+                start = local_hit
+                if shape.kind == "window":
+                    start = max(local_hit, n - shape.window)
+                out.append(max(-(-last // pt) - start // pt, 0) if start < last else 0)
+            return out
+
+        producer = connector(model, specs, "kv_producer")
+        consumer = connector(model, specs, "kv_consumer")
+        align = max(page_tokens)
+        for prompt_tokens in model.prompts:
+            for hit in HITS:
+                request_id = f"bench-{len(rows)}"
+                local_hit = int(hit * (prompt_tokens - 1)) // align * align
+                prefill = Request(
+                    request_id,
+                    list(range(prompt_tokens)),
+                    SamplingParams(
+                        max_tokens=1,
+                        extra_args={
+                            "kv_transfer_params": {
+                                "do_remote_decode": True,
+                                "transfer_id": request_id,
+                            }
+                        },
+                    ),
+                    None,
+                )
+                producer.on_new_request(prefill)
+                computed = prefill.num_prompt_tokens
+                prefill.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                _, params = producer.request_finished_all_groups(
+                    prefill,
+                    tuple(
+                        table(_P_BASE, g, computed, computed) for g in range(len(specs))
+                    ),
+                )
+                assert params is not None
+                decode = Request(
+                    request_id,
+                    list(range(prompt_tokens)),
+                    SamplingParams(
+                        max_tokens=8, extra_args={"kv_transfer_params": dict(params)}
+                    ),
+                    None,
+                )
+                need = lacked(prompt_tokens, local_hit)
+                min_pages = sum(need)
+                min_bytes = sum(k * b for k, b in zip(need, page_bytes, strict=True))
+                external, _ = consumer.get_num_new_matched_tokens(decode, local_hit)
+                blocks = KVCacheBlocks(
+                    tuple(
+                        [
+                            KVCacheBlock(b)
+                            for b in table(_D_BASE, g, prompt_tokens + 1, local_hit)
+                        ]
+                        for g in range(len(specs))
+                    )
+                )
+                row = dict(
+                    model=model.name,
+                    prompt_tokens=prompt_tokens,
+                    hit=hit,
+                    local_hit_tokens=local_hit,
+                    external_tokens=external,
+                    min_pages=min_pages,
+                    min_bytes=min_bytes,
+                )
+                try:
+                    consumer.update_state_after_alloc(decode, blocks, external)
+                    meta = consumer.build_connector_meta(SchedulerOutput.make_empty())
+                except Exception as exc:  # a refusal is a figure too
+                    rows.append(
+                        Row(**row, pages=0, bytes_read=0, error=type(exc).__name__)
+                    )
+                    continue
+                recv = meta.reqs_to_recv[request_id]
+                scheduler = consumer.connector_scheduler
+                assert scheduler is not None
+                order = [*scheduler._attn_group_ids, *scheduler._mamba_group_ids]
+                if not hybrid:
+                    order = list(range(len(specs)))
+                pages = bytes_read = 0
+                for slot, g in enumerate(order):
+                    read = [b for b in recv.local_block_ids[slot] if b != _NULL]
+                    pages += len(read)
+                    bytes_read += len(read) * page_bytes[g]
+                rows.append(Row(**row, pages=pages, bytes_read=bytes_read))
+    return rows
 
 
-def run_variant(directory: Path, label: str, out: Path) -> Measurement:
+def run_variant(directory: Path, label: str, out: Path) -> list[Row]:
     result = out / f"{label}.json"
     proc = subprocess.run(
         [sys.executable, __file__, "--measure", str(directory)]
@@ -243,7 +361,7 @@ def run_variant(directory: Path, label: str, out: Path) -> Measurement:
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
         raise SystemExit(f"{label} measurement in {directory} failed")
-    return msgspec.json.decode(result.read_bytes(), type=Measurement)
+    return msgspec.json.decode(result.read_bytes(), type=list[Row])
 
 
 def materialized(out: Path) -> tuple[Path, Path]:
@@ -259,46 +377,42 @@ def materialized(out: Path) -> tuple[Path, Path]:
     return dirs[0], dirs[1]
 
 
-def min_pages(row: Row, page_tokens: int) -> int:
-    """Pages holding a prompt position the decoder lacks: [L, N-1)."""
-    end = row.prompt_tokens - 1
-    if row.external_tokens == 0 or row.local_hit_tokens >= end:
-        return 0
-    return -(-end // page_tokens) - row.local_hit_tokens // page_tokens
+def ratio(num: int, den: int) -> str:
+    if den == 0:
+        return "1.00" if num == 0 else "inf"
+    return f"{num / den:.2f}"
 
 
-def ratio(pages: int, minimum: int) -> str:
-    if minimum == 0:
-        return "1.00" if pages == 0 else "inf"
-    return f"{pages / minimum:.2f}"
-
-
-def print_table(old: Measurement, new: Measurement) -> None:
+def print_table(old: list[Row], new: list[Row]) -> None:
     gb = 1e9
     print(
-        f"Kimi-K3-like decode rank: MLA {MLA_LAYERS} layers, page "
-        f"{old.page_tokens} tokens (block {MLA_BLOCK} x DCP {DCP}), "
-        f"{old.attn_page_bytes / gb:.4f} GB per page over all MLA layers; "
-        f"{KDA_GROUPS} KDA groups x {KDA_LAYERS_PER_GROUP} layers. "
-        "Logical READ payload per request."
+        "Logical READ payload per request on one decode rank (pages over all "
+        "groups; GB over all layers); min = what the decoder lacks."
     )
     header = (
-        f"{'N':>7} {'hit':>6} {'L':>7} {'E':>7} {'min':>4} {'old':>4} "
-        f"{'new':>4} {'old GB':>8} {'new GB':>8} {'KDA GB':>8} "
-        f"{'old/min':>8} {'new/min':>8}"
+        f"{'model':<22} {'N':>7} {'hit':>6} {'L':>7} {'E':>7} {'min':>5} "
+        f"{'base':>5} {'ovl':>5} {'min GB':>8} {'base GB':>8} {'ovl GB':>8} "
+        f"{'base/min':>8} {'ovl/min':>8}"
     )
     print(header)
     print("-" * len(header))
-    for o, n in zip(old.rows, new.rows, strict=True):
-        assert (o.prompt_tokens, o.hit) == (n.prompt_tokens, n.hit)
-        m = min_pages(o, old.page_tokens)
+    for o, n in zip(old, new, strict=True):
+        assert (o.model, o.prompt_tokens, o.hit) == (n.model, n.prompt_tokens, n.hit)
+        base = o.error or str(o.pages)
+        ovl = n.error or str(n.pages)
         print(
-            f"{o.prompt_tokens:>7} {o.hit * 100:>5.1f}% {o.local_hit_tokens:>7} "
-            f"{o.external_tokens:>7} {m:>4} {o.attn_pages:>4} {n.attn_pages:>4} "
-            f"{o.attn_bytes / gb:>8.3f} {n.attn_bytes / gb:>8.3f} "
-            f"{n.kda_bytes / gb:>8.3f} {ratio(o.attn_pages, m):>8} "
-            f"{ratio(n.attn_pages, m):>8}"
+            f"{o.model:<22} {o.prompt_tokens:>7} {o.hit * 100:>5.1f}% "
+            f"{n.local_hit_tokens:>7} {n.external_tokens:>7} {n.min_pages:>5} "
+            f"{base:>5} {ovl:>5} {n.min_bytes / gb:>8.3f} "
+            f"{o.bytes_read / gb:>8.3f} {n.bytes_read / gb:>8.3f} "
+            f"{ratio(o.bytes_read, o.min_bytes):>8} "
+            f"{ratio(n.bytes_read, n.min_bytes):>8}"
         )
+    total = [sum(r.bytes_read for r in rows) for rows in (old, new)]
+    print(
+        f"prefix_hit_reads: {len(new)} requests; base {total[0] / gb:.2f} GB, "
+        f"overlay {total[1] / gb:.2f} GB READ"
+    )
 
 
 def main() -> int:
@@ -310,8 +424,7 @@ def main() -> int:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure is not None:
-        result = measure(args.measure, args.label)
-        args.result.write_bytes(msgspec.json.encode(result))
+        args.result.write_bytes(msgspec.json.encode(measure(args.measure)))
         return 0
     with tempfile.TemporaryDirectory(prefix="prefix-hit-") as tmp:
         old_dir, new_dir = args.old, args.new

@@ -1,10 +1,13 @@
-"""Fixtures for the per-patch tests: local model folders (config.json only).
+"""Fixtures for the per-patch tests: local model folders (config.json only),
+MTP configs for both legs of a READ pair, and the mori transfer engine
+stubbed at its boundary for the real worker.
 
 The builders they use live in ``builders.py``.
 """
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
@@ -12,8 +15,11 @@ import pytest
 from tests.patches.builders import (
     TINY_DEEPSEEK_MTP_CONFIG,
     TINY_LLAMA_CONFIG,
+    make_vllm_config,
+    moriio_kv_transfer_config,
     write_model_dir,
 )
+from tests.patches.hybrid_0001 import MTP, B, FakeWrapper
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +32,58 @@ def deepseek_mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(
         tmp_path_factory.mktemp("deepseek_mtp"), TINY_DEEPSEEK_MTP_CONFIG
     )
+
+
+@pytest.fixture(scope="module")
+def mtp_vllm_configs(deepseek_mtp_model_dir: Path):
+    return (
+        make_vllm_config(
+            deepseek_mtp_model_dir,
+            moriio_kv_transfer_config("kv_producer"),
+            block_size=B,
+            speculative_config=MTP,
+        ),
+        make_vllm_config(
+            deepseek_mtp_model_dir,
+            moriio_kv_transfer_config("kv_consumer"),
+            block_size=B,
+            speculative_config=MTP,
+        ),
+    )
+
+
+@pytest.fixture
+def stub_mori(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Imported here: builders.py picks vLLM's CPU platform before vLLM loads.
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_common,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_connector as mc,
+    )
+
+    monkeypatch.setattr(mc, "MoRIIO_enabled", True)
+    monkeypatch.setattr(mc, "IOEngine", lambda *a, **k: object(), raising=False)
+    monkeypatch.setattr(mc, "IOEngineConfig", lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(
+        mc,
+        "BackendType",
+        types.SimpleNamespace(XGMI="xgmi", RDMA="rdma"),
+        raising=False,
+    )
+    monkeypatch.setattr(mc, "MoRIIOWrapper", FakeWrapper)
+    monkeypatch.setattr(
+        mc, "get_world_group", lambda: types.SimpleNamespace(rank=0, local_rank=0)
+    )
+    monkeypatch.setattr(mc, "get_tp_group", lambda: None)
+    monkeypatch.setattr(mc, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(
+        moriio_common, "get_tensor_model_parallel_world_size", lambda: 1
+    )
+    monkeypatch.setattr(
+        mc,
+        "get_attn_backend",
+        lambda *a, **k: types.SimpleNamespace(get_name=lambda: "STUB"),
+    )
+    monkeypatch.setattr(mc.MoRIIOConnectorWorker, "_start_heartbeat", lambda self: None)

@@ -1,6 +1,6 @@
-"""Drive a hybrid READ transfer with a decoder prefix hit through the real
+"""Drive a READ transfer with a decoder prefix hit through the real
 scheduler-side MoRIIO connector, and read back the pages it pairs
-(patches 0005-0007).
+(patches 0005-0007 and 0011-0013).
 
 A producer finishes the prefill (``request_finished_all_groups``), a consumer
 admits the same prompt (``get_num_new_matched_tokens``,
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from hypothesis import strategies as st
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (
     MoRIIOConnector,
@@ -24,7 +25,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheSpec
+from vllm.v1.kv_cache_interface import (
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    UniformTypeKVCacheSpecs,
+)
 from vllm.v1.request import Request, RequestStatus
 
 from tests.patches.builders import (
@@ -48,11 +53,14 @@ _GROUP_STRIDE = 100_000
 
 @dataclass(frozen=True)
 class Group:
-    """One KV cache group of a hybrid layout.
+    """One KV cache group of a layout.
 
     kind: "target" (the model's MLA group; every target group has the same
-    spec, so they share one prefix hit), "drafter" (an EAGLE drafter owning a
-    full-attention group of its own spec), "kda" (recurrent state).
+    spec, so they share one prefix hit), "full" (a Llama-like full-attention
+    group), "drafter" (an EAGLE drafter owning a full-attention group of its
+    own spec), "kda" (recurrent state), "wrapped" (the target's MLA layers and
+    an fp8 indexer cache, a full-attention group in
+    ``UniformTypeKVCacheSpecs`` as the workers' configs hold it).
     """
 
     kind: str
@@ -60,9 +68,26 @@ class Group:
     dcp_sharded: bool = False
     host_resident: bool = False
 
+    def layer_specs(self, index: int) -> dict[str, KVCacheSpec]:
+        if self.kind != "wrapped":
+            return {f"layer.{index}": self.spec()}
+        return {
+            f"layer.{index}.attn": mla_spec(
+                self.block_size, dcp_sharded=self.dcp_sharded
+            ),
+            f"layer.{index}.indexer": mla_spec(
+                self.block_size,
+                head_size=132,
+                dtype=torch.uint8,
+                dcp_sharded=self.dcp_sharded,
+            ),
+        }
+
     def spec(self) -> KVCacheSpec:
         if self.kind == "target":
             return mla_spec(self.block_size, dcp_sharded=self.dcp_sharded)
+        if self.kind == "full":
+            return full_attention_spec(self.block_size, dcp_sharded=self.dcp_sharded)
         if self.kind == "drafter":
             return full_attention_spec(
                 self.block_size, head_size=128, dcp_sharded=self.dcp_sharded
@@ -71,9 +96,16 @@ class Group:
         return kda_mamba_spec(16)
 
     def group_spec(self, index: int) -> KVCacheGroupSpec:
+        specs = self.layer_specs(index)
+        spec = (
+            UniformTypeKVCacheSpecs.from_specs(specs)
+            if self.kind == "wrapped"
+            else self.spec()
+        )
+        assert spec is not None
         return KVCacheGroupSpec(
-            [f"layer.{index}"],
-            self.spec(),
+            list(specs),
+            spec,
             is_eagle_group=self.kind == "drafter",
             host_resident=self.host_resident,
         )
@@ -118,9 +150,11 @@ def decode_tables(
 @dataclass
 class ReadPlan:
     """The consumer's READ pairs per attention group, as (local, remote) page
-    indices, keyed by KV cache group index."""
+    indices, and the state slots per KDA group, as (local, remote) lists of
+    slot indices; both keyed by KV cache group index."""
 
     pairs: dict[int, list[tuple[int, int]]]
+    states: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
 
     def pages(self, group_index: int) -> list[int]:
         assert all(local == remote for local, remote in self.pairs[group_index])
@@ -142,7 +176,11 @@ def finish_prefill(
         {"do_remote_decode": True, "transfer_id": request_id},
     )
     producer.on_new_request(prefill)
-    assert prefill.num_prompt_tokens == num_prompt_tokens - 1
+    # A hybrid prefiller leaves the last prompt token to the decoder.
+    hybrid = any(group.kind == "kda" for group in groups)
+    truncated = hybrid and num_prompt_tokens > 1
+    expected = num_prompt_tokens - 1 if truncated else num_prompt_tokens
+    assert prefill.num_prompt_tokens == expected
     prefill.status = RequestStatus.FINISHED_LENGTH_CAPPED
     tables = tuple(
         table(
@@ -171,10 +209,14 @@ def read_plan(
     assert len(req_meta.remote_block_ids) == len(payload_groups)
     plan = ReadPlan({})
     for slot, group_index in enumerate(payload_groups):
-        if groups[group_index].kind == "kda":
-            continue
         local = list(req_meta.local_block_ids[slot])
         remote = list(req_meta.remote_block_ids[slot])
+        if groups[group_index].kind == "kda":
+            plan.states[group_index] = (
+                [b % _GROUP_STRIDE for b in local],
+                [b % _GROUP_STRIDE for b in remote],
+            )
+            continue
         assert len(local) == len(remote)
         assert all(b // _GROUP_STRIDE == (_DECODE_BASE // _GROUP_STRIDE + group_index)
                    for b in local)  # fmt: skip
@@ -185,7 +227,7 @@ def read_plan(
     return plan
 
 
-def run_transfer(
+def transfer_plan(
     model_dir: Path,
     groups: Sequence[Group],
     *,
@@ -263,7 +305,7 @@ def hashed_request(
 @dataclass(frozen=True)
 class TransferCase:
     """One transfer: the hybrid layout, the prompt, the decoder's local hit,
-    and the run's options (``run_transfer``'s keywords)."""
+    and the run's options (``transfer_plan``'s keywords)."""
 
     groups: tuple[Group, ...]
     num_prompt_tokens: int
@@ -276,7 +318,7 @@ class TransferCase:
     lag_pages: int = 0  # how many pages a drafter's own hit lags the target's
 
     def plan(self, model_dir: Path) -> ReadPlan:
-        return run_transfer(
+        return transfer_plan(
             model_dir,
             self.groups,
             dcp=self.dcp,
@@ -297,20 +339,23 @@ class TransferCase:
 
 
 @st.composite
-def transfer_cases(draw: st.DrawFn, with_drafter: bool) -> TransferCase:
-    """Target groups (one spec) and KDA groups in any order; with a drafter,
-    an EAGLE drafter group after the first target group (draft layers follow
+def transfer_cases(
+    draw: st.DrawFn, with_drafter: bool, with_state: bool = True
+) -> TransferCase:
+    """Target groups (one spec) and KDA groups in any order; without state,
+    MLA or Llama-like target groups and no KDA group; with a drafter, an
+    EAGLE drafter group after the first target group (draft layers follow
     the model's), whose hit lags the target's by 0-2 pages."""
     dcp = draw(st.sampled_from([1, 2, 4, 8]))
     target = Group(
-        "target",
+        draw(st.sampled_from(["target", "full"])) if not with_state else "target",
         draw(st.sampled_from([16, 32, 64, 128, 192, 256])),
         dcp_sharded=draw(st.booleans()),
     )
     groups = draw(
         st.permutations(
             [target] * draw(st.integers(1, 3))
-            + [Group("kda")] * draw(st.integers(1, 2))
+            + [Group("kda")] * draw(st.integers(1, 2) if with_state else st.just(0))
         )
     )
     if with_drafter:
@@ -340,6 +385,6 @@ def run_case(model_dir: Path, case: TransferCase) -> ReadPlan:
     decoder lacks (whatever either leg's lookahead tail)."""
     plan = case.plan(model_dir)
     for index, group in enumerate(case.groups):
-        if group.kind == "target":
+        if group.kind in ("target", "full"):
             assert plan.pages(index) == case.missing(index)
     return plan

@@ -1,9 +1,9 @@
-"""Patch 0007: when the scheduler caps the external token count below the
-decoder's local hit (L + E < N - 1), hybrid READ reads every full-attention
-page from the local hit on.
+"""Patch 0007: when the scheduler caps the external token count below what
+the decoder lacks (L + E < N - 1), hybrid READ fails closed.
 
-The decoder then computes [L + E, N) itself, and READ must fill [L, L + E)
-(see ``prefix_hit_0005`` for the transfer driven on both legs).
+The prefiller's recurrent state covers the first N - 1 prompt tokens; a
+decoder that loads only [L, L + E) would compute [L + E, N - 1) on top of it a
+second time (see ``prefix_hit_0005`` for the transfer driven on both legs).
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
+    MoRIIOError,
+)
 from vllm.v1.request import RequestStatus
 
 from tests.patches.builders import make_kv_cache_blocks, make_request
 from tests.patches.prefix_hit_0005 import (
     Group,
-    TransferCase,
     connector,
     decode_tables,
     finish_prefill,
@@ -37,26 +39,31 @@ from tests.patches.prefix_hit_0005 import (
     ],
     ids=["capped", "block_rounded"],
 )
-def test_capped_external_count_still_fills_from_the_local_hit(
+def test_capped_external_count_fails_closed(
     llama_model_dir: Path,
     page: int,
     num_prompt_tokens: int,
     hit_tokens: int,
     cap: Callable[[int], int],
 ):
-    """L + E < N - 1 leaves [L + E, N) to the decoder's forward and
-    [L, L + E) to READ: every page from the local hit on is read, not only
-    the pages of the last E prompt tokens."""
+    """L + E < N - 1 with a state group raises and queues no READ."""
     external = cap(num_prompt_tokens - 1 - hit_tokens)
     assert external > 0 and hit_tokens + external < num_prompt_tokens - 1
-    assert (num_prompt_tokens - 1 - external) // page > hit_tokens // page
-    case = TransferCase(
-        (Group("target", page), Group("kda")),
-        num_prompt_tokens,
-        hit_tokens,
-        final_external_tokens=external,
-    )
-    assert case.plan(llama_model_dir).pages(0) == case.missing(0)
+    groups = [Group("target", page), Group("kda")]
+    request_id = next_request_id()
+    params = finish_prefill(llama_model_dir, groups, 1, request_id, num_prompt_tokens)
+    consumer = connector(llama_model_dir, groups, 1, "kv_consumer")
+    scheduler = consumer.connector_scheduler
+    assert scheduler is not None
+    decode = make_request(request_id, num_prompt_tokens, params)
+    consumer.get_num_new_matched_tokens(decode, hit_tokens)
+    tables = decode_tables(groups, num_prompt_tokens + 1, 1)
+    with pytest.raises(MoRIIOError, match="capped external token count"):
+        consumer.update_state_after_alloc(
+            decode, make_kv_cache_blocks(tables), external
+        )
+    assert scheduler._reqs_need_recv == {}
+    assert scheduler._local_hit_tokens == {}
 
 
 def test_recorded_local_hit_is_released(llama_model_dir: Path):

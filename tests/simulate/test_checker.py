@@ -77,6 +77,26 @@ def test_reading_a_cached_page_raises_the_byte_ratio():
     assert result.extra_reads == 1
 
 
+def test_a_page_past_the_local_hit_is_lacked_whatever_it_holds():
+    """A freed block the decoder reallocates can still hold the same prompt's
+    KV (a warm-up's partial tail page); past the local hit the load must
+    fill it all the same."""
+    p, d = PageStore(0), PageStore(0)
+    _computed(p, [5, 6, 7], uid=1, n=40)
+    table = [11, 12, 13]
+    _computed(d, table, uid=1, n=40)  # stale pages of an identical prompt
+    assert ReadCheck([FULL16], [table], d, 40, uid=1).lacked == set()
+    check = ReadCheck([FULL16], [table], d, 40, uid=1, computed_tokens=32)
+    assert check.lacked == {(0, 13)}
+    result = check.judge(d, [(0, 13)], 1.0, 32)
+    assert not result.wrong and (result.pages_read, result.min_pages) == (1, 1)
+    # The state after 39 tokens: lacked unless the decoder computed them.
+    state_table = [0, 0, 31]
+    d.write_state(31, 0, 1, 40, 39)
+    assert ReadCheck([STATE], [state_table], d, 40, 1, 39).lacked == set()
+    assert ReadCheck([STATE], [state_table], d, 40, 1, 32).lacked == {(0, 31)}
+
+
 def test_duplicate_and_unread_pages_count():
     p, d = PageStore(0), PageStore(0)
     _computed(p, [5, 6, 7], uid=1, n=40)

@@ -30,8 +30,12 @@ def test_read_of_an_already_cached_page_shows_in_the_bytes(llama_pair):
     plain = llama_pair.run_case(200, 0.5)
 
     def also_read_cached_page(local, remote, tables):
-        # Add one pair whose destination is the decoder's cached page 0.
-        return [[tables[0][0], *local[0]]], [[remote[0][0], *remote[0]]]
+        # Add one pair whose destination is the decoder's cached page 0 and
+        # whose source is the prefiller's page 0 (held until READ completes).
+        prefill = llama_pair.p.scheduler.kv_cache_manager.get_block_ids(
+            f"r{llama_pair._seq}"
+        )
+        return [[tables[0][0], *local[0]]], [[prefill[0][0], *remote[0]]]
 
     extra = llama_pair.run_case(200, 0.5, rewrite=also_read_cached_page)
     assert plain.error is None and extra.error is None

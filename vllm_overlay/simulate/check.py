@@ -19,7 +19,11 @@ For a prompt of N tokens the decoder computes position N-1 itself and needs:
   rebuilt from their source group after a load): nothing.
 
 A page is "lacked" when the decoder's own page does not hold what is needed
-before the READ (after that copy); the lacked pages are the minimum READ.
+before the READ (after that copy), or when what it needs lies past the tokens
+the decoder's scheduler counts as computed (its local hit): a freed block the
+decoder reallocates can still hold another request's identical KV, but the
+decoder does not own it and the load must fill it. The lacked pages are the
+minimum READ.
 
 A READ that pairs a null block (the prefiller's as its source, or the
 decoder's as its destination) is wrong wherever it lands: the null block is
@@ -169,7 +173,10 @@ class ReadCheck:
         store: PageStore,
         n: int,
         uid: int,
+        computed_tokens: int | None = None,
     ) -> None:
+        """``computed_tokens``: the decoder's local hit; ``None`` judges by
+        page contents alone."""
         self.groups = groups
         self.tables = tables
         self.n = n
@@ -177,7 +184,10 @@ class ReadCheck:
         self.needs = needs(groups, n)
         self.lacked: set[tuple[int, int]] = set()
         for need in self.needs:
-            if not _satisfied(store, tables[need.group], need, uid):
+            past_hit = computed_tokens is not None and (
+                need.lo > computed_tokens if need.hi == 0 else need.hi > computed_tokens
+            )
+            if past_hit or not _satisfied(store, tables[need.group], need, uid):
                 table = tables[need.group]
                 dst = table[need.index] if need.index < len(table) else -1
                 self.lacked.add((need.group, dst))

@@ -448,7 +448,7 @@ class Pair:
         local_hit = computed - self._external.pop(rid, 0)
         tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
         precopy_states(self.groups, tables, self.d_store, n)
-        check = ReadCheck(self.groups, tables, self.d_store, n, uid)
+        check = ReadCheck(self.groups, tables, self.d_store, n, uid, local_hit)
         reads: list[tuple[int, int]] = []
         null_reads: list[int] = []
         meta = so.kv_connector_metadata

@@ -1,0 +1,151 @@
+"""Patch 0012: READ without a state group reads only the full-attention pages
+the decoder lacks.
+
+Without a state group the prefiller computes the whole prompt and the decoder
+recomputes its last token: with a local hit of L tokens it loads [L, N - 1)
+(see ``prefix_hit_0005`` for the transfer driven on both legs). Without the
+patch every prompt page is read whatever the hit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from tests.patches.builders import make_kv_cache_config, make_scheduler_output
+from tests.patches.prefix_hit_0005 import (
+    Group,
+    TransferCase,
+    connector,
+    finish_prefill,
+    hashed_request,
+    hit_tokens_for,
+    next_request_id,
+    run_case,
+    transfer_cases,
+)
+
+# Layouts without a state group, and the DCP size each runs with. The EAGLE
+# drafter owns a group of its own spec; without a state group vLLM's KV cache
+# coordinator reconciles one hit for every prefix-cacheable group, so the
+# drafter's group holds the target's hit.
+LAYOUTS = {
+    "llama": ((Group("full", 16),), 1),
+    "llama_dcp2": ((Group("full", 16, dcp_sharded=True),), 2),
+    "mla_dcp4": ((Group("target", 64, dcp_sharded=True),), 4),
+    "mla_eagle": ((Group("target", 64), Group("drafter", 64)), 1),
+}
+
+
+def _case(layout: str, num_prompt_tokens: int, hit: str, **run: int) -> TransferCase:
+    groups, dcp = LAYOUTS[layout]
+    page = groups[0].page_tokens(dcp)
+    hit_tokens = hit_tokens_for(hit, page, num_prompt_tokens)
+    return TransferCase(groups, num_prompt_tokens, hit_tokens, dcp=dcp, **run)
+
+
+@pytest.mark.parametrize("hit", ["partial", "one_short_of_full"])
+@pytest.mark.parametrize("num_prompt_tokens", [1000, 4001])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefix_hit_reads_only_missing_pages(
+    llama_model_dir: Path, layout: str, num_prompt_tokens: int, hit: str
+):
+    case = _case(layout, num_prompt_tokens, hit)
+    assert case.hit_tokens > 0
+    plan = case.plan(llama_model_dir)
+    for index in range(len(case.groups)):
+        assert plan.pages(index) == case.missing(index)
+
+
+@pytest.mark.parametrize("layout", ["llama", "mla_dcp4"])
+def test_lookahead_tails_change_nothing(llama_model_dir: Path, layout: str):
+    """Pages past the prompt on either leg (a decode lookahead, the
+    prefiller's spare page) are not read."""
+    case = _case(layout, 4001, "partial", decode_tail_tokens=40, prefill_tail_pages=1)
+    assert case.plan(llama_model_dir).pages(0) == case.missing(0)
+
+
+@pytest.mark.parametrize("layout", ["llama", "mla_eagle"])
+def test_no_hit_reads_every_prompt_page(llama_model_dir: Path, layout: str):
+    case = _case(layout, 1000, "none")
+    plan = case.plan(llama_model_dir)
+    for index in range(len(case.groups)):
+        assert plan.pages(index) == case.missing(index)
+
+
+def test_eagle_hit_from_the_kv_cache_manager(llama_model_dir: Path):
+    """The real KV cache manager gives the target and the EAGLE drafter's own
+    group one hit; each group reads exactly the pages it lacks."""
+    block = 16
+    groups = [Group("target", block), Group("drafter", block)]
+    manager = KVCacheManager(
+        make_kv_cache_config([g.group_spec(i) for i, g in enumerate(groups)], 512),
+        max_model_len=4096,
+        scheduler_block_size=block,
+        hash_block_size=block,
+        use_eagle=True,
+    )
+    num_prompt_tokens = 220
+    shared = list(range(1, 161))
+    earlier = hashed_request("earlier", [*shared, *[7] * 40], block)
+    no_hit = manager.get_computed_blocks(earlier)[0]
+    assert manager.allocate_slots(earlier, 200, 0, no_hit) is not None
+    earlier.num_computed_tokens = 200
+    manager.free(earlier)
+
+    request_id = next_request_id()
+    params = finish_prefill(llama_model_dir, groups, 1, request_id, num_prompt_tokens)
+    decode = hashed_request(request_id, [*shared, *[9] * 60], block, params)
+    hit_blocks, local_hit, _ = manager.get_computed_blocks(decode)
+    held = [len(b) for b in hit_blocks.get_block_ids()]
+    assert local_hit == 144 and held == [9, 9]
+
+    consumer = connector(llama_model_dir, groups, 1, "kv_consumer")
+    external, _ = consumer.get_num_new_matched_tokens(decode, local_hit)
+    assert external == num_prompt_tokens - 1 - local_hit
+    assert (
+        manager.allocate_slots(
+            decode,
+            num_prompt_tokens - local_hit - external,
+            num_new_computed_tokens=local_hit,
+            new_computed_blocks=hit_blocks,
+            num_external_computed_tokens=external,
+        )
+        is not None
+    )
+    allocated = manager.get_blocks(request_id)
+    consumer.update_state_after_alloc(decode, allocated, external)
+
+    meta = consumer.build_connector_meta(make_scheduler_output())
+    req_meta = meta.reqs_to_recv[request_id]
+    end = -(-(num_prompt_tokens - 1) // block)
+    for group_index, table in enumerate(allocated.get_block_ids()):
+        lacking = list(table[held[group_index] : end])
+        assert list(req_meta.local_block_ids[group_index]) == lacking, group_index
+
+
+def test_capped_external_count_reads_the_loaded_pages(llama_model_dir: Path):
+    """Without a state group, L + E < N - 1 is served: the decoder loads
+    [L, L + E) and computes the rest, so READ covers exactly those pages."""
+    page, hit_pages, loaded_pages = 16, 4, 6
+    case = TransferCase(
+        (Group("full", page),),
+        page * 20 + 3,
+        page * hit_pages,
+        final_external_tokens=page * loaded_pages,
+    )
+    pages = list(range(hit_pages, hit_pages + loaded_pages))
+    assert case.plan(llama_model_dir).pages(0) == pages
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=transfer_cases(with_drafter=False, with_state=False))
+def test_property_pages_read_are_pages_missing(
+    llama_model_dir: Path, case: TransferCase
+):
+    """Any layout of target groups without a state group, any hit, DCP and
+    lookahead on either leg."""
+    run_case(llama_model_dir, case)

@@ -1,0 +1,124 @@
+"""Patch 0013: hybrid READ with nothing external to load reads no recurrent
+state; a one-token prompt reads nothing.
+
+On a full local hit (E = 0) the decoder holds the state after its hit: vLLM's
+KV cache manager reconciles a divergent per-group hit whenever nothing is
+loaded. Only attention groups that are never a hit (a per-request ring) are
+read. The scheduler-side transfers run through the real connector on both
+legs (``prefix_hit_0005``, and ``hybrid_0001`` for the GLM-like layout), the
+worker's reads through the real ``MoRIIOConnectorWorker`` over stubbed mori.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
+    MoRIIOError,
+)
+
+from tests.patches.builders import make_kv_cache_config
+from tests.patches.hybrid_0001 import (
+    GLM_MAMBA,
+    GLM_PAYLOAD,
+    TAIL_LAYERS,
+    B,
+    build_worker,
+    connector_pair,
+    glm_like_groups,
+    run_transfer,
+)
+from tests.patches.prefix_hit_0005 import Group, TransferCase
+
+# Kimi-like: MLA (DCP-sharded) and two KDA groups.
+KIMI_LIKE = (Group("target", 64, dcp_sharded=True), Group("kda"), Group("kda"))
+# N - 1 a multiple of B: a full local hit exists.
+FULL_HIT_LENGTHS = (3 * B + 1, 7 * B + 1)
+
+
+@pytest.mark.parametrize("pages", [1, 4])
+@pytest.mark.parametrize("dcp", [1, 2, 4])
+def test_full_local_hit_reads_no_state(llama_model_dir: Path, dcp: int, pages: int):
+    """A decoder holding all N - 1 prompt tokens loads nothing: no page and
+    no state slot is read, whatever either leg's lookahead tail."""
+    n = KIMI_LIKE[0].page_tokens(dcp) * pages + 1
+    case = TransferCase(
+        KIMI_LIKE, n, n - 1, dcp=dcp, decode_tail_tokens=2, prefill_tail_pages=1
+    )
+    plan = case.plan(llama_model_dir)
+    assert plan.pages(0) == []
+    assert plan.states == {1: ([], []), 2: ([], [])}
+
+
+@pytest.mark.parametrize("dcp", [1, 4])
+def test_one_token_prompt_reads_nothing(llama_model_dir: Path, dcp: int):
+    """Nothing precedes the token the decoder computes: no KV to read."""
+    plan = TransferCase(KIMI_LIKE, 1, 0, dcp=dcp).plan(llama_model_dir)
+    assert plan.pages(0) == []
+    assert plan.states == {1: ([], []), 2: ([], [])}
+
+
+def test_state_is_read_one_page_short_of_a_full_hit(llama_model_dir: Path):
+    """Tokens to load: the page and each group's running-state slot are read."""
+    n = 64 * 4 + 1
+    plan = TransferCase(KIMI_LIKE, n, 64 * 3).plan(llama_model_dir)
+    assert plan.pages(0) == [3]
+    assert plan.states == {1: ([0], [0]), 2: ([0], [0])}
+
+
+@pytest.mark.parametrize("n", FULL_HIT_LENGTHS)
+def test_glm_full_local_hit_reads_the_ring_only(mtp_vllm_configs, n) -> None:
+    """The tail ring is never a hit: it is still read; no state slot is."""
+    groups = glm_like_groups()
+    p_conn, d_conn = connector_pair(mtp_vllm_configs, make_kv_cache_config(groups))
+    t = run_transfer(p_conn, d_conn, groups, n, hit_pages=(n - 1) // B)
+    assert len(t.local) == len(t.remote) == len(GLM_PAYLOAD)
+    assert t.local[0] == t.remote[0] == []
+    assert t.local[1] and len(t.local[1]) == len(t.remote[1])
+    for payload_index in (2, 3):
+        assert t.local[payload_index] == t.remote[payload_index] == []
+
+
+def _read(worker, local, remote) -> list:
+    worker._read_blocks(
+        local_block_ids=local,
+        remote_block_ids=remote,
+        dst_engine_id="127.0.0.1:1",
+        request_id="full-hit",
+        transfer_id="t-full-hit",
+        remote_host="127.0.0.1",
+        remote_notify_port=1,
+        remote_tp_size=1,
+    )
+    return worker.moriio_wrapper.reads
+
+
+def test_worker_reads_the_ring_without_state(stub_mori, mtp_vllm_configs) -> None:
+    worker = build_worker(mtp_vllm_configs[1], make_kv_cache_config(glm_like_groups()))
+    try:
+        reads = _read(worker, [[], [201, 202], [], []], [[], [211, 212], [], []])
+    finally:
+        worker.shutdown()
+    posted = [(session.layer, local) for session, local, _ in reads if local]
+    assert {layer for layer, _ in posted} == set(TAIL_LAYERS)
+    assert all(local == [201, 202] for _, local in posted)
+
+
+def test_worker_refuses_a_state_slot_on_one_leg(stub_mori, mtp_vllm_configs) -> None:
+    worker = build_worker(mtp_vllm_configs[1], make_kv_cache_config(glm_like_groups()))
+    try:
+        with pytest.raises(MoRIIOError, match="missing mamba recurrent-state"):
+            _read(worker, [[], [201], [], [401]], [[], [211], [], []])
+    finally:
+        worker.shutdown()
+
+
+def test_state_is_read_when_tokens_are_loaded(mtp_vllm_configs) -> None:
+    groups = glm_like_groups()
+    p_conn, d_conn = connector_pair(mtp_vllm_configs, make_kv_cache_config(groups))
+    n = FULL_HIT_LENGTHS[0]
+    t = run_transfer(p_conn, d_conn, groups, n, hit_pages=1)
+    for payload_index, group_id in ((2, GLM_MAMBA[0]), (3, GLM_MAMBA[1])):
+        assert t.local[payload_index] == [t.d.running_slot[group_id]]
+        assert t.remote[payload_index] == [t.p.running_slot[group_id]]

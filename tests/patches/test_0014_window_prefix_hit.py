@@ -1,0 +1,105 @@
+"""Patch 0014: with a decoder prefix hit, READ reads only the sliding-window
+pages the decoder lacks.
+
+The decoder's window group holds the pages of its local hit that lie in the
+window of the token it recomputes; without the patch READ pairs the whole
+window. Both legs are real vLLM schedulers with the MoRIIO connector
+(``scheduler_pair_0008``): a decoder warm-up gives the prefix hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.utils.math_utils import cdiv
+
+from tests.patches.builders import full_attention_spec, sliding_window_spec
+from tests.patches.scheduler_pair_0008 import (
+    Read,
+    SchedulerPair,
+    build_scheduler_pair,
+    prompt,
+)
+
+
+def _full_and_window(block_size: int, window: int) -> list[tuple[list[str], Any]]:
+    return [
+        (["model.layers.0.self_attn.attn"], full_attention_spec(block_size)),
+        (
+            ["model.layers.1.self_attn.attn"],
+            sliding_window_spec(block_size, window),
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def scheduler_pairs(llama_model_dir: Path) -> Callable[[int, int], SchedulerPair]:
+    pairs: dict[tuple[int, int], SchedulerPair] = {}
+
+    def get(block_size: int, window: int) -> SchedulerPair:
+        if (block_size, window) not in pairs:
+            pairs[block_size, window] = build_scheduler_pair(
+                llama_model_dir, _full_and_window(block_size, window), block_size
+            )
+        return pairs[block_size, window]
+
+    return get
+
+
+def _pages(read: Read, group: int) -> list[int]:
+    """The page indices READ pairs in ``group``: the same on both legs."""
+    local = [read.decode_tables[group].index(b) for b in read.local_block_ids[group]]
+    remote = [
+        read.prefill_tables[group].index(b) for b in read.remote_block_ids[group]
+    ]
+    assert local == remote
+    return local
+
+
+def _lacked(read: Read, block_size: int, window: int | None) -> list[int]:
+    """Pages holding a position the decoder's recomputed token N-1 attends to
+    (all before it, or its window) that its local hit does not hold."""
+    n = read.num_prompt_tokens
+    first = 0 if window is None else max(n - window, 0) // block_size
+    held = read.decode_hit_tokens // block_size
+    return list(range(max(first, held), cdiv(n - 1, block_size)))
+
+
+@pytest.mark.parametrize("hit", [0.5, 0.9], ids=["hit50", "hit90"])
+@pytest.mark.parametrize(
+    ("block_size", "window"),
+    [(16, 64), (16, 40), (64, 128)],
+    ids=["b16-w64", "b16-w40", "b64-w128"],
+)
+def test_window_pages_read_are_pages_lacked(
+    scheduler_pairs: Callable[[int, int], SchedulerPair],
+    block_size: int,
+    window: int,
+    hit: float,
+) -> None:
+    """Prompts from one window to three past it, N-W at every offset in its
+    block: each group reads exactly the pages it lacks."""
+    pair = scheduler_pairs(block_size, window)
+    wrong = []
+    for n in range(window + 1, window + 1 + 3 * block_size, 3):
+        hit_tokens = int(n * hit) // block_size * block_size
+        read = pair.read(prompt(100 * n + int(100 * hit), n), hit_tokens)
+        assert read.decode_hit_tokens == hit_tokens
+        for group, group_window in enumerate((None, window)):
+            pages = _pages(read, group)
+            if pages != _lacked(read, block_size, group_window):
+                wrong.append(f"N={n} group {group}: read {pages}")
+    assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"
+
+
+def test_no_hit_reads_the_whole_window(
+    scheduler_pairs: Callable[[int, int], SchedulerPair],
+) -> None:
+    pair = scheduler_pairs(16, 64)
+    for n in (65, 100, 143):
+        read = pair.read(prompt(7 * n, n), 0)
+        assert _pages(read, 1) == _lacked(read, 16, 64)
+        assert _pages(read, 1)[0] == (n - 64) // 16
