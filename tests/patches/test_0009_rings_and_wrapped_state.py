@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import types
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -349,33 +348,9 @@ class _Wrapper:
 
 
 @pytest.fixture
-def stub_mori(monkeypatch: pytest.MonkeyPatch) -> None:
-    mc = moriio_connector
-    monkeypatch.setattr(mc, "MoRIIO_enabled", True)
-    monkeypatch.setattr(mc, "IOEngine", lambda *a, **k: object(), raising=False)
-    monkeypatch.setattr(mc, "IOEngineConfig", lambda *a, **k: None, raising=False)
-    monkeypatch.setattr(
-        mc,
-        "BackendType",
-        types.SimpleNamespace(XGMI="xgmi", RDMA="rdma"),
-        raising=False,
-    )
-    monkeypatch.setattr(mc, "MoRIIOWrapper", _Wrapper)
-    monkeypatch.setattr(
-        mc, "get_world_group", lambda: types.SimpleNamespace(rank=0, local_rank=0)
-    )
-    monkeypatch.setattr(mc, "get_tp_group", lambda: None)
-    monkeypatch.setattr(mc, "get_tensor_model_parallel_world_size", lambda: 1)
-    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_rank", lambda: 0)
-    monkeypatch.setattr(
-        moriio_common, "get_tensor_model_parallel_world_size", lambda: 1
-    )
-    monkeypatch.setattr(
-        mc,
-        "get_attn_backend",
-        lambda *a, **k: types.SimpleNamespace(get_name=lambda: "STUB"),
-    )
-    monkeypatch.setattr(mc.MoRIIOConnectorWorker, "_start_heartbeat", lambda self: None)
+def recording_mori(stub_mori: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stub_mori`` with a wrapper that records each READ by layer and region."""
+    monkeypatch.setattr(moriio_connector, "MoRIIOWrapper", _Wrapper)
 
 
 def _worker(vllm_config: Any, kv_cache_config: KVCacheConfig) -> Any:
@@ -412,7 +387,7 @@ def _worker(vllm_config: Any, kv_cache_config: KVCacheConfig) -> Any:
     return worker
 
 
-def test_workers_route_wrapped_kda_and_ring_layers(stub_mori, configs, num_spec):
+def test_workers_route_wrapped_kda_and_ring_layers(recording_mori, configs, num_spec):
     grouping = real_grouping(configs[0], num_spec)
     worker = _worker(configs[1], grouping.worker)
     payload = [3, 4, 0, 1, 2]
