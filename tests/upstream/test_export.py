@@ -637,3 +637,15 @@ def test_mails_are_dco_ready_and_the_hint_is_the_whole_sequence(
     assert run("log", "--format=%an|%(trailers:key=Signed-off-by,valueonly)", "-2") == (
         f"Ada Lovelace|{SIGNER}\n\noverlay-tests|{SIGNER}\n\n"
     )
+
+
+def test_a_patch_is_chosen_by_its_number_and_an_unknown_one_lists_the_series(
+    repo: Path, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    written = _export(repo, tmp_path, base_texts, "0002")
+    assert {p.parent.name for p in written} == {"0002-stable-offsets"}
+    with pytest.raises(ExportError) as e:
+        _export(repo, tmp_path, base_texts, "0009")
+    assert str(e.value) == (
+        "not in the series: 0009 (the series: 0001-port-offsets, 0002-stable-offsets)"
+    )

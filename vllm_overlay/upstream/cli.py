@@ -106,7 +106,7 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
 
 def register(sub: Subparsers) -> None:
     p = add_command(sub, "export", cmd_export)
-    patches = "a patch name or slug (repeat; default: every patch)"
+    patches = "a patch name, slug or number (0009) (repeat; default: every patch)"
     p.add_argument("--patch", action="append", metavar="NAME", help=patches)
     p.add_argument(
         "--out",

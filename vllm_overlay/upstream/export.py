@@ -678,12 +678,20 @@ def _check_stack(ctx: Context, bundles: list[Bundle]) -> None:
 
 def export(ctx: Context, names: Sequence[str], out: Path) -> list[Path]:
     """Check every selected patch, then write the bundles (all or none)."""
+    # A patch is named by its file name, its slug or its number ("0009").
+    keys = [{p.name, p.slug, f"{p.index:04d}"} for p in ctx.series.patches]
+    wanted = set(names)
     chosen = [
-        p for p in ctx.series.patches if not names or p.name in names or p.slug in names
+        p
+        for p, k in zip(ctx.series.patches, keys, strict=True)
+        if not names or k & wanted
     ]
-    unknown = set(names) - {p.name for p in chosen} - {p.slug for p in chosen}
+    unknown = wanted.difference(*keys)
     if unknown:
-        raise ExportError(f"not in the series: {', '.join(sorted(unknown))}")
+        raise ExportError(
+            f"not in the series: {', '.join(sorted(unknown))} (the series: "
+            f"{', '.join(p.slug for p in ctx.series.patches)})"
+        )
     bundles = [build_bundle(ctx, p) for p in chosen]
     if len(chosen) == len(ctx.series.patches):
         _check_stack(ctx, bundles)
