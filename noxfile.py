@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tomllib
@@ -356,8 +357,10 @@ def simulate_bytes(session: nox.Session) -> None:
     `vllm-overlay simulate --bytes` (e.g. `-- --layouts llama --modes read`).
     """
     # The JSON report goes to .nox-reports/simulate-bytes.json unless --report
-    # says.
-    overlay(session, cpu_python(session), "simulate", "--bytes", *session.posargs)
+    # says. The run ends with nox, however nox ends (simulate/bytes/lifetime.py).
+    parent = {"VLLM_OVERLAY_PARENT_PID": str(os.getpid())}
+    args = ("simulate", "--bytes", *session.posargs)
+    overlay(session, cpu_python(session), *args, env=parent)
 
 
 @nox.session(venv_backend="none")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import time
 from typing import Any
 
 from vllm_overlay.simulate.bytes.driver import _Leg
-from vllm_overlay.simulate.bytes.kvmem import shm_path
+from vllm_overlay.simulate.bytes.kvmem import remove_shm, remove_stale_shm, shm_path
 
 
 def _hold_a_buffer(conn: Any, _cfg: object) -> None:
@@ -41,3 +42,18 @@ def test_a_killed_rank_leaves_no_shared_memory_file() -> None:
     leg.procs[0].join()
     leg.close()
     assert [p for p in paths if os.path.exists(p)] == []
+
+
+def test_files_of_processes_that_are_gone_are_swept_and_no_other() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for pid in (gone.pid, os.getpid()):
+        with open(shm_path(pid), "wb"):
+            pass
+    try:
+        assert gone.pid in remove_stale_shm()
+        assert not os.path.exists(shm_path(gone.pid))
+        assert os.path.exists(shm_path(os.getpid()))
+    finally:
+        remove_shm(gone.pid)
+        remove_shm(os.getpid())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from vllm_overlay.command import (
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.reports import REPORT_DIR
 from vllm_overlay.simulate.bytes import cli as bytes_cli
+from vllm_overlay.simulate.bytes.lifetime import (
+    Interrupted,
+    die_with_parent_from_env,
+    signals_raise,
+)
 from vllm_overlay.simulate.layouts import all_layouts, expand
 from vllm_overlay.simulate.matrix import (
     MATRIX_JSON,
@@ -169,7 +175,15 @@ def _run(app: App, args: argparse.Namespace) -> int:
     )
     report: SweepReport | bytes_cli.BytesReport
     if args.bytes:
-        report = bytes_cli.sweep(args, layouts, variants, options)
+        try:
+            report = _bytes_sweep(args, layouts, variants, options)
+        except Interrupted as e:
+            app.end_progress()
+            app.fail(
+                f"simulate --bytes: interrupted by {e}; its zygote and rank "
+                "processes were stopped and their /dev/shm files removed"
+            )
+            return e.exit_code
         text = bytes_cli.show(report)
         summary = bytes_cli.summary_line(report)
     else:
@@ -214,6 +228,20 @@ def _run(app: App, args: argparse.Namespace) -> int:
     app.say(verdict.line())
     app.result(report)
     return verdict.exit_code
+
+
+def _bytes_sweep(
+    args: argparse.Namespace,
+    layouts: list[str],
+    variants: list[str],
+    options: SweepOptions,
+) -> bytes_cli.BytesReport:
+    """The byte sweep; SIGINT and SIGTERM stop its processes (and raise
+    ``Interrupted``). Started with ``lifetime.PARENT_ENV`` set (by
+    ``nox -s simulate-bytes``), it also ends with that parent."""
+    die_with_parent_from_env(signal.SIGTERM)
+    with signals_raise():
+        return bytes_cli.sweep(args, layouts, variants, options)
 
 
 def _gaps(app: App) -> list[KnownGap]:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ Started = tuple["subprocess.Popen[str]", str]
 """A started process and its label for errors."""
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+STOP_GRACE = 10.0
+"""Seconds a process gets to exit after SIGTERM before it is killed."""
 
 
 @dataclass
@@ -155,13 +158,13 @@ def collect(
 ) -> None:
     """Read every (process, label) to its end, one thread each; a process
     that exits non-zero raises with its label and last lines. Processes
-    still running when this fails are killed."""
+    still running when this fails (or is interrupted) are stopped."""
     running = []
     try:
         for proc, label in started:
             tail: list[str] = []
             thread = threading.Thread(
-                target=read, args=(proc, mark, decoder, sink, tail)
+                target=read, args=(proc, mark, decoder, sink, tail), daemon=True
             )
             thread.start()
             running.append((proc, thread, tail, label))
@@ -169,12 +172,26 @@ def collect(
             proc.wait()
             thread.join()
     finally:
-        for proc, _ in started:
-            if proc.poll() is None:
-                proc.kill()
+        stop([proc for proc, _ in started])
     for proc, _, tail, label in running:
         if proc.returncode != 0:
             raise RuntimeError(f"{label} exited {proc.returncode}:\n" + "".join(tail))
+
+
+def stop(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """SIGTERM the processes still running, so each stops its own children
+    and cleans up after them; SIGKILL those still running after
+    ``STOP_GRACE`` seconds."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE
+    for proc in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class Emitter:

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import multiprocessing
+import os
 import random
+import signal
 import socket
 import time
 from collections import Counter
@@ -29,6 +32,11 @@ import msgspec
 
 from vllm_overlay.simulate.bytes.geometry import Geometry
 from vllm_overlay.simulate.bytes.kvmem import remove_shm
+from vllm_overlay.simulate.bytes.lifetime import (
+    STOP_SIGNALS,
+    die_with_parent,
+    stop_signals_blocked,
+)
 from vllm_overlay.simulate.bytes.rank import (
     READ,
     RankConfig,
@@ -94,15 +102,46 @@ class RankError(RuntimeError):
     pass
 
 
+_RANKS: dict[int, Any] = {}
+"""This process's rank processes not yet closed, by pid."""
+
+
+def _rank_main(parent: int, conn: Any, cfg: RankConfig) -> None:
+    """A forked rank: it ends with its parent (SIGKILL: the parent, or the
+    next sweep, removes its file), leaves SIGINT to its parent, then serves."""
+    die_with_parent(parent, signal.SIGKILL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    serve(conn, cfg)
+
+
+def kill_ranks() -> None:
+    """SIGKILL every rank of this process, reap it and remove its /dev/shm
+    file (a rank killed cannot remove it): the zygote's way out on a
+    signal."""
+    procs = list(_RANKS.values())
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join(5)
+        remove_shm(proc.pid)
+    _RANKS.clear()
+
+
 class _Leg:
     def __init__(self, ctx: Any, configs: list[RankConfig]) -> None:
         self.configs = configs
         self.conns: list[Any] = []
         self.procs: list[Any] = []
+        target = functools.partial(_rank_main, os.getpid())
         for cfg in configs:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=serve, args=(child, cfg), daemon=True)
-            proc.start()
+            proc = ctx.Process(target=target, args=(child, cfg), daemon=True)
+            # A signal between the fork and the registration would miss it.
+            with stop_signals_blocked():
+                proc.start()
+                _RANKS[proc.pid] = proc
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -155,6 +194,7 @@ class _Leg:
                 proc.join()
             if proc.pid is not None:
                 remove_shm(proc.pid)
+                _RANKS.pop(proc.pid, None)
 
 
 class Driver:

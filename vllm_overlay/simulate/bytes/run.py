@@ -8,6 +8,7 @@ importable as ``mori``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import msgspec
 
 from vllm_overlay.simulate import procs
+from vllm_overlay.simulate.bytes.kvmem import remove_stale_shm
+from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.report import (
     BytesReport,
     ConfigItem,
@@ -106,8 +109,9 @@ def _start_zygote(
         f"--lengths={lengths}",
         f"--hits={hits}",
     ]
-    # MoRIIO's KDA transfer needs the dim-first conv state layout.
-    env = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+    # MoRIIO's KDA transfer needs the dim-first conv state layout. The
+    # zygote ends with this process (lifetime.py).
+    env = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", PARENT_ENV: str(os.getpid())}
     return procs.start("vllm_overlay.simulate.bytes.zygote", args, [STANDIN_DIR], env)
 
 
@@ -149,7 +153,14 @@ def run_bytes_sweep(
         proc = _start_zygote(moriio_dir, variant, items, lengths, hits)
         return [(proc, f"byte simulator {variant}")]
 
-    procs.run_processes(sources, launch, MARK, _DECODER, tally)
+    # A zygote stopped by a signal removes its ranks' /dev/shm files; one
+    # killed outright cannot: whatever is left of a process that is gone
+    # goes now (a previous run's) and once the zygotes are gone (this one's).
+    remove_stale_shm()
+    try:
+        procs.run_processes(sources, launch, MARK, _DECODER, tally)
+    finally:
+        remove_stale_shm()
     order = {item: i for i, item in enumerate(items)}
     results = tally.ordered(lambda r: order.get(r.item, 0), list(sources))
     return BytesReport(

@@ -7,17 +7,27 @@ to the variant's directory, imports what the ranks use (so a forked rank
 starts in well under a second), then runs its plan one configuration at a
 time. Writes one ``Progress`` / ``ConfigReport`` per line to stdout after
 ``MARK``.
+
+It ends with its parent (``lifetime.py``): on SIGTERM (sent by the kernel when
+the parent ends, or by the parent) or SIGINT it kills its ranks, removes
+their /dev/shm files and exits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
+from types import FrameType
 
 import msgspec
 
+from vllm_overlay.simulate.bytes.lifetime import (
+    STOP_SIGNALS,
+    die_with_parent_from_env,
+)
 from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport, config_name
 from vllm_overlay.simulate.procs import Emitter, variant_parser
 from vllm_overlay.simulate.report import Progress, count_case
@@ -108,7 +118,21 @@ def run_item(
     return report
 
 
+def _stop(signum: int, frame: FrameType | None) -> None:
+    """Kill the ranks, remove their files, exit 128 + ``signum``."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    driver = sys.modules.get("vllm_overlay.simulate.bytes.driver")
+    kill_ranks = getattr(driver, "kill_ranks", None)
+    if kill_ranks is not None:  # not imported yet: no rank started
+        kill_ranks()
+    os._exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_from_env(signal.SIGTERM)
+    for s in STOP_SIGNALS:
+        signal.signal(s, _stop)
     ap = variant_parser()
     ap.add_argument("--lengths", required=True)
     ap.add_argument("--hits", required=True)
