@@ -117,3 +117,82 @@ def test_ring_and_compressed_rows_land_where_the_checker_looks():
     (need,) = needs([ring], 42)
     slots, at = _need_rows(ring, need)
     assert list(at) == list(range(32, 41)) and list(slots) == list(range(0, 9))
+
+
+def test_a_ring_of_byte_rows_is_viewed_in_its_own_rows():
+    """Step5's tail ring addresses 1 KB rows across a page vLLM views as
+    [1, N, C] rows of another size: row r is bytes [r KB, (r+1) KB)."""
+    from types import SimpleNamespace
+
+    from vllm_overlay.simulate.bytes.rank import _slot_rows
+    from vllm_overlay.simulate.check import RING, GroupInfo
+
+    u8 = np.zeros((3, 1, 64, 4096), dtype=np.uint8)
+    view = SimpleNamespace(u8=u8)
+    ring = GroupInfo(RING, 64, 8, 0, 1, 256, 1024)
+    rows = _slot_rows(view, 2, ring)
+    assert rows.shape == (1, 256, 1024)
+    rows[0, 5, :] = 7
+    assert np.count_nonzero(u8) == 1024
+    assert np.all(u8[2, 0, 1, 1024:2048] == 7)
+    # Without its own row size a ring is indexed in the view's rows.
+    assert _slot_rows(view, 2, ring._replace(ring_row_bytes=0)).shape == (1, 64, 4096)
+
+
+def test_each_layer_keeps_its_own_compression_in_a_mixed_group():
+    """A block-outermost group can mix MLA caches of one row per token with
+    an indexer of one row per 16 tokens: each layer's rows follow its own
+    tokens_per_state."""
+    from types import SimpleNamespace
+
+    from vllm_overlay.simulate.bytes.rank import _layer_info, _rows
+    from vllm_overlay.simulate.check import FULL, GroupInfo
+
+    group = GroupInfo(FULL, 640, 0, 0, 1)
+    indexer = SimpleNamespace(spec=SimpleNamespace(tokens_per_state=16))
+    mla = SimpleNamespace(spec=SimpleNamespace(tokens_per_state=1))
+    assert _layer_info(group, mla) is group
+    info = _layer_info(group, indexer)
+    ((block, slots, at),) = _rows(info, [5], 0, 256)
+    assert block == 5 and list(slots) == list(range(16))
+    assert list(at) == [16 * r + 15 for r in range(16)]
+
+
+@pytest.mark.parametrize(
+    "name", ["deepseek-v4.1-BLNHC", "glm5next-BLNHC", "step5-mtp", "gemma3"]
+)
+def test_byte_legs_fit_the_per_rank_budget(name):
+    """The byte harness sizes each rank's pool for two requests of the
+    longest default prompt; the allocation is counted once, not once per
+    KV cache tensor sharing it."""
+    from vllm_overlay.simulate.bytes.geometry import model_json
+    from vllm_overlay.simulate.bytes.kvmem import MAX_BYTES
+    from vllm_overlay.simulate.bytes.run import DEFAULT_LENGTHS
+    from vllm_overlay.simulate.run import parse_lengths
+
+    layout = expand([name])[0]
+    geometry = Geometry()
+    options = LegOptions(
+        kv_cache_layout=layout.kv_cache_layout,
+        model_json=model_json(layout, geometry),
+        specs=lambda: rank_specs(
+            layout, 1, geometry, layout.decode_slots.num_speculative_tokens
+        ),
+        extra_config={"proxy_ip": ""},
+        with_scheduler=False,
+        pool_requests=2,
+    )
+    max_len = max(parse_lengths(DEFAULT_LENGTHS)) + 64
+    leg = build_leg(layout, "kv_consumer", 1, max_len, options)
+    config = leg.worker_config
+    sizes = {t.size for t in config.kv_cache_tensors}
+    assert len(sizes) == 1
+    assert sizes.pop() <= MAX_BYTES
+    # Two max-length requests fit every group's table.
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        need = min(
+            -(-max_len // spec.block_size),
+            spec.max_num_blocks_per_req(leg.vllm_config, max_len),
+        )
+        assert config.num_blocks > 2 * need

@@ -70,6 +70,9 @@ class GroupInfo(NamedTuple):
     """FULL: tokens one stored state covers (compressed caches)."""
     ring_capacity: int = 0
     """RING: positions the ring holds."""
+    ring_row_bytes: int = 0
+    """RING: bytes of one row in a head's part of the page; 0: one row of the
+    layer's ``[H, N, C]`` view."""
 
 
 class Need(NamedTuple):

@@ -113,8 +113,21 @@ def group_infos(leg: Leg, layout: Layout) -> list[GroupInfo]:
         elif every(CircularBufferSpec):
             if layout.ring is None:
                 raise ValueError(f"{layout.name}: ring group {g} without Ring")
-            capacity = layout.ring.capacity or specs[0].block_size
-            out.append(GroupInfo(RING, bt, layout.ring.group_tokens, page, 1, capacity))
+            # The model addresses the ring by its own declared size; the
+            # planner may scale the group's block size up to unify pages.
+            declared = layout.layer_specs()[group.layer_names[0]].block_size
+            capacity = layout.ring.capacity or declared
+            out.append(
+                GroupInfo(
+                    RING,
+                    bt,
+                    layout.ring.group_tokens,
+                    page,
+                    1,
+                    capacity,
+                    layout.ring.row_bytes,
+                )
+            )
         elif every(SlidingWindowSpec):
             out.append(GroupInfo(WINDOW, bt, specs[0].sliding_window, page))
         elif every(ChunkedLocalAttentionSpec):

@@ -820,7 +820,11 @@ def families() -> list[Family]:
         "Step5 (SW + DSA summary + CSA tail ring)",
         step5,
         64,
-        ring=Ring(group_tokens=8, capacity=step5_ring_capacity()),
+        ring=Ring(
+            group_tokens=8,
+            capacity=step5_ring_capacity(),
+            row_bytes=_STEP5_ROW_BYTES,
+        ),
         kv_cache_layouts=BOTH,
     )
     return [

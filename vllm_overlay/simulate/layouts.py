@@ -37,11 +37,16 @@ class Ring:
     The ring keeps the raw rows of the still-open compression group: the
     decoder computing position p needs positions
     ``[p // group_tokens * group_tokens, p)`` in it. ``capacity``: positions
-    the ring holds (slot = position % capacity); 0 means its block size.
+    the ring holds (slot = position % capacity); 0 means the block size the
+    model declares (the planner can give the group a larger one).
     """
 
     group_tokens: int
     capacity: int = 0
+    row_bytes: int = 0
+    """Bytes of one row in a head's part of the page; 0 means one row of the
+    layer's ``[H, N, C]`` view (the model addresses rows of its own size
+    when they differ, as Step5's tail ring does)."""
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,6 @@ from typing import Any
 
 from vllm_overlay.simulate.layouts import Layout, SpecDecode, SpecSlots
 
-# Page-sized pools: enough for a few max-length requests per leg.
-_POOL_REQUESTS = 4
-
 # Folders holding only a config.json: the scheduler and the connector read
 # the specs, the block sizes and the speculative config, not the model; the
 # target only has to let vLLM resolve the speculative method offline.
@@ -165,6 +162,8 @@ class LegOptions:
     extra_config: dict[str, Any] = field(default_factory=dict)
     """Merged over ``kv_connector_extra_config``."""
     with_scheduler: bool = True
+    pool_requests: int = 4
+    """Max-length requests the block pool holds (plus one block)."""
 
 
 @dataclass
@@ -278,6 +277,18 @@ def plan_groups(layout: Layout, max_model_len: int = 4160) -> list[Any]:
     return groups
 
 
+def _allocation_bytes(kv_cache_config: Any) -> int:
+    """Bytes of the device allocation backing ``kv_cache_config``.
+
+    Every device ``KVCacheTensor`` places its layers in one backing
+    allocation and carries that allocation's size, so summing the tensors
+    counts it once per tensor (nine times over for a block-outermost
+    DeepSeek-V4.1). Host-resident tensors (HiSparse) have their own pool.
+    """
+    device = [t.size for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
+    return max(device, default=0)
+
+
 def build_leg(
     layout: Layout,
     role: str,
@@ -311,12 +322,19 @@ def build_leg(
     vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
     # Size the pool through the planner: bytes for a few max-length requests.
     probe = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)[0]
-    bytes_per_block = sum(t.size for t in probe.kv_cache_tensors) // probe.num_blocks
+    bytes_per_block = _allocation_bytes(probe) // probe.num_blocks
+    # A group's table row is at most one block per block_size positions; a
+    # ring (CircularBufferSpec) holds one block per request.
     blocks_per_req = sum(
-        -(-max_model_len // resolve_dcp_kv_block_size(g.kv_cache_spec, dcp)) + 4
+        min(
+            -(-max_model_len // resolve_dcp_kv_block_size(g.kv_cache_spec, dcp)),
+            g.kv_cache_spec.max_num_blocks_per_req(vllm_config, max_model_len),
+        )
+        + 4
         for g in probe.kv_cache_groups
     )
-    memory = bytes_per_block * (blocks_per_req * _POOL_REQUESTS + 1)
+    pool_requests = (options or LegOptions()).pool_requests
+    memory = bytes_per_block * (blocks_per_req * pool_requests + 1)
     configs = get_kv_cache_configs(vllm_config, [specs], [memory], groups)
     for cfg in configs:
         cfg.kv_cache_layout = vllm_config.cache_config.kv_cache_layout

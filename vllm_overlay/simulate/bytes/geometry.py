@@ -6,7 +6,10 @@ also needs what TP changes: GQA layers hold ``kv_heads / tp`` heads (one
 replicated head past ``kv_heads`` ranks), MLA latents are replicated, and a
 KDA layer holds ``1 / tp`` of its conv and recurrent state, shaped the way
 vLLM's model code shapes it (``MambaStateShapeCalculator.kda_state_shape``,
-``GDN_ATTN``). A model family keeps its own head geometry (only TP splits its heads).
+``GDN_ATTN``); a Mamba state of another shape (Qwen4-exp's one-array PLE
+state) is kept as the family declares it, so the connector judges it as it
+would in production. A model family keeps its own head geometry (only TP
+splits its heads).
 Nothing else of a layout changes.
 """
 
@@ -72,6 +75,8 @@ def model_json(layout: Layout, geometry: Geometry) -> dict[str, Any]:
         "num_attention_heads": 2 * heads,
         "num_key_value_heads": heads,
         "head_dim": head_size,
+        # vLLM checks that the hidden size splits over the attention heads.
+        "hidden_size": 2 * heads * head_size,
     }
 
 
@@ -107,7 +112,7 @@ def rank_specs(
     out: dict[str, Any] = {}
     mamba: dict[str, Any] = {}
     for name, spec in layout.layer_specs().items():
-        if isinstance(spec, MambaSpec):
+        if isinstance(spec, MambaSpec) and len(spec.shapes) == 2:
             mamba[name] = spec
         elif _is_gqa(spec) and layout.family:
             out[name] = replace(

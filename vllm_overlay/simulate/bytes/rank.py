@@ -43,6 +43,7 @@ from vllm_overlay.simulate.bytes.content import (
 )
 from vllm_overlay.simulate.bytes.geometry import Geometry, layer_total_heads
 from vllm_overlay.simulate.check import (
+    FULL,
     LOCAL_ONLY,
     RING,
     STATE_KIND,
@@ -80,6 +81,30 @@ def _rows(
             rows = np.arange(lo, hi)
             out.append((table[index], rows - index * per_block, (rows + 1) * t - 1))
     return out
+
+
+def _layer_info(info: GroupInfo, view: Any) -> GroupInfo:
+    """``info`` with the layer's own rows per state: a group can mix layers
+    of different compression (DeepSeek-V4.1's MLA caches of ratio 1 and 2
+    and their indexers, or GLM-5.3-Flash's MLA beside its kpool indexer, in
+    one block-outermost group)."""
+    if info.kind != FULL:
+        return info
+    t = max(1, int(getattr(view.spec, "tokens_per_state", 1)))
+    return info if t == info.tokens_per_state else info._replace(tokens_per_state=t)
+
+
+def _slot_rows(view: Any, block: int, info: GroupInfo) -> np.ndarray:
+    """A layer's page as ``[H, rows, row bytes]``: the rows ``_rows`` and
+    ``_need_rows`` index. A ring whose model addresses rows of its own size
+    (``ring_row_bytes``) is re-viewed in them; every other page is the
+    layer's ``[H, N, C]`` view."""
+    page = view.u8[block]
+    if info.kind != RING or not info.ring_row_bytes:
+        return page
+    rows = page.reshape(page.shape[0], -1, info.ring_row_bytes)
+    assert np.shares_memory(rows, page), "ring rows must view the page"
+    return rows
 
 
 def _need_rows(info: GroupInfo, need: Need) -> tuple[Any, np.ndarray]:
@@ -296,6 +321,9 @@ class Rank:
                 "transfer_timeout": cfg.transfer_timeout,
             },
             with_scheduler=cfg.tp_rank == 0,
+            # A case holds two requests at once: the decoder's warm-up, whose
+            # blocks stay cached, and the prompt.
+            pool_requests=2,
         )
         self.leg = build_leg(
             layout, cfg.role, cfg.handshake_port, cfg.max_model_len, options
@@ -408,9 +436,9 @@ class Rank:
         return wrong
 
     def _attention_wrong(
-        self, view: Any, block: int, slots: Any, hashes: np.ndarray
+        self, view: Any, block: int, info: GroupInfo, slots: Any, hashes: np.ndarray
     ) -> int:
-        actual = view.u8[block][:, slots, :]
+        actual = _slot_rows(view, block, info)[:, slots, :]
         expected = attention_bytes(
             hashes,
             self._layer_keys[view.name],
@@ -446,13 +474,15 @@ class Rank:
                 continue
             if info.kind == LOCAL_ONLY:
                 continue
-            for block, slots, at in _rows(info, table, item.start, item.end):
-                for view in layers:
-                    view.u8[block][:, slots, :] = attention_bytes(
+            for view in layers:
+                layer_info = _layer_info(info, view)
+                for block, slots, at in _rows(layer_info, table, item.start, item.end):
+                    rows = _slot_rows(view, block, info)
+                    rows[:, slots, :] = attention_bytes(
                         hashes[at],
                         self._layer_keys[view.name],
                         self._heads[view.name],
-                        view.u8.shape[-1],
+                        rows.shape[-1],
                     )
 
     def _precopy(self, tables: list[list[int]], n: int) -> None:
@@ -499,10 +529,10 @@ class Rank:
                     for v in layers
                 )
             else:
-                slots, at = _need_rows(info, need)
-                wrong = sum(
-                    self._attention_wrong(v, block, slots, hashes[at]) for v in layers
-                )
+                wrong = 0
+                for v in layers:
+                    slots, at = _need_rows(_layer_info(info, v), need)
+                    wrong += self._attention_wrong(v, block, info, slots, hashes[at])
             out.append((need, wrong, size))
         return out
 
