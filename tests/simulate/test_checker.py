@@ -209,3 +209,16 @@ def test_a_null_block_pair_is_wrong_even_off_the_needed_positions():
     result = check.judge(d, [*reads, (0, 0)], 0.0, 0, null_reads=[0])
     assert result.wrong and result.wrong_groups == [0]
     assert result.null_reads == 1 and result.unread == 0
+
+
+def test_past_hit_is_the_rule_both_simulators_share():
+    """``past_hit``: an attention page whose positions end past the local
+    hit, or a state after more tokens than it; unknown hit: never."""
+    from vllm_overlay.simulate.check import past_hit
+
+    page0, page1 = needs([FULL16], 33)
+    assert not past_hit(page0, 16) and past_hit(page1, 16)
+    assert not past_hit(page1, 32)
+    (state,) = needs([STATE], 40)
+    assert past_hit(state, 38) and not past_hit(state, 39)
+    assert not past_hit(page1, None) and not past_hit(state, None)

@@ -104,6 +104,16 @@ class CaseResult(msgspec.Struct, frozen=True):
     """Pages READ from the prefiller's null block or into the decoder's."""
 
 
+def past_hit(need: Need, computed_tokens: int | None) -> bool:
+    """Whether ``need`` lies past the decoder's local hit (``None``: unknown):
+    the decoder does not own such a page, whatever it holds."""
+    if computed_tokens is None:
+        return False
+    if need.hi == 0:  # a state after ``lo`` tokens
+        return need.lo > computed_tokens
+    return need.hi > computed_tokens
+
+
 def needs(groups: Sequence[GroupInfo], n: int) -> list[Need]:
     out: list[Need] = []
     last = n - 1  # the position the decoder computes itself
@@ -187,10 +197,9 @@ class ReadCheck:
         self.needs = needs(groups, n)
         self.lacked: set[tuple[int, int]] = set()
         for need in self.needs:
-            past_hit = computed_tokens is not None and (
-                need.lo > computed_tokens if need.hi == 0 else need.hi > computed_tokens
-            )
-            if past_hit or not _satisfied(store, tables[need.group], need, uid):
+            if past_hit(need, computed_tokens) or not _satisfied(
+                store, tables[need.group], need, uid
+            ):
                 table = tables[need.group]
                 dst = table[need.index] if need.index < len(table) else -1
                 self.lacked.add((need.group, dst))

@@ -50,6 +50,7 @@ from vllm_overlay.simulate.check import (
     GroupInfo,
     Need,
     needs,
+    past_hit,
 )
 
 READ, WRITE = "read", "write"
@@ -166,6 +167,10 @@ class StepPlan:
     """Block tables of the watched requests, scheduled or not."""
     payload_groups: list[int]
     """``kv_cache_groups`` index of each list of a READ ``ReqMeta``."""
+    local_hits: dict[str, int] = field(default_factory=dict)
+    """Prompt tokens of each watched request scheduled this step that the
+    decoder's own prefix cache held (its computed tokens less the external
+    ones the connector loads)."""
 
 
 @dataclass
@@ -331,6 +336,9 @@ class Rank:
         self.vllm_config = self.leg.vllm_config
         self.groups = group_infos(self.leg, layout)
         self.scheduler = self.leg.scheduler
+        self._external: dict[str, int] = {}
+        if self.scheduler is not None:
+            self._spy_external_tokens(self.scheduler.connector)
         self._ctx = set_current_vllm_config(self.vllm_config)
         self._ctx.__enter__()
         init_distributed_environment(
@@ -536,12 +544,17 @@ class Rank:
             out.append((need, wrong, size))
         return out
 
-    def arm(self, watch: Watch, tables: list[list[int]]) -> None:
+    def arm(self, watch: Watch, tables: list[list[int]], local_hit: int | None) -> None:
         """Snapshot the buffer; the bytes of the pages the decoder lacks now
-        are the minimum a transfer must move."""
+        are the minimum a transfer must move. A page lacks what it holds
+        wrong, or anything past the decoder's local hit when that is known
+        (the scheduler simulator's rule, ``check.past_hit``): a reallocated
+        block can still hold identical bytes the decoder does not own."""
         self._snapshot = self.kv.bytes.copy()
         needs = self._needs(watch, tables)
-        self._min_bytes = sum(size for _, wrong, size in needs if wrong)
+        self._min_bytes = sum(
+            size for need, wrong, size in needs if wrong or past_hit(need, local_hit)
+        )
 
     def judge(
         self, watch: Watch, tables: list[list[int]], plan: StepPlan | None
@@ -605,7 +618,7 @@ class Rank:
             self._precopy(tables, watch.n)
         if watch is not None and watch.arm:
             assert tables is not None
-            self.arm(watch, tables)
+            self.arm(watch, tables, plan.local_hits.get(watch.rid))
         verdict = None
         self.connector.bind_connector_metadata(plan.metadata)
         try:
@@ -653,6 +666,16 @@ class Rank:
             )
         )
 
+    def _spy_external_tokens(self, connector: Any) -> None:
+        """Note the external token count the scheduler hands the connector."""
+        update = connector.update_state_after_alloc
+
+        def spy(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            self._external[request.request_id] = num_external_tokens
+            return update(request, blocks, num_external_tokens)
+
+        connector.update_state_after_alloc = spy
+
     def schedule(self, watch: list[str]) -> StepPlan:
         sched = self.scheduler
         so = sched.schedule()
@@ -676,6 +699,13 @@ class Rank:
             for rid in watch
             if rid in sched.requests
         }
+        local_hits = {
+            rid: sched.requests[rid].num_computed_tokens
+            - so.num_scheduled_tokens[rid]
+            - self._external.pop(rid, 0)
+            for rid in watch
+            if rid in so.num_scheduled_tokens
+        }
         return StepPlan(
             metadata=so.kv_connector_metadata,
             zero=list(so.new_block_ids_to_zero or []),
@@ -686,6 +716,7 @@ class Rank:
             has_sync_kv_loads=bool(getattr(so, "has_sync_kv_loads", False)),
             finished_req_ids=set(so.finished_req_ids),
             tables=tables,
+            local_hits=local_hits,
             payload_groups=self._payload_groups(),
         )
 
