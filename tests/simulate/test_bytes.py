@@ -36,6 +36,9 @@ SAMPLED = [
     ConfigItem("deepseek-v3.2-mtp", "read", 1, 1, "LBNHC"),
     ConfigItem("deepseek-v3", "write", 2, 1, "LBNHC"),
     ConfigItem("minimax-m3", "read", 2, 2, "LBNHC"),
+    # Decode context parallelism: positions interleaved over the DCP ranks.
+    ConfigItem("llama/dcp2", "read", 2, 2, "LBNHC", kv_heads=1),
+    ConfigItem("deepseek-v3/dcp2", "write", 2, 2, "LBNHC", kv_heads=1),
 ]
 # Group kinds the pinned connector may refuse and a later patch may carry
 # (the circular-buffer rings of DeepSeek-V4.1, GLM-5.3-Flash and Step5, the
@@ -59,6 +62,9 @@ FAULTS = {
     "shift-remote": ConfigItem("llama", "read", 1, 1, "LBNHC", fault="shift-remote"),
     "shift-local": ConfigItem("llama", "read", 1, 1, "BLNHC", fault="shift-local"),
     "swap-heads": ConfigItem("llama", "write", 1, 2, "LBNHC", fault="swap-heads"),
+    "shift-remote-dcp": ConfigItem(
+        "llama/dcp2", "read", 2, 2, "BLNHC", kv_heads=1, fault="shift-remote"
+    ),
 }
 
 
@@ -102,8 +108,9 @@ def test_unsupported_pairs_fail_closed(reports, item):
     assert report.wrong_cases == 0
 
 
-def test_a_shifted_source_offset_is_reported(reports):
-    report = reports[FAULTS["shift-remote"]]
+@pytest.mark.parametrize("fault", ["shift-remote", "shift-remote-dcp"])
+def test_a_shifted_source_offset_is_reported(reports, fault):
+    report = reports[FAULTS[fault]]
     assert report.first_errors == []
     assert report.wrong_cases == report.cases == 10
     assert report.stray_cases == 0

@@ -196,3 +196,30 @@ def test_byte_legs_fit_the_per_rank_budget(name):
             spec.max_num_blocks_per_req(leg.vllm_config, max_len),
         )
         assert config.num_blocks > 2 * need
+
+
+@pytest.mark.parametrize("size,interleave", [(2, 1), (4, 1), (2, 16), (4, 8)])
+def test_dcp_ranks_keep_vllms_local_sequences(size, interleave):
+    """Under decode context parallelism each rank's positions, read through
+    its block table in order, are the local sequence vLLM's attention
+    expects: as long as ``get_dcp_local_seq_lens`` says, densely packed from
+    slot 0, in position order, with every position on exactly one rank."""
+    import torch
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    from vllm_overlay.simulate.bytes.rank import Shard
+
+    block = 16
+    for length in (1, 15, 16, 17, 63, 64, 65, 200, 531):
+        owners = np.zeros(length, dtype=int)
+        for rank in range(size):
+            shard = Shard(size, rank, interleave)
+            index, slots, positions = shard.own(np.arange(length), block * size)
+            owners[positions] += 1
+            local = index * block + slots
+            (expected,) = get_dcp_local_seq_lens(
+                torch.tensor([length]), size, rank, interleave
+            ).tolist()
+            assert list(local) == list(range(expected))
+            assert list(positions) == sorted(positions)
+        assert np.all(owners == 1)

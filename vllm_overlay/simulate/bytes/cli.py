@@ -24,7 +24,7 @@ from vllm_overlay.simulate.bytes.run import (
     plan_items,
     run_bytes_sweep,
 )
-from vllm_overlay.simulate.layouts import all_layouts
+from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.procs import SweepOptions
 
 __all__ = [
@@ -81,7 +81,7 @@ def sweep(
         raise UsageError(f"--modes: unknown {bad}; choose from {list(MODES)}")
     try:
         items = plan_items(
-            layouts or list(all_layouts()),
+            layouts or [layout.name for layout in expand()],
             modes,
             parse_tp_pairs(args.tp) if args.tp else None,
             [x for x in args.kv_layouts.split(",") if x.strip()],

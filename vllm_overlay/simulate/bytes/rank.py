@@ -56,8 +56,55 @@ from vllm_overlay.simulate.check import (
 READ, WRITE = "read", "write"
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Decode context parallelism as one rank of a group sees it: of a
+    table entry's ``size * B`` positions (a virtual block), runs of
+    ``interleave`` positions go to ranks in turn, and this rank keeps its
+    runs, in order, in its physical block of ``B`` (vLLM's slot mapping,
+    ``v1/worker/block_table.py``). ``size`` 1: the group is not sharded."""
+
+    size: int = 1
+    rank: int = 0
+    interleave: int = 1
+
+    def own(self, positions: np.ndarray, block_tokens: int) -> tuple[Any, Any, Any]:
+        """(table index, slot, position) of each position this rank keeps."""
+        index, offset = np.divmod(positions, block_tokens)
+        mine = (offset // self.interleave) % self.size == self.rank
+        index, offset, positions = index[mine], offset[mine], positions[mine]
+        run = self.interleave * self.size
+        slots = offset // run * self.interleave + offset % self.interleave
+        return index, slots, positions
+
+
+NO_SHARD = Shard()
+
+
+def _sharded_rows(
+    info: GroupInfo, shard: Shard, table: list[int], start: int, end: int
+) -> list[tuple[int, Any, np.ndarray]]:
+    if info.tokens_per_state != 1:
+        raise NotImplementedError(
+            "byte simulator: a compressed cache under decode context "
+            "parallelism is not modelled"
+        )
+    index, slots, positions = shard.own(np.arange(start, end), info.block_tokens)
+    out = []
+    for k in np.unique(index):
+        if k >= len(table) or table[k] == 0:
+            continue
+        pick = index == k
+        out.append((table[k], slots[pick], positions[pick]))
+    return out
+
+
 def _rows(
-    info: GroupInfo, table: list[int], start: int, end: int
+    info: GroupInfo,
+    table: list[int],
+    start: int,
+    end: int,
+    shard: Shard = NO_SHARD,
 ) -> list[tuple[int, Any, np.ndarray]]:
     """Where a forward over positions ``[start, end)`` writes an attention
     group's rows: (block, slots in it, position whose prefix hash each row
@@ -66,6 +113,8 @@ def _rows(
     position ``(r + 1) * t - 1`` is computed, hashing that prefix; a block
     holds ``block_tokens / t`` rows. Null blocks take no rows."""
     out: list[tuple[int, Any, np.ndarray]] = []
+    if shard.size > 1 and info.kind != RING:
+        return _sharded_rows(info, shard, table, start, end)
     if info.kind == RING:
         if table and table[0] != 0 and start < end:
             positions = np.arange(start, end)
@@ -108,9 +157,20 @@ def _slot_rows(view: Any, block: int, info: GroupInfo) -> np.ndarray:
     return rows
 
 
-def _need_rows(info: GroupInfo, need: Need) -> tuple[Any, np.ndarray]:
+def _need_rows(
+    info: GroupInfo, need: Need, shard: Shard = NO_SHARD
+) -> tuple[Any, np.ndarray]:
     """The slots and hash positions of an attention need (``check.needs``:
-    positions ``[lo, hi)`` of block ``index``)."""
+    positions ``[lo, hi)`` of block ``index``); under DCP, of the positions
+    this rank keeps."""
+    if shard.size > 1 and info.kind != RING:
+        if info.tokens_per_state != 1:
+            raise NotImplementedError(
+                "byte simulator: a compressed cache under decode context "
+                "parallelism is not modelled"
+            )
+        _, slots, positions = shard.own(np.arange(need.lo, need.hi), info.block_tokens)
+        return slots, positions
     if info.kind == RING:
         positions = np.arange(need.lo, need.hi)
         return positions % info.ring_capacity, positions
@@ -134,6 +194,25 @@ class RankConfig:
     geometry: Geometry = field(default_factory=Geometry)
     fault: str | None = None
     transfer_timeout: float = 20.0
+
+
+def _shards(leg: Any, layout: Any, tp_rank: int) -> list[Shard]:
+    """Each KV cache group's DCP sharding on this rank: the DCP group is
+    ``dcp`` consecutive TP ranks; a group is sharded when its specs are."""
+    from vllm.v1.kv_cache_interface import iter_layer_specs
+
+    dcp = layout.dcp
+    if dcp == 1:
+        return [NO_SHARD] * len(leg.worker_config.kv_cache_groups)
+    interleave = leg.vllm_config.parallel_config.cp_kv_cache_interleave_size
+    out = []
+    for group in leg.worker_config.kv_cache_groups:
+        sharded = all(
+            getattr(spec, "dcp_sharded", False)
+            for spec in iter_layer_specs(group.kv_cache_spec)
+        )
+        out.append(Shard(dcp, tp_rank % dcp, interleave) if sharded else NO_SHARD)
+    return out
 
 
 def _heads_of(cfg: RankConfig, view: Any, total: int | None) -> list[int]:
@@ -335,6 +414,7 @@ class Rank:
         )
         self.vllm_config = self.leg.vllm_config
         self.groups = group_infos(self.leg, layout)
+        self._shards = _shards(self.leg, layout, cfg.tp_rank)
         self.scheduler = self.leg.scheduler
         self._external: dict[str, int] = {}
         if self.scheduler is not None:
@@ -484,7 +564,9 @@ class Rank:
                 continue
             for view in layers:
                 layer_info = _layer_info(info, view)
-                for block, slots, at in _rows(layer_info, table, item.start, item.end):
+                for block, slots, at in _rows(
+                    layer_info, table, item.start, item.end, self._shards[g]
+                ):
                     rows = _slot_rows(view, block, info)
                     rows[:, slots, :] = attention_bytes(
                         hashes[at],
@@ -539,7 +621,9 @@ class Rank:
             else:
                 wrong = 0
                 for v in layers:
-                    slots, at = _need_rows(_layer_info(info, v), need)
+                    slots, at = _need_rows(
+                        _layer_info(info, v), need, self._shards[need.group]
+                    )
                     wrong += self._attention_wrong(v, block, info, slots, hashes[at])
             out.append((need, wrong, size))
         return out

@@ -64,23 +64,28 @@ def plan_items(
         key, _, dcp = name.partition("/dcp")
         if key not in known:
             raise ValueError(f"unknown layout {name!r}; known: {', '.join(known)}")
-        if dcp and dcp != "1":
-            raise ValueError(
-                f"{name}: the byte-level simulation does not model decode "
-                "context parallelism (see docs/simulate-bytes.md)"
-            )
         layout = known[key]
         own = [layout.kv_cache_layout] if layout.family else kv_layouts
         pairs = tp_pairs or (FAMILY_TP_PAIRS if layout.family else TP_PAIRS)
+        size = int(dcp or 1)
+        if size > 1:
+            # DCP ranks are TP ranks: each leg runs TP = DCP, and the GQA
+            # layers replicate their one KV head over the DCP group.
+            pairs = [(size, size)] if tp_pairs is None else tp_pairs
+            if any(pair != (size, size) for pair in pairs):
+                raise ValueError(
+                    f"{name}: the byte-level simulation runs decode context "
+                    f"parallelism {size} with TP {size}->{size} only"
+                )
         for mode in modes:
             for p_tp, d_tp in pairs:
-                heads = 1 if mode == "read" and p_tp != d_tp else 4
+                heads = 1 if (mode == "read" and p_tp != d_tp) or size > 1 else 4
                 if key in _MLA_LAYOUTS:
                     heads = 4
                 for kv_layout in own:
                     if kv_layout in kv_layouts:
                         items.append(
-                            ConfigItem(key, mode, p_tp, d_tp, kv_layout, heads)
+                            ConfigItem(name, mode, p_tp, d_tp, kv_layout, heads)
                         )
     return items
 
