@@ -223,3 +223,69 @@ def test_dcp_ranks_keep_vllms_local_sequences(size, interleave):
             assert list(local) == list(range(expected))
             assert list(positions) == sorted(positions)
         assert np.all(owners == 1)
+
+
+def _naive_strays(kv, before, pages):
+    """The reference: every changed byte against a byte mask of the pages."""
+    mask = np.zeros(kv.nbytes, dtype=bool)
+    for layer, block in pages:
+        view = np.lib.stride_tricks.as_strided(
+            mask[kv.page_offset(layer, block) :],
+            shape=layer.u8.shape[1:],
+            strides=layer.u8.strides[1:],
+        )
+        view[...] = True
+    return np.flatnonzero((kv.bytes != before) & ~mask)
+
+
+@pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])
+@pytest.mark.parametrize("name", ["gemma", "kimi", "deepseek-v3.2-mtp"])
+def test_stray_bytes_equal_the_byte_mask_reference(tmp_path, name, kv_layout):
+    """The judge's word-level stray search finds exactly the bytes a full
+    byte mask of the destination pages finds: none for writes inside the
+    pages, each one outside them (at page edges, mid-word, in a page of
+    another layer or block)."""
+    from vllm_overlay.simulate.bytes.geometry import model_json
+    from vllm_overlay.simulate.bytes.kvmem import SharedKV
+
+    layout = expand([name])[0]
+    geometry = Geometry()
+    leg = build_leg(
+        layout,
+        "kv_consumer",
+        1,
+        300,
+        LegOptions(
+            kv_cache_layout=kv_layout,
+            model_json=model_json(layout, geometry),
+            specs=lambda: rank_specs(layout, 1, geometry, 1),
+            extra_config={"proxy_ip": ""},
+            with_scheduler=False,
+        ),
+    )
+    kv = SharedKV(leg.worker_config, kv_layout, str(tmp_path / "kv"), canary=0xC3)
+    rng = np.random.default_rng(7)
+    strays = 0
+    try:
+        layers = list(kv.layers.values())
+        pages = [(layer, int(b)) for layer in layers[::2] for b in (1, 3)]
+        for trial in range(6):
+            kv.snapshot()
+            before = kv.bytes.copy()
+            for layer, block in pages:  # writes inside the destination pages
+                page = layer.u8[block]
+                page[..., :: 7 + trial] ^= 0x5A
+            for layer in rng.choice(len(layers), size=trial):
+                view = layers[int(layer)]
+                page = view.u8[int(rng.integers(0, view.u8.shape[0]))]
+                size = page.size
+                for at in (0, size - 1, int(rng.integers(0, size))):
+                    page[np.unravel_index(at, page.shape)] ^= 0xFF
+            expected = _naive_strays(kv, before, pages)
+            assert list(kv.stray_bytes(pages)) == list(expected)
+            strays += int(expected.size)
+        # Groups can alias the same bytes (a hybrid's tensors overlay each
+        # other), so a write "outside" can land in a listed page; most do not.
+        assert strays > 0
+    finally:
+        kv.close()

@@ -200,6 +200,8 @@ def _run(app: App, args: argparse.Namespace) -> int:
     for variant, where in report.variants.items():
         app.say(f"{variant}: {where}")
     app.say(f"lengths {report.lengths}, hits {report.hits} %")
+    if isinstance(report, bytes_cli.BytesReport) and report.family_lengths:
+        app.say(f"model families: lengths {report.family_lengths}")
     app.say(text)
     name = BYTES_REPORT if args.bytes else SIMULATE_REPORT
     out = args.report or app.checkout.root / REPORT_DIR / name

@@ -14,6 +14,7 @@ from vllm_overlay.simulate.bytes.report import (
     summary_line,
 )
 from vllm_overlay.simulate.bytes.run import (
+    DEFAULT_FAMILY_LENGTHS,
     DEFAULT_HITS,
     DEFAULT_LENGTHS,
     FAMILY_TP_PAIRS,
@@ -85,6 +86,7 @@ def sweep(
             modes,
             parse_tp_pairs(args.tp) if args.tp else None,
             [x for x in args.kv_layouts.split(",") if x.strip()],
+            None if args.lengths else DEFAULT_FAMILY_LENGTHS,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc

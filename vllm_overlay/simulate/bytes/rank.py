@@ -458,7 +458,7 @@ class Rank:
         self._layer_keys = {name: layer_key(name) for name in self.kv.layers}
         self._hashes: dict[str, np.ndarray] = {}
         self._so: Any = None
-        self._snapshot: np.ndarray | None = None
+        self._armed = False
         self._min_bytes = 0
 
     # -- geometry ----------------------------------------------------------
@@ -634,7 +634,8 @@ class Rank:
         wrong, or anything past the decoder's local hit when that is known
         (the scheduler simulator's rule, ``check.past_hit``): a reallocated
         block can still hold identical bytes the decoder does not own."""
-        self._snapshot = self.kv.bytes.copy()
+        self.kv.snapshot()
+        self._armed = True
         needs = self._needs(watch, tables)
         self._min_bytes = sum(
             size for need, wrong, size in needs if wrong or past_hit(need, local_hit)
@@ -643,7 +644,7 @@ class Rank:
     def judge(
         self, watch: Watch, tables: list[list[int]], plan: StepPlan | None
     ) -> Verdict:
-        assert self._snapshot is not None, "judge before arm"
+        assert self._armed, "judge before arm"
         verdict = Verdict(min_bytes=self._min_bytes)
         for need, wrong, _ in self._needs(watch, tables):
             if wrong:
@@ -669,15 +670,14 @@ class Rank:
                 pages += [
                     (v, b) for b in blocks if b != 0 for v in self.kv.layers_of(g)
                 ]
-        changed = self.kv.bytes != self._snapshot
-        stray = np.flatnonzero(changed & ~self.kv.mask(pages))
+        stray = self.kv.stray_bytes(pages)
         verdict.stray_bytes = int(stray.size)
         if stray.size:
             verdict.notes.append(
                 f"rank {self.cfg.tp_rank}: {stray.size} bytes written outside the "
                 f"destination pages, first at {self._describe(int(stray[0]))}"
             )
-        self._snapshot = None
+        self._armed = False
         return verdict
 
     def _describe(self, offset: int) -> str:

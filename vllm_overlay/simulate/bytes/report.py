@@ -20,6 +20,8 @@ class ConfigItem(msgspec.Struct, frozen=True):
     kv_layout: str
     kv_heads: int = 4
     fault: str | None = None
+    lengths: str | None = None
+    """Prompt lengths of this configuration; None: the sweep's."""
 
 
 def config_name(item: ConfigItem) -> str:
@@ -59,6 +61,8 @@ class BytesReport(msgspec.Struct):
     variants: dict[str, str]
     configs: list[ConfigReport]
     wall_seconds: float
+    family_lengths: list[int] | None = None
+    """The model families' lengths, when not ``lengths``."""
 
 
 ZygoteLine = Progress | ConfigReport

@@ -36,6 +36,11 @@ STANDIN_DIR = Path(__file__).resolve().parent / "standin"
 # windows (128, 512) and the 16-token tail ring, one and two pages.
 DEFAULT_LENGTHS = "2,17,33,56,64,65,100,120,129,192,250,257,300,513,530,700"
 DEFAULT_HITS = "0,50,100"
+DEFAULT_FAMILY_LENGTHS = "2,17,65,129,257,530"
+"""A model family's default: its residue classes at fewer lengths (one and
+two pages of 16, 64 and 256, past the 128-token windows and the 16-token
+ring). Its every case moves the family's own geometry over all its layers,
+tens to hundreds of times the bytes of a mechanism layout's."""
 MODES = ("read", "write")
 TP_PAIRS = ((1, 1), (2, 2), (1, 2), (2, 1))
 FAMILY_TP_PAIRS = ((1, 1),)
@@ -50,6 +55,7 @@ def plan_items(
     modes: list[str],
     tp_pairs: list[tuple[int, int]] | None,
     kv_layouts: list[str],
+    family_lengths: str | None = None,
 ) -> list[ConfigItem]:
     """Every combination. READ with unequal TP needs replicated KV heads
     (``validate_moriio_heterogeneous_tp_kv_heads``), so its GQA layers run
@@ -57,7 +63,8 @@ def plan_items(
     layout fixes its KV cache layout (its grouping depends on it: the
     matrix's ``-BLNHC`` rows), so it runs only in that one. ``tp_pairs``
     None: ``TP_PAIRS`` for mechanism layouts, ``FAMILY_TP_PAIRS`` for
-    families."""
+    families. ``family_lengths``: a model family's prompt lengths, when
+    they are not the sweep's."""
     known = all_layouts()
     items = []
     for name in layouts:
@@ -85,7 +92,15 @@ def plan_items(
                 for kv_layout in own:
                     if kv_layout in kv_layouts:
                         items.append(
-                            ConfigItem(name, mode, p_tp, d_tp, kv_layout, heads)
+                            ConfigItem(
+                                name,
+                                mode,
+                                p_tp,
+                                d_tp,
+                                kv_layout,
+                                heads,
+                                lengths=family_lengths if layout.family else None,
+                            )
                         )
     return items
 
@@ -168,8 +183,10 @@ def run_bytes_sweep(
         remove_stale_shm()
     order = {item: i for i, item in enumerate(items)}
     results = tally.ordered(lambda r: order.get(r.item, 0), list(sources))
+    own = {item.lengths for item in items if item.lengths is not None}
     return BytesReport(
         lengths=lengths_list,
+        family_lengths=parse_lengths(own.pop()) if len(own) == 1 else None,
         hits=[h * 100 for h in hits_list],
         variants=options.where(sources),
         configs=results,

@@ -90,6 +90,10 @@ def run_item(
     config = Config(
         item.layout, item.mode, item.p_tp, item.d_tp, item.kv_layout, item.fault
     )
+    if item.lengths is not None:
+        from vllm_overlay.simulate.run import parse_lengths
+
+        lengths = parse_lengths(item.lengths)
     total = len(lengths) * len(hits)
     report = ConfigReport(variant=variant, item=item, planned=total)
     start = time.monotonic()
