@@ -410,7 +410,13 @@ class Driver:
 
 
 def _first_error(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
+    """The last line of a traceback that says something (pydantic ends its
+    errors with a link: the line above says what is wrong)."""
+    lines = [
+        line.strip()
+        for line in text.strip().splitlines()
+        if line.strip() and "errors.pydantic.dev" not in line
+    ]
     return (lines[-1] if lines else text)[:300]
 
 
