@@ -28,7 +28,8 @@ class Geometry:
     kv_heads: int = 4
     """KV heads of every GQA (full or sliding-window) layer, before TP."""
     head_size: int = 32
-    kda_heads: int = 2
+    kda_heads: int = 4
+    """Split over up to 4 TP ranks (DCP 4 runs TP 4)."""
     kda_head_dim: int = 32
     conv_kernel: int = 4
 
@@ -71,12 +72,14 @@ def model_json(layout: Layout, geometry: Geometry) -> dict[str, Any]:
     if layout.family:
         gqa = next(s for s in layout.layer_specs().values() if _is_gqa(s))
         heads, head_size = gqa.num_kv_heads, gqa.head_size
+    # Query heads split over up to 4 TP ranks (DCP 4 runs TP 4), and the
+    # hidden size over the query heads, as vLLM checks.
+    query_heads = max(2 * heads, 4)
     return {
-        "num_attention_heads": 2 * heads,
+        "num_attention_heads": query_heads,
         "num_key_value_heads": heads,
         "head_dim": head_size,
-        # vLLM checks that the hidden size splits over the attention heads.
-        "hidden_size": 2 * heads * head_size,
+        "hidden_size": query_heads * head_size,
     }
 
 
