@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from vllm_overlay.simulate.bytes.kvmem import remove_shm, shm_path
 from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
+from vllm_overlay.simulate.bytes.shm import remove_shm, shm_path
 
 RUN = [
     "simulate",

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from vllm_overlay.simulate.bytes.driver import _Leg
-from vllm_overlay.simulate.bytes.kvmem import remove_shm, remove_stale_shm, shm_path
+from vllm_overlay.simulate.bytes.shm import remove_shm, remove_stale_shm, shm_path
 
 
 def _hold_a_buffer(conn: Any, _cfg: object) -> None:

@@ -31,7 +31,6 @@ from typing import Any
 import msgspec
 
 from vllm_overlay.simulate.bytes.geometry import Geometry
-from vllm_overlay.simulate.bytes.kvmem import remove_shm
 from vllm_overlay.simulate.bytes.lifetime import (
     STOP_SIGNALS,
     die_with_parent,
@@ -46,6 +45,7 @@ from vllm_overlay.simulate.bytes.rank import (
     Watch,
     serve,
 )
+from vllm_overlay.simulate.bytes.shm import remove_shm
 from vllm_overlay.simulate.drive import prompt_tokens
 
 _REPLY_TIMEOUT = 120.0

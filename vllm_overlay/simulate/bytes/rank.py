@@ -379,7 +379,8 @@ class Rank:
         )
 
         from vllm_overlay.simulate.bytes.geometry import model_json, rank_specs
-        from vllm_overlay.simulate.bytes.kvmem import SharedKV, shm_path
+        from vllm_overlay.simulate.bytes.kvmem import SharedKV
+        from vllm_overlay.simulate.bytes.shm import shm_path
         from vllm_overlay.simulate.drive import group_infos
         from vllm_overlay.simulate.layouts import expand
         from vllm_overlay.simulate.legs import LegOptions, build_leg

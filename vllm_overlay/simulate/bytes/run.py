@@ -16,7 +16,6 @@ from pathlib import Path
 import msgspec
 
 from vllm_overlay.simulate import procs
-from vllm_overlay.simulate.bytes.kvmem import remove_stale_shm
 from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.report import (
     BytesReport,
@@ -25,6 +24,7 @@ from vllm_overlay.simulate.bytes.report import (
     ZygoteLine,
     config_name,
 )
+from vllm_overlay.simulate.bytes.shm import remove_stale_shm
 from vllm_overlay.simulate.bytes.zygote import MARK
 from vllm_overlay.simulate.layouts import all_layouts
 from vllm_overlay.simulate.run import parse_hits, parse_lengths
