@@ -81,14 +81,18 @@ class Shard:
 NO_SHARD = Shard()
 
 
-def _sharded_rows(
-    info: GroupInfo, shard: Shard, table: list[int], start: int, end: int
-) -> list[tuple[int, Any, np.ndarray]]:
+def _refuse_compressed(info: GroupInfo) -> None:
     if info.tokens_per_state != 1:
         raise NotImplementedError(
             "byte simulator: a compressed cache under decode context "
             "parallelism is not modelled"
         )
+
+
+def _sharded_rows(
+    info: GroupInfo, shard: Shard, table: list[int], start: int, end: int
+) -> list[tuple[int, Any, np.ndarray]]:
+    _refuse_compressed(info)
     index, slots, positions = shard.own(np.arange(start, end), info.block_tokens)
     out = []
     for k in np.unique(index):
@@ -164,11 +168,7 @@ def _need_rows(
     positions ``[lo, hi)`` of block ``index``); under DCP, of the positions
     this rank keeps."""
     if shard.size > 1 and info.kind != RING:
-        if info.tokens_per_state != 1:
-            raise NotImplementedError(
-                "byte simulator: a compressed cache under decode context "
-                "parallelism is not modelled"
-            )
+        _refuse_compressed(info)
         _, slots, positions = shard.own(np.arange(need.lo, need.hi), info.block_tokens)
         return slots, positions
     if info.kind == RING:
