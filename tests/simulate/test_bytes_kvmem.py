@@ -19,6 +19,28 @@ from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.legs import LegOptions, build_leg
 
 
+def _worker_leg(layout, kv_layout, *, tp=1, max_len=300, num_spec=1, pool_requests=4):
+    """A decode leg's worker config as a byte-simulator rank builds it."""
+    from vllm_overlay.simulate.bytes.geometry import model_json
+
+    geometry = Geometry()
+    return build_leg(
+        layout,
+        "kv_consumer",
+        1,
+        max_len,
+        LegOptions(
+            tensor_parallel_size=tp,
+            kv_cache_layout=kv_layout,
+            model_json=model_json(layout, geometry),
+            specs=lambda: rank_specs(layout, tp, geometry, num_spec),
+            extra_config={"proxy_ip": ""},
+            with_scheduler=False,
+            pool_requests=pool_requests,
+        ),
+    )
+
+
 @pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])
 @pytest.mark.parametrize("name", ["llama", "gemma", "kimi", "glm"])
 @pytest.mark.parametrize("tp", [1, 2])
@@ -27,26 +49,9 @@ def test_views_match_vllms_allocation(tmp_path, name, kv_layout, tp):
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    from vllm_overlay.simulate.bytes.geometry import model_json
     from vllm_overlay.simulate.bytes.kvmem import SharedKV
 
-    layout = expand([name])[0]
-    geometry = Geometry()
-    leg = build_leg(
-        layout,
-        "kv_consumer",
-        1,
-        300,
-        LegOptions(
-            tensor_parallel_size=tp,
-            kv_cache_layout=kv_layout,
-            model_json=model_json(layout, geometry),
-            specs=lambda: rank_specs(layout, tp, geometry, 1),
-            extra_config={"proxy_ip": ""},
-            with_scheduler=False,
-        ),
-    )
-    config = leg.worker_config
+    config = _worker_leg(expand([name])[0], kv_layout, tp=tp).worker_config
     ours = SharedKV(config, kv_layout, str(tmp_path / "kv"), canary=0xC3)
     try:
         theirs = allocate_kv_cache(
@@ -165,25 +170,19 @@ def test_byte_legs_fit_the_per_rank_budget(name):
     """The byte harness sizes each rank's pool for two requests of the
     longest default prompt; the allocation is counted once, not once per
     KV cache tensor sharing it."""
-    from vllm_overlay.simulate.bytes.geometry import model_json
     from vllm_overlay.simulate.bytes.kvmem import MAX_BYTES
     from vllm_overlay.simulate.bytes.run import DEFAULT_LENGTHS
     from vllm_overlay.simulate.run import parse_lengths
 
     layout = expand([name])[0]
-    geometry = Geometry()
-    options = LegOptions(
-        kv_cache_layout=layout.kv_cache_layout,
-        model_json=model_json(layout, geometry),
-        specs=lambda: rank_specs(
-            layout, 1, geometry, layout.decode_slots.num_speculative_tokens
-        ),
-        extra_config={"proxy_ip": ""},
-        with_scheduler=False,
+    max_len = max(parse_lengths(DEFAULT_LENGTHS)) + 64
+    leg = _worker_leg(
+        layout,
+        layout.kv_cache_layout,
+        max_len=max_len,
+        num_spec=layout.decode_slots.num_speculative_tokens,
         pool_requests=2,
     )
-    max_len = max(parse_lengths(DEFAULT_LENGTHS)) + 64
-    leg = build_leg(layout, "kv_consumer", 1, max_len, options)
     config = leg.worker_config
     sizes = {t.size for t in config.kv_cache_tensors}
     assert len(sizes) == 1
@@ -245,24 +244,9 @@ def test_stray_bytes_equal_the_byte_mask_reference(tmp_path, name, kv_layout):
     byte mask of the destination pages finds: none for writes inside the
     pages, each one outside them (at page edges, mid-word, in a page of
     another layer or block)."""
-    from vllm_overlay.simulate.bytes.geometry import model_json
     from vllm_overlay.simulate.bytes.kvmem import SharedKV
 
-    layout = expand([name])[0]
-    geometry = Geometry()
-    leg = build_leg(
-        layout,
-        "kv_consumer",
-        1,
-        300,
-        LegOptions(
-            kv_cache_layout=kv_layout,
-            model_json=model_json(layout, geometry),
-            specs=lambda: rank_specs(layout, 1, geometry, 1),
-            extra_config={"proxy_ip": ""},
-            with_scheduler=False,
-        ),
-    )
+    leg = _worker_leg(expand([name])[0], kv_layout)
     kv = SharedKV(leg.worker_config, kv_layout, str(tmp_path / "kv"), canary=0xC3)
     rng = np.random.default_rng(7)
     strays = 0
