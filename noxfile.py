@@ -339,7 +339,8 @@ def dev(session: nox.Session) -> None:
 def simulate(session: nox.Session) -> None:
     """The CPU prefill/decode simulator: base vs overlay, and a verdict on the overlay.
 
-    `nox -s simulate -- --lengths 1-4096` tries every length (about an hour).
+    `nox -s simulate -- --lengths 1-4096` tries every length, most of them
+    extrapolated from small cases (`-- --whole` runs each one).
     Exit status 1 when the overlay reads wrong KV, crashes or runs no case in
     a layout docs/known-gaps.toml does not list.
     """

@@ -135,6 +135,13 @@ def register(sub: Subparsers) -> None:
         metavar="N",
         help="worker processes per variant (default: cores / variants)",
     )
+    p.add_argument(
+        "--whole",
+        action="store_true",
+        help="run every case through the schedulers (the reference; by default "
+        "a case a whole number of periods longer than a small one it matches "
+        "follows from it: simulate/shrink.py)",
+    )
     bytes_cli.add_arguments(p)
 
 
@@ -189,7 +196,13 @@ def _run(app: App, args: argparse.Namespace) -> int:
     else:
         hits = args.hits or DEFAULT_HITS
         report = run_sweep(
-            layouts, args.lengths, hits, variants, options, args.processes
+            layouts,
+            args.lengths,
+            hits,
+            variants,
+            options,
+            args.processes,
+            whole=args.whole,
         )
         if args.markdown:
             text = format_matrix(report, markdown=True)

@@ -373,22 +373,28 @@ class Pair:
     # -- one case ---------------------------------------------------------
 
     def run_case(
-        self, n: int, hit_fraction: float, rewrite: RewriteFn | None = None
+        self,
+        n: int,
+        hit_fraction: float,
+        rewrite: RewriteFn | None = None,
+        held: int | None = None,
     ) -> CaseResult:
+        """``held``: prompt tokens the decoder holds before the request
+        arrives (default ``round(n * hit_fraction)``)."""
         try:
-            return self._run_case(n, hit_fraction, rewrite)
+            return self._run_case(n, hit_fraction, rewrite, held)
         except Exception as exc:  # fail-closed refusals and crashes alike
             self._build()
             cause = exc.__cause__ if isinstance(exc, _Refused) else None
             return _error_result(n, hit_fraction, cause or exc)
 
     def _run_case(
-        self, n: int, hit_fraction: float, rewrite: RewriteFn | None
+        self, n: int, hit_fraction: float, rewrite: RewriteFn | None, held: int | None
     ) -> CaseResult:
         self._seq += 1
         uid = self._seq
         tokens = prompt_tokens(uid, n)
-        shared = round(n * hit_fraction)
+        shared = round(n * hit_fraction) if held is None else held
         if shared > 0:
             warm = prompt_tokens(uid, shared + 1, shared=shared)
             self._run_local(self.d, self.d_store, f"w{uid}", warm, uid, shared)

@@ -34,6 +34,8 @@ class PlanItem(msgspec.Struct):
     layout: str
     lengths: str
     hits: str
+    whole: bool = False
+    """Run every case itself instead of from its small ones (``shrink.py``)."""
 
 
 class Progress(msgspec.Struct, tag="progress"):
@@ -71,6 +73,11 @@ class LayoutReport(msgspec.Struct, tag="layout"):
     unread: int = 0
     null_reads: int = 0
     seconds: float = 0.0
+    cases_run: int = 0
+    """Cases run through the schedulers (fewer than ``cases`` when most
+    follow from small ones, ``shrink.py``)."""
+    period: int = 0
+    """The period the cases were shrunk by (0: every case ran whole)."""
 
     def add(self, result: CaseResult) -> None:
         if count_case(self, result.error):

@@ -180,7 +180,9 @@ def run_sweep(
     variants: list[str],
     options: procs.SweepOptions | None = None,
     processes_per_variant: int | None = None,
+    whole: bool = False,
 ) -> SweepReport:
+    """``whole``: every case through the schedulers (``shrink.py``)."""
     start = time.monotonic()
     options = options or procs.SweepOptions()
     names = [layout.name for layout in expand(layouts or None)]
@@ -206,7 +208,7 @@ def run_sweep(
                 _start_worker(
                     moriio_dir,
                     variant,
-                    [PlanItem(name, per_layout[name], hits) for name in chunk],
+                    [PlanItem(name, per_layout[name], hits, whole) for name in chunk],
                     ports[variant] + 2000 * i,
                 ),
                 f"simulator worker {variant} {chunk}",

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Any
 
 import msgspec
 
@@ -37,7 +38,11 @@ def run_layout(
     hits: list[float],
     port: int,
     progress_every: int = 200,
+    whole: bool = False,
 ) -> LayoutReport:
+    """``whole``: run every case through the schedulers; otherwise most
+    follow from small ones (``shrink.py``)."""
+    from vllm_overlay.simulate import shrink
     from vllm_overlay.simulate.drive import Pair
     from vllm_overlay.simulate.layouts import expand
 
@@ -59,13 +64,19 @@ def run_layout(
         return report
     report.lengths_tried = len(lengths)
     total = len(lengths) * len(hits)
-    done = 0
-    for hit in hits:
-        for n in lengths:
-            report.add(pair.run_case(n, hit))
-            done += 1
-            if done % progress_every == 0:
-                emit(Progress(variant, layout.name, done, total))
+    stats = shrink.Stats()
+
+    def run(n: int, held: int, hit: float) -> Any:
+        stats.run += 1
+        if stats.run % progress_every == 0:
+            emit(Progress(variant, layout.name, min(stats.cases, total), total))
+        return pair.run_case(n, hit, held=held)
+
+    period = None if whole else shrink.layout_period(pair)
+    for result in shrink.sweep(period, lengths, hits, run, stats):
+        report.add(result)
+    report.cases_run = stats.run
+    report.period = period.period if period else 0
     report.finish()
     report.seconds = time.monotonic() - start
     return report
@@ -89,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 parse_lengths(item.lengths),
                 parse_hits(item.hits),
                 port=args.port + 1000 * i,
+                whole=item.whole,
             )
         )
     return 0

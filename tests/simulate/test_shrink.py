@@ -1,0 +1,195 @@
+"""Cases that follow from small ones give what the cases run whole give.
+
+``shrink.py`` runs a case a whole number of periods longer than a small one
+as that small one and two steps, and extrapolates its counts. These tests
+hold it to the reference, every case through the real schedulers
+(``--whole``): per case on the installed moriio files, and per layout
+report on the pinned base, whose wrong lengths the extrapolation must keep.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_overlay.simulate import shrink
+from vllm_overlay.simulate.check import FULL, WINDOW, CaseResult, GroupInfo
+from vllm_overlay.simulate.report import PlanItem
+from vllm_overlay.simulate.run import base_files, run_variant
+
+HITS = [0.0, 0.5, 0.897, 1.0]
+
+
+# -- the arithmetic ----------------------------------------------------------
+
+
+def _period(window: int = 512, block: int = 16, lookahead: int = 0) -> shrink.Period:
+    groups = [GroupInfo(WINDOW, block, window, 1), GroupInfo(FULL, block, 0, 1)]
+    return shrink.period_of(groups, [block], lookahead)
+
+
+def test_period_is_every_size_and_cuts_are_the_reaches():
+    period = _period(window=128, block=64, lookahead=9)
+    assert period.period == 64
+    assert period.cuts == (0, 128)
+    assert period.margin == 64 + 9 + 1
+
+
+@given(
+    n=st.integers(1, 4096),
+    hit=st.sampled_from(HITS),
+    window=st.sampled_from([16, 40, 128, 512]),
+    block=st.sampled_from([16, 64]),
+    lookahead=st.sampled_from([0, 1, 9]),
+)
+def test_small_cases_are_congruent_and_keep_away_from_every_cut(
+    n, hit, window, block, lookahead
+):
+    period = _period(window, block, lookahead)
+    p = period.period
+    s, g = shrink.case_key(n, hit)
+    ways = shrink._ways(period, (s, g))
+    s0, g0 = ways.base
+    assert (s0 + ways.held_periods * p, g0 + ways.lack_periods * p) == (s, g)
+    assert ways.held_periods >= 0 and ways.lack_periods >= 0
+    if ways.held_periods:
+        assert ways.held_step == (s0 + p, g0)
+    if ways.lack_periods:
+        assert ways.lack_step == (s0, g0 + p)
+    # Every quantity moved stays in its own stretch, as does the sum.
+    for x0, k, x in ((s0, ways.held_periods, s), (g0, ways.lack_periods, g)):
+        if k:
+            assert period.zone(x0) == period.zone(x0 + p) == period.zone(x)
+    if ways.held_periods or ways.lack_periods:
+        zone = period.zone(n)
+        assert zone is not None and period.zone(s0 + g0) == zone
+
+
+def test_a_quantity_near_a_cut_is_kept():
+    period = _period(window=512, block=16)
+    assert shrink._ways(period, (0, 512)).base == (0, 512)
+    # The lacked part is near the window: only the held part moves.
+    ways = shrink._ways(period, (1000, 500))
+    assert ways.base[1] == 500 and ways.lack_step is None
+    assert ways.base[0] < 1000 and ways.held_periods > 0
+    assert shrink._ways(period, (0, 2000)).base[1] < 2000
+
+
+def _result(n, **kw):
+    fields = dict(
+        n=n,
+        hit_fraction=0.0,
+        local_hit_tokens=0,
+        wrong=False,
+        wrong_groups=[],
+        pages_read=n // 16,
+        min_pages=n // 16,
+        bytes_read=n,
+        min_bytes=n,
+        extra_reads=0,
+        duplicate_reads=0,
+        unread=0,
+    )
+    fields.update(kw)
+    return CaseResult(**fields)
+
+
+def _fake_run(wrong_at=frozenset()):
+    """A linear layout: pages n // 16, wrong where ``wrong_at`` holds."""
+    calls = []
+
+    def run(n, held, hit):
+        calls.append((n, held))
+        bad = n in wrong_at
+        return _result(
+            n,
+            hit_fraction=hit,
+            local_hit_tokens=held // 16 * 16,
+            wrong=bad,
+            wrong_groups=[0] if bad else [],
+        )
+
+    return run, calls
+
+
+def test_counts_extrapolate_and_a_disagreement_runs_the_case_whole():
+    period = _period(window=40, block=16)
+    run, calls = _fake_run()
+    lengths = list(range(1, 2049))
+    stats = shrink.Stats()
+    got = list(shrink.sweep(period, lengths, HITS, run, stats))
+    small = set(calls)
+    want = [run(n, shrink.case_key(n, h)[0], h) for h in HITS for n in lengths]
+    assert [msgspec.to_builtins(r) for r in got] == [
+        msgspec.to_builtins(r) for r in want
+    ]
+    assert stats.whole == 0 and len(small) < len(lengths) * len(HITS) // 3
+    assert stats.shrunk > len(lengths)
+    # The step is wrong where the small case is right: the long case runs
+    # whole (and is right here).
+    ways = shrink._ways(period, (0, 2000))
+    run, calls = _fake_run(wrong_at={ways.lack_step[1]})
+    stats = shrink.Stats()
+    got = list(shrink.sweep(period, [2000], [0.0], run, stats))
+    assert not got[0].wrong and stats.whole == 1 and calls[-1] == (2000, 0)
+
+
+# -- against the real schedulers --------------------------------------------
+
+# Every 97th length, the cuts' neighbourhoods and the long end.
+SAMPLE = sorted({*range(1, 4097, 97), 127, 128, 129, 191, 192, 511, 512, 513, 4096})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gemma", "dsv4", "glm", "kimi/dcp2"])
+def test_every_case_equals_the_case_run_whole(name):
+    from vllm_overlay.simulate.drive import Pair
+    from vllm_overlay.simulate.layouts import expand
+
+    layout = expand([name])[0]
+    small = Pair(layout, 4096 + 64, port=47600)
+    whole = Pair(layout, 4096 + 64, port=47800)
+    period = shrink.layout_period(small)
+    stats = shrink.Stats()
+
+    def run(n, held, hit):
+        stats.run += 1
+        return small.run_case(n, hit, held=held)
+
+    got = list(shrink.sweep(period, SAMPLE, HITS, run, stats))
+    want = [whole.run_case(n, hit) for hit in HITS for n in SAMPLE]
+    assert got == want
+    assert stats.shrunk > len(HITS) * 10 and stats.whole == 0
+    assert any(r.n > 1000 for r in got)
+
+
+@pytest.fixture(scope="module")
+def base_both_ways():
+    """The pinned base's reports, shrunk and whole, in one worker."""
+    files, _ = base_files()
+    lengths = "1-600/7,601-4096/53"
+    plan = [
+        PlanItem(name, lengths, "0,50,89.7,100", whole)
+        for name in ("dsv4", "gemma")
+        for whole in (False, True)
+    ]
+    reports = run_variant("base", files, plan, port=46400)
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dsv4", "gemma"])
+def test_base_reports_equal_the_reports_run_whole(base_both_ways, name):
+    shrunk, whole = (r for r in base_both_ways if r.layout == name)
+    assert whole.period == 0 and shrunk.period > 0
+    assert shrunk.wrong_cases > 0, "the base reads wrong KV here"
+
+    def same(r):
+        out = msgspec.to_builtins(r)
+        for key in ("seconds", "cases_run", "period"):
+            out.pop(key)
+        return out
+
+    assert same(shrunk) == same(whole)
