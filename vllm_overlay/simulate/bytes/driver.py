@@ -145,6 +145,10 @@ class _Leg:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
+        self.ready = [False] * len(configs)
+        """Which ranks answered their start: a rank that has not may be
+        blocked for good (its peer refused the configuration before the TP
+        group's rendezvous), so ``close`` kills it instead of waiting."""
         self.pending_sending: Counter[str] = Counter()
         self.pending_recving: Counter[str] = Counter()
         self.moved = [0] * len(configs)
@@ -155,8 +159,9 @@ class _Leg:
         return len(self.configs)
 
     def wait_ready(self) -> None:
-        for conn in self.conns:
+        for i, conn in enumerate(self.conns):
             self._reply(conn)
+            self.ready[i] = True
 
     def _reply(self, conn: Any) -> Any:
         if not conn.poll(_REPLY_TIMEOUT):
@@ -183,7 +188,10 @@ class _Leg:
         return [self._reply(conn) for conn in self.conns]
 
     def close(self) -> None:
-        for conn in self.conns:
+        for conn, ready, proc in zip(self.conns, self.ready, self.procs, strict=True):
+            if not ready:
+                proc.kill()
+                continue
             with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(("exit", ()))
         deadline = time.monotonic() + 5
