@@ -13,6 +13,7 @@ with its own canary byte.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any
 import numpy as np
 
 PAGE = 4096
+_CHUNK = 1 << 24
+"""Bytes ``_differing`` compares per ``memcmp`` once the buffers differ."""
 MAX_BYTES = 2 << 30
 """Per rank: every rank's buffer lives in /dev/shm, on a 24 GB machine."""
 
@@ -121,68 +124,43 @@ class SharedKV:
         page = layer.u8[block]
         return int(page.ctypes.data - self.bytes.ctypes.data)
 
-    def page_intervals(self, layer: LayerView, block: int) -> list[tuple[int, int]]:
-        """The byte ranges ``[start, end)`` of one (layer, block) page: one
-        when the page is contiguous, else one per contiguous sub-array."""
-        base = self.bytes.ctypes.data
-        out: list[tuple[int, int]] = []
-        stack = [layer.u8[block]]
-        while stack:
-            arr = stack.pop()
-            if arr.flags.c_contiguous:
-                start = arr.ctypes.data - base
-                out.append((start, start + arr.nbytes))
-            else:
-                stack.extend(arr[i] for i in range(arr.shape[0] - 1, -1, -1))
-        return out
-
     def snapshot(self) -> None:
         """Keep a copy of the buffer for ``stray_bytes`` (one reused array)."""
         if self._snap is None:
             self._snap = np.empty_like(self.bytes)
         np.copyto(self._snap, self.bytes)
 
-    def stray_bytes(self, pages: Iterable[tuple[LayerView, int]]) -> np.ndarray:
-        """Offsets of the bytes changed since ``snapshot`` outside ``pages``.
+    def _snap_view(self, layer: LayerView) -> np.ndarray:
+        """The snapshot's bytes of ``layer``: its ``u8`` geometry over the
+        copy."""
+        assert self._snap is not None
+        return np.lib.stride_tricks.as_strided(
+            self._snap[self.page_offset(layer, 0) :],
+            shape=layer.u8.shape,
+            strides=layer.u8.strides,
+            writeable=True,
+        )
 
-        Compares 8-byte words, then tests only the changed words against the
-        pages' merged byte ranges; a word a range boundary cuts is resolved
-        byte by byte. Same result as comparing every byte against a mask of
-        the pages, in a fraction of the passes over the buffer.
+    def stray_bytes(self, pages: Iterable[tuple[LayerView, int]]) -> np.ndarray:
+        """Offsets of the bytes changed since ``snapshot`` outside ``pages``,
+        ascending. Uses up the snapshot (``snapshot`` again before the next
+        call).
+
+        The pages' bytes are copied into the snapshot (one strided copy per
+        layer), so what still differs differs outside every page: the whole
+        buffer is compared with ``memcmp`` and only a region that differs is
+        looked at byte by byte. Same result as comparing every byte against a
+        mask of the pages.
         """
         assert self._snap is not None, "stray_bytes before snapshot"
         cur, snap = self.bytes, self._snap
-        words = np.flatnonzero(cur.view(np.uint64) != snap.view(np.uint64))
-        if words.size == 0:
-            return words
-        spans = sorted(
-            {
-                span
-                for layer, block in pages
-                for span in self.page_intervals(layer, block)
-            }
-        )
-        starts: list[int] = []
-        ends: list[int] = []
-        for start, end in spans:
-            if ends and start <= ends[-1]:
-                ends[-1] = max(ends[-1], end)
-            else:
-                starts.append(start)
-                ends.append(end)
-        starts_arr = np.asarray(starts, dtype=np.int64)
-        lo = words * 8
-        i = np.searchsorted(starts_arr, lo, side="right") - 1
-        ends_arr = np.asarray(ends + [0], dtype=np.int64)
-        inside = (i >= 0) & (lo + 8 <= ends_arr[i])
-        suspect = words[~inside]
-        if suspect.size == 0:
-            return suspect
-        offsets = (suspect[:, None] * 8 + np.arange(8)).reshape(-1)
-        offsets = offsets[cur[offsets] != snap[offsets]]
-        j = np.searchsorted(starts_arr, offsets, side="right") - 1
-        within = (j >= 0) & (offsets < ends_arr[j])
-        return offsets[~within]
+        by_layer: dict[str, tuple[LayerView, list[int]]] = {}
+        for layer, block in pages:
+            by_layer.setdefault(layer.name, (layer, []))[1].append(block)
+        for layer, blocks in by_layer.values():
+            index = np.asarray(blocks, dtype=np.intp)
+            self._snap_view(layer)[index] = layer.u8[index]
+        return _differing(cur, snap)
 
     def zero_blocks(self, blocks: Iterable[int]) -> None:
         """vLLM zeroes every layer's page of a freshly allocated block (the
@@ -198,3 +176,32 @@ class SharedKV:
         for layer in self.layers.values():
             if group is None or layer.group == group:
                 layer.u8[dst] = layer.u8[src]
+
+
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+_memcmp.restype = ctypes.c_int
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two contiguous byte arrays of one size hold the same bytes."""
+    return a.size == 0 or _memcmp(a.ctypes.data, b.ctypes.data, a.size) == 0
+
+
+def _differing(cur: np.ndarray, snap: np.ndarray) -> np.ndarray:
+    """Offsets where two contiguous byte arrays of one size differ,
+    ascending: ``memcmp`` over the whole, then over chunks, then the
+    differing 8-byte words of a differing chunk, then their bytes."""
+    if _same(cur, snap):
+        return np.empty(0, dtype=np.intp)
+    found = []
+    for lo in range(0, cur.size, _CHUNK):
+        a, b = cur[lo : lo + _CHUNK], snap[lo : lo + _CHUNK]
+        if _same(a, b):
+            continue
+        whole = a.size // 8 * 8
+        words = np.flatnonzero(a[:whole].view(np.uint64) != b[:whole].view(np.uint64))
+        offsets = (words[:, None] * 8 + np.arange(8)).reshape(-1)
+        offsets = np.concatenate([offsets, np.arange(whole, a.size)])
+        found.append(lo + offsets[a[offsets] != b[offsets]])
+    return np.concatenate(found)

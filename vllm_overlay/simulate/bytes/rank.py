@@ -525,9 +525,40 @@ class Rank:
         return wrong
 
     def _attention_wrong(
-        self, view: Any, block: int, info: GroupInfo, slots: Any, hashes: np.ndarray
-    ) -> int:
-        actual = _slot_rows(view, block, info)[:, slots, :]
+        self,
+        view: Any,
+        info: GroupInfo,
+        blocks: list[int],
+        slots: list[Any],
+        hashes: list[np.ndarray],
+    ) -> np.ndarray:
+        """Wrong bytes of each page ``blocks[i]``'s rows ``slots[i]`` (which
+        should hold the positions of prefix hashes ``hashes[i]``), in one
+        gather and one comparison for the layer."""
+        if info.kind == RING and info.ring_row_bytes:
+            return np.array(
+                [
+                    self._rows_wrong(view, _slot_rows(view, b, info)[:, s, :], h)
+                    for b, s, h in zip(blocks, slots, hashes, strict=True)
+                ],
+                dtype=np.int64,
+            )
+        counts = [len(s) for s in slots]
+        rows = np.repeat(np.asarray(blocks, dtype=np.intp), counts)
+        actual = view.u8[rows, :, np.concatenate(slots).astype(np.intp), :]
+        expected = attention_bytes(
+            np.concatenate(hashes),
+            self._layer_keys[view.name],
+            self._heads[view.name],
+            actual.shape[-1],
+        )
+        per_row = np.count_nonzero(actual != expected.transpose(1, 0, 2), axis=(1, 2))
+        owner = np.repeat(np.arange(len(blocks)), counts)
+        return np.bincount(owner, weights=per_row, minlength=len(blocks)).astype(
+            np.int64
+        )
+
+    def _rows_wrong(self, view: Any, actual: np.ndarray, hashes: np.ndarray) -> int:
         expected = attention_bytes(
             hashes,
             self._layer_keys[view.name],
@@ -564,17 +595,39 @@ class Rank:
             if info.kind == LOCAL_ONLY:
                 continue
             for view in layers:
-                layer_info = _layer_info(info, view)
-                for block, slots, at in _rows(
-                    layer_info, table, item.start, item.end, self._shards[g]
-                ):
-                    rows = _slot_rows(view, block, info)
-                    rows[:, slots, :] = attention_bytes(
-                        hashes[at],
-                        self._layer_keys[view.name],
-                        self._heads[view.name],
-                        rows.shape[-1],
-                    )
+                written = _rows(
+                    _layer_info(info, view),
+                    table,
+                    item.start,
+                    item.end,
+                    self._shards[g],
+                )
+                if info.kind == RING:
+                    # One block, whose slots wrap: written in position order.
+                    for block, slots, at in written:
+                        rows = _slot_rows(view, block, info)
+                        rows[:, slots, :] = attention_bytes(
+                            hashes[at],
+                            self._layer_keys[view.name],
+                            self._heads[view.name],
+                            rows.shape[-1],
+                        )
+                    continue
+                if not written:
+                    continue
+                # Every page's rows at once: ``[rows, H, C]`` gathered by
+                # (block, slot) pairs, written in one scatter.
+                blocks = np.concatenate(
+                    [np.full(len(slots), block) for block, slots, _ in written]
+                ).astype(np.intp)
+                slots = np.concatenate([slots for _, slots, _ in written])
+                at = np.concatenate([at for _, _, at in written])
+                view.u8[blocks, :, slots.astype(np.intp), :] = attention_bytes(
+                    hashes[at],
+                    self._layer_keys[view.name],
+                    self._heads[view.name],
+                    view.u8.shape[-1],
+                ).transpose(1, 0, 2)
 
     def _precopy(self, tables: list[list[int]], n: int) -> None:
         """Align-mode state copy of the request's first decoder step, before
@@ -599,10 +652,15 @@ class Rank:
     def _needs(
         self, watch: Watch, tables: list[list[int]]
     ) -> list[tuple[Any, int, int]]:
-        """(need, wrong bytes, bytes a transfer of its page moves) per need."""
+        """(need, wrong bytes, bytes a transfer of its page moves) per need.
+        A group's attention needs are judged together, one layer at a time
+        (``_attention_wrong``)."""
         hashes = self._hash(watch.rid, watch.tokens)
-        out = []
-        for need in needs(self.groups, watch.n):
+        all_needs = needs(self.groups, watch.n)
+        out: list[tuple[Any, int, int]] = []
+        pending: dict[int, list[int]] = {}
+        """Group -> indices in ``out`` of its attention needs to judge."""
+        for need in all_needs:
             info = self.groups[need.group]
             table = tables[need.group]
             layers = self.kv.layers_of(need.group)
@@ -619,14 +677,31 @@ class Rank:
                     self._state_wrong(v, block, int(hashes[need.lo - 1]))
                     for v in layers
                 )
-            else:
-                wrong = 0
-                for v in layers:
-                    slots, at = _need_rows(
-                        _layer_info(info, v), need, self._shards[need.group]
-                    )
-                    wrong += self._attention_wrong(v, block, info, slots, hashes[at])
-            out.append((need, wrong, size))
+                out.append((need, wrong, size))
+                continue
+            pending.setdefault(need.group, []).append(len(out))
+            out.append((need, 0, size))
+        for g, indices in pending.items():
+            info = self.groups[g]
+            group_needs = [out[i][0] for i in indices]
+            blocks = [tables[g][need.index] for need in group_needs]
+            wrong = np.zeros(len(indices), dtype=np.int64)
+            for v in self.kv.layers_of(g):
+                layer_info = _layer_info(info, v)
+                rows = [
+                    _need_rows(layer_info, need, self._shards[g])
+                    for need in group_needs
+                ]
+                wrong += self._attention_wrong(
+                    v,
+                    info,
+                    blocks,
+                    [slots for slots, _ in rows],
+                    [hashes[at] for _, at in rows],
+                )
+            for i, w in zip(indices, wrong.tolist(), strict=True):
+                need, _, size = out[i]
+                out[i] = (need, w, size)
         return out
 
     def arm(self, watch: Watch, tables: list[list[int]], local_hit: int | None) -> None:
