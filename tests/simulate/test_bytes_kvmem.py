@@ -273,3 +273,43 @@ def test_stray_bytes_equal_the_byte_mask_reference(tmp_path, name, kv_layout):
         assert strays > 0
     finally:
         kv.close()
+
+
+def test_a_snapshot_copies_only_noted_pages_yet_equals_the_buffer(tmp_path):
+    """After the first snapshot, one copies only the pages written through
+    ``touch``, ``zero_blocks`` and ``copy_block``, and checks the whole: a
+    write nobody noted makes it copy everything. Either way the copy is the
+    buffer, and the judge still finds a stray byte in a later case."""
+    from vllm_overlay.simulate.bytes.kvmem import SharedKV
+
+    # llama: no two layers share bytes (a hybrid's groups alias each other).
+    leg = _worker_leg(expand(["llama"])[0], "LBNHC")
+    kv = SharedKV(leg.worker_config, "LBNHC", str(tmp_path / "kv"), canary=0xC3)
+    try:
+        assert kv.nbytes == kv.bytes.size and (kv.bytes == 0xC3).all()
+        layers = list(kv.layers.values())
+        kv.snapshot()
+        assert kv.full_snapshots == 1
+        for case in range(3):
+            kv.zero_blocks([1 + case])
+            kv.copy_block(1 + case, 5 + case)
+            layers[1].u8[2 + case] ^= 0x0F
+            kv.touch(layers[1], [2 + case])
+            kv.snapshot()
+            assert kv.full_snapshots == 1, "noted writes copied the whole buffer"
+            assert np.array_equal(kv._snap, kv.bytes)
+            # A transfer's pages and one byte outside them.
+            layers[0].u8[7] ^= 0x5A
+            page = layers[-1].u8[8]
+            at = np.unravel_index(3 + case, page.shape)
+            page[at] ^= 0xFF
+            stray = kv.stray_bytes([(layers[0], 7)])
+            offset = kv.page_offset(layers[-1], 8) + int(np.dot(at, page.strides))
+            assert list(stray) == [offset]
+            assert np.array_equal(kv._snap, kv.bytes)
+        kv.bytes[12345] ^= 0x01  # nobody noted it
+        kv.snapshot()
+        assert kv.full_snapshots == 2
+        assert np.array_equal(kv._snap, kv.bytes)
+    finally:
+        kv.close()

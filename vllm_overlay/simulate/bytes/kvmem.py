@@ -71,15 +71,20 @@ class SharedKV:
             )
         self.nbytes = -(-raw // PAGE) * PAGE
         self.path = path
+        # Each leg starts from its own byte: any stray copy of bytes nobody
+        # wrote changes the destination, so the byte diff sees it.
+        _fill_file(path, self.nbytes, canary)
         self.buffer = torch.from_file(
             path, shared=True, size=self.nbytes, dtype=torch.int8
         )
         self.bytes: np.ndarray = self.buffer.numpy().view(np.uint8)
-        # Each leg starts from its own byte: any stray copy of bytes nobody
-        # wrote changes the destination, so the byte diff sees it.
-        self.bytes[:] = canary
         self.zero = zero
         self._snap: np.ndarray | None = None
+        self._touched: dict[str, set[int]] | None = None
+        """Pages written since the copy last equalled the buffer, by layer
+        name; None before the first snapshot."""
+        self.full_snapshots = 0
+        """Snapshots that copied the whole buffer."""
         layout = KVCacheLayout[layout_name]
         group_of = {
             name: g
@@ -124,11 +129,36 @@ class SharedKV:
         page = layer.u8[block]
         return int(page.ctypes.data - self.bytes.ctypes.data)
 
+    def touch(self, layer: LayerView, blocks: Iterable[int]) -> None:
+        """Note pages this process wrote through ``layer``: the next
+        ``snapshot`` copies them, not the whole buffer. Every write of the
+        rank's own goes through here, ``zero_blocks`` or ``copy_block``."""
+        if self._touched is not None:
+            self._touched.setdefault(layer.name, set()).update(blocks)
+
     def snapshot(self) -> None:
-        """Keep a copy of the buffer for ``stray_bytes`` (one reused array)."""
+        """Make the copy ``stray_bytes`` compares with equal to the buffer
+        (one reused array).
+
+        The copy equals the buffer after ``stray_bytes``; since then the
+        pages noted by ``touch`` are copied, then ``memcmp`` checks the
+        whole: bytes anybody else changed meanwhile (or a write not noted)
+        make it fall back to copying the whole buffer. Either way the copy
+        is exactly the buffer, for a full read instead of a full copy.
+        """
         if self._snap is None:
             self._snap = np.empty_like(self.bytes)
+        elif self._touched is not None:
+            for name, blocks in self._touched.items():
+                layer = self.layers[name]
+                index = np.fromiter(blocks, dtype=np.intp, count=len(blocks))
+                self._snap_view(layer)[index] = layer.u8[index]
+            if _same(self.bytes, self._snap):
+                self._touched = {}
+                return
+        self.full_snapshots += 1
         np.copyto(self._snap, self.bytes)
+        self._touched = {}
 
     def _snap_view(self, layer: LayerView) -> np.ndarray:
         """The snapshot's bytes of ``layer``: its ``u8`` geometry over the
@@ -143,8 +173,8 @@ class SharedKV:
 
     def stray_bytes(self, pages: Iterable[tuple[LayerView, int]]) -> np.ndarray:
         """Offsets of the bytes changed since ``snapshot`` outside ``pages``,
-        ascending. Uses up the snapshot (``snapshot`` again before the next
-        call).
+        ascending; the copy equals the buffer again afterwards (``snapshot``
+        before the next call).
 
         The pages' bytes are copied into the snapshot (one strided copy per
         layer), so what still differs differs outside every page: the whole
@@ -160,7 +190,11 @@ class SharedKV:
         for layer, blocks in by_layer.values():
             index = np.asarray(blocks, dtype=np.intp)
             self._snap_view(layer)[index] = layer.u8[index]
-        return _differing(cur, snap)
+        stray = _differing(cur, snap)
+        # The copy is the buffer again: the next snapshot starts from here.
+        snap[stray] = cur[stray]
+        self._touched = {}
+        return stray
 
     def zero_blocks(self, blocks: Iterable[int]) -> None:
         """vLLM zeroes every layer's page of a freshly allocated block (the
@@ -171,11 +205,31 @@ class SharedKV:
             return
         for layer in self.layers.values():
             layer.u8[blocks] = self.zero
+            self.touch(layer, blocks)
 
     def copy_block(self, src: int, dst: int, group: int | None = None) -> None:
         for layer in self.layers.values():
             if group is None or layer.group == group:
                 layer.u8[dst] = layer.u8[src]
+                self.touch(layer, (dst,))
+
+    def zero_page(self, layer: LayerView, block: int) -> None:
+        layer.u8[block] = 0
+        self.touch(layer, (block,))
+
+
+def _fill_file(path: str, size: int, byte: int) -> None:
+    """Create ``path`` (or empty it) holding ``size`` bytes ``byte``, written
+    through the file: on tmpfs a fraction of the cost of faulting in every
+    page of a fresh mapping to fill it."""
+    chunk = memoryview(bytes([byte]) * min(size, _CHUNK))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        done = 0
+        while done < size:
+            done += os.pwrite(fd, chunk[: size - done], done)
+    finally:
+        os.close(fd)
 
 
 _memcmp = ctypes.CDLL(None).memcmp

@@ -507,6 +507,7 @@ class Rank:
     # -- the "forward" -------------------------------------------------------
 
     def _write_state(self, view: Any, block: int, h: int | None) -> None:
+        self.kv.touch(view, (block,))
         page = view.u8[block].reshape(-1)
         for region, offset, size, first in self._regions[view.name]:
             if h is None:
@@ -605,6 +606,7 @@ class Rank:
                 if info.kind == RING:
                     # One block, whose slots wrap: written in position order.
                     for block, slots, at in written:
+                        self.kv.touch(view, (block,))
                         rows = _slot_rows(view, block, info)
                         rows[:, slots, :] = attention_bytes(
                             hashes[at],
@@ -622,6 +624,7 @@ class Rank:
                 ).astype(np.intp)
                 slots = np.concatenate([slots for _, slots, _ in written])
                 at = np.concatenate([at for _, _, at in written])
+                self.kv.touch(view, (block for block, _, _ in written))
                 view.u8[blocks, :, slots.astype(np.intp), :] = attention_bytes(
                     hashes[at],
                     self._layer_keys[view.name],
@@ -645,7 +648,7 @@ class Rank:
                     self.kv.copy_block(table[prev], table[curr], g)
                 else:
                     for view in self.kv.layers_of(g):
-                        view.u8[table[curr]] = 0
+                        self.kv.zero_page(view, table[curr])
 
     # -- the judge -----------------------------------------------------------
 
