@@ -461,6 +461,9 @@ class Rank:
         self._so: Any = None
         self._armed = False
         self._min_bytes = 0
+        self._expected: dict[Any, np.ndarray] = {}
+        """The watched request's expected attention rows by (layer, needs),
+        from its arm to its judge."""
 
     # -- geometry ----------------------------------------------------------
 
@@ -532,10 +535,14 @@ class Rank:
         blocks: list[int],
         slots: list[Any],
         hashes: list[np.ndarray],
+        expected: dict[Any, np.ndarray],
+        key: Any,
     ) -> np.ndarray:
         """Wrong bytes of each page ``blocks[i]``'s rows ``slots[i]`` (which
         should hold the positions of prefix hashes ``hashes[i]``), in one
-        gather and one comparison for the layer."""
+        gather and one comparison for the layer. The bytes they should hold
+        are kept in ``expected`` under ``key``: they depend on the positions
+        only, not on the blocks holding them."""
         if info.kind == RING and info.ring_row_bytes:
             return np.array(
                 [
@@ -547,13 +554,16 @@ class Rank:
         counts = [len(s) for s in slots]
         rows = np.repeat(np.asarray(blocks, dtype=np.intp), counts)
         actual = view.u8[rows, :, np.concatenate(slots).astype(np.intp), :]
-        expected = attention_bytes(
-            np.concatenate(hashes),
-            self._layer_keys[view.name],
-            self._heads[view.name],
-            actual.shape[-1],
-        )
-        per_row = np.count_nonzero(actual != expected.transpose(1, 0, 2), axis=(1, 2))
+        want = expected.get(key)
+        if want is None:
+            want = attention_bytes(
+                np.concatenate(hashes),
+                self._layer_keys[view.name],
+                self._heads[view.name],
+                actual.shape[-1],
+            ).transpose(1, 0, 2)
+            expected[key] = want
+        per_row = np.count_nonzero(actual != want, axis=(1, 2))
         owner = np.repeat(np.arange(len(blocks)), counts)
         return np.bincount(owner, weights=per_row, minlength=len(blocks)).astype(
             np.int64
@@ -701,6 +711,8 @@ class Rank:
                     blocks,
                     [slots for slots, _ in rows],
                     [hashes[at] for _, at in rows],
+                    self._expected,
+                    (v.name, tuple(group_needs)),
                 )
             for i, w in zip(indices, wrong.tolist(), strict=True):
                 need, _, size = out[i]
@@ -715,6 +727,7 @@ class Rank:
         block can still hold identical bytes the decoder does not own."""
         self.kv.snapshot()
         self._armed = True
+        self._expected = {}
         needs = self._needs(watch, tables)
         self._min_bytes = sum(
             size for need, wrong, size in needs if wrong or past_hit(need, local_hit)
@@ -757,6 +770,7 @@ class Rank:
                 f"destination pages, first at {self._describe(int(stray[0]))}"
             )
         self._armed = False
+        self._expected = {}
         return verdict
 
     def _describe(self, offset: int) -> str:
