@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_overlay.simulate.bytes import ports
 from vllm_overlay.simulate.bytes.geometry import Geometry
 from vllm_overlay.simulate.bytes.lifetime import (
     STOP_SIGNALS,
@@ -51,6 +52,9 @@ from vllm_overlay.simulate.drive import prompt_tokens
 _REPLY_TIMEOUT = 120.0
 _MAX_STEPS = 64
 _PORTS = 100
+PORT_RANGE = ports.PORT_RANGE
+"""Where ``free_port_block`` draws: a sweep gives each of its zygotes its own
+part (``ports.port_ranges``)."""
 
 
 def free_port_block(count: int = _PORTS) -> int:
@@ -58,8 +62,9 @@ def free_port_block(count: int = _PORTS) -> int:
     the ephemeral range (the connector's own ``get_open_port`` draws there).
     Ranks add their TP rank to a leg's base ports, as vLLM's workers do."""
     rng = random.Random()
+    lo, hi = PORT_RANGE
     for _ in range(200):
-        base = rng.randrange(10000, 32000 - count)
+        base = rng.randrange(lo, hi - count)
         socks = []
         try:
             for port in range(base, base + count):

@@ -1,4 +1,5 @@
-"""Sweep: base and overlay side by side, one zygote process per variant.
+"""Sweep: base and overlay side by side, each variant's plan dealt over
+``ZYGOTES`` zygote processes.
 
 Each variant's moriio package is materialized into a directory (as in the
 scheduler simulator, ``simulate/run.py``); its zygote runs with the ``mori``
@@ -17,6 +18,7 @@ import msgspec
 
 from vllm_overlay.simulate import procs
 from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
+from vllm_overlay.simulate.bytes.ports import port_ranges
 from vllm_overlay.simulate.bytes.report import (
     BytesReport,
     ConfigItem,
@@ -48,6 +50,11 @@ FAMILY_TP_PAIRS = ((1, 1),)
 every TP pair, and each configuration costs its own rank processes."""
 KV_LAYOUTS = ("LBNHC", "BLNHC")
 _MLA_LAYOUTS = frozenset({"kimi", "glm"})
+ZYGOTES = 2
+"""Zygotes per variant in a sweep. A configuration's driver and ranks take
+turns (one step's schedule, execute, update), so one zygote per variant
+leaves much of two cores idle; each zygote runs its share of the plan on
+its own ports (``driver.free_port_block``) and /dev/shm files."""
 
 
 def plan_items(
@@ -105,6 +112,13 @@ def plan_items(
     return items
 
 
+def deal(items: list[ConfigItem], shares: int) -> list[list[ConfigItem]]:
+    """The plan dealt round robin into at most ``shares`` non-empty shares:
+    neighbouring items (one layout's modes, TP pairs and KV layouts) cost
+    alike, so the shares take about as long."""
+    return [share for share in (items[k::shares] for k in range(shares)) if share]
+
+
 def parse_tp_pairs(text: str) -> list[tuple[int, int]]:
     """``1-1,2-2,1-2,2-1`` (prefill-decode)."""
     pairs = []
@@ -123,12 +137,15 @@ def _start_zygote(
     plan: list[ConfigItem],
     lengths: str,
     hits: str,
+    ports: tuple[int, int] | None = None,
 ) -> subprocess.Popen[str]:
     args = [
         *procs.variant_args(moriio_dir, variant, plan),
         f"--lengths={lengths}",
         f"--hits={hits}",
     ]
+    if ports is not None:
+        args.append(f"--ports={ports[0]}-{ports[1]}")
     # MoRIIO's KDA transfer needs the dim-first conv state layout. The
     # zygote ends with this process (lifetime.py).
     env = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", PARENT_ENV: str(os.getpid())}
@@ -159,7 +176,10 @@ def run_bytes_sweep(
     hits: str,
     variants: list[str],
     options: procs.SweepOptions | None = None,
+    zygotes: int = ZYGOTES,
 ) -> BytesReport:
+    """Every item on every variant, ``zygotes`` processes per variant; the
+    report lists the items in plan order whichever process ran them."""
     start = time.monotonic()
     options = options or procs.SweepOptions()
     lengths_list = parse_lengths(lengths)
@@ -169,9 +189,20 @@ def run_bytes_sweep(
         len(items) * len(sources), lambda r: config_name(r.item), options.progress
     )
 
+    shares = deal(items, zygotes)
+    ranges = port_ranges(len(sources) * len(shares))
+
     def launch(variant: str, moriio_dir: Path) -> list[procs.Started]:
-        proc = _start_zygote(moriio_dir, variant, items, lengths, hits)
-        return [(proc, f"byte simulator {variant}")]
+        first = list(sources).index(variant) * len(shares)
+        return [
+            (
+                _start_zygote(
+                    moriio_dir, variant, share, lengths, hits, ranges[first + k]
+                ),
+                f"byte simulator {variant} ({k + 1}/{len(shares)})",
+            )
+            for k, share in enumerate(shares)
+        ]
 
     # A zygote stopped by a signal removes its ranks' /dev/shm files; one
     # killed outright cannot: whatever is left of a process that is gone

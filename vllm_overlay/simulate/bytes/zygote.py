@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = variant_parser()
     ap.add_argument("--lengths", required=True)
     ap.add_argument("--hits", required=True)
+    ap.add_argument("--ports", default=None, metavar="LO-HI")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -151,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
 
     use_moriio_dir(args.moriio_dir)
     warm_imports()
+    if args.ports:
+        from vllm_overlay.simulate.bytes import driver
+
+        lo, _, hi = args.ports.partition("-")
+        driver.PORT_RANGE = (int(lo), int(hi))
     plan = msgspec.json.decode(args.plan, type=list[ConfigItem])
     lengths, hits = parse_lengths(args.lengths), parse_hits(args.hits)
     for item in plan:
