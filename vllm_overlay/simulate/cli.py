@@ -133,7 +133,8 @@ def register(sub: Subparsers) -> None:
         "--processes",
         type=int,
         metavar="N",
-        help="worker processes per variant (default: cores / variants)",
+        help="worker processes per variant (default: cores / variants; "
+        "--bytes: zygotes per variant, default 2)",
     )
     p.add_argument(
         "--whole",

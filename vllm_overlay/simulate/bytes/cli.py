@@ -21,6 +21,7 @@ from vllm_overlay.simulate.bytes.run import (
     KV_LAYOUTS,
     MODES,
     TP_PAIRS,
+    ZYGOTES,
     parse_tp_pairs,
     plan_items,
     run_bytes_sweep,
@@ -91,7 +92,8 @@ def sweep(
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     lengths, hits = args.lengths or DEFAULT_LENGTHS, args.hits or DEFAULT_HITS
-    return run_bytes_sweep(items, lengths, hits, variants, options)
+    zygotes = getattr(args, "processes", None) or ZYGOTES
+    return run_bytes_sweep(items, lengths, hits, variants, options, zygotes)
 
 
 def show(report: BytesReport) -> str:

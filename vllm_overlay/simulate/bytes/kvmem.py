@@ -239,7 +239,7 @@ _memcmp.restype = ctypes.c_int
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two contiguous byte arrays of one size hold the same bytes."""
-    return a.size == 0 or _memcmp(a.ctypes.data, b.ctypes.data, a.size) == 0
+    return bool(a.size == 0 or _memcmp(a.ctypes.data, b.ctypes.data, a.size) == 0)
 
 
 def _differing(cur: np.ndarray, snap: np.ndarray) -> np.ndarray:

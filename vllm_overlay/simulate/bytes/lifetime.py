@@ -1,15 +1,15 @@
 """The byte simulator's process tree ends with its top process, however that
 one ends.
 
-``vllm-overlay simulate --bytes`` (the top process) starts one zygote per
-variant; each zygote forks rank processes, each backing its KV cache with a
-/dev/shm file. Every child asks the kernel for a signal when its parent ends
-(``PR_SET_PDEATHSIG``): the zygote SIGTERM, which it handles by killing its
-ranks and removing their files (it knows their pids and outlives them), a
-rank SIGKILL (it has nothing to clean up: its parent does that). SIGTERM or
-SIGINT in the top process become ``Interrupted``, so the sweep stops its
-zygotes (SIGTERM, then SIGKILL after a grace period) before it exits with
-128 + the signal's number.
+``vllm-overlay simulate --bytes`` (the top process) starts its zygotes (two
+per variant by default); each zygote forks rank processes, each backing its
+KV cache with a /dev/shm file. Every child asks the kernel for a signal when
+its parent ends (``PR_SET_PDEATHSIG``): the zygote SIGTERM, which it handles
+by killing its ranks and removing their files (it knows their pids and
+outlives them), a rank SIGKILL (it has nothing to clean up: its parent does
+that). SIGTERM or SIGINT in the top process become ``Interrupted``, so the
+sweep stops its zygotes (SIGTERM, then SIGKILL after a grace period) before
+it exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
