@@ -1,5 +1,5 @@
-"""Sweep: base and overlay side by side, each variant's plan dealt over
-``ZYGOTES`` zygote processes.
+"""Sweep: base and overlay side by side, each variant's plan dealt over its
+zygote processes (``ZYGOTES`` by default).
 
 Each variant's moriio package is materialized into a directory (as in the
 scheduler simulator, ``simulate/run.py``); its zygote runs with the ``mori``
@@ -50,11 +50,11 @@ FAMILY_TP_PAIRS = ((1, 1),)
 every TP pair, and each configuration costs its own rank processes."""
 KV_LAYOUTS = ("LBNHC", "BLNHC")
 _MLA_LAYOUTS = frozenset({"kimi", "glm"})
-ZYGOTES = 2
-"""Zygotes per variant in a sweep. A configuration's driver and ranks take
-turns (one step's schedule, execute, update), so one zygote per variant
-leaves much of two cores idle; each zygote runs its share of the plan on
-its own ports (``driver.free_port_block``) and /dev/shm files."""
+ZYGOTES = 1
+"""Zygotes per variant in a sweep by default (``--processes``). Each runs
+its share of the plan on its own ports (``ports.port_ranges``) and /dev/shm
+files. More than one helps only with idle cores: on two shared cores, two per
+variant (up to 16 rank processes at once) took as long and 14 % more CPU."""
 
 
 def plan_items(
