@@ -161,6 +161,8 @@ def test_materialize_bad_paths(
         (["--lengths", "x"], "--lengths 'x'"),
         (["--layouts", "nope"], "--layouts 'nope'"),
         (["--hits", "500"], "--hits '500'"),
+        (["--processes", "0"], "--processes 0: must be at least 1"),
+        (["--bytes", "--processes", "-1"], "--processes -1: must be at least 1"),
     ],
 )
 def test_simulate_bad_arguments(

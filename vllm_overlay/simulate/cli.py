@@ -170,6 +170,8 @@ def _run(app: App, args: argparse.Namespace) -> int:
     overlay, unless docs/known-gaps.toml lists it with the issue or patch
     that tracks it.
     """
+    if args.processes is not None and args.processes < 1:
+        return app.fail(f"--processes {args.processes}: must be at least 1")
     variants = ["base", "overlay"] if args.variant == "both" else [args.variant]
     layouts = [x for x in args.layouts.split(",") if x.strip()]
     _check_args(layouts, args.lengths, args.hits)
