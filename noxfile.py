@@ -206,7 +206,9 @@ def suite(
     env = {**TEST_ENV, **wheel_env(session)}
     env["VLLM_OVERLAY_TEST_OLD_WHEEL"] = str(old_wheel(session))
     codes = [0, 1] if may_fail else [0]
-    cmd = (str(python), "-m", "pytest", *args, *session.posargs)
+    # The slowest tests, so every run shows where the suite's time goes.
+    slowest = ("--durations=15", "--durations-min=2")
+    cmd = (str(python), "-m", "pytest", *slowest, *args, *session.posargs)
     session.run(*cmd, env=env, success_codes=codes, external=True)
 
 
