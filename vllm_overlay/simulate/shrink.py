@@ -209,8 +209,13 @@ def layout_period(pair: Pair) -> Period:
 
 
 RUN_COST = 256
-"""A case's fixed cost in prompt tokens' worth of scheduler work (a
-2-token case costs about as much as one of 256 tokens has on top)."""
+"""A case's fixed cost, in prompt tokens' worth of scheduler work; it only
+decides whether a case runs whole or from its small ones, never a result.
+An estimate that is low for most layouts: a 2-token case measured (CPU time,
+installed overlay, hit 0) 0.98 ms on llama, 1.13 ms on dsv4 and 1.49 ms on
+kimi against 2.09, 0.70 and 0.25 us per prompt token, i.e. about 470, 1600
+and 6000 tokens' worth. A low figure favours small cases where running whole
+would cost less (the 89.7 % hit, whose small cases nobody shares)."""
 
 
 def _cost(key: Key) -> int:
