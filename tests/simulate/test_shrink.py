@@ -188,8 +188,49 @@ def test_base_reports_equal_the_reports_run_whole(base_both_ways, name):
 
     def same(r):
         out = msgspec.to_builtins(r)
-        for key in ("seconds", "cases_run", "period"):
+        for key in ("seconds", "cases_run", "period", "run_cost"):
             out.pop(key)
         return out
 
     assert same(shrunk) == same(whole)
+
+
+def test_calibrate_measures_the_fixed_cost_in_tokens_worth():
+    clock = [0.0]
+
+    def run_case(n, fixed=3e-3, per_token=2e-6, error=None):
+        clock[0] += fixed + per_token * n
+        return _result(n, error=error)
+
+    got = shrink.calibrate(run_case, 4096, clock=lambda: clock[0])
+    assert got == 1500  # 3 ms over 2 us a token
+    # Too short a sweep to measure, or a case that fails: the default.
+    assert shrink.calibrate(run_case, 40, clock=lambda: clock[0]) == shrink.RUN_COST
+
+    def failing(n):
+        return run_case(n, error="MoRIIOError: refused")
+
+    assert shrink.calibrate(failing, 4096, clock=lambda: clock[0]) == shrink.RUN_COST
+    # A fixed cost is never taken as less than 64 or more than 65536 tokens.
+    cheap = shrink.calibrate(
+        lambda n: run_case(n, fixed=1e-9), 4096, clock=lambda: clock[0]
+    )
+    assert cheap == 64
+
+
+def test_a_larger_fixed_cost_runs_unshared_cases_whole():
+    # At the 89.7 % hit nobody shares a case's small ones: with a fixed cost
+    # high enough, running the case whole is cheaper, and the results agree.
+    period = _period(window=40, block=16)
+    lengths = list(range(1500, 2049))
+    runs = {}
+    for cost in (shrink.RUN_COST, 20000):
+        run, calls = _fake_run()
+        stats = shrink.Stats()
+        got = list(shrink.sweep(period, lengths, [0.897], run, stats, cost))
+        want = [run(n, shrink.case_key(n, 0.897)[0], 0.897) for n in lengths]
+        assert [msgspec.to_builtins(r) for r in got] == [
+            msgspec.to_builtins(r) for r in want
+        ]
+        runs[cost] = stats.shrunk
+    assert runs[20000] < runs[shrink.RUN_COST]

@@ -78,6 +78,9 @@ class LayoutReport(msgspec.Struct, tag="layout"):
     follow from small ones, ``shrink.py``)."""
     period: int = 0
     """The period the cases were shrunk by (0: every case ran whole)."""
+    run_cost: int = 0
+    """A case's fixed cost in prompt tokens' worth, as measured for the
+    shrinking (``shrink.calibrate``; 0: every case ran whole)."""
 
     def add(self, result: CaseResult) -> None:
         if count_case(self, result.error):

@@ -29,6 +29,8 @@ only at some long length and at none congruent to it below would be missed.
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -209,17 +211,49 @@ def layout_period(pair: Pair) -> Period:
 
 
 RUN_COST = 256
-"""A case's fixed cost, in prompt tokens' worth of scheduler work; it only
-decides whether a case runs whole or from its small ones, never a result.
-An estimate that is low for most layouts: a 2-token case measured (CPU time,
-installed overlay, hit 0) 0.98 ms on llama, 1.13 ms on dsv4 and 1.49 ms on
-kimi against 2.09, 0.70 and 0.25 us per prompt token, i.e. about 470, 1600
-and 6000 tokens' worth. A low figure favours small cases where running whole
-would cost less (the 89.7 % hit, whose small cases nobody shares)."""
+"""A case's fixed cost, in prompt tokens' worth of scheduler work, when it
+is not measured (``calibrate``). It only decides whether a case runs whole
+or from its small ones, never a result."""
 
 
-def _cost(key: Key) -> int:
-    return key[0] + key[1] + RUN_COST
+def calibrate(
+    run_case: Callable[[int], CaseResult],
+    longest: int,
+    probes: int = 5,
+    clock: Callable[[], float] = time.process_time,
+) -> int:
+    """A case's fixed cost on this pair, in prompt tokens' worth: the CPU
+    time of a 2-token case, less its 2 tokens, over the CPU time per token
+    between it and a longer one (up to 1026 tokens, within ``longest``).
+    Measured, since it differs by layout: about 470 tokens' worth on llama,
+    1600 on dsv4 and 6000 on kimi, whose small cases nobody shares at the
+    89.7 % hit are cheaper run whole there. ``run_case(n)`` runs one case
+    of ``n`` tokens; a probe that fails leaves ``RUN_COST``.
+    """
+    long = min(1026, longest)
+    if long < 66:
+        return RUN_COST
+
+    def cpu(n: int) -> float | None:
+        # The first run warms up (first-use costs are not the case's).
+        if run_case(n).error is not None:
+            return None
+        times = []
+        for _ in range(probes):
+            start = clock()
+            run_case(n)
+            times.append(clock() - start)
+        return statistics.median(times)
+
+    short, full = cpu(2), cpu(long)
+    if short is None or full is None or full <= short:
+        return RUN_COST
+    per_token = (full - short) / (long - 2)
+    return max(64, min(1 << 16, round(short / per_token) - 2))
+
+
+def _cost(key: Key, run_cost: int) -> int:
+    return key[0] + key[1] + run_cost
 
 
 def _steps(ways: _Ways) -> list[Key]:
@@ -232,11 +266,13 @@ def sweep(
     hits: Sequence[float],
     run: Callable[[int, int, float], CaseResult],
     stats: Stats | None = None,
+    run_cost: int = RUN_COST,
 ) -> Iterator[CaseResult]:
     """Every (hit, n) case, in the order of the one-at-a-time sweep.
 
     ``run(n, held, hit)`` runs one case whose decoder holds ``held``
-    tokens; ``period`` None runs every case whole.
+    tokens; ``period`` None runs every case whole. ``run_cost``: a case's
+    fixed cost in tokens' worth (``calibrate``).
     """
     stats = stats if stats is not None else Stats()
     done: dict[Key, CaseResult] = {}
@@ -259,8 +295,8 @@ def sweep(
     for n, hit, ways in plan:
         stats.cases += 1
         key = case_key(n, hit)
-        share = sum(_cost(k) / users[k] for k in _steps(ways))
-        if key in done or share >= _cost(key):
+        share = sum(_cost(k, run_cost) / users[k] for k in _steps(ways))
+        if key in done or share >= _cost(key, run_cost):
             yield msgspec.structs.replace(result(key, hit), n=n, hit_fraction=hit)
             continue
         base = result(ways.base, hit)
