@@ -40,10 +40,10 @@ from vllm_overlay.simulate.bytes.lifetime import (
 from vllm_overlay.simulate.bytes.rank import (
     READ,
     RankConfig,
-    StepPlan,
     StepResult,
     Verdict,
     Watch,
+    aggregate,
     serve,
 )
 from vllm_overlay.simulate.bytes.shm import remove_shm
@@ -121,6 +121,14 @@ def _rank_main(parent: int, conn: Any, cfg: RankConfig) -> None:
     serve(conn, cfg)
 
 
+_CLOSING: list[tuple[Any, float]] = []
+"""Ranks told to exit (or killed) and not reaped yet, each with the time it
+is killed if it is still there: a configuration's ranks end while the next
+one's start."""
+
+_EXIT_GRACE = 5.0
+
+
 def kill_ranks() -> None:
     """SIGKILL every rank of this process, reap it and remove its /dev/shm
     file (a rank killed cannot remove it): the zygote's way out on a
@@ -132,6 +140,26 @@ def kill_ranks() -> None:
         proc.join(5)
         remove_shm(proc.pid)
     _RANKS.clear()
+    _CLOSING.clear()
+
+
+def reap_ranks(wait: bool = False) -> None:
+    """Reap the closing ranks that ended (``wait``: all of them), killing
+    any past its grace, and remove their /dev/shm files."""
+    left = []
+    for proc, deadline in _CLOSING:
+        if wait:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            if not wait and time.monotonic() < deadline:
+                left.append((proc, deadline))
+                continue
+            proc.kill()
+            proc.join()
+        if proc.pid is not None:
+            remove_shm(proc.pid)
+            _RANKS.pop(proc.pid, None)
+    _CLOSING[:] = left
 
 
 class _Leg:
@@ -158,6 +186,8 @@ class _Leg:
         self.pending_recving: Counter[str] = Counter()
         self.moved = [0] * len(configs)
         """Bytes each rank's engine moved, from its latest step."""
+        self.live: list[str] | None = None
+        """Requests rank 0's scheduler held after the latest step."""
 
     @property
     def tp(self) -> int:
@@ -187,27 +217,49 @@ class _Leg:
         self.conns[0].send((cmd, args))
         return self._reply(self.conns[0])
 
-    def broadcast(self, cmd: str, *args: Any) -> list[Any]:
-        for conn in self.conns:
-            conn.send((cmd, args))
-        return [self._reply(conn) for conn in self.conns]
+    def step(
+        self, watch: Watch | None, add: tuple[Any, ...] | None
+    ) -> tuple[list[StepResult], dict[str, set[Any]], list[Any]]:
+        """One scheduler step of the leg, as vLLM's engine core drives it:
+        rank 0 adds ``add`` (a request) if given, schedules and, alone in its
+        leg, also executes and updates the scheduler in the same round trip;
+        otherwise it answers the plan, which goes to the other ranks, then
+        executes, and the aggregated output goes back to it."""
+        ids = [watch.rid] if watch else []
+        if self.tp == 1:
+            result, output, outs, live = self.call0("step1", add, ids, watch)
+            results = [result]
+        else:
+            conn0 = self.conns[0]
+            conn0.send(("step", (add, ids, watch)))
+            plan = self._reply(conn0)
+            for conn in self.conns[1:]:
+                conn.send(("execute", (plan, watch)))
+            results = [self._reply(conn) for conn in self.conns]
+            output = aggregate(
+                results, self.pending_sending, self.pending_recving, self.tp
+            )
+            outs, live = self.call0("update", output)
+        for i, r in enumerate(results):
+            self.moved[i] = r.moved
+        self.live = live
+        return results, output, outs
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Tell every rank to exit (kill one that never started) and reap
+        them within ``_EXIT_GRACE`` seconds, killing any left; ``wait``
+        False leaves them to a later ``reap_ranks`` (the next configuration
+        starts meanwhile)."""
         for conn, ready, proc in zip(self.conns, self.ready, self.procs, strict=True):
             if not ready:
                 proc.kill()
                 continue
             with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(("exit", ()))
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            if proc.pid is not None:
-                remove_shm(proc.pid)
-                _RANKS.pop(proc.pid, None)
+        deadline = time.monotonic() + _EXIT_GRACE
+        _CLOSING.extend((proc, deadline) for proc in self.procs)
+        if wait:
+            reap_ranks(wait=True)
 
 
 class Driver:
@@ -266,44 +318,29 @@ class Driver:
     def stop(self) -> None:
         for leg in (self.p, self.d):
             if leg is not None:
-                leg.close()
+                leg.close(wait=False)
         self.p = self.d = None
+        reap_ranks()
 
     # -- stepping ------------------------------------------------------------
 
     def _step(
-        self, leg: _Leg, watch: Watch | None = None
+        self,
+        leg: _Leg,
+        watch: Watch | None = None,
+        add: tuple[Any, ...] | None = None,
     ) -> tuple[list[tuple[str, str | None, Any]], list[Verdict]]:
-        plan: StepPlan = leg.call0("schedule", [watch.rid] if watch else [])
-        results: list[StepResult] = leg.broadcast("execute", plan, watch)
-        done_send: set[str] = set()
-        done_recv: set[str] = set()
-        for i, r in enumerate(results):
-            leg.moved[i] = r.moved
-            leg.pending_sending.update(r.finished_sending)
-            leg.pending_recving.update(r.finished_recving)
-        for rid, count in list(leg.pending_sending.items()):
-            if count >= leg.tp:
-                done_send.add(rid)
-                del leg.pending_sending[rid]
-        for rid, count in list(leg.pending_recving.items()):
-            if count >= leg.tp:
-                done_recv.add(rid)
-                del leg.pending_recving[rid]
-        output = {
-            "finished_sending": done_send,
-            "finished_recving": done_recv,
-            "failed_recving": set().union(*(r.failed_recving for r in results)),
-            "invalid_block_ids": set().union(*(r.invalid_block_ids for r in results)),
-        }
-        outs = leg.call0("update", output)
-        self._last_recv = done_recv
+        results, output, outs = leg.step(watch, add)
+        self._last_recv = output["finished_recving"]
         verdicts = [r.verdict for r in results if r.verdict is not None]
         return outs, verdicts
 
-    def _until_finished(self, leg: _Leg, rid: str) -> tuple[str, str | None, Any]:
+    def _until_finished(
+        self, leg: _Leg, rid: str, add: tuple[Any, ...] | None = None
+    ) -> tuple[str, str | None, Any]:
         for _ in range(_MAX_STEPS):
-            outs, _ = self._step(leg)
+            outs, _ = self._step(leg, add=add)
+            add = None
             for out in outs:
                 if out[0] == rid and out[1] is not None:
                     return out
@@ -311,7 +348,7 @@ class Driver:
 
     def _until_freed(self, leg: _Leg, rid: str) -> None:
         deadline = time.monotonic() + 30
-        while leg.call0("alive", rid):
+        while leg.call0("alive", rid) if leg.live is None else rid in leg.live:
             if time.monotonic() > deadline:
                 raise RankError(f"{rid} was never released on the prefill leg")
             self._step(leg)
@@ -342,8 +379,7 @@ class Driver:
         shared = round(n * hit_fraction)
         if shared > 0:
             warm = prompt_tokens(uid, shared + 1, shared=shared)
-            self.d.call0("add", f"w{uid}", warm, None)
-            self._until_finished(self.d, f"w{uid}")
+            self._until_finished(self.d, f"w{uid}", (f"w{uid}", warm, None))
         if self.config.mode == READ:
             verdicts = self._read_case(rid, uid, tokens)
         else:
@@ -358,14 +394,15 @@ class Driver:
     def _read_case(self, rid: str, uid: int, tokens: list[int]) -> list[Verdict]:
         assert self.p is not None and self.d is not None
         p_params = {"do_remote_decode": True, "transfer_id": f"t{uid}"}
-        self.p.call0("add", rid, tokens, p_params)
-        _, _, params = self._until_finished(self.p, rid)
+        _, _, params = self._until_finished(self.p, rid, (rid, tokens, p_params))
         if not params:
             raise RankError("prefill returned no kv_transfer_params")
         d_params = copy.deepcopy(params)
         d_params["do_remote_prefill"] = True
-        self.d.call0("add", rid, tokens, d_params)
-        return self._judged(Watch(rid, len(tokens), tokens, arm=True, judge=True))
+        return self._judged(
+            Watch(rid, len(tokens), tokens, arm=True, judge=True),
+            (rid, tokens, d_params),
+        )
 
     def _write_case(self, rid: str, uid: int, tokens: list[int]) -> list[Verdict]:
         assert self.p is not None and self.d is not None
@@ -396,10 +433,12 @@ class Driver:
             "remote_dp_size": 1,
         }
         n = len(tokens)
-        self.d.call0("add", rid, tokens, d_params)
-        self._step(self.d, Watch(rid, n, tokens, arm=True, dest="table"))
-        self.p.call0("add", rid, tokens, p_params)
-        self._until_finished(self.p, rid)
+        self._step(
+            self.d,
+            Watch(rid, n, tokens, arm=True, dest="table"),
+            (rid, tokens, d_params),
+        )
+        self._until_finished(self.p, rid, (rid, tokens, p_params))
         deadline = time.monotonic() + 30
         while True:
             self._step(self.d)
@@ -410,11 +449,13 @@ class Driver:
             time.sleep(0.002)
         return self._judged(Watch(rid, n, tokens, judge=True, dest="table"))
 
-    def _judged(self, watch: Watch) -> list[Verdict]:
-        """The request's first decoder step, judged on every decoder rank,
-        then its remaining steps."""
+    def _judged(
+        self, watch: Watch, add: tuple[Any, ...] | None = None
+    ) -> list[Verdict]:
+        """The request's first decoder step (``add``: the request added
+        first), judged on every decoder rank, then its remaining steps."""
         assert self.d is not None
-        outs, verdicts = self._step(self.d, watch)
+        outs, verdicts = self._step(self.d, watch, add)
         if len(verdicts) != self.d.tp:
             raise RankError(f"the decoder did not schedule {watch.rid}")
         if not any(out[0] == watch.rid and out[1] for out in outs):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ class LayerView:
     u8: np.ndarray
     """The same memory as ``uint8``, ``[B, H, N, C bytes]``."""
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         return int(np.prod(self.u8.shape[1:]))
 
@@ -93,6 +94,7 @@ class SharedKV:
         }
         self.tensors: dict[str, Any] = {}
         self.layers: dict[str, LayerView] = {}
+        self._by_group: dict[int, list[LayerView]] = {}
         for tensor in kv_cache_config.kv_cache_tensors:
             group = kv_cache_config.kv_cache_groups[group_of[tensor.layers[0]]]
             spec = group.kv_cache_spec
@@ -123,7 +125,13 @@ class SharedKV:
             os.unlink(self.path)
 
     def layers_of(self, group: int) -> list[LayerView]:
-        return [layer for layer in self.layers.values() if layer.group == group]
+        """The group's layers, in ``layers`` order (one list per group, kept:
+        the judge asks for it per need)."""
+        found = self._by_group.get(group)
+        if found is None:
+            found = [layer for layer in self.layers.values() if layer.group == group]
+            self._by_group[group] = found
+        return found
 
     def page_offset(self, layer: LayerView, block: int) -> int:
         page = layer.u8[block]

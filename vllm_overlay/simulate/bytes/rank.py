@@ -15,7 +15,12 @@ vLLM's model-runner order (``kv_connector_model_runner_mixin``): zero, copy,
 bind metadata, ``start_load_kv`` before the forward when the step has a
 synchronous load, the "forward" (``content`` bytes for every computed
 position, the attention layers' ``save_kv_layer`` hooks), ``start_load_kv``
-after it otherwise, ``wait_for_save``, ``get_transfer_results``.
+after it otherwise, ``wait_for_save``, ``get_transfer_results``. Rank 0
+adds the step's new request and schedules; it hands the plan over first
+(``step``: the driver sends it on to the leg's other ranks), or, alone in its
+leg, executes it and updates its scheduler in the same round trip
+(``step1``). Either way each rank executes a copy of the plan through the
+pipe's pickler, as the scheduler's objects never reach a worker.
 
 The watched request of a case is judged byte by byte (``judge``): every byte
 the decoder holds for a position it attends to, and every byte that changed
@@ -25,10 +30,13 @@ outside the transfer's destination pages.
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -280,6 +288,37 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
 
 
+def aggregate(
+    results: list[StepResult],
+    pending_sending: Counter[str],
+    pending_recving: Counter[str],
+    tp: int,
+) -> dict[str, set[Any]]:
+    """The leg's ``KVConnectorOutput`` fields from its ranks' results, as
+    vLLM's ``KVOutputAggregator`` makes them: a request finished sending or
+    receiving once every rank of the leg said so (``pending_*`` count the
+    ranks that did, across steps)."""
+    done_send: set[str] = set()
+    done_recv: set[str] = set()
+    for r in results:
+        pending_sending.update(r.finished_sending)
+        pending_recving.update(r.finished_recving)
+    for rid, count in list(pending_sending.items()):
+        if count >= tp:
+            done_send.add(rid)
+            del pending_sending[rid]
+    for rid, count in list(pending_recving.items()):
+        if count >= tp:
+            done_recv.add(rid)
+            del pending_recving[rid]
+    return {
+        "finished_sending": done_send,
+        "finished_recving": done_recv,
+        "failed_recving": set().union(*(r.failed_recving for r in results)),
+        "invalid_block_ids": set().union(*(r.invalid_block_ids for r in results)),
+    }
+
+
 @dataclass
 class StepResult:
     finished_sending: set[str]
@@ -362,6 +401,47 @@ def _cpu_cuda_shim() -> None:
 
     torch.cuda.current_stream = lambda device=None: None
     torch.cuda.Event = _Event
+
+
+@dataclass
+class _Gather:
+    """The rows a judged group's needs pick from each of its layers' pages:
+    page and slot of every row, the prefix hash it should hold and the need
+    it belongs to (``owner``), for one gather per layer."""
+
+    blocks: Any
+    slots: Any
+    hashes: Any
+    owner: Any
+    needs: int
+    slot_list: list[Any]
+    hash_list: list[np.ndarray]
+
+    @classmethod
+    def of(
+        cls, blocks: list[int], slots: list[Any], hashes: list[np.ndarray]
+    ) -> _Gather:
+        counts = [len(s) for s in slots]
+        return cls(
+            np.repeat(np.asarray(blocks, dtype=np.intp), counts),
+            np.concatenate(slots).astype(np.intp),
+            np.concatenate(hashes),
+            np.repeat(np.arange(len(blocks)), counts),
+            len(blocks),
+            slots,
+            hashes,
+        )
+
+    @classmethod
+    def none(cls, slots: list[Any], hashes: list[np.ndarray]) -> _Gather:
+        """A ring re-viewed in rows of its own: judged page by page."""
+        return cls(None, None, None, None, len(slots), slots, hashes)
+
+    def owned(self, per_row: np.ndarray) -> np.ndarray:
+        """Per-row counts summed per need."""
+        return np.bincount(self.owner, weights=per_row, minlength=self.needs).astype(
+            np.int64
+        )
 
 
 class Rank:
@@ -457,6 +537,7 @@ class Rank:
             if self.groups[view.group].kind == STATE_KIND
         }
         self._layer_keys = {name: layer_key(name) for name in self.kv.layers}
+        self._page_bytes: dict[int, int] = {}
         self._hashes: dict[str, np.ndarray] = {}
         self._so: Any = None
         self._armed = False
@@ -464,6 +545,9 @@ class Rank:
         self._expected: dict[Any, np.ndarray] = {}
         """The watched request's expected attention rows by (layer, needs),
         from its arm to its judge."""
+        self._sending: Counter[str] = Counter()
+        self._recving: Counter[str] = Counter()
+        """``step1``'s ``aggregate`` counts (a leg of one rank)."""
 
     # -- geometry ----------------------------------------------------------
 
@@ -492,6 +576,18 @@ class Rank:
 
     def _state_page_bytes(self, view: Any) -> int:
         return sum(size for _, _, size, _ in self._regions[view.name])
+
+    def _group_page_bytes(self, group: int) -> int:
+        """Bytes a transfer of one page of ``group`` moves, over its layers."""
+        size = self._page_bytes.get(group)
+        if size is None:
+            layers = self.kv.layers_of(group)
+            if self.groups[group].kind == STATE_KIND:
+                size = sum(self._state_page_bytes(v) for v in layers)
+            else:
+                size = sum(v.page_bytes for v in layers)
+            self._page_bytes[group] = size
+        return size
 
     def _hash(self, rid: str, tokens: list[int], end: int = 0) -> np.ndarray:
         """Prefix hashes of a request's tokens, at least ``end`` long:
@@ -551,23 +647,24 @@ class Rank:
                 ],
                 dtype=np.int64,
             )
-        counts = [len(s) for s in slots]
-        rows = np.repeat(np.asarray(blocks, dtype=np.intp), counts)
-        actual = view.u8[rows, :, np.concatenate(slots).astype(np.intp), :]
+        gather = _Gather.of(blocks, slots, hashes)
+        return gather.owned(self._wrong_rows(view, gather, expected, key))
+
+    def _wrong_rows(
+        self, view: Any, gather: _Gather, expected: dict[Any, np.ndarray], key: Any
+    ) -> np.ndarray:
+        """Wrong bytes of each row ``gather`` picks from ``view``."""
+        actual = view.u8[gather.blocks, :, gather.slots, :]
         want = expected.get(key)
         if want is None:
             want = attention_bytes(
-                np.concatenate(hashes),
+                gather.hashes,
                 self._layer_keys[view.name],
                 self._heads[view.name],
                 actual.shape[-1],
             ).transpose(1, 0, 2)
             expected[key] = want
-        per_row = np.count_nonzero(actual != want, axis=(1, 2))
-        owner = np.repeat(np.arange(len(blocks)), counts)
-        return np.bincount(owner, weights=per_row, minlength=len(blocks)).astype(
-            np.int64
-        )
+        return np.count_nonzero(actual != want, axis=(1, 2))
 
     def _rows_wrong(self, view: Any, actual: np.ndarray, hashes: np.ndarray) -> int:
         expected = attention_bytes(
@@ -677,10 +774,7 @@ class Rank:
             info = self.groups[need.group]
             table = tables[need.group]
             layers = self.kv.layers_of(need.group)
-            if info.kind == STATE_KIND:
-                size = sum(self._state_page_bytes(v) for v in layers)
-            else:
-                size = sum(v.page_bytes for v in layers)
+            size = self._group_page_bytes(need.group)
             if need.index >= len(table) or table[need.index] == 0:
                 out.append((need, size, size))
                 continue
@@ -697,23 +791,50 @@ class Rank:
         for g, indices in pending.items():
             info = self.groups[g]
             group_needs = [out[i][0] for i in indices]
+            needs_key = tuple(group_needs)
             blocks = [tables[g][need.index] for need in group_needs]
             wrong = np.zeros(len(indices), dtype=np.int64)
+            # Layers whose rows per state agree share their rows: one gather
+            # plan per distinct layer geometry, the wrong bytes of its rows
+            # summed over its layers before they are counted per need.
+            plans: dict[GroupInfo, tuple[_Gather, list[Any]]] = {}
             for v in self.kv.layers_of(g):
                 layer_info = _layer_info(info, v)
-                rows = [
-                    _need_rows(layer_info, need, self._shards[g])
-                    for need in group_needs
-                ]
-                wrong += self._attention_wrong(
-                    v,
-                    info,
-                    blocks,
-                    [slots for slots, _ in rows],
-                    [hashes[at] for _, at in rows],
-                    self._expected,
-                    (v.name, tuple(group_needs)),
+                plan = plans.get(layer_info)
+                if plan is None:
+                    rows = [
+                        _need_rows(layer_info, need, self._shards[g])
+                        for need in group_needs
+                    ]
+                    need_slots = [slots for slots, _ in rows]
+                    need_hashes = [hashes[at] for _, at in rows]
+                    if info.kind == RING and info.ring_row_bytes:
+                        plan = (_Gather.none(need_slots, need_hashes), [])
+                    else:
+                        plan = (_Gather.of(blocks, need_slots, need_hashes), [])
+                    plans[layer_info] = plan
+                gather, sums = plan
+                if gather.blocks is None:
+                    wrong += self._attention_wrong(
+                        v,
+                        info,
+                        blocks,
+                        gather.slot_list,
+                        gather.hash_list,
+                        self._expected,
+                        (v.name, needs_key),
+                    )
+                    continue
+                per_row = self._wrong_rows(
+                    v, gather, self._expected, (v.name, needs_key)
                 )
+                if sums:
+                    sums[0] += per_row
+                else:
+                    sums.append(per_row.astype(np.int64))
+            for gather, sums in plans.values():
+                if sums:
+                    wrong += gather.owned(sums[0])
             for i, w in zip(indices, wrong.tolist(), strict=True):
                 need, _, size = out[i]
                 out[i] = (need, w, size)
@@ -902,7 +1023,12 @@ class Rank:
 
         return Pair._payload_groups(self.leg)
 
-    def update(self, output: dict[str, Any]) -> list[tuple[str, str | None, Any]]:
+    def update(
+        self, output: dict[str, Any]
+    ) -> tuple[list[tuple[str, str | None, Any]], list[str]]:
+        """The scheduler's update from the leg's output: each finished
+        request's (id, finish reason, ``kv_transfer_params``), and the
+        requests the scheduler still holds."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self._so
@@ -927,7 +1053,7 @@ class Rank:
         )
         outputs = sched.update_from_output(so, out)
         self._so = None
-        return [
+        outs = [
             (
                 o.request_id,
                 str(o.finish_reason) if o.finish_reason else None,
@@ -936,9 +1062,28 @@ class Rank:
             for eco in outputs.values()
             for o in eco.outputs
         ]
+        return outs, list(sched.requests)
 
     def alive(self, rid: str) -> bool:
         return rid in self.scheduler.requests
+
+    def begin_step(self, add: tuple[Any, ...] | None, watch_ids: list[str]) -> StepPlan:
+        """Rank 0: add a request (``add``: ``add``'s arguments), then
+        schedule."""
+        if add is not None:
+            self.add(*add)
+        return self.schedule(watch_ids)
+
+    def step1(
+        self, add: tuple[Any, ...] | None, watch_ids: list[str], watch: Watch | None
+    ) -> tuple[StepResult, dict[str, set[Any]], list[Any], list[str]]:
+        """A leg of one rank: schedule, execute and update in one command,
+        the rank's output aggregated as the driver does for a wider leg."""
+        plan = self.begin_step(add, watch_ids)
+        result = self.execute(*_as_sent(plan, watch))
+        output = aggregate([result], self._sending, self._recving, 1)
+        outs, live = self.update(output)
+        return result, output, outs, live
 
     def reset(self) -> bool:
         return bool(self.scheduler.reset_prefix_cache())
@@ -949,6 +1094,15 @@ class Rank:
 
     def close(self) -> None:
         self.kv.close()
+
+
+def _as_sent(plan: StepPlan, watch: Watch | None) -> tuple[StepPlan, Watch | None]:
+    """``plan`` and ``watch`` as a rank receives them over its pipe: a copy
+    through the same pickler, sharing nothing with the scheduler's objects."""
+    copied: tuple[StepPlan, Watch | None] = pickle.loads(
+        ForkingPickler.dumps((plan, watch))
+    )
+    return copied
 
 
 def serve(conn: Any, cfg: RankConfig) -> None:
@@ -966,11 +1120,27 @@ def serve(conn: Any, cfg: RankConfig) -> None:
         "update": rank.update,
         "alive": rank.alive,
         "reset": rank.reset,
+        "step1": rank.step1,
     }
     while True:
         cmd, args = conn.recv()
         if cmd == "exit":
             break
+        if cmd == "step":
+            # Rank 0 of a wider leg: the plan first, for the other ranks,
+            # then this rank's result of it.
+            add, ids, watch = args
+            try:
+                plan = rank.begin_step(add, ids)
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+                continue
+            conn.send(("ok", plan))
+            try:
+                conn.send(("ok", rank.execute(*_as_sent(plan, watch))))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+            continue
         try:
             conn.send(("ok", commands[cmd](*args)))
         except Exception:

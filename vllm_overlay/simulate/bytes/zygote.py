@@ -159,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         driver.PORT_RANGE = (int(lo), int(hi))
     plan = msgspec.json.decode(args.plan, type=list[ConfigItem])
     lengths, hits = parse_lengths(args.lengths), parse_hits(args.hits)
+    from vllm_overlay.simulate.bytes.driver import reap_ranks
+
     for item in plan:
         emit(run_item(args.variant, item, lengths, hits))
+    reap_ranks(wait=True)
     return 0
 
 
