@@ -234,3 +234,10 @@ def test_a_larger_fixed_cost_runs_unshared_cases_whole():
         ]
         runs[cost] = stats.shrunk
     assert runs[20000] < runs[shrink.RUN_COST]
+
+
+def test_a_sweep_too_sparse_to_shrink_is_not_measured():
+    period = _period(window=40, block=16)
+    assert shrink.may_shrink(period, list(range(1, 2049)), HITS)
+    # Prompts within the margin of 0 have no small ones at all.
+    assert not shrink.may_shrink(period, [1, 5, 10, 16], HITS)

@@ -80,7 +80,8 @@ class LayoutReport(msgspec.Struct, tag="layout"):
     """The period the cases were shrunk by (0: every case ran whole)."""
     run_cost: int = 0
     """A case's fixed cost in prompt tokens' worth, as measured for the
-    shrinking (``shrink.calibrate``; 0: every case ran whole)."""
+    shrinking (``shrink.calibrate``; 0: not measured, because every case ran
+    whole or no case could follow from small ones)."""
 
     def add(self, result: CaseResult) -> None:
         if count_case(self, result.error):

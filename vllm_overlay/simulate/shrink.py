@@ -216,6 +216,10 @@ is not measured (``calibrate``). It only decides whether a case runs whole
 or from its small ones, never a result."""
 
 
+COST_BOUNDS = (64, 1 << 16)
+"""The least and the most fixed cost ``calibrate`` returns."""
+
+
 def calibrate(
     run_case: Callable[[int], CaseResult],
     longest: int,
@@ -249,7 +253,8 @@ def calibrate(
     if short is None or full is None or full <= short:
         return RUN_COST
     per_token = (full - short) / (long - 2)
-    return max(64, min(1 << 16, round(short / per_token) - 2))
+    low, high = COST_BOUNDS
+    return max(low, min(high, round(short / per_token) - 2))
 
 
 def _cost(key: Key, run_cost: int) -> int:
@@ -258,6 +263,34 @@ def _cost(key: Key, run_cost: int) -> int:
 
 def _steps(ways: _Ways) -> list[Key]:
     return [k for k in (ways.base, ways.held_step, ways.lack_step) if k is not None]
+
+
+def _plan(
+    period: Period, lengths: Sequence[int], hits: Sequence[float]
+) -> tuple[list[tuple[int, float, _Ways]], Counter[Key]]:
+    """Every case's small ones, and how many cases each small one serves."""
+    plan = [(n, hit, _ways(period, case_key(n, hit))) for hit in hits for n in lengths]
+    return plan, Counter(k for *_, ways in plan for k in _steps(ways))
+
+
+def _cheaper_small(ways: _Ways, key: Key, users: Counter[Key], run_cost: int) -> bool:
+    """Do the case's shares of its small ones cost less than the case?"""
+    share = sum(_cost(k, run_cost) / users[k] for k in _steps(ways))
+    return share < _cost(key, run_cost)
+
+
+def may_shrink(period: Period, lengths: Sequence[int], hits: Sequence[float]) -> bool:
+    """Could any case follow from its small ones at a fixed cost within
+    ``COST_BOUNDS``? Whether a case does is linear in that cost, so the
+    bounds decide; where no case could (prompts near the cuts), measuring
+    the cost (``calibrate``) is wasted."""
+    plan, users = _plan(period, lengths, hits)
+    return any(
+        _cheaper_small(ways, case_key(n, hit), users, cost)
+        for n, hit, ways in plan
+        if ways.held_step or ways.lack_step
+        for cost in COST_BOUNDS
+    )
 
 
 def sweep(
@@ -288,15 +321,13 @@ def sweep(
                 stats.cases += 1
                 yield run(n, case_key(n, hit)[0], hit)
         return
-    plan = [(n, hit, _ways(period, case_key(n, hit))) for hit in hits for n in lengths]
     # A small case's cost is shared by every case it stands for; a case
     # whose share costs no less than itself (sparse lengths) runs whole.
-    users = Counter(k for *_, ways in plan for k in _steps(ways))
+    plan, users = _plan(period, lengths, hits)
     for n, hit, ways in plan:
         stats.cases += 1
         key = case_key(n, hit)
-        share = sum(_cost(k, run_cost) / users[k] for k in _steps(ways))
-        if key in done or share >= _cost(key, run_cost):
+        if key in done or not _cheaper_small(ways, key, users, run_cost):
             yield msgspec.structs.replace(result(key, hit), n=n, hit_fraction=hit)
             continue
         base = result(ways.base, hit)

@@ -73,15 +73,16 @@ def run_layout(
         return pair.run_case(n, hit, held=held)
 
     period = None if whole else shrink.layout_period(pair)
-    run_cost = shrink.RUN_COST
-    if period is not None:
+    measured = 0
+    if period is not None and shrink.may_shrink(period, lengths, hits):
         # Probe cases are not cases of the sweep: not counted, not reported.
-        run_cost = shrink.calibrate(lambda n: pair.run_case(n, 0.0), max(lengths))
+        measured = shrink.calibrate(lambda n: pair.run_case(n, 0.0), max(lengths))
+    run_cost = measured or shrink.RUN_COST
     for result in shrink.sweep(period, lengths, hits, run, stats, run_cost):
         report.add(result)
     report.cases_run = stats.run
     report.period = period.period if period else 0
-    report.run_cost = run_cost if period else 0
+    report.run_cost = measured
     report.finish()
     report.seconds = time.monotonic() - start
     return report
