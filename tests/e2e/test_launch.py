@@ -151,8 +151,11 @@ def test_signal_tears_down(
     ends = msgspec.json.encode(config_endpoints(config)).decode()
     script = textwrap.dedent(
         f"""
-        import sys, msgspec
+        import signal, sys, msgspec
         from pathlib import Path
+        # A shell's background job inherits SIGINT ignored; Python then keeps
+        # it ignored. Ctrl-C's default (KeyboardInterrupt) is what is tested.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from vllm_overlay.e2e.launch import Endpoints, Launcher, sigterm_raises
         from vllm_overlay.e2e.plan import Plan
         plan = msgspec.json.decode(Path({str(plan_file)!r}).read_bytes(), type=Plan)
