@@ -40,10 +40,16 @@ def use_moriio_dir(directory: Path) -> None:
 
 
 def installed_moriio_dir() -> Path:
-    spec = importlib.util.find_spec(MODULE_PACKAGE)
+    """The installed package's directory, found without importing vLLM
+    (``find_spec`` of a submodule imports its parents: seconds)."""
+    top, *rest = MODULE_PACKAGE.split(".")
+    spec = importlib.util.find_spec(top)
     if spec is None or not spec.submodule_search_locations:
-        raise VariantError(f"this Python has no {MODULE_PACKAGE}")
-    return Path(next(iter(spec.submodule_search_locations)))
+        raise VariantError(f"this Python has no {top}")
+    directory = Path(next(iter(spec.submodule_search_locations))).joinpath(*rest)
+    if not (directory / "__init__.py").is_file():
+        raise VariantError(f"this Python has no {MODULE_PACKAGE} ({directory})")
+    return directory
 
 
 def build_variant_dir(dest: Path, overlay_files: dict[str, str] | None) -> Path:

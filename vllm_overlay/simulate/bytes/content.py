@@ -52,14 +52,29 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def _bytes(tags: np.ndarray, first_word: np.ndarray | int, nbytes: int) -> np.ndarray:
-    """``nbytes`` bytes per tag: 8-byte words ``mix(tag + (w + word) * G)``,
+_WORDS = np.empty(0, dtype=np.uint64)
+"""``mix(w * G)`` for word ``w``, grown on demand: every row's words are its
+tag XOR these, one vector operation per word instead of a mix per word."""
+
+
+def _words(first: int, count: int) -> np.ndarray:
+    global _WORDS
+    end = first + count
+    if end > _WORDS.size:
+        size = max(end, 2 * _WORDS.size, 1024)
+        with np.errstate(over="ignore"):
+            _WORDS = _mix(np.arange(size, dtype=np.uint64) * _GOLDEN + _GOLDEN)
+    return _WORDS[first:end]
+
+
+def _bytes(tags: np.ndarray, first_word: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` bytes per tag: 8-byte words ``tag ^ mix((w + word) * G)``,
     the last one cut short when ``nbytes`` is not a whole number of words
-    (an fp8 indexer row of 128 + 4 scale bytes)."""
+    (an fp8 indexer row of 128 + 4 scale bytes). Tags are already mixed, so
+    rows of different tags differ in every word, and a row's words differ
+    from each other: a shift by any number of bytes changes them."""
     nwords = -(-nbytes // 8)
-    words = np.arange(nwords, dtype=np.uint64) + np.uint64(first_word)
-    with np.errstate(over="ignore"):
-        out = _mix(tags[..., None] + words * _GOLDEN)
+    out = tags[..., None] ^ _words(first_word, nwords)
     return out.view(np.uint8).reshape(*tags.shape, nwords * 8)[..., :nbytes]
 
 
@@ -77,13 +92,30 @@ def global_heads(
 
 
 def attention_bytes(
-    hashes: np.ndarray, layer: int, heads: Sequence[int], nbytes: int
+    hashes: np.ndarray,
+    layer: int,
+    heads: Sequence[int],
+    nbytes: int,
+    rows_first: bool = False,
 ) -> np.ndarray:
-    """``[len(heads), len(hashes), nbytes]``: KV of each head at each position."""
+    """``[len(heads), len(hashes), nbytes]``: KV of each head at each
+    position; ``rows_first``: ``[len(hashes), len(heads), nbytes]``, also
+    contiguous."""
     head_keys = np.array([(h + 1) * _HEAD & _MASK for h in heads], dtype=np.uint64)
     with np.errstate(over="ignore"):
         tags = _mix(hashes[None, :] ^ np.uint64(layer) ^ head_keys[:, None])
+    if rows_first:
+        tags = np.ascontiguousarray(tags.T)
     return _bytes(tags, 0, nbytes)
+
+
+def _mix_int(x: int) -> int:
+    """``_mix`` of one word, on Python integers."""
+    x ^= x >> 30
+    x = x * 0xBF58476D1CE4E5B9 & _MASK
+    x ^= x >> 27
+    x = x * 0x94D049BB133111EB & _MASK
+    return x ^ (x >> 31)
 
 
 def state_bytes(
@@ -92,14 +124,10 @@ def state_bytes(
     """A recurrent state region's bytes ``[first_byte, first_byte + nbytes)``
     in global numbering (the rank's shard starts at ``first_byte``)."""
     assert first_byte % 8 == 0
-    key = (
-        np.uint64(state_hash)
-        ^ np.uint64(layer)
-        ^ np.uint64((region + 1) * _REGION & _MASK)
-    )
-    with np.errstate(over="ignore"):
-        tag = _mix(np.array([key ^ np.uint64(_STATE)], dtype=np.uint64))
-    return _bytes(tag, first_byte // 8, nbytes)[0]
+    key = int(state_hash) ^ int(layer) ^ ((region + 1) * _REGION & _MASK)
+    tag = np.uint64(_mix_int(key ^ _STATE))
+    words = _words(first_byte // 8, -(-nbytes // 8)) ^ tag
+    return words.view(np.uint8)[:nbytes]
 
 
 POISON = 0xA5

@@ -119,6 +119,14 @@ class SharedKV:
                     view,
                     view.view(torch.uint8).numpy(),
                 )
+        # A hybrid's groups share tensors: layers whose views cover the same
+        # bytes the same way are one memory, written and copied once.
+        first: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+        self._root: dict[str, str] = {}
+        for name, layer in self.layers.items():
+            key = (layer.u8.ctypes.data, layer.u8.shape, layer.u8.strides)
+            self._root[name] = first.setdefault(key, name)
+        self._distinct = [self.layers[name] for name in first.values()]
 
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -142,30 +150,27 @@ class SharedKV:
         ``snapshot`` copies them, not the whole buffer. Every write of the
         rank's own goes through here, ``zero_blocks`` or ``copy_block``."""
         if self._touched is not None:
-            self._touched.setdefault(layer.name, set()).update(blocks)
+            self._touched.setdefault(self._root[layer.name], set()).update(blocks)
 
     def snapshot(self) -> None:
-        """Make the copy ``stray_bytes`` compares with equal to the buffer
-        (one reused array).
+        """Make the copy ``stray_bytes`` compares with equal to what this
+        rank wrote (one reused array): the whole buffer the first time, then
+        the pages noted by ``touch`` since the last ``stray_bytes``.
 
-        The copy equals the buffer after ``stray_bytes``; since then the
-        pages noted by ``touch`` are copied, then ``memcmp`` checks the
-        whole: bytes anybody else changed meanwhile (or a write not noted)
-        make it fall back to copying the whole buffer. Either way the copy
-        is exactly the buffer, for a full read instead of a full copy.
+        Nothing else may change the buffer between a judge and the next
+        arm: a byte anybody else changed meanwhile (a late transfer, a write
+        not noted) stays different from the copy, and the next
+        ``stray_bytes`` reports it unless it lies in that case's pages.
         """
-        if self._snap is None:
+        if self._snap is None or self._touched is None:
             self._snap = np.empty_like(self.bytes)
-        elif self._touched is not None:
+            self.full_snapshots += 1
+            np.copyto(self._snap, self.bytes)
+        else:
             for name, blocks in self._touched.items():
                 layer = self.layers[name]
                 index = np.fromiter(blocks, dtype=np.intp, count=len(blocks))
                 self._snap_view(layer)[index] = layer.u8[index]
-            if _same(self.bytes, self._snap):
-                self._touched = {}
-                return
-        self.full_snapshots += 1
-        np.copyto(self._snap, self.bytes)
         self._touched = {}
 
     def _snap_view(self, layer: LayerView) -> np.ndarray:
@@ -211,15 +216,14 @@ class SharedKV:
         blocks = list(blocks)
         if not blocks:
             return
-        for layer in self.layers.values():
+        for layer in self._distinct:
             layer.u8[blocks] = self.zero
             self.touch(layer, blocks)
 
     def copy_block(self, src: int, dst: int, group: int | None = None) -> None:
-        for layer in self.layers.values():
-            if group is None or layer.group == group:
-                layer.u8[dst] = layer.u8[src]
-                self.touch(layer, (dst,))
+        for layer in self._distinct if group is None else self.layers_of(group):
+            layer.u8[dst] = layer.u8[src]
+            self.touch(layer, (dst,))
 
     def zero_page(self, layer: LayerView, block: int) -> None:
         layer.u8[block] = 0
@@ -245,21 +249,26 @@ _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 _memcmp.restype = ctypes.c_int
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two contiguous byte arrays of one size hold the same bytes."""
-    return bool(a.size == 0 or _memcmp(a.ctypes.data, b.ctypes.data, a.size) == 0)
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two byte arrays of one shape hold the same bytes: ``memcmp``
+    when both are contiguous."""
+    if a.shape != b.shape:
+        return False
+    if a.flags.c_contiguous and b.flags.c_contiguous:
+        return bool(a.size == 0 or _memcmp(a.ctypes.data, b.ctypes.data, a.size) == 0)
+    return bool(np.array_equal(a, b))
 
 
 def _differing(cur: np.ndarray, snap: np.ndarray) -> np.ndarray:
     """Offsets where two contiguous byte arrays of one size differ,
     ascending: ``memcmp`` over the whole, then over chunks, then the
     differing 8-byte words of a differing chunk, then their bytes."""
-    if _same(cur, snap):
+    if same_bytes(cur, snap):
         return np.empty(0, dtype=np.intp)
     found = []
     for lo in range(0, cur.size, _CHUNK):
         a, b = cur[lo : lo + _CHUNK], snap[lo : lo + _CHUNK]
-        if _same(a, b):
+        if same_bytes(a, b):
             continue
         whole = a.size // 8 * 8
         words = np.flatnonzero(a[:whole].view(np.uint64) != b[:whole].view(np.uint64))

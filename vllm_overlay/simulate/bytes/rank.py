@@ -50,6 +50,7 @@ from vllm_overlay.simulate.bytes.content import (
     state_bytes,
 )
 from vllm_overlay.simulate.bytes.geometry import Geometry, layer_total_heads
+from vllm_overlay.simulate.bytes.kvmem import same_bytes
 from vllm_overlay.simulate.check import (
     FULL,
     LOCAL_ONLY,
@@ -621,7 +622,9 @@ class Rank:
         wrong = 0
         for region, offset, size, first in self._regions[view.name]:
             expected = state_bytes(h, self._layer_keys[view.name], region, first, size)
-            wrong += int(np.count_nonzero(page[offset : offset + size] != expected))
+            actual = page[offset : offset + size]
+            if not same_bytes(actual, expected):
+                wrong += int(np.count_nonzero(actual != expected))
         return wrong
 
     def _attention_wrong(
@@ -662,8 +665,11 @@ class Rank:
                 self._layer_keys[view.name],
                 self._heads[view.name],
                 actual.shape[-1],
-            ).transpose(1, 0, 2)
+                rows_first=True,
+            )
             expected[key] = want
+        if actual.shape == want.shape and same_bytes(actual, want):
+            return np.zeros(len(actual), dtype=np.int64)
         return np.count_nonzero(actual != want, axis=(1, 2))
 
     def _rows_wrong(self, view: Any, actual: np.ndarray, hashes: np.ndarray) -> int:
