@@ -68,6 +68,19 @@ def warm_imports() -> None:
     # platform's backend module on first use: seconds per forked rank.
     with contextlib.suppress(ImportError):
         import vllm.v1.attention.backends.cpu_attn  # noqa: F401
+    # What a rank imports on first use otherwise (tenths of a second each,
+    # in every one of a sweep's thousand ranks): numpy.ma through the
+    # distributed setup, the executor module, the CPU communicator, and the
+    # MLA layouts' backend and model config.
+    import numpy.ctypeslib  # noqa: F401
+    import numpy.ma  # noqa: F401
+    import vllm.distributed.device_communicators.cpu_communicator  # noqa: F401
+    import vllm.v1.executor.multiproc_executor  # noqa: F401
+
+    with contextlib.suppress(ImportError):
+        import vllm.v1.attention.backends.mla.cpu_mla  # noqa: F401
+    with contextlib.suppress(ImportError):
+        import transformers.models.deepseek_v3.configuration_deepseek_v3  # noqa: F401
     # Planner and config code import more on first use.
     build_leg(
         expand(["llama"])[0],
