@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import os
 import signal
 import sys
@@ -30,13 +30,20 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _PR_SET_PDEATHSIG = 1
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, through the symbols this process already has loaded:
+    ``ctypes.util.find_library`` would run ``ldconfig`` in a subprocess,
+    a fork of a large process in every rank."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def die_with_parent(parent: int, signum: int) -> None:
     """Have the kernel send ``signum`` to this process when ``parent`` (the
     process, thread in fact, that started it) ends; if it already ended
     before that was armed (this process was reparented), exit now."""
     if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+        if _libc().prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
             errno = ctypes.get_errno()
             raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
     if os.getppid() != parent:
