@@ -81,12 +81,23 @@ def sweep(
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise UsageError(f"--modes: unknown {bad}; choose from {list(MODES)}")
+    kv_layouts = [x.strip() for x in args.kv_layouts.split(",") if x.strip()]
+    bad = [k for k in kv_layouts if k not in KV_LAYOUTS]
+    if bad or not kv_layouts:
+        raise UsageError(f"--kv-layouts: unknown {bad}; choose from {list(KV_LAYOUTS)}")
+    try:
+        tp_pairs = parse_tp_pairs(args.tp) if args.tp else None
+    except ValueError as exc:
+        raise UsageError(
+            f"--tp {args.tp!r}: want PREFILL-DECODE pairs of positive integers, "
+            "e.g. 1-1,2-1"
+        ) from exc
     try:
         items = plan_items(
             layouts or [layout.name for layout in expand()],
             modes,
-            parse_tp_pairs(args.tp) if args.tp else None,
-            [x for x in args.kv_layouts.split(",") if x.strip()],
+            tp_pairs,
+            kv_layouts,
             None if args.lengths else DEFAULT_FAMILY_LENGTHS,
         )
     except ValueError as exc:

@@ -124,7 +124,10 @@ def parse_tp_pairs(text: str) -> list[tuple[int, int]]:
     pairs = []
     for part in text.split(","):
         p, _, d = part.strip().partition("-")
-        pairs.append((int(p), int(d or p)))
+        pair = (int(p), int(d or p))
+        if min(pair) < 1:
+            raise ValueError(f"TP sizes must be positive: {part!r}")
+        pairs.append(pair)
     return pairs
 
 
