@@ -339,3 +339,18 @@ def test_aliased_layers_are_written_and_copied_once(tmp_path, name):
         assert all((layer.u8[[2, 3, 6]] == 0).all() for layer in kv.layers.values())
     finally:
         kv.close()
+
+
+def test_same_bytes_compares_every_byte_of_any_layout():
+    from vllm_overlay.simulate.bytes.kvmem import same_bytes
+
+    a = np.arange(64, dtype=np.uint64)
+    b = a.copy()
+    assert same_bytes(a, b)
+    b[-1] ^= 1 << 60  # a byte past the first a.size bytes
+    assert not same_bytes(a, b)
+    assert not same_bytes(a.view(np.uint8), a.view(np.uint8)[:-1])
+    assert not same_bytes(a.view(np.uint32), a.view(np.uint32).view(np.int32))
+    strided = a.view(np.uint8).reshape(64, 8)[:, ::2]
+    assert same_bytes(strided, strided.copy())
+    assert not same_bytes(strided, strided.copy() ^ 1)

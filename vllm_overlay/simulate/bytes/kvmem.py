@@ -250,12 +250,14 @@ _memcmp.restype = ctypes.c_int
 
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two byte arrays of one shape hold the same bytes: ``memcmp``
-    when both are contiguous."""
-    if a.shape != b.shape:
+    """Whether two arrays of one shape and dtype hold the same bytes:
+    ``memcmp`` when both are contiguous."""
+    if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.flags.c_contiguous and b.flags.c_contiguous:
-        return bool(a.size == 0 or _memcmp(a.ctypes.data, b.ctypes.data, a.size) == 0)
+        return bool(
+            a.nbytes == 0 or _memcmp(a.ctypes.data, b.ctypes.data, a.nbytes) == 0
+        )
     return bool(np.array_equal(a, b))
 
 
