@@ -127,6 +127,12 @@ class SharedKV:
             key = (layer.u8.ctypes.data, layer.u8.shape, layer.u8.strides)
             self._root[name] = first.setdefault(key, name)
         self._distinct = [self.layers[name] for name in first.values()]
+        self._origin = {
+            name: self.page_offset(layer, 0) for name, layer in self.layers.items()
+        }
+        self._dense = all(_dense(layer.u8[0]) for layer in self.layers.values())
+        """Every layer's page fills one range of the buffer: snapshots and
+        the stray search work on merged byte ranges (``_spans``)."""
 
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -166,12 +172,33 @@ class SharedKV:
             self._snap = np.empty_like(self.bytes)
             self.full_snapshots += 1
             np.copyto(self._snap, self.bytes)
+        elif self._dense:
+            touched = self._touched.items()
+            pages = [(self.layers[name], b) for name, blocks in touched for b in blocks]
+            for lo, hi in self._spans(pages):
+                self._snap[lo:hi] = self.bytes[lo:hi]
         else:
             for name, blocks in self._touched.items():
                 layer = self.layers[name]
                 index = np.fromiter(blocks, dtype=np.intp, count=len(blocks))
                 self._snap_view(layer)[index] = layer.u8[index]
         self._touched = {}
+
+    def _spans(self, pages: Iterable[tuple[LayerView, int]]) -> list[list[int]]:
+        """The byte ranges ``[lo, hi)`` of ``pages`` (``_dense`` layers),
+        ascending, overlapping and adjacent ones merged."""
+        ranges = sorted(
+            (lo, lo + layer.page_bytes)
+            for layer, block in pages
+            for lo in (self._origin[layer.name] + block * layer.u8.strides[0],)
+        )
+        merged: list[list[int]] = []
+        for lo, hi in ranges:
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        return merged
 
     def _snap_view(self, layer: LayerView) -> np.ndarray:
         """The snapshot's bytes of ``layer``: its ``u8`` geometry over the
@@ -189,14 +216,32 @@ class SharedKV:
         ascending; the copy equals the buffer again afterwards (``snapshot``
         before the next call).
 
-        The pages' bytes are copied into the snapshot (one strided copy per
-        layer), so what still differs differs outside every page: the whole
-        buffer is compared with ``memcmp`` and only a region that differs is
-        looked at byte by byte. Same result as comparing every byte against a
-        mask of the pages.
+        When every layer's page is one range of bytes (``_dense``), the
+        ranges between the pages are compared with ``memcmp`` and then the
+        pages are copied; otherwise the pages are copied first (one strided
+        copy per layer) and the whole buffer is compared. Either way only a
+        region that differs is looked at byte by byte, and the result is the
+        same as comparing every byte against a mask of the pages.
         """
         assert self._snap is not None, "stray_bytes before snapshot"
         cur, snap = self.bytes, self._snap
+        if self._dense:
+            # The same bytes compared, without copying the pages before:
+            # the ranges between them, then the pages copied (one memcpy per
+            # merged range) so the copy is the buffer again.
+            spans = self._spans(pages)
+            found = []
+            at = 0
+            for lo, hi in [*spans, [cur.size, cur.size]]:
+                if lo > at:
+                    found.append(at + _differing(cur[at:lo], snap[at:lo]))
+                at = max(at, hi)
+            for lo, hi in spans:
+                snap[lo:hi] = cur[lo:hi]
+            stray = np.concatenate(found) if found else np.empty(0, dtype=np.intp)
+            snap[stray] = cur[stray]
+            self._touched = {}
+            return stray
         by_layer: dict[str, tuple[LayerView, list[int]]] = {}
         for layer, block in pages:
             by_layer.setdefault(layer.name, (layer, []))[1].append(block)
@@ -228,6 +273,19 @@ class SharedKV:
     def zero_page(self, layer: LayerView, block: int) -> None:
         layer.u8[block] = 0
         self.touch(layer, (block,))
+
+
+def _dense(page: np.ndarray) -> bool:
+    """Whether ``page``'s bytes fill one range of memory (in any order of
+    its axes)."""
+    step = page.itemsize
+    for stride, n in sorted(zip(page.strides, page.shape, strict=True)):
+        if n <= 1:
+            continue
+        if stride != step:
+            return False
+        step *= n
+    return True
 
 
 def _fill_file(path: str, size: int, byte: int) -> None:

@@ -766,11 +766,16 @@ class Rank:
     # -- the judge -----------------------------------------------------------
 
     def _needs(
-        self, watch: Watch, tables: list[list[int]]
+        self,
+        watch: Watch,
+        tables: list[list[int]],
+        lacking: Callable[[Any], bool] | None = None,
     ) -> list[tuple[Any, int, int]]:
         """(need, wrong bytes, bytes a transfer of its page moves) per need.
         A group's attention needs are judged together, one layer at a time
-        (``_attention_wrong``)."""
+        (``_attention_wrong``). A need for which ``lacking`` is true (the
+        decoder lacks its page whatever the page holds) is not read: its
+        wrong bytes are given as its page's bytes."""
         hashes = self._hash(watch.rid, watch.tokens)
         all_needs = needs(self.groups, watch.n)
         out: list[tuple[Any, int, int]] = []
@@ -781,7 +786,11 @@ class Rank:
             table = tables[need.group]
             layers = self.kv.layers_of(need.group)
             size = self._group_page_bytes(need.group)
-            if need.index >= len(table) or table[need.index] == 0:
+            if (
+                need.index >= len(table)
+                or table[need.index] == 0
+                or (lacking is not None and lacking(need))
+            ):
                 out.append((need, size, size))
                 continue
             block = table[need.index]
@@ -855,10 +864,13 @@ class Rank:
         self.kv.snapshot()
         self._armed = True
         self._expected = {}
-        needs = self._needs(watch, tables)
-        self._min_bytes = sum(
-            size for need, wrong, size in needs if wrong or past_hit(need, local_hit)
-        )
+
+        def lacking(need: Any) -> bool:
+            return past_hit(need, local_hit)
+
+        # A page past the local hit counts whatever it holds: not read.
+        needs = self._needs(watch, tables, lacking)
+        self._min_bytes = sum(size for _, wrong, size in needs if wrong)
 
     def judge(
         self, watch: Watch, tables: list[list[int]], plan: StepPlan | None
