@@ -172,6 +172,18 @@ def test_only_loopback_control_planes():
         engine.create_backend(io.BackendType.RDMA, io.RdmaBackendConfig())
 
 
+def test_a_control_plane_port_in_use_is_named():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        engine = io.IOEngine("late", io.IOEngineConfig("127.0.0.1", port))
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}"):
+            engine.create_backend(io.BackendType.RDMA, io.RdmaBackendConfig())
+
+
 def test_private_memory_cannot_be_reached_by_a_peer():
     buf = np.zeros(4096, dtype=np.uint8)
     engine = io.IOEngine("private", io.IOEngineConfig("127.0.0.1", 0))

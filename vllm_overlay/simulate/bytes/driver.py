@@ -285,7 +285,9 @@ class Driver:
         base = free_port_block()
         c = self.config
 
-        def leg(role: str, tp: int, hs: int, dist: int) -> list[RankConfig]:
+        def leg(
+            role: str, tp: int, hs: int, dist: int, open_port: int
+        ) -> list[RankConfig]:
             return [
                 RankConfig(
                     layout=c.layout,
@@ -300,14 +302,18 @@ class Driver:
                     max_model_len=self.max_model_len,
                     geometry=self.geometry,
                     fault=c.fault if role == "kv_consumer" or c.mode != READ else None,
+                    open_port=open_port + r,
                 )
                 for r in range(tp)
             ]
 
         # Per leg: handshake, notify and HTTP ports 10 apart (a rank adds its
-        # TP rank), then the two legs' torch.distributed rendezvous ports.
-        self.p = _Leg(self._ctx, leg("kv_producer", c.p_tp, base, base + 80))
-        self.d = _Leg(self._ctx, leg("kv_consumer", c.d_tp, base + 40, base + 81))
+        # TP rank), then the two legs' torch.distributed rendezvous ports,
+        # then each leg's mori engine ports.
+        self.p = _Leg(self._ctx, leg("kv_producer", c.p_tp, base, base + 80, base + 82))
+        self.d = _Leg(
+            self._ctx, leg("kv_consumer", c.d_tp, base + 40, base + 81, base + 90)
+        )
         try:
             self.p.wait_ready()
             self.d.wait_ready()

@@ -203,6 +203,11 @@ class RankConfig:
     geometry: Geometry = field(default_factory=Geometry)
     fault: str | None = None
     transfer_timeout: float = 20.0
+    open_port: int | None = None
+    """Where vLLM's ``get_open_port`` starts looking (``VLLM_PORT``), which
+    picks the mori engine's port: in the configuration's port block, since
+    an ephemeral port it frees and binds again later can meanwhile become the
+    source port of any process's outgoing connection. None: vLLM's choice."""
 
 
 def _shards(leg: Any, layout: Any, tp_rank: int) -> list[Shard]:
@@ -467,6 +472,8 @@ class Rank:
         from vllm_overlay.simulate.legs import LegOptions, build_leg
 
         self.cfg = cfg
+        if cfg.open_port is not None:
+            os.environ["VLLM_PORT"] = str(cfg.open_port)
         layout = expand([cfg.layout])[0]
         slots = (
             layout.decode_slots if cfg.role == "kv_consumer" else layout.prefill_slots

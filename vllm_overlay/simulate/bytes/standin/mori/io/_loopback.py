@@ -455,7 +455,13 @@ class IOEngine:
                     f"mori loopback stand-in: control plane host {host!r} is not "
                     "a loopback address"
                 )
-            self._control = _ControlPlane(self, host, self._config.port)
+            try:
+                self._control = _ControlPlane(self, host, self._config.port)
+            except OSError as exc:
+                raise RuntimeError(
+                    f"mori loopback stand-in: control plane cannot listen on "
+                    f"{host}:{self._config.port}: {exc}"
+                ) from exc
             self._desc.port = self._control.server_address[1]
             self._desc.host = host
         self._backends[type] = config
