@@ -70,6 +70,29 @@ def test_views_match_vllms_allocation(tmp_path, name, kv_layout, tp):
         ours.close()
 
 
+@pytest.mark.parametrize(
+    ("name", "mla"),
+    [
+        ("minimax-m3", False),  # GQA heads beside an indexer's MLA-spec keys
+        ("deepseek-v3.2-mtp", True),  # MLA latents and an indexer
+        ("kimi", True),
+        ("llama3", False),
+    ],
+)
+def test_the_model_is_mla_by_its_attention_not_its_indexer(name, mla):
+    """The connector's ``use_mla`` comes from the model config, which says
+    MLA for a model whose attention keeps latents; MiniMax-M3's sparse
+    indexer is an MLA spec in vLLM, yet its attention is GQA."""
+    from vllm_overlay.simulate.bytes.geometry import model_json, uses_mla
+
+    layout = expand([name])[0]
+    assert uses_mla(layout) is mla
+    config = model_json(layout, Geometry())
+    assert ("kv_lora_rank" in config) is mla
+    if name == "minimax-m3":
+        assert config["num_key_value_heads"] == 8 and config["head_dim"] == 128
+
+
 def test_content_depends_on_prefix_layer_head_and_byte():
     a = prefix_hashes([5, 6, 7, 8])
     b = prefix_hashes([5, 6, 9, 8])

@@ -45,13 +45,22 @@ def local_heads(tp_size: int, total: int) -> int:
 
 
 def uses_mla(layout: Layout) -> bool:
-    return any(is_mla(spec) for spec in layout.layer_specs().values())
+    """Whether the layout's model is an MLA model (vLLM's ``use_mla``): its
+    attention keeps latents. A sparse indexer's key cache is an MLA spec in
+    vLLM on models of either kind (MiniMax-M3's sits beside GQA heads), so
+    it does not count."""
+    from vllm.v1.kv_cache_interface import SparseCacheRole
+
+    return any(
+        is_mla(spec) and getattr(spec, "cache_role", None) != SparseCacheRole.INDEXER
+        for spec in layout.layer_specs().values()
+    )
 
 
 def model_json(layout: Layout, geometry: Geometry) -> dict[str, Any]:
     """``config.json`` overrides: the total KV heads the connector reads from
-    the model config, and a DeepSeek-style MLA model when the layout has MLA
-    layers (the worker's ``use_mla``)."""
+    the model config, and a DeepSeek-style MLA model when the layout's model
+    is one (``uses_mla``; the worker's ``use_mla``)."""
     if uses_mla(layout):
         return {
             "architectures": ["DeepseekV3ForCausalLM"],
