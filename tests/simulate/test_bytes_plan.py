@@ -1,31 +1,12 @@
-"""How a byte-level sweep spreads its plan: every configuration in exactly
-one zygote per variant, on ports no other zygote of the sweep draws from."""
+"""How a byte-level sweep makes its plan: zygotes on ports no other zygote
+of the sweep draws from, and a bad argument refused before anything runs
+(how the plan is handed out: ``test_bytes_dispatch.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from vllm_overlay.simulate.bytes.ports import PORT_RANGE, port_ranges
-from vllm_overlay.simulate.bytes.run import deal, plan_items
-
-
-@pytest.mark.parametrize("shares", [1, 2, 3, 7])
-def test_each_item_goes_to_exactly_one_share_in_plan_order(shares):
-    items = plan_items(
-        ["llama", "gemma", "gemma3"], ["read", "write"], None, ["LBNHC", "BLNHC"]
-    )
-    dealt = deal(items, shares)
-    assert 1 <= len(dealt) <= shares and all(dealt)
-    assert sorted(map(items.index, sum(dealt, []))) == list(range(len(items)))
-    for share in dealt:
-        assert share == sorted(share, key=items.index)
-    sizes = [len(share) for share in dealt]
-    assert max(sizes) - min(sizes) <= 1
-
-
-def test_one_item_is_one_share():
-    items = plan_items(["llama"], ["read"], [(1, 1)], ["LBNHC"])
-    assert deal(items, 2) == [items]
 
 
 @pytest.mark.parametrize("count", [1, 2, 4, 6])

@@ -134,7 +134,7 @@ def register(sub: Subparsers) -> None:
         type=int,
         metavar="N",
         help="worker processes per variant (default: cores / variants; "
-        "--bytes: zygotes per variant, default 1)",
+        "--bytes: zygotes per variant at a time, default 1)",
     )
     p.add_argument(
         "--whole",

@@ -9,6 +9,7 @@ shows progress, and fails with the process's last lines if it dies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,10 +110,11 @@ def start(
     args: Sequence[str],
     path: Sequence[Path] = (),
     env: Mapping[str, str] | None = None,
+    stdin: int | None = None,
 ) -> subprocess.Popen[str]:
     """``python -m module args`` on CPU vLLM, quiet, one thread per process
     (two processes on two cores otherwise spin), ``path`` first on
-    ``PYTHONPATH``, then this checkout."""
+    ``PYTHONPATH``, then this checkout; ``stdin``: as ``Popen``'s."""
     full = dict(
         os.environ,
         VLLM_TARGET_DEVICE="cpu",
@@ -126,6 +128,7 @@ def start(
     )
     return subprocess.Popen(
         [sys.executable, "-m", module, *args],
+        stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -253,15 +256,27 @@ def run_processes(
     """Write each variant's moriio directory (files None: the installed
     package), start its processes with ``start(variant, moriio_dir)`` and
     read them all into ``tally``; the directories go afterwards."""
+    with variant_dirs(sources) as dirs:
+        started = []
+        for variant, moriio_dir in dirs.items():
+            started += start(variant, moriio_dir)
+        collect(started, mark, decoder, tally)
+
+
+@contextlib.contextmanager
+def variant_dirs(
+    sources: Mapping[str, tuple[dict[str, str] | None, str]],
+) -> Iterator[dict[str, Path]]:
+    """Each variant's moriio directory (files None: the installed package),
+    in a temporary directory removed on exit."""
     from vllm_overlay.tree.variant import build_variant_dir
 
     root = Path(tempfile.mkdtemp(prefix="vllm-overlay-sim-"))
     try:
-        started = []
-        for variant, (files, _) in sources.items():
-            moriio_dir = build_variant_dir(root / variant / "moriio", files)
-            started += start(variant, moriio_dir)
-        collect(started, mark, decoder, tally)
+        yield {
+            variant: build_variant_dir(root / variant / "moriio", files)
+            for variant, (files, _) in sources.items()
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

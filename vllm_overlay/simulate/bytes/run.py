@@ -1,5 +1,6 @@
-"""Sweep: base and overlay side by side, each variant's plan dealt over its
-zygote processes (``ZYGOTES`` by default).
+"""Sweep: base and overlay side by side, each variant's plan handed to its
+zygote processes as they finish (``dispatch.py``; ``ZYGOTES`` at a time by
+default).
 
 Each variant's moriio package is materialized into a directory (as in the
 scheduler simulator, ``simulate/run.py``); its zygote runs with the ``mori``
@@ -17,6 +18,7 @@ from pathlib import Path
 import msgspec
 
 from vllm_overlay.simulate import procs
+from vllm_overlay.simulate.bytes.dispatch import Dispatcher, order
 from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.ports import port_ranges
 from vllm_overlay.simulate.bytes.report import (
@@ -51,10 +53,11 @@ every TP pair, and each configuration costs its own rank processes."""
 KV_LAYOUTS = ("LBNHC", "BLNHC")
 _MLA_LAYOUTS = frozenset({"kimi", "glm"})
 ZYGOTES = 1
-"""Zygotes per variant in a sweep by default (``--processes``). Each runs
-its share of the plan on its own ports (``ports.port_ranges``) and /dev/shm
-files. More than one helps only with idle cores: on two shared cores, two per
-variant (up to 16 rank processes at once) took as long and 14 % more CPU."""
+"""Zygotes per variant at a time by default (``--processes``), each on its
+own ports (``ports.port_ranges``) and /dev/shm files. More than one helps
+only with idle cores: on two shared cores, two per variant (up to 16 rank
+processes at once) took as long and 14 % more CPU, and one extra zygote over
+both variants 25 % longer."""
 
 
 def plan_items(
@@ -112,13 +115,6 @@ def plan_items(
     return items
 
 
-def deal(items: list[ConfigItem], shares: int) -> list[list[ConfigItem]]:
-    """The plan dealt round robin into at most ``shares`` non-empty shares:
-    neighbouring items (one layout's modes, TP pairs and KV layouts) cost
-    alike, so the shares take about as long."""
-    return [share for share in (items[k::shares] for k in range(shares)) if share]
-
-
 def parse_tp_pairs(text: str) -> list[tuple[int, int]]:
     """``1-1,2-2,1-2,2-1`` (prefill-decode)."""
     pairs = []
@@ -137,13 +133,16 @@ _DECODER = msgspec.json.Decoder(ZygoteLine)
 def _start_zygote(
     moriio_dir: Path,
     variant: str,
-    plan: list[ConfigItem],
+    plan: list[ConfigItem] | None,
     lengths: str,
     hits: str,
     ports: tuple[int, int] | None = None,
 ) -> subprocess.Popen[str]:
+    """``plan`` None: the zygote reads its configurations from stdin."""
     args = [
-        *procs.variant_args(moriio_dir, variant, plan),
+        f"--moriio-dir={moriio_dir}",
+        f"--variant={variant}",
+        "--plan=" + ("-" if plan is None else msgspec.json.encode(plan).decode()),
         f"--lengths={lengths}",
         f"--hits={hits}",
     ]
@@ -152,7 +151,13 @@ def _start_zygote(
     # MoRIIO's KDA transfer needs the dim-first conv state layout. The
     # zygote ends with this process (lifetime.py).
     env = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", PARENT_ENV: str(os.getpid())}
-    return procs.start("vllm_overlay.simulate.bytes.zygote", args, [STANDIN_DIR], env)
+    return procs.start(
+        "vllm_overlay.simulate.bytes.zygote",
+        args,
+        [STANDIN_DIR],
+        env,
+        stdin=subprocess.PIPE if plan is None else None,
+    )
 
 
 def run_zygote(
@@ -181,8 +186,9 @@ def run_bytes_sweep(
     options: procs.SweepOptions | None = None,
     zygotes: int = ZYGOTES,
 ) -> BytesReport:
-    """Every item on every variant, ``zygotes`` processes per variant; the
-    report lists the items in plan order whichever process ran them."""
+    """Every item on every variant, ``zygotes`` processes per variant at a
+    time (``dispatch.py``); the report lists the items in plan order
+    whichever process ran them."""
     start = time.monotonic()
     options = options or procs.SweepOptions()
     lengths_list = parse_lengths(lengths)
@@ -191,32 +197,31 @@ def run_bytes_sweep(
     tally = procs.Tally(
         len(items) * len(sources), lambda r: config_name(r.item), options.progress
     )
-
-    shares = deal(items, zygotes)
-    ranges = port_ranges(len(sources) * len(shares))
-
-    def launch(variant: str, moriio_dir: Path) -> list[procs.Started]:
-        first = list(sources).index(variant) * len(shares)
-        return [
-            (
-                _start_zygote(
-                    moriio_dir, variant, share, lengths, hits, ranges[first + k]
-                ),
-                f"byte simulator {variant} ({k + 1}/{len(shares)})",
-            )
-            for k, share in enumerate(shares)
-        ]
+    families = {name for name, layout in all_layouts().items() if layout.family}
+    handed = order(items, families)
+    shares = max(1, min(zygotes, len(items)))
 
     # A zygote stopped by a signal removes its ranks' /dev/shm files; one
     # killed outright cannot: whatever is left of a process that is gone
     # goes now (a previous run's) and once the zygotes are gone (this one's).
     remove_stale_shm()
     try:
-        procs.run_processes(sources, launch, MARK, _DECODER, tally)
+        with procs.variant_dirs(sources) as dirs:
+            Dispatcher(
+                {variant: handed for variant in sources},
+                lambda variant, ports: _start_zygote(
+                    dirs[variant], variant, None, lengths, hits, ports
+                ),
+                port_ranges(len(sources) * shares),
+                shares,
+                tally,
+                MARK,
+                _DECODER,
+            ).run()
     finally:
         remove_stale_shm()
-    order = {item: i for i, item in enumerate(items)}
-    results = tally.ordered(lambda r: order.get(r.item, 0), list(sources))
+    index = {item: i for i, item in enumerate(items)}
+    results = tally.ordered(lambda r: index.get(r.item, 0), list(sources))
     own = {item.lengths for item in items if item.lengths is not None}
     return BytesReport(
         lengths=lengths_list,

@@ -5,8 +5,8 @@ Run as ``python -m vllm_overlay.simulate.bytes.zygote`` by ``run.py`` with
 the ``mori`` stand-in first on ``PYTHONPATH``. Redirects the moriio package
 to the variant's directory, imports what the ranks use (so a forked rank
 starts in well under a second), then runs its plan one configuration at a
-time. Writes one ``Progress`` / ``ConfigReport`` per line to stdout after
-``MARK``.
+time (``--plan -``: as the sweep hands them over on stdin). Writes one
+``Progress`` / ``ConfigReport`` per line to stdout after ``MARK``.
 
 It ends with its parent (``lifetime.py``): on SIGTERM (sent by the kernel when
 the parent ends, or by the parent) or SIGINT it kills its ranks, removes
@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 import msgspec
@@ -135,6 +136,21 @@ def run_item(
     return report
 
 
+_ITEM = msgspec.json.Decoder(ConfigItem)
+
+
+def plan_of(plan: str) -> Iterator[ConfigItem]:
+    """The items of ``--plan``: a JSON list, or ``-``: one JSON item per
+    line of stdin, each read when the previous one is done (the sweep hands
+    out its configurations as zygotes finish theirs), until stdin closes."""
+    if plan != "-":
+        yield from msgspec.json.decode(plan, type=list[ConfigItem])
+        return
+    for line in sys.stdin:
+        if line.strip():
+            yield _ITEM.decode(line)
+
+
 def _stop(signum: int, frame: FrameType | None) -> None:
     """Kill the ranks, remove their files, exit 128 + ``signum``."""
     for s in STOP_SIGNALS:
@@ -170,11 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
         lo, _, hi = args.ports.partition("-")
         driver.PORT_RANGE = (int(lo), int(hi))
-    plan = msgspec.json.decode(args.plan, type=list[ConfigItem])
     lengths, hits = parse_lengths(args.lengths), parse_hits(args.hits)
     from vllm_overlay.simulate.bytes.driver import reap_ranks
 
-    for item in plan:
+    for item in plan_of(args.plan):
         emit(run_item(args.variant, item, lengths, hits))
     reap_ranks(wait=True)
     return 0

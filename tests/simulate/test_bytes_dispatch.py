@@ -1,0 +1,144 @@
+"""How a byte-level sweep hands out its configurations: each runs exactly
+once per variant, the costliest kinds first; a variant that finishes early
+gives its place to another zygote of the other; a zygote that fails stops
+the sweep with its own last lines. Fake zygotes (a few lines of Python
+speaking the zygote's stdin/stdout protocol) stand in for the real ones."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import textwrap
+
+import msgspec
+import pytest
+
+from vllm_overlay.simulate.bytes.dispatch import Dispatcher, order
+from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport, ZygoteLine
+from vllm_overlay.simulate.bytes.run import plan_items
+from vllm_overlay.simulate.bytes.zygote import MARK, plan_of
+
+_FAKE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    variant, delay, fail_after = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    print("importing vLLM (not really)", flush=True)
+    done = 0
+    for line in sys.stdin:
+        if done == fail_after:
+            print("boom: the fake zygote fails here", flush=True)
+            sys.exit(3)
+        item = json.loads(line)
+        time.sleep(delay)
+        report = {"type": "bytes-config", "variant": variant, "item": item,
+                  "first_errors": [str(os.getpid())]}
+        print(MARK + json.dumps(report), flush=True)
+        done += 1
+    """
+).replace("MARK", repr(MARK))
+
+
+def _items(count: int) -> list[ConfigItem]:
+    return [ConfigItem(f"l{k}", "read", 1, 1, "LBNHC") for k in range(count)]
+
+
+class _Fakes:
+    """Starts fake zygotes; checks no two running ones share a port range."""
+
+    def __init__(self, delays: dict[str, float], fail: str | None = None) -> None:
+        self.delays = delays
+        self.fail = fail
+        self.procs: list[tuple[tuple[int, int], subprocess.Popen[str]]] = []
+
+    def __call__(self, variant: str, ports: tuple[int, int]) -> subprocess.Popen[str]:
+        running = [r for r, p in self.procs if p.poll() is None]
+        assert ports not in running, f"ports {ports} handed out twice"
+        fail_after = 1 if variant == self.fail else -1
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _FAKE, variant, str(self.delays[variant])]
+            + [str(fail_after)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.procs.append((ports, proc))
+        return proc
+
+
+def _run(queues, fakes, ranges, helper_items):
+    got: list[ConfigReport] = []
+    dispatcher = Dispatcher(
+        queues,
+        fakes,
+        ranges,
+        1,
+        got.append,
+        MARK,
+        msgspec.json.Decoder(ZygoteLine),
+        helper_items=helper_items,
+    )
+    dispatcher.run()
+    return dispatcher, got
+
+
+def test_every_item_runs_once_and_a_late_variant_gets_a_helper():
+    items = _items(24)
+    fakes = _Fakes({"base": 0.0, "overlay": 0.05})
+    dispatcher, got = _run(
+        {"base": items, "overlay": items}, fakes, [(1, 2), (3, 4)], helper_items=3
+    )
+    for variant in ("base", "overlay"):
+        ran = [r.item for r in got if r.variant == variant]
+        assert sorted(ran, key=items.index) == items, variant
+    # The base finished first and its place went to a second overlay zygote,
+    # which ran some of the overlay's items.
+    assert dispatcher.started == ["base", "overlay", "overlay"]
+    pids = {r.first_errors[0] for r in got if r.variant == "overlay"}
+    assert len(pids) == 2
+    assert all(p.returncode == 0 for _, p in fakes.procs)
+
+
+def test_no_helper_for_fewer_items_than_a_zygote_is_worth():
+    items = _items(6)
+    fakes = _Fakes({"base": 0.0, "overlay": 0.05})
+    dispatcher, got = _run(
+        {"base": items, "overlay": items}, fakes, [(1, 2), (3, 4)], helper_items=12
+    )
+    assert dispatcher.started == ["base", "overlay"]
+    assert len(got) == 12
+
+
+def test_a_failing_zygote_stops_the_sweep_with_its_last_lines():
+    items = _items(50)
+    fakes = _Fakes({"base": 0.0, "overlay": 0.2}, fail="base")
+    with pytest.raises(RuntimeError) as raised:
+        _run({"base": items, "overlay": items}, fakes, [(1, 2), (3, 4)], 3)
+    assert "byte simulator base #1 exited 3" in str(raised.value)
+    assert "boom: the fake zygote fails here" in str(raised.value)
+    for _, proc in fakes.procs:  # the overlay's zygote was stopped too
+        assert proc.wait(10) is not None
+
+
+def test_the_costliest_kinds_go_first_otherwise_in_plan_order():
+    items = plan_items(
+        ["llama", "llama/dcp2", "gemma3", "kimi"], ["read"], None, ["LBNHC"]
+    )
+    handed = order(items, {"gemma3"})
+    assert sorted(handed, key=items.index) == items
+    assert handed[0].layout == "gemma3"
+    ranks = [item.p_tp + item.d_tp for item in handed[1:]]
+    assert ranks == sorted(ranks, reverse=True)
+    for k in range(1, len(handed) - 1):
+        a, b = handed[k], handed[k + 1]
+        if a.p_tp + a.d_tp == b.p_tp + b.d_tp:
+            assert items.index(a) < items.index(b)
+
+
+def test_a_zygote_reads_its_plan_from_stdin_or_the_command_line(monkeypatch):
+    items = _items(3)
+    lines = "".join(msgspec.json.encode(item).decode() + "\n" for item in items)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines + "\n"))
+    assert list(plan_of("-")) == items
+    assert list(plan_of(msgspec.json.encode(items).decode())) == items
