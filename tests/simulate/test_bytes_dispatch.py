@@ -14,7 +14,7 @@ import textwrap
 import msgspec
 import pytest
 
-from vllm_overlay.simulate.bytes.dispatch import Dispatcher, order
+from vllm_overlay.simulate.bytes.dispatch import Dispatcher, order, variant_orders
 from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport, ZygoteLine
 from vllm_overlay.simulate.bytes.run import plan_items
 from vllm_overlay.simulate.bytes.zygote import MARK, plan_of
@@ -121,19 +121,31 @@ def test_a_failing_zygote_stops_the_sweep_with_its_last_lines():
         assert proc.wait(10) is not None
 
 
-def test_the_costliest_kinds_go_first_otherwise_in_plan_order():
+@pytest.mark.parametrize("families_first", [True, False])
+def test_families_first_or_last_then_the_widest_otherwise_in_plan_order(
+    families_first,
+):
     items = plan_items(
         ["llama", "llama/dcp2", "gemma3", "kimi"], ["read"], None, ["LBNHC"]
     )
-    handed = order(items, {"gemma3"})
+    handed = order(items, {"gemma3"}, families_first)
     assert sorted(handed, key=items.index) == items
-    assert handed[0].layout == "gemma3"
-    ranks = [item.p_tp + item.d_tp for item in handed[1:]]
+    assert (handed[0].layout == "gemma3") is families_first
+    assert (handed[-1].layout == "gemma3") is not families_first
+    mechanism = [item for item in handed if item.layout != "gemma3"]
+    ranks = [item.p_tp + item.d_tp for item in mechanism]
     assert ranks == sorted(ranks, reverse=True)
-    for k in range(1, len(handed) - 1):
-        a, b = handed[k], handed[k + 1]
+    for a, b in zip(mechanism, mechanism[1:], strict=False):
         if a.p_tp + a.d_tp == b.p_tp + b.d_tp:
             assert items.index(a) < items.index(b)
+
+
+def test_the_overlay_takes_the_families_first_and_the_base_last():
+    items = plan_items(["llama", "gemma3"], ["read"], [(1, 1)], ["LBNHC"])
+    orders = variant_orders(items, {"gemma3"}, ["base", "overlay"])
+    assert orders["overlay"][0].layout == "gemma3"
+    assert orders["base"][-1].layout == "gemma3"
+    assert variant_orders(items, {"gemma3"}, ["base"])["base"][0].layout == "gemma3"
 
 
 def test_a_zygote_reads_its_plan_from_stdin_or_the_command_line(monkeypatch):
@@ -142,3 +154,17 @@ def test_a_zygote_reads_its_plan_from_stdin_or_the_command_line(monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(lines + "\n"))
     assert list(plan_of("-")) == items
     assert list(plan_of(msgspec.json.encode(items).decode())) == items
+
+
+def test_the_summary_says_how_many_zygotes_each_variant_ran():
+    from vllm_overlay.simulate.bytes.report import BytesReport, summary_line
+
+    report = BytesReport(
+        lengths=[2],
+        hits=[0.0],
+        variants={"base": "wheel", "overlay": "series"},
+        configs=[],
+        wall_seconds=1.0,
+        zygotes={"base": 1, "overlay": 2},
+    )
+    assert summary_line(report).endswith("; zygotes base 1, overlay 2")

@@ -1,13 +1,13 @@
 """Hand a sweep's configurations to its zygotes as they finish theirs.
 
-Each variant's configurations wait in a queue, the costliest kinds first
-(``order``). A zygote gets one on stdin when it starts and another each time
-it reports one done; when its variant has none left its stdin is closed and
-it ends. A zygote's place (its port range) then goes to a new zygote of the
-variant with the most configurations still queued, if that is at least
-``HELPER_ITEMS``: the base refuses more configurations than the overlay and
-finishes first, and the overlay no longer runs its last minute alone on one
-core.
+Each variant's configurations wait in a queue (``variant_orders``: the
+model families first for one variant, last for the other). A zygote gets
+one on stdin when it starts and another each time it reports one done;
+when its variant has none left its stdin is closed and it ends. A zygote's
+place (its port range) then goes to a new zygote of the variant with the
+most configurations still queued, if that is at least ``HELPER_ITEMS``: the
+base refuses more configurations than the overlay and finishes first, and
+the overlay no longer runs its last minute alone on one core.
 """
 
 from __future__ import annotations
@@ -36,19 +36,36 @@ Launch = Callable[[str, tuple[int, int]], "subprocess.Popen[str]"]
 stdin (``--plan -``)."""
 
 
-def order(items: Iterable[ConfigItem], families: Collection[str]) -> list[ConfigItem]:
-    """The costliest kinds first, otherwise in plan order: a model family's
-    configurations (its real geometry: hundreds of MiB a rank, up to a second
-    a case) before any mechanism layout's, then more rank processes first.
-    A sweep's last configurations are then short ones, which two zygotes
-    share evenly."""
+def order(
+    items: Iterable[ConfigItem], families: Collection[str], families_first: bool = True
+) -> list[ConfigItem]:
+    """A variant's configurations in the order they are handed out, otherwise
+    in plan order: a model family's (its real geometry: hundreds of MiB a
+    rank, up to a second a case) first or last, and a mechanism layout's with
+    more rank processes first. A sweep gives its variants opposite orders
+    (``variant_orders``)."""
     return sorted(
         items,
         key=lambda item: (
-            item.layout.partition("/")[0] not in families,
+            (item.layout.partition("/")[0] in families) != families_first,
             -(item.p_tp + item.d_tp),
         ),
     )
+
+
+def variant_orders(
+    items: list[ConfigItem], families: Collection[str], variants: list[str]
+) -> dict[str, list[ConfigItem]]:
+    """Each variant's order: the last variant (the overlay, which runs the
+    most configurations) takes the model families first, the one before it
+    last, and so on back. Two zygotes then rarely compare and copy families'
+    buffers at the same time (they share the memory bandwidth), and the
+    longest variant ends on short configurations, which a helper can share."""
+    last = len(variants) - 1
+    return {
+        variant: order(items, families, families_first=(last - k) % 2 == 0)
+        for k, variant in enumerate(variants)
+    }
 
 
 _ITEM = msgspec.json.Encoder()

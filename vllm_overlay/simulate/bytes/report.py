@@ -63,6 +63,9 @@ class BytesReport(msgspec.Struct):
     wall_seconds: float
     family_lengths: list[int] | None = None
     """The model families' lengths, when not ``lengths``."""
+    zygotes: dict[str, int] = {}
+    """Zygote processes each variant ran, helpers included
+    (``dispatch.py``)."""
 
 
 ZygoteLine = Progress | ConfigReport
@@ -134,4 +137,9 @@ def summary_line(report: BytesReport) -> str:
         f"{cases} cases in {len(report.configs)} configurations; "
         + "; ".join(parts)
         + f"; wall {report.wall_seconds:.1f} s"
+        + (
+            "; zygotes " + ", ".join(f"{v} {n}" for v, n in report.zygotes.items())
+            if report.zygotes
+            else ""
+        )
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from vllm_overlay.simulate import procs
-from vllm_overlay.simulate.bytes.dispatch import Dispatcher, order
+from vllm_overlay.simulate.bytes.dispatch import Dispatcher, variant_orders
 from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.ports import port_ranges
 from vllm_overlay.simulate.bytes.report import (
@@ -198,7 +198,6 @@ def run_bytes_sweep(
         len(items) * len(sources), lambda r: config_name(r.item), options.progress
     )
     families = {name for name, layout in all_layouts().items() if layout.family}
-    handed = order(items, families)
     shares = max(1, min(zygotes, len(items)))
 
     # A zygote stopped by a signal removes its ranks' /dev/shm files; one
@@ -207,8 +206,8 @@ def run_bytes_sweep(
     remove_stale_shm()
     try:
         with procs.variant_dirs(sources) as dirs:
-            Dispatcher(
-                {variant: handed for variant in sources},
+            dispatcher = Dispatcher(
+                variant_orders(items, families, list(sources)),
                 lambda variant, ports: _start_zygote(
                     dirs[variant], variant, None, lengths, hits, ports
                 ),
@@ -217,7 +216,8 @@ def run_bytes_sweep(
                 tally,
                 MARK,
                 _DECODER,
-            ).run()
+            )
+            dispatcher.run()
     finally:
         remove_stale_shm()
     index = {item: i for i, item in enumerate(items)}
@@ -230,4 +230,5 @@ def run_bytes_sweep(
         variants=options.where(sources),
         configs=results,
         wall_seconds=time.monotonic() - start,
+        zygotes={v: dispatcher.started.count(v) for v in sources},
     )
