@@ -7,13 +7,15 @@ import os
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from vllm_overlay.simulate.bytes.driver import _Leg
 from vllm_overlay.simulate.bytes.shm import remove_shm, remove_stale_shm, shm_path
 
 
-def _hold_a_buffer(conn: Any, _cfg: object) -> None:
+def _hold_a_buffer(conn: Any) -> None:
+    assert conn.recv()[0] == "start"
     with open(shm_path(os.getpid()), "wb") as f:
         f.truncate(4096)
     conn.send(("ok", None))
@@ -34,7 +36,8 @@ class _Ctx:
 
 
 def test_a_killed_rank_leaves_no_shared_memory_file() -> None:
-    leg = _Leg(_Ctx(), [object(), object()])  # type: ignore[list-item]
+    configs = [SimpleNamespace(fault=None), SimpleNamespace(fault=None)]
+    leg = _Leg(_Ctx(), configs, fresh=True)  # type: ignore[arg-type]
     leg.wait_ready()
     paths = [shm_path(proc.pid) for proc in leg.procs]
     assert all(os.path.exists(p) for p in paths)

@@ -19,6 +19,7 @@ import contextlib
 import copy
 import functools
 import multiprocessing
+import multiprocessing.connection
 import os
 import random
 import signal
@@ -111,14 +112,15 @@ _RANKS: dict[int, Any] = {}
 """This process's rank processes not yet closed, by pid."""
 
 
-def _rank_main(parent: int, conn: Any, cfg: RankConfig) -> None:
-    """A forked rank: it ends with its parent (SIGKILL: the parent, or the
-    next sweep, removes its file), leaves SIGINT to its parent, then serves."""
+def _rank_main(parent: int, conn: Any) -> None:
+    """A forked rank process: it ends with its parent (SIGKILL: the parent,
+    or the next sweep, removes its file), leaves SIGINT to its parent, then
+    serves one configuration's rank after another."""
     die_with_parent(parent, signal.SIGKILL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    serve(conn, cfg)
+    serve(conn)
 
 
 _CLOSING: list[tuple[Any, float]] = []
@@ -127,6 +129,77 @@ is killed if it is still there: a configuration's ranks end while the next
 one's start."""
 
 _EXIT_GRACE = 5.0
+_AFTER_REFUSAL = 0.05
+"""Once a rank of a leg failed to start, how long each other rank of the
+leg gets to answer: one that has not is killed, since it may wait for good
+on the failed one's rendezvous (a leg's ranks fail alike, but for rank 0's
+scheduler)."""
+
+
+RANK_REUSE = 16
+"""Configurations a rank process serves before it is retired: each leaves
+the connector's two listener threads behind (``Rank.close``)."""
+
+
+@dataclass
+class _Proc:
+    """A rank process and the driver's end of its pipe."""
+
+    proc: Any
+    conn: Any
+    configs: int = 0
+    """Configurations started in it."""
+    releasing: bool = False
+    """Told to close its rank; the answer not read yet."""
+
+
+_IDLE: list[_Proc] = []
+"""Rank processes between configurations, oldest release first."""
+
+
+def _take_idle() -> _Proc | None:
+    """An idle process whose rank has closed: the first one closed, waiting
+    for one if all are still closing; any that failed to close is retired."""
+    while _IDLE:
+        closing = {p.conn: p for p in _IDLE if p.releasing}
+        if len(closing) < len(_IDLE):
+            p = next(p for p in _IDLE if not p.releasing)
+            _IDLE.remove(p)
+            return p
+        ready = multiprocessing.connection.wait(list(closing), _EXIT_GRACE)
+        if not ready:
+            for p in closing.values():
+                _IDLE.remove(p)
+                _retire(p, kill=True)
+            return None
+        for conn in ready:
+            p = closing[conn]
+            p.releasing = False
+            try:
+                ok = p.conn.recv()[0] == "ok"
+            except (EOFError, OSError):
+                ok = False
+            if not ok:
+                _IDLE.remove(p)
+                _retire(p, kill=True)
+    return None
+
+
+def _retire(p: _Proc, kill: bool = False) -> None:
+    """Tell the process to exit (``kill``: kill it); ``reap_ranks`` reaps
+    it."""
+    if kill:
+        p.proc.kill()
+    else:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            p.conn.send(("exit", ()))
+    _CLOSING.append((p.proc, time.monotonic() + _EXIT_GRACE))
+
+
+def retire_idle() -> None:
+    """Retire every idle process (the zygote's last configuration is done)."""
+    while _IDLE:
+        _retire(_IDLE.pop())
 
 
 def kill_ranks() -> None:
@@ -141,6 +214,7 @@ def kill_ranks() -> None:
         remove_shm(proc.pid)
     _RANKS.clear()
     _CLOSING.clear()
+    _IDLE.clear()
 
 
 def reap_ranks(wait: bool = False) -> None:
@@ -163,21 +237,31 @@ def reap_ranks(wait: bool = False) -> None:
 
 
 class _Leg:
-    def __init__(self, ctx: Any, configs: list[RankConfig]) -> None:
+    def __init__(
+        self, ctx: Any, configs: list[RankConfig], fresh: bool = False
+    ) -> None:
+        """Start each rank in an idle process (``fresh``: a new one; a rank
+        with a fault always gets one) or, when none is idle, a new one
+        forked from this process."""
         self.configs = configs
-        self.conns: list[Any] = []
-        self.procs: list[Any] = []
+        self.ps: list[_Proc] = []
         target = functools.partial(_rank_main, os.getpid())
         for cfg in configs:
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=target, args=(child, cfg), daemon=True)
-            # A signal between the fork and the registration would miss it.
-            with stop_signals_blocked():
-                proc.start()
-                _RANKS[proc.pid] = proc
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
+            p = None if fresh or cfg.fault else _take_idle()
+            if p is None:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=target, args=(child,), daemon=True)
+                # A signal between the fork and the registration would miss it.
+                with stop_signals_blocked():
+                    proc.start()
+                    _RANKS[proc.pid] = proc
+                child.close()
+                p = _Proc(proc, parent)
+            p.configs += 1
+            p.conn.send(("start", (cfg,)))
+            self.ps.append(p)
+        self.conns = [p.conn for p in self.ps]
+        self.procs = [p.proc for p in self.ps]
         self.ready = [False] * len(configs)
         """Which ranks answered their start: a rank that has not may be
         blocked for good (its peer refused the configuration before the TP
@@ -194,9 +278,28 @@ class _Leg:
         return len(self.configs)
 
     def wait_ready(self) -> None:
+        """Every rank's answer to its start; the first error raised once all
+        have answered. A rank that fails to start closes and can start
+        another configuration; after one fails, the others get
+        ``_AFTER_REFUSAL`` seconds."""
+        first: RankError | None = None
         for i, conn in enumerate(self.conns):
-            self._reply(conn)
+            if not conn.poll(_REPLY_TIMEOUT if first is None else _AFTER_REFUSAL):
+                first = first or RankError("timeout: no reply from a rank")
+                continue
+            try:
+                status, payload = conn.recv()
+            except (EOFError, OSError):
+                self.procs[i].join(5)
+                first = first or RankError(
+                    f"a rank process died (exit code {self.procs[i].exitcode})"
+                )
+                continue
             self.ready[i] = True
+            if status != "ok":
+                first = first or RankError(payload)
+        if first is not None:
+            raise first
 
     def _reply(self, conn: Any) -> Any:
         if not conn.poll(_REPLY_TIMEOUT):
@@ -245,19 +348,27 @@ class _Leg:
         self.live = live
         return results, output, outs
 
-    def close(self, wait: bool = True) -> None:
-        """Tell every rank to exit (kill one that never started) and reap
-        them within ``_EXIT_GRACE`` seconds, killing any left; ``wait``
-        False leaves them to a later ``reap_ranks`` (the next configuration
-        starts meanwhile)."""
-        for conn, ready, proc in zip(self.conns, self.ready, self.procs, strict=True):
+    def close(self, wait: bool = True, reuse: bool = False) -> None:
+        """``reuse``: tell every rank to close, its process to wait idle for
+        the next configuration (one that served ``RANK_REUSE``, or had a
+        fault, exits instead); otherwise tell every rank's process to exit.
+        A rank that never answered its start is killed. Exiting processes
+        are reaped within ``_EXIT_GRACE`` seconds, any left killed;
+        ``wait`` False leaves them to a later ``reap_ranks`` (the next
+        configuration starts meanwhile)."""
+        for p, ready, cfg in zip(self.ps, self.ready, self.configs, strict=True):
             if not ready:
-                proc.kill()
-                continue
-            with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send(("exit", ()))
-        deadline = time.monotonic() + _EXIT_GRACE
-        _CLOSING.extend((proc, deadline) for proc in self.procs)
+                _retire(p, kill=True)
+            elif reuse and cfg.fault is None and p.configs < RANK_REUSE:
+                try:
+                    p.conn.send(("release", ()))
+                except (BrokenPipeError, OSError):
+                    _retire(p, kill=True)
+                    continue
+                p.releasing = True
+                _IDLE.append(p)
+            else:
+                _retire(p)
         if wait:
             reap_ranks(wait=True)
 
@@ -276,6 +387,8 @@ class Driver:
         self.geometry = geometry or Geometry()
         self._ctx = multiprocessing.get_context("fork")
         self._seq = 0
+        self._fresh = False
+        """Start the ranks in new processes: a case failed on the last."""
         self.p: _Leg | None = None
         self.d: _Leg | None = None
 
@@ -310,21 +423,33 @@ class Driver:
         # Per leg: handshake, notify and HTTP ports 10 apart (a rank adds its
         # TP rank), then the two legs' torch.distributed rendezvous ports,
         # then each leg's mori engine ports.
-        self.p = _Leg(self._ctx, leg("kv_producer", c.p_tp, base, base + 80, base + 82))
-        self.d = _Leg(
-            self._ctx, leg("kv_consumer", c.d_tp, base + 40, base + 81, base + 90)
+        self.p = _Leg(
+            self._ctx,
+            leg("kv_producer", c.p_tp, base, base + 80, base + 82),
+            self._fresh,
         )
-        try:
-            self.p.wait_ready()
-            self.d.wait_ready()
-        except RankError:
-            self.stop()
-            raise
+        self.d = _Leg(
+            self._ctx,
+            leg("kv_consumer", c.d_tp, base + 40, base + 81, base + 90),
+            self._fresh,
+        )
+        errors = []
+        for started in (self.p, self.d):
+            try:
+                started.wait_ready()
+            except RankError as exc:
+                errors.append(exc)
+        if errors:
+            # Refused at start: every rank that answered has closed.
+            self.stop(reuse=True)
+            raise errors[0]
 
-    def stop(self) -> None:
+    def stop(self, reuse: bool = False) -> None:
+        """End the configuration's ranks (``reuse``: their processes wait
+        for the next configuration's ranks)."""
         for leg in (self.p, self.d):
             if leg is not None:
-                leg.close(wait=False)
+                leg.close(wait=False, reuse=reuse)
         self.p = self.d = None
         reap_ranks()
 
@@ -372,7 +497,10 @@ class Driver:
                 self.start()
             return self._run_case(n, hit_fraction)
         except RankError as exc:
+            # An exception in a worker ends a real engine too: the case's
+            # processes go, the next case starts in new ones.
             self.stop()
+            self._fresh = True
             return CaseBytes(n, hit_fraction, wrong=False, error=_first_error(str(exc)))
 
     def _run_case(self, n: int, hit_fraction: float) -> CaseBytes:
@@ -540,5 +668,5 @@ def run_config(
                     run.refused = case.error
                     return run
     finally:
-        driver.stop()
+        driver.stop(reuse=True)
     return run

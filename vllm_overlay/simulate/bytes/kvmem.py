@@ -135,8 +135,13 @@ class SharedKV:
         the stray search work on merged byte ranges (``_spans``)."""
 
     def close(self) -> None:
+        """Empty the file, then remove it: its memory is freed even while
+        something still maps it (a rank process outlives its configuration,
+        and so may a peer's mapping)."""
         with contextlib.suppress(FileNotFoundError):
+            os.truncate(self.path, 0)
             os.unlink(self.path)
+        self._snap = None
 
     def layers_of(self, group: int) -> list[LayerView]:
         """The group's layers, in ``layers`` order (one list per group, kept:

@@ -29,6 +29,7 @@ outside the transfer's destination pages.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
@@ -405,8 +406,22 @@ def _cpu_cuda_shim() -> None:
         def query(self) -> bool:
             return True
 
+    _CUDA_ORIGINALS.setdefault("current_stream", torch.cuda.current_stream)
+    _CUDA_ORIGINALS.setdefault("Event", torch.cuda.Event)
     torch.cuda.current_stream = lambda device=None: None
     torch.cuda.Event = _Event
+
+
+_CUDA_ORIGINALS: dict[str, Any] = {}
+"""What ``_cpu_cuda_shim`` replaced: a process's next rank may be a READ
+rank, which gets torch as the zygote imported it."""
+
+
+def _undo_cuda_shim() -> None:
+    import torch
+
+    for name, original in _CUDA_ORIGINALS.items():
+        setattr(torch.cuda, name, original)
 
 
 @dataclass
@@ -451,7 +466,17 @@ class _Gather:
 
 
 class Rank:
+    """One configuration's rank. A rank process builds one per configuration
+    (``open``) and closes it (``close``) before the next, so its process is
+    the zygote's fork again, but for leaks that cannot matter (``close``)."""
+
     def __init__(self, cfg: RankConfig) -> None:
+        self.cfg = cfg
+        self._built = contextlib.ExitStack()
+        """How to undo what ``open`` did to the process, last first."""
+
+    def open(self) -> None:
+        cfg = self.cfg
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorRole,
@@ -460,6 +485,8 @@ class Rank:
             MoRIIOConnector,
         )
         from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
             init_distributed_environment,
             initialize_model_parallel,
         )
@@ -471,7 +498,6 @@ class Rank:
         from vllm_overlay.simulate.layouts import expand
         from vllm_overlay.simulate.legs import LegOptions, build_leg
 
-        self.cfg = cfg
         if cfg.open_port is not None:
             os.environ["VLLM_PORT"] = str(cfg.open_port)
         layout = expand([cfg.layout])[0]
@@ -505,11 +531,13 @@ class Rank:
         self.groups = group_infos(self.leg, layout)
         self._shards = _shards(self.leg, layout, cfg.tp_rank)
         self.scheduler = self.leg.scheduler
+        if self.scheduler is not None:
+            self._built.callback(self.scheduler.shutdown)
         self._external: dict[str, int] = {}
         if self.scheduler is not None:
             self._spy_external_tokens(self.scheduler.connector)
-        self._ctx = set_current_vllm_config(self.vllm_config)
-        self._ctx.__enter__()
+        self._built.enter_context(set_current_vllm_config(self.vllm_config))
+        self._built.callback(destroy_distributed_environment)
         init_distributed_environment(
             world_size=cfg.tp_size,
             rank=cfg.tp_rank,
@@ -517,14 +545,19 @@ class Rank:
             local_rank=cfg.tp_rank,
             backend="gloo",
         )
+        self._built.callback(destroy_model_parallel)
         initialize_model_parallel(cfg.tp_size)
         _apply_fault(cfg.fault)
         if cfg.mode == WRITE:
+            self._built.callback(_undo_cuda_shim)
             _cpu_cuda_shim()
         self.connector = MoRIIOConnector(
             self.vllm_config, KVConnectorRole.WORKER, self.leg.worker_config
         )
+        self._built.callback(self.connector.shutdown)
         self.worker = self.connector.connector_worker
+        # The stand-in's engine: its control plane and completion thread.
+        self._built.callback(self.worker.moriio_engine.shutdown)
         self.kv = SharedKV(
             self.leg.worker_config,
             cfg.kv_layout,
@@ -532,6 +565,7 @@ class Rank:
             canary=0x3C if cfg.role == "kv_producer" else 0xC3,
             zero=0x11 if cfg.role == "kv_producer" else 0,
         )
+        self._built.callback(self.kv.close)
         self.connector.register_kv_caches(self.kv.tensors)
         totals = layer_total_heads(layout, cfg.geometry)
         self._heads = {
@@ -1118,7 +1152,17 @@ class Rank:
         return int(s.bytes_read + s.bytes_written)
 
     def close(self) -> None:
-        self.kv.close()
+        """Undo ``open``, last first, however far it got: the buffer's file
+        emptied and removed, the connectors and the stand-in engine shut
+        down, vLLM's parallel state destroyed, the current config and torch
+        restored. Raises the first error; every step runs regardless.
+
+        The connector's handshake and notify listeners block in ZMQ on
+        contexts of their own, which nothing can reach: their threads stay,
+        with their sockets on this configuration's ports and whatever they
+        hold (a few objects, no KV memory: the buffer's file is empty). The
+        driver retires a process after ``driver.RANK_REUSE`` configurations."""
+        self._built.close()
 
 
 def _as_sent(plan: StepPlan, watch: Watch | None) -> tuple[StepPlan, Watch | None]:
@@ -1130,14 +1174,51 @@ def _as_sent(plan: StepPlan, watch: Watch | None) -> tuple[StepPlan, Watch | Non
     return copied
 
 
-def serve(conn: Any, cfg: RankConfig) -> None:
-    """Process body: build the rank, then answer commands until ``exit``."""
-    try:
-        rank = Rank(cfg)
+def serve(conn: Any) -> None:
+    """Process body: for each ``start``, build that configuration's rank and
+    answer its commands until ``release`` (the rank closes and the process
+    waits for the next configuration) or ``exit``. A rank that fails to
+    build is closed at once; one that fails to close ends the process."""
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "exit":
+            break
+        if cmd == "release":
+            # The configuration's start failed here: closed already.
+            conn.send(("ok", None))
+            continue
+        if cmd != "start":
+            conn.send(("error", f"no rank to run {cmd!r}: none started"))
+            continue
+        rank = Rank(args[0])
+        try:
+            rank.open()
+        except Exception:
+            error = traceback.format_exc()
+            closed = _close(rank)
+            conn.send(("error", error))
+            if not closed:
+                break
+            continue
         conn.send(("ok", None))
+        if not _serve_rank(conn, rank):
+            break
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _close(rank: Rank) -> bool:
+    try:
+        rank.close()
     except Exception:
-        conn.send(("error", traceback.format_exc()))
-        os._exit(0)
+        traceback.print_exc()
+        return False
+    return True
+
+
+def _serve_rank(conn: Any, rank: Rank) -> bool:
+    """Answer ``rank``'s commands until ``release`` or ``exit``; whether the
+    process can take another configuration."""
     commands: dict[str, Callable[..., Any]] = {
         "execute": rank.execute,
         "schedule": rank.schedule,
@@ -1150,7 +1231,12 @@ def serve(conn: Any, cfg: RankConfig) -> None:
     while True:
         cmd, args = conn.recv()
         if cmd == "exit":
-            break
+            # The process ends: the driver removes the buffer's file.
+            return False
+        if cmd == "release":
+            closed = _close(rank)
+            conn.send(("ok", None) if closed else ("error", "the rank did not close"))
+            return closed
         if cmd == "step":
             # Rank 0 of a wider leg: the plan first, for the other ranks,
             # then this rank's result of it.
@@ -1170,7 +1256,3 @@ def serve(conn: Any, cfg: RankConfig) -> None:
             conn.send(("ok", commands[cmd](*args)))
         except Exception:
             conn.send(("error", traceback.format_exc()))
-    rank.close()
-    conn.send(("ok", None))
-    sys.stdout.flush()
-    os._exit(0)

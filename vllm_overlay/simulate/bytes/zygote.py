@@ -82,6 +82,12 @@ def warm_imports() -> None:
         import vllm.v1.attention.backends.mla.cpu_mla  # noqa: F401
     with contextlib.suppress(ImportError):
         import transformers.models.deepseek_v3.configuration_deepseek_v3  # noqa: F401
+    # A TP group's message-queue broadcaster registers its shared memory
+    # with multiprocessing's resource tracker, a Python process started on
+    # first use: started here, every rank shares this one.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     # Planner and config code import more on first use.
     build_leg(
         expand(["llama"])[0],
@@ -187,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         lo, _, hi = args.ports.partition("-")
         driver.PORT_RANGE = (int(lo), int(hi))
     lengths, hits = parse_lengths(args.lengths), parse_hits(args.hits)
-    from vllm_overlay.simulate.bytes.driver import reap_ranks
+    from vllm_overlay.simulate.bytes.driver import reap_ranks, retire_idle
 
     for item in plan_of(args.plan):
         emit(run_item(args.variant, item, lengths, hits))
+    retire_idle()
     reap_ranks(wait=True)
     return 0
 

@@ -47,6 +47,7 @@ connector posts through sessions only). Every engine counts the bytes it moved
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import itertools
@@ -323,9 +324,26 @@ class _ControlPlane(socketserver.ThreadingTCPServer):
         self.engine = engine
         super().__init__((host, port), _ControlHandler)
         self.thread = threading.Thread(
-            target=self.serve_forever, name="mori-standin-control", daemon=True
+            target=self._accept, name="mori-standin-control", daemon=True
         )
         self.thread.start()
+
+    def _accept(self) -> None:
+        """Serve each connection on a thread of its own until ``close``
+        (not ``serve_forever``, whose shutdown waits out a poll interval)."""
+        while True:
+            try:
+                request, address = self.socket.accept()
+            except OSError:
+                return
+            self.process_request(request, address)
+
+    def close(self) -> None:
+        """Stop at once: an ``accept`` blocked on a socket shut down returns
+        with an error."""
+        with contextlib.suppress(OSError):
+            self.socket.shutdown(socket.SHUT_RDWR)
+        self.server_close()
 
 
 class _ControlHandler(socketserver.BaseRequestHandler):
@@ -431,7 +449,8 @@ class IOEngine:
         self._lock = threading.Lock()
         self._control: _ControlPlane | None = None
         self._mapped: dict[tuple[str, int], _Mapped] = {}
-        self._queue: queue.Queue[_Post] = queue.Queue()
+        self._queue: queue.Queue[_Post | None] = queue.Queue()
+        """Posts for the completion thread; None ends it."""
         self._worker = threading.Thread(
             target=self._complete_posts, name="mori-standin-cq", daemon=True
         )
@@ -603,6 +622,8 @@ class IOEngine:
     def _complete_posts(self) -> None:
         while True:
             post = self._queue.get()
+            if post is None:
+                return
             runs = zip(post.dst_offsets, post.src_offsets, post.sizes, strict=True)
             for d, s, n in runs:
                 post.dst[d : d + n] = post.src[s : s + n]
@@ -654,7 +675,12 @@ class IOEngine:
         return None
 
     def shutdown(self) -> None:
+        """Stop serving the control plane and end the completion thread once
+        the posts before it are done; the remote regions mapped so far are
+        let go."""
         if self._control is not None:
-            self._control.shutdown()
-            self._control.server_close()
+            self._control.close()
             self._control = None
+        self._queue.put(None)
+        with self._lock:
+            self._mapped.clear()

@@ -1,0 +1,88 @@
+"""A closed rank leaves its process as the zygote forked it, so the process
+can build the next configuration's rank: vLLM's parallel state, the current
+config, torch's CUDA names (a WRITE rank's shim), the stand-in engine's
+threads and the KV buffer's file are all gone or restored."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from vllm_overlay.simulate.bytes.run import STANDIN_DIR
+
+_SCRIPT = r"""
+import json, os, sys, threading
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+import torch
+import vllm.distributed.parallel_state as ps
+from vllm.config import get_current_vllm_config_or_none
+from vllm_overlay.simulate.bytes.driver import free_port_block
+from vllm_overlay.simulate.bytes.rank import Rank, RankConfig
+from vllm_overlay.simulate.bytes.shm import shm_path
+
+event, stream = torch.cuda.Event, torch.cuda.current_stream
+
+
+def state():
+    return {
+        "dist": torch.distributed.is_initialized(),
+        "tp": ps._TP is not None,
+        "world": ps._WORLD is not None,
+        "config": get_current_vllm_config_or_none() is not None,
+        "cuda": torch.cuda.Event is event and torch.cuda.current_stream is stream,
+        "standin_threads": sorted(
+            t.name for t in threading.enumerate() if t.name.startswith("mori-standin")
+        ),
+        "file": os.path.exists(shm_path(os.getpid())),
+    }
+
+
+out = []
+for mode, layout in (("write", "llama"), ("read", "kimi"), ("read", "llama")):
+    base = free_port_block()
+    rank = Rank(RankConfig(
+        layout=layout, mode=mode, role="kv_producer", tp_size=1, tp_rank=0,
+        kv_layout="LBNHC", handshake_port=base, notify_port=base + 10,
+        dist_port=base + 20, max_model_len=128, open_port=base + 30,
+    ))
+    rank.open()
+    rank.stats()
+    opened = state()
+    rank.close()
+    out.append([opened, state()])
+print(json.dumps(out))
+"""
+
+
+def test_a_closed_rank_leaves_its_process_ready_for_the_next() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(STANDIN_DIR), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    env["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(runs) == 3
+    for (opened, closed), shimmed in zip(runs, (True, False, False), strict=True):
+        assert opened["dist"] and opened["tp"] and opened["world"]
+        assert opened["config"] and opened["file"]
+        assert opened["cuda"] is not shimmed
+        assert opened["standin_threads"]
+        assert closed == {
+            "dist": False,
+            "tp": False,
+            "world": False,
+            "config": False,
+            "cuda": True,
+            "standin_threads": [],
+            "file": False,
+        }
