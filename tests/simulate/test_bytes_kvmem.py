@@ -345,6 +345,39 @@ def test_a_snapshot_copies_only_noted_pages_yet_equals_the_buffer(tmp_path, dens
         kv.close()
 
 
+@pytest.mark.parametrize("dense", [True, False], ids=["ranges", "strided"])
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+def test_a_snapshot_leaves_the_destination_to_the_judge(tmp_path, name, dense):
+    """The arm's snapshot skips the transfer's destination pages the rank
+    zeroed: the judge compares around them and copies them after. A stray
+    byte outside them is still found, one in a skipped page is not, a page
+    zeroed outside them is no stray, and the copy is the buffer again."""
+    from vllm_overlay.simulate.bytes.kvmem import SharedKV
+
+    leg = _worker_leg(expand([name])[0], "LBNHC")
+    kv = SharedKV(leg.worker_config, "LBNHC", str(tmp_path / "kv"), canary=0xC3)
+    kv._dense = dense
+    try:
+        layers = list(kv.layers.values())
+        kv.snapshot()
+        for case in range(2):
+            dest = [(layer, b) for layer in layers for b in (3 + case, 5 + case)]
+            kv.zero_blocks([2 + case, 3 + case, 5 + case])  # 2 + case: not dest
+            kv.snapshot(skip=dest)
+            assert kv.full_snapshots == 1
+            # The transfer writes the destination; one byte lands outside.
+            layers[0].u8[3 + case] ^= 0x5A
+            layers[-1].u8[5 + case, ..., 1] ^= 0x21
+            page = layers[0].u8[9]
+            at = np.unravel_index(11 + case, page.shape)
+            page[at] ^= 0xFF
+            offset = kv.page_offset(layers[0], 9) + int(np.dot(at, page.strides))
+            assert list(kv.stray_bytes(dest)) == [offset]
+            assert np.array_equal(kv._snap, kv.bytes)
+    finally:
+        kv.close()
+
+
 @pytest.mark.parametrize("name", ["gemma", "kimi"])
 def test_aliased_layers_are_written_and_copied_once(tmp_path, name):
     """A hybrid's groups share tensors: zeroing, copying and snapshotting go

@@ -163,10 +163,12 @@ class SharedKV:
         if self._touched is not None:
             self._touched.setdefault(self._root[layer.name], set()).update(blocks)
 
-    def snapshot(self) -> None:
+    def snapshot(self, skip: Iterable[tuple[LayerView, int]] = ()) -> None:
         """Make the copy ``stray_bytes`` compares with equal to what this
         rank wrote (one reused array): the whole buffer the first time, then
-        the pages noted by ``touch`` since the last ``stray_bytes``.
+        the pages noted by ``touch`` since the last ``stray_bytes``, but for
+        the pages in ``skip`` (the next ``stray_bytes``'s pages: compared
+        around, copied after).
 
         Nothing else may change the buffer between a judge and the next
         arm: a byte anybody else changed meanwhile (a late transfer, a write
@@ -177,13 +179,27 @@ class SharedKV:
             self._snap = np.empty_like(self.bytes)
             self.full_snapshots += 1
             np.copyto(self._snap, self.bytes)
-        elif self._dense:
-            touched = self._touched.items()
-            pages = [(self.layers[name], b) for name, blocks in touched for b in blocks]
+            self._touched = {}
+            return
+        skipped: dict[str, set[int]] = {}
+        for layer, block in skip:
+            skipped.setdefault(self._root[layer.name], set()).add(block)
+        touched = {
+            name: blocks - skipped.get(name, set())
+            for name, blocks in self._touched.items()
+        }
+        if self._dense:
+            pages = [
+                (self.layers[name], b)
+                for name, blocks in touched.items()
+                for b in blocks
+            ]
             for lo, hi in self._spans(pages):
                 self._snap[lo:hi] = self.bytes[lo:hi]
         else:
-            for name, blocks in self._touched.items():
+            for name, blocks in touched.items():
+                if not blocks:
+                    continue
                 layer = self.layers[name]
                 index = np.fromiter(blocks, dtype=np.intp, count=len(blocks))
                 self._snap_view(layer)[index] = layer.u8[index]
@@ -192,18 +208,30 @@ class SharedKV:
     def _spans(self, pages: Iterable[tuple[LayerView, int]]) -> list[list[int]]:
         """The byte ranges ``[lo, hi)`` of ``pages`` (``_dense`` layers),
         ascending, overlapping and adjacent ones merged."""
-        ranges = sorted(
-            (lo, lo + layer.page_bytes)
-            for layer, block in pages
-            for lo in (self._origin[layer.name] + block * layer.u8.strides[0],)
-        )
-        merged: list[list[int]] = []
-        for lo, hi in ranges:
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        return merged
+        by_layer: dict[str, list[int]] = {}
+        for layer, block in pages:
+            by_layer.setdefault(layer.name, []).append(block)
+        if not by_layer:
+            return []
+        los = []
+        sizes = []
+        for name, blocks in by_layer.items():
+            layer = self.layers[name]
+            stride = layer.u8.strides[0]
+            los.append(self._origin[name] + np.asarray(blocks, np.int64) * stride)
+            sizes.append(np.full(len(blocks), layer.page_bytes, np.int64))
+        lo = np.concatenate(los)
+        order = np.argsort(lo, kind="stable")
+        lo = lo[order]
+        # How far the ranges so far reach: a range starting past it opens a
+        # new span.
+        reach = np.maximum.accumulate(lo + np.concatenate(sizes)[order])
+        starts = np.flatnonzero(np.r_[True, lo[1:] > reach[:-1]])
+        ends = np.r_[starts[1:], lo.size] - 1
+        return [
+            [lo_, hi_]
+            for lo_, hi_ in zip(lo[starts].tolist(), reach[ends].tolist(), strict=True)
+        ]
 
     def _snap_view(self, layer: LayerView) -> np.ndarray:
         """The snapshot's bytes of ``layer``: its ``u8`` geometry over the

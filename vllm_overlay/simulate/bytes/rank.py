@@ -896,13 +896,21 @@ class Rank:
                 out[i] = (need, w, size)
         return out
 
-    def arm(self, watch: Watch, tables: list[list[int]], local_hit: int | None) -> None:
-        """Snapshot the buffer; the bytes of the pages the decoder lacks now
-        are the minimum a transfer must move. A page lacks what it holds
-        wrong, or anything past the decoder's local hit when that is known
-        (the scheduler simulator's rule, ``check.past_hit``): a reallocated
-        block can still hold identical bytes the decoder does not own."""
-        self.kv.snapshot()
+    def arm(
+        self,
+        watch: Watch,
+        tables: list[list[int]],
+        local_hit: int | None,
+        plan: StepPlan | None = None,
+    ) -> None:
+        """Snapshot the buffer but for the transfer's destination pages (the
+        judge compares around them and copies them after); the bytes of the
+        pages the decoder lacks now are the minimum a transfer must move. A
+        page lacks what it holds wrong, or anything past the decoder's local
+        hit when that is known (the scheduler simulator's rule,
+        ``check.past_hit``): a reallocated block can still hold identical
+        bytes the decoder does not own."""
+        self.kv.snapshot(skip=self._destination(watch, tables, plan))
         self._armed = True
         self._expected = {}
 
@@ -928,6 +936,23 @@ class Rank:
                         f"rank {self.cfg.tp_rank}: group {need.group} page "
                         f"{need.index} ({what}): {wrong} wrong bytes"
                     )
+        stray = self.kv.stray_bytes(self._destination(watch, tables, plan))
+        verdict.stray_bytes = int(stray.size)
+        if stray.size:
+            verdict.notes.append(
+                f"rank {self.cfg.tp_rank}: {stray.size} bytes written outside the "
+                f"destination pages, first at {self._describe(int(stray[0]))}"
+            )
+        self._armed = False
+        self._expected = {}
+        return verdict
+
+    def _destination(
+        self, watch: Watch, tables: list[list[int]], plan: StepPlan | None
+    ) -> list[tuple[Any, int]]:
+        """The pages the watched request's transfer may write: a READ's
+        ``ReqMeta`` local lists (READ arms and judges in one step), the
+        request's table for WRITE (a table only grows from arm to judge)."""
         pages = []
         if watch.dest == "meta":
             assert plan is not None
@@ -942,16 +967,7 @@ class Rank:
                 pages += [
                     (v, b) for b in blocks if b != 0 for v in self.kv.layers_of(g)
                 ]
-        stray = self.kv.stray_bytes(pages)
-        verdict.stray_bytes = int(stray.size)
-        if stray.size:
-            verdict.notes.append(
-                f"rank {self.cfg.tp_rank}: {stray.size} bytes written outside the "
-                f"destination pages, first at {self._describe(int(stray[0]))}"
-            )
-        self._armed = False
-        self._expected = {}
-        return verdict
+        return pages
 
     def _describe(self, offset: int) -> str:
         for view in self.kv.layers.values():
@@ -975,7 +991,7 @@ class Rank:
             self._precopy(tables, watch.n)
         if watch is not None and watch.arm:
             assert tables is not None
-            self.arm(watch, tables, plan.local_hits.get(watch.rid))
+            self.arm(watch, tables, plan.local_hits.get(watch.rid), plan)
         verdict = None
         self.connector.bind_connector_metadata(plan.metadata)
         try:

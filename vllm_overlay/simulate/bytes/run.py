@@ -60,6 +60,17 @@ processes at once) took as long and 14 % more CPU, and one extra zygote over
 both variants 25 % longer."""
 
 
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
+}
+"""glibc's heap for the zygotes and their ranks: arrays up to 32 MiB (a
+layer's rows, a judge's expected bytes) come from the heap and their memory
+stays there for the next, instead of a fresh mapping faulted in page by
+page each time. On a family and a mechanism sample: 11-12 % less time per
+configuration, the same reports."""
+
+
 def plan_items(
     layouts: list[str],
     modes: list[str],
@@ -150,7 +161,11 @@ def _start_zygote(
         args.append(f"--ports={ports[0]}-{ports[1]}")
     # MoRIIO's KDA transfer needs the dim-first conv state layout. The
     # zygote ends with this process (lifetime.py).
-    env = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", PARENT_ENV: str(os.getpid())}
+    env = {
+        "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
+        PARENT_ENV: str(os.getpid()),
+        **MALLOC_ENV,
+    }
     return procs.start(
         "vllm_overlay.simulate.bytes.zygote",
         args,
