@@ -126,3 +126,19 @@ def test_a_process_that_cannot_close_its_rank_is_replaced(ctx: _Ctx) -> None:
     assert _pids(nxt) != {stuck}
     assert ctx.forks == 2
     nxt.close(reuse=True)
+
+
+def test_a_process_that_died_idle_is_replaced(ctx: _Ctx) -> None:
+    leg = _Leg(ctx, [_cfg()])
+    leg.wait_ready()
+    leg.close(reuse=True)
+    (idle,) = driver._IDLE
+    assert driver._take_idle() is idle
+    idle.proc.kill()
+    idle.proc.join()
+    driver._IDLE.append(idle)
+    nxt = _Leg(ctx, [_cfg()])
+    nxt.wait_ready()
+    assert _pids(nxt) != {idle.proc.pid}
+    assert ctx.forks == 2
+    nxt.close(reuse=True)

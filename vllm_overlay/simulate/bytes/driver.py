@@ -248,6 +248,12 @@ class _Leg:
         target = functools.partial(_rank_main, os.getpid())
         for cfg in configs:
             p = None if fresh or cfg.fault else _take_idle()
+            if p is not None:
+                try:
+                    p.conn.send(("start", (cfg,)))
+                except (BrokenPipeError, OSError):  # it died while idle
+                    _retire(p, kill=True)
+                    p = None
             if p is None:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=target, args=(child,), daemon=True)
@@ -257,8 +263,8 @@ class _Leg:
                     _RANKS[proc.pid] = proc
                 child.close()
                 p = _Proc(proc, parent)
+                p.conn.send(("start", (cfg,)))
             p.configs += 1
-            p.conn.send(("start", (cfg,)))
             self.ps.append(p)
         self.conns = [p.conn for p in self.ps]
         self.procs = [p.proc for p in self.ps]
