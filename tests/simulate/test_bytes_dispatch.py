@@ -168,3 +168,18 @@ def test_the_summary_says_how_many_zygotes_each_variant_ran():
         zygotes={"base": 1, "overlay": 2},
     )
     assert summary_line(report).endswith("; zygotes base 1, overlay 2")
+
+
+def test_a_child_runs_this_checkout_from_any_directory(tmp_path, monkeypatch):
+    """A sweep's processes import the checkout the command runs from, not a
+    ``vllm_overlay`` in the working directory (another checkout)."""
+    from vllm_overlay.simulate import procs
+
+    shadow = tmp_path / "vllm_overlay"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise SystemExit('shadowed')\n")
+    monkeypatch.chdir(tmp_path)
+    proc = procs.start("vllm_overlay.simulate.bytes.ports", [])
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "shadowed" not in out

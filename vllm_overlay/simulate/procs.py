@@ -114,7 +114,9 @@ def start(
 ) -> subprocess.Popen[str]:
     """``python -m module args`` on CPU vLLM, quiet, one thread per process
     (two processes on two cores otherwise spin), ``path`` first on
-    ``PYTHONPATH``, then this checkout; ``stdin``: as ``Popen``'s."""
+    ``PYTHONPATH``, then this checkout; ``stdin``: as ``Popen``'s. ``-P``:
+    the working directory does not go first on ``sys.path``, where another
+    checkout's ``vllm_overlay`` would shadow this one."""
     full = dict(
         os.environ,
         VLLM_TARGET_DEVICE="cpu",
@@ -127,7 +129,7 @@ def start(
         [*map(str, path), str(REPO_ROOT), full.get("PYTHONPATH", "")]
     )
     return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        [sys.executable, "-P", "-m", module, *args],
         stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
