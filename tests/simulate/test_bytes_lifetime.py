@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
-from vllm_overlay.simulate.bytes.shm import remove_shm, shm_path
+from vllm_overlay.simulate.bytes.shm import remove_shm, shm_files
 
 RUN = [
     "simulate",
@@ -48,7 +48,8 @@ class Run:
         self.tree: list[psutil.Process] = []
 
     def wait_for_ranks(self) -> None:
-        """Until ``RANKS`` descendants hold their /dev/shm file."""
+        """Until the descendants hold ``RANKS`` /dev/shm files (the zygote's
+        rank slots)."""
         me = psutil.Process(self.top.pid)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
@@ -57,10 +58,10 @@ class Run:
                 pytest.fail(f"the run ended early ({self.top.returncode}): {err}")
             with contextlib.suppress(psutil.Error):
                 self.tree = me.children(recursive=True)
-            if sum(os.path.exists(shm_path(p.pid)) for p in self.tree) >= RANKS:
+            if sum(len(shm_files(p.pid)) for p in self.tree) >= RANKS:
                 return
             time.sleep(0.1)
-        pytest.fail(f"no {RANKS} ranks with a /dev/shm file in {START_TIMEOUT:g} s")
+        pytest.fail(f"no {RANKS} /dev/shm files of the ranks in {START_TIMEOUT:g} s")
 
     def leftovers(self, within: float) -> tuple[list[int], list[str]]:
         """Descendants still running and their files still there, once both
@@ -68,8 +69,7 @@ class Run:
         deadline = time.monotonic() + within
         while True:
             alive = [p.pid for p in self.tree if _running(p)]
-            files = [shm_path(p.pid) for p in self.tree]
-            files = [f for f in files if os.path.exists(f)]
+            files = [f for p in self.tree for f in shm_files(p.pid)]
             if (not alive and not files) or time.monotonic() > deadline:
                 return alive, files
             time.sleep(0.05)

@@ -11,7 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_overlay.simulate.bytes.driver import _Leg
-from vllm_overlay.simulate.bytes.shm import remove_shm, remove_stale_shm, shm_path
+from vllm_overlay.simulate.bytes.shm import (
+    remove_shm,
+    remove_stale_shm,
+    shm_files,
+    shm_path,
+)
 
 
 def _hold_a_buffer(conn: Any) -> None:
@@ -50,13 +55,26 @@ def test_a_killed_rank_leaves_no_shared_memory_file() -> None:
 def test_files_of_processes_that_are_gone_are_swept_and_no_other() -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
+    # A rank's own file, a zygote's slot files and their snapshots.
+    names = ("", "p0", "d1", "d1-snapshot")
     for pid in (gone.pid, os.getpid()):
-        with open(shm_path(pid), "wb"):
-            pass
+        for slot in names:
+            with open(shm_path(pid, slot), "wb"):
+                pass
+    # Another program's file with a name like ours: not a pid.
+    other = shm_path(0).removesuffix("0") + "x-1"
+    with open(other, "wb"):
+        pass
     try:
-        assert gone.pid in remove_stale_shm()
-        assert not os.path.exists(shm_path(gone.pid))
-        assert os.path.exists(shm_path(os.getpid()))
+        removed = remove_stale_shm()
+        assert gone.pid in removed and os.getpid() not in removed
+        assert shm_files(gone.pid) == []
+        assert sorted(shm_files(os.getpid())) == sorted(
+            shm_path(os.getpid(), slot) for slot in names
+        )
+        assert os.path.exists(other)
     finally:
         remove_shm(gone.pid)
         remove_shm(os.getpid())
+        os.unlink(other)
+    assert shm_files(os.getpid()) == []

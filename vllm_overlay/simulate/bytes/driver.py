@@ -47,7 +47,7 @@ from vllm_overlay.simulate.bytes.rank import (
     aggregate,
     serve,
 )
-from vllm_overlay.simulate.bytes.shm import remove_shm
+from vllm_overlay.simulate.bytes.shm import remove_shm, shm_path
 from vllm_overlay.simulate.drive import prompt_tokens
 
 _REPLY_TIMEOUT = 120.0
@@ -136,6 +136,9 @@ on the failed one's rendezvous (a leg's ranks fail alike, but for rank 0's
 scheduler)."""
 
 
+_SLOTS = {"kv_producer": "p", "kv_consumer": "d"}
+"""A rank's buffer file is its leg's letter and TP rank (``shm.shm_path``)."""
+
 RANK_REUSE = 16
 """Configurations a rank process serves before it is retired: each leaves
 the connector's two listener threads behind (``Rank.close``)."""
@@ -212,6 +215,7 @@ def kill_ranks() -> None:
     for proc in procs:
         proc.join(5)
         remove_shm(proc.pid)
+    remove_shm(os.getpid())
     _RANKS.clear()
     _CLOSING.clear()
     _IDLE.clear()
@@ -354,13 +358,13 @@ class _Leg:
         self.live = live
         return results, output, outs
 
-    def close(self, wait: bool = True, reuse: bool = False) -> None:
+    def close(self, wait: bool = True, reuse: bool = False, kill: bool = False) -> None:
         """``reuse``: tell every rank to close, its process to wait idle for
         the next configuration (one that served ``RANK_REUSE``, or had a
-        fault, exits instead); otherwise tell every rank's process to exit.
-        A rank that never answered its start is killed. Exiting processes
-        are reaped within ``_EXIT_GRACE`` seconds, any left killed;
-        ``wait`` False leaves them to a later ``reap_ranks`` (the next
+        fault, exits instead); otherwise tell every rank's process to exit
+        (``kill``: kill it). A rank that never answered its start is killed.
+        Exiting processes are reaped within ``_EXIT_GRACE`` seconds, any left
+        killed; ``wait`` False leaves them to a later ``reap_ranks`` (the next
         configuration starts meanwhile)."""
         for p, ready, cfg in zip(self.ps, self.ready, self.configs, strict=True):
             if not ready:
@@ -374,7 +378,7 @@ class _Leg:
                 p.releasing = True
                 _IDLE.append(p)
             else:
-                _retire(p)
+                _retire(p, kill=kill)
         if wait:
             reap_ranks(wait=True)
 
@@ -422,6 +426,7 @@ class Driver:
                     geometry=self.geometry,
                     fault=c.fault if role == "kv_consumer" or c.mode != READ else None,
                     open_port=open_port + r,
+                    kv_file=shm_path(os.getpid(), f"{_SLOTS[role]}{r}"),
                 )
                 for r in range(tp)
             ]
@@ -451,11 +456,13 @@ class Driver:
             raise errors[0]
 
     def stop(self, reuse: bool = False) -> None:
-        """End the configuration's ranks (``reuse``: their processes wait
-        for the next configuration's ranks)."""
+        """End the configuration's ranks: ``reuse``, their processes wait
+        for the next configuration's ranks; otherwise they are killed and
+        reaped, since a transfer they still had under way would write into
+        the buffer files the next ranks map (``RankConfig.kv_file``)."""
         for leg in (self.p, self.d):
             if leg is not None:
-                leg.close(wait=False, reuse=reuse)
+                leg.close(wait=not reuse, reuse=reuse, kill=not reuse)
         self.p = self.d = None
         reap_ranks()
 

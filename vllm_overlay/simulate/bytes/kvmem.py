@@ -12,9 +12,9 @@ with its own canary byte.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
+import mmap
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,6 +27,8 @@ _CHUNK = 1 << 24
 """Bytes ``_differing`` compares per ``memcmp`` once the buffers differ."""
 MAX_BYTES = 2 << 30
 """Per rank: every rank's buffer lives in /dev/shm, on a 24 GB machine."""
+SNAPSHOT_SUFFIX = "-snapshot"
+"""The snapshot's file: the buffer's path and this."""
 
 
 @dataclass
@@ -72,13 +74,12 @@ class SharedKV:
             )
         self.nbytes = -(-raw // PAGE) * PAGE
         self.path = path
-        # Each leg starts from its own byte: any stray copy of bytes nobody
-        # wrote changes the destination, so the byte diff sees it.
-        _fill_file(path, self.nbytes, canary)
-        self.buffer = torch.from_file(
-            path, shared=True, size=self.nbytes, dtype=torch.int8
-        )
+        self.buffer = torch.frombuffer(_map_file(path, self.nbytes), dtype=torch.int8)
         self.bytes: np.ndarray = self.buffer.numpy().view(np.uint8)
+        # Each leg starts from its own byte: any stray copy of bytes nobody
+        # wrote changes the destination, so the byte diff sees it. The file
+        # may hold an earlier configuration's bytes: all of them go.
+        self.bytes.fill(canary)
         self.zero = zero
         self._snap: np.ndarray | None = None
         self._touched: dict[str, set[int]] | None = None
@@ -135,12 +136,10 @@ class SharedKV:
         the stray search work on merged byte ranges (``_spans``)."""
 
     def close(self) -> None:
-        """Empty the file, then remove it: its memory is freed even while
-        something still maps it (a rank process outlives its configuration,
-        and so may a peer's mapping)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.truncate(self.path, 0)
-            os.unlink(self.path)
+        """Let go of the buffer and the snapshot; their files stay for the
+        next configuration's rank (``_map_file``), whose owner removes them
+        (``shm.remove_shm``). The mappings end with the last view of them
+        (the connector of a closed rank may keep its tensors a while)."""
         self._snap = None
 
     def layers_of(self, group: int) -> list[LayerView]:
@@ -176,7 +175,10 @@ class SharedKV:
         ``stray_bytes`` reports it unless it lies in that case's pages.
         """
         if self._snap is None or self._touched is None:
-            self._snap = np.empty_like(self.bytes)
+            if self._snap is None:
+                self._snap = np.frombuffer(
+                    _map_file(self.path + SNAPSHOT_SUFFIX, self.nbytes), np.uint8
+                )
             self.full_snapshots += 1
             np.copyto(self._snap, self.bytes)
             self._touched = {}
@@ -321,16 +323,21 @@ def _dense(page: np.ndarray) -> bool:
     return True
 
 
-def _fill_file(path: str, size: int, byte: int) -> None:
-    """Create ``path`` (or empty it) holding ``size`` bytes ``byte``, written
-    through the file: on tmpfs a fraction of the cost of faulting in every
-    page of a fresh mapping to fill it."""
-    chunk = memoryview(bytes([byte]) * min(size, _CHUNK))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+def _map_file(path: str, size: int) -> mmap.mmap:
+    """The first ``size`` bytes of file ``path``, mapped shared with every
+    page in place (``MAP_POPULATE``); the file is created, or grown, to hold
+    them, and otherwise kept as it is.
+
+    A rank's buffer and snapshot files outlive the rank: the next
+    configuration's rank maps them again. On tmpfs, faulting in the pages of
+    a fresh file or array one by one costs most of a large configuration's
+    setup (a second per GiB on this kind of machine); mapping a file whose
+    pages exist, populated at once, costs a tenth of that."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        done = 0
-        while done < size:
-            done += os.pwrite(fd, chunk[: size - done], done)
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
         os.close(fd)
 

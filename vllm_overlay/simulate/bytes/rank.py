@@ -209,6 +209,9 @@ class RankConfig:
     picks the mori engine's port: in the configuration's port block, since
     an ephemeral port it frees and binds again later can meanwhile become the
     source port of any process's outgoing connection. None: vLLM's choice."""
+    kv_file: str | None = None
+    """The KV cache buffer's file: the driver's slot for this rank, mapped by
+    one configuration's rank after another. None: the process's own."""
 
 
 def _shards(leg: Any, layout: Any, tp_rank: int) -> list[Shard]:
@@ -561,7 +564,7 @@ class Rank:
         self.kv = SharedKV(
             self.leg.worker_config,
             cfg.kv_layout,
-            shm_path(os.getpid()),
+            cfg.kv_file or shm_path(os.getpid()),
             canary=0x3C if cfg.role == "kv_producer" else 0xC3,
             zero=0x11 if cfg.role == "kv_producer" else 0,
         )

@@ -194,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
         driver.PORT_RANGE = (int(lo), int(hi))
     lengths, hits = parse_lengths(args.lengths), parse_hits(args.hits)
     from vllm_overlay.simulate.bytes.driver import reap_ranks, retire_idle
+    from vllm_overlay.simulate.bytes.shm import remove_shm
 
     for item in plan_of(args.plan):
         emit(run_item(args.variant, item, lengths, hits))
     retire_idle()
     reap_ranks(wait=True)
+    remove_shm(os.getpid())
     return 0
 
 
