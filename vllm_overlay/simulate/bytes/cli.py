@@ -64,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         + " for the model families)",
     )
     p.add_argument(
+        "--all-hits",
+        action="store_true",
+        help="--bytes: every prompt length at every decoder prefix hit in every "
+        "configuration (default: at TP 1->1 and with DCP; the other TP pairs "
+        "and the model families run each length at one hit, in turn)",
+    )
+    p.add_argument(
         "--kv-layouts",
         default=",".join(KV_LAYOUTS),
         metavar="LIST",
@@ -99,6 +106,7 @@ def sweep(
             tp_pairs,
             kv_layouts,
             None if args.lengths else DEFAULT_FAMILY_LENGTHS,
+            all_hits=args.all_hits,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc

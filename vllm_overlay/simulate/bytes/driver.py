@@ -648,16 +648,16 @@ class ConfigRun:
 
 def run_config(
     config: Config,
-    lengths: list[int],
-    hits: list[float],
+    cases: list[tuple[float, int]],
     geometry: Geometry | None = None,
     progress: Any = None,
 ) -> ConfigRun:
-    """Every (hit, length) case of one configuration. A configuration vLLM or
-    the connector rejects while the ranks start is refused at start; three
-    identical case errors in a row on fresh processes end it too (refused)."""
+    """The (hit, length) cases of one configuration, in order. A configuration
+    vLLM or the connector rejects while the ranks start is refused at start;
+    three identical case errors in a row on fresh processes end it too
+    (refused)."""
     run = ConfigRun(config)
-    driver = Driver(config, max(lengths) + 64, geometry)
+    driver = Driver(config, max(n for _, n in cases) + 64, geometry)
     streak: list[str] = []
     try:
         try:
@@ -667,19 +667,18 @@ def run_config(
             # ranks started: no case can run.
             run.refused_at_start = _first_error(str(exc))
             return run
-        for hit in hits:
-            for n in lengths:
-                case = driver.run_case(n, hit)
-                run.cases.append(case)
-                if progress is not None:
-                    progress(len(run.cases))
-                if case.error is None:
-                    streak = []
-                    continue
-                streak.append(case.error)
-                if len(streak) >= 3 and len(set(streak[-3:])) == 1:
-                    run.refused = case.error
-                    return run
+        for hit, n in cases:
+            case = driver.run_case(n, hit)
+            run.cases.append(case)
+            if progress is not None:
+                progress(len(run.cases))
+            if case.error is None:
+                streak = []
+                continue
+            streak.append(case.error)
+            if len(streak) >= 3 and len(set(streak[-3:])) == 1:
+                run.refused = case.error
+                return run
     finally:
         driver.stop(reuse=True)
     return run

@@ -22,6 +22,19 @@ class ConfigItem(msgspec.Struct, frozen=True):
     fault: str | None = None
     lengths: str | None = None
     """Prompt lengths of this configuration; None: the sweep's."""
+    hit_offset: int | None = None
+    """None: every prompt length at every decoder prefix hit. Otherwise
+    each length at one hit, in turn: the ``i``-th length at hit
+    ``(i + hit_offset) % len(hits)`` (``run.plan_items``)."""
+
+    def cases(self, lengths: list[int], hits: list[float]) -> list[tuple[float, int]]:
+        """(hit, length) of every case, hit by hit, in the order they run."""
+        return [
+            (hit, n)
+            for h, hit in enumerate(hits)
+            for i, n in enumerate(lengths)
+            if self.hit_offset is None or (i + self.hit_offset) % len(hits) == h
+        ]
 
 
 def config_name(item: ConfigItem) -> str:

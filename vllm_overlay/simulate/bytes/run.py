@@ -77,6 +77,7 @@ def plan_items(
     tp_pairs: list[tuple[int, int]] | None,
     kv_layouts: list[str],
     family_lengths: str | None = None,
+    all_hits: bool = False,
 ) -> list[ConfigItem]:
     """Every combination. READ with unequal TP needs replicated KV heads
     (``validate_moriio_heterogeneous_tp_kv_heads``), so its GQA layers run
@@ -85,7 +86,17 @@ def plan_items(
     matrix's ``-BLNHC`` rows), so it runs only in that one. ``tp_pairs``
     None: ``TP_PAIRS`` for mechanism layouts, ``FAMILY_TP_PAIRS`` for
     families. ``family_lengths``: a model family's prompt lengths, when
-    they are not the sweep's."""
+    they are not the sweep's.
+
+    Every configuration runs every prompt length (every residue class). A
+    mechanism layout at TP 1->1 or with DCP runs each length at every
+    decoder prefix hit; unless ``all_hits``, the other configurations (the
+    other TP pairs, the model families) run each length at one hit, in
+    turn, from an offset that differs between their TP pairs (a family's:
+    between its modes), so that together they still run every (length,
+    hit) case. The hit changes which pages the decoder lacks, which the
+    TP 1->1 configurations cover at every length; the geometry the other
+    TP pairs and the families add is the same at every hit."""
     known = all_layouts()
     items = []
     for name in layouts:
@@ -105,11 +116,19 @@ def plan_items(
                     f"{name}: the byte-level simulation runs decode context "
                     f"parallelism {size} with TP {size}->{size} only"
                 )
+        rotated = [pair for pair in pairs if pair != (1, 1)]
         for mode in modes:
             for p_tp, d_tp in pairs:
                 heads = 1 if (mode == "read" and p_tp != d_tp) or size > 1 else 4
                 if key in _MLA_LAYOUTS:
                     heads = 4
+                offset = None
+                if all_hits or size > 1:
+                    pass
+                elif layout.family:
+                    offset = MODES.index(mode)
+                elif (p_tp, d_tp) != (1, 1):
+                    offset = rotated.index((p_tp, d_tp))
                 for kv_layout in own:
                     if kv_layout in kv_layouts:
                         items.append(
@@ -121,6 +140,7 @@ def plan_items(
                                 kv_layout,
                                 heads,
                                 lengths=family_lengths if layout.family else None,
+                                hit_offset=offset,
                             )
                         )
     return items

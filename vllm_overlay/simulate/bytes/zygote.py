@@ -114,7 +114,8 @@ def run_item(
         from vllm_overlay.simulate.run import parse_lengths
 
         lengths = parse_lengths(item.lengths)
-    total = len(lengths) * len(hits)
+    cases = item.cases(lengths, hits)
+    total = len(cases)
     report = ConfigReport(variant=variant, item=item, planned=total)
     start = time.monotonic()
 
@@ -122,7 +123,7 @@ def run_item(
         if done % 10 == 0:
             emit(Progress(variant, config_name(item), done, total))
 
-    run = run_config(config, lengths, hits, Geometry(kv_heads=item.kv_heads), progress)
+    run = run_config(config, cases, Geometry(kv_heads=item.kv_heads), progress)
     report.refused = run.refused
     report.refused_at_start = run.refused_at_start
     for case in run.cases:
