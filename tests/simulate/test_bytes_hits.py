@@ -103,3 +103,21 @@ def test_the_command_rotates_by_default_and_not_with_all_hits(tmp_path, monkeypa
     default, every = planned
     assert {i.hit_offset for i in default} == {None, 0, 1, 2}
     assert {i.hit_offset for i in every} == {None}
+
+
+def test_a_bytes_option_without_bytes_is_one_line_and_runs_nothing(
+    capsys, tmp_path, monkeypatch
+):
+    from vllm_overlay.cli import main
+    from vllm_overlay.simulate import cli
+
+    def started(*_args, **_kwargs):
+        raise AssertionError("the scheduler simulator started")
+
+    monkeypatch.setattr(cli, "run_sweep", started)
+    report = tmp_path / "r.json"
+    argv = ["simulate", "--layouts", "llama", "--report", str(report)]
+    assert main([*argv, "--all-hits", "--tp", "2-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --tp, --all-hits: only with --bytes\n"
+    assert not report.exists()

@@ -172,6 +172,8 @@ def _run(app: App, args: argparse.Namespace) -> int:
     """
     if args.processes is not None and args.processes < 1:
         return app.fail(f"--processes {args.processes}: must be at least 1")
+    if not args.bytes and (given := bytes_cli.given_without_bytes(args)):
+        return app.fail(f"{', '.join(given)}: only with --bytes")
     variants = ["base", "overlay"] if args.variant == "both" else [args.variant]
     layouts = [x for x in args.layouts.split(",") if x.strip()]
     _check_args(layouts, args.lengths, args.hits)

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_LENGTHS",
     "BytesReport",
     "add_arguments",
+    "given_without_bytes",
     "show",
     "summary_line",
     "sweep",
@@ -76,6 +77,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="--bytes: vLLM KV cache layouts (default %(default)s)",
     )
+
+
+def given_without_bytes(args: argparse.Namespace) -> list[str]:
+    """The ``--bytes`` options a command line without ``--bytes`` gives."""
+    given = {
+        "--modes": args.modes != ",".join(MODES),
+        "--tp": args.tp is not None,
+        "--kv-layouts": args.kv_layouts != ",".join(KV_LAYOUTS),
+        "--all-hits": args.all_hits,
+    }
+    return [name for name, set_ in given.items() if set_]
 
 
 def sweep(
