@@ -121,3 +121,11 @@ def test_a_bytes_option_without_bytes_is_one_line_and_runs_nothing(
     err = capsys.readouterr().err
     assert err == "error: --tp, --all-hits: only with --bytes\n"
     assert not report.exists()
+
+
+def test_a_family_with_dcp_rotates_like_the_family() -> None:
+    items = _plan(["kimi-k3/dcp2"])
+    assert [(i.mode, i.p_tp, i.d_tp, i.hit_offset) for i in items] == [
+        ("read", 2, 2, 0),
+        ("write", 2, 2, 1),
+    ]

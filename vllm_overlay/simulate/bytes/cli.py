@@ -68,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--all-hits",
         action="store_true",
         help="--bytes: every prompt length at every decoder prefix hit in every "
-        "configuration (default: at TP 1->1 and with DCP; the other TP pairs "
-        "and the model families run each length at one hit, in turn)",
+        "configuration (default: the mechanism layouts at TP 1->1 and with DCP; "
+        "the other TP pairs and every model family run each length at one hit, "
+        "in turn)",
     )
     p.add_argument(
         "--kv-layouts",

@@ -91,8 +91,8 @@ def plan_items(
     Every configuration runs every prompt length (every residue class). A
     mechanism layout at TP 1->1 or with DCP runs each length at every
     decoder prefix hit; unless ``all_hits``, the other configurations (the
-    other TP pairs, the model families) run each length at one hit, in
-    turn, from an offset that differs between their TP pairs (a family's:
+    other TP pairs, the model families with or without DCP) run each length
+    at one hit, in turn, from an offset that differs between their TP pairs (a family's:
     between its modes), so that together they still run every (length,
     hit) case. The hit changes which pages the decoder lacks, which the
     TP 1->1 configurations cover at every length; the geometry the other
@@ -123,11 +123,9 @@ def plan_items(
                 if key in _MLA_LAYOUTS:
                     heads = 4
                 offset = None
-                if all_hits or size > 1:
-                    pass
-                elif layout.family:
+                if not all_hits and layout.family:
                     offset = MODES.index(mode)
-                elif (p_tp, d_tp) != (1, 1):
+                elif not all_hits and size == 1 and (p_tp, d_tp) != (1, 1):
                     offset = rotated.index((p_tp, d_tp))
                 for kv_layout in own:
                     if kv_layout in kv_layouts:
