@@ -316,6 +316,20 @@ def unit_base(session: nox.Session) -> None:
     overlay(session, python, "levels", *args, env=wheel_env(session))
     outcomes = ("--base-outcomes", str(base), "--overlay-outcomes", str(overlaid))
     overlay(session, python, "revert-red", *outcomes, "--levels", str(levels))
+    session.log("a small byte sweep with the overlay: its verdict gates too")
+    bytes_gate(session, python)
+
+
+# The hybrid and window mechanism layouts, READ at TP 1->1, every hit: real
+# workers moving real bytes, about a minute (`nox -s simulate-bytes` runs all).
+BYTES_GATE = ("--layouts", "gemma,dsv4,kimi,glm", "--modes", "read", "--tp", "1-1")
+
+
+def bytes_gate(session: nox.Session, python: Path) -> None:
+    report = REPORTS / "simulate-bytes-gate.json"
+    args = ("--variant", "overlay", "--kv-layouts", "LBNHC", "--report", str(report))
+    parent = {"VLLM_OVERLAY_PARENT_PID": str(os.getpid())}
+    overlay(session, python, "simulate", "--bytes", *BYTES_GATE, *args, env=parent)
 
 
 @nox.session(venv_backend="none")

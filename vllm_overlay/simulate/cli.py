@@ -24,6 +24,7 @@ from vllm_overlay.simulate.bytes.lifetime import (
     die_with_parent_from_env,
     signals_raise,
 )
+from vllm_overlay.simulate.bytes.verdict import judge as judge_bytes
 from vllm_overlay.simulate.layouts import all_layouts, expand
 from vllm_overlay.simulate.matrix import (
     MATRIX_JSON,
@@ -165,10 +166,10 @@ def _run(app: App, args: argparse.Namespace) -> int:
     every TP pair and KV cache layout, and every byte the decoder attends to
     is checked against what the prefiller computed.
 
-    Without --bytes, ends with a verdict on the overlay: exit status 1 when
-    a layout that starts reads wrong KV, crashes or runs no case with the
-    overlay, unless docs/known-gaps.toml lists it with the issue or patch
-    that tracks it.
+    Ends with a verdict on the overlay: exit status 1 when a layout (with
+    --bytes: a configuration) that starts reads wrong KV (moves a wrong or
+    stray byte), crashes or runs no case with the overlay, unless
+    docs/known-gaps.toml lists it with the issue or patch that tracks it.
     """
     if args.processes is not None and args.processes < 1:
         return app.fail(f"--processes {args.processes}: must be at least 1")
@@ -237,8 +238,10 @@ def _run(app: App, args: argparse.Namespace) -> int:
         app.say(f"wrote {MATRIX_JSON} and the README's supported-models table")
     app.say(summary)
     if not isinstance(report, SweepReport):
+        bytes_verdict = judge_bytes(report, gaps)
+        app.say(bytes_verdict.line())
         app.result(report)
-        return 0
+        return bytes_verdict.exit_code
     verdict = judge(report, gaps)
     for gap in verdict.passing_gaps:
         app.say(
@@ -267,8 +270,10 @@ def _bytes_sweep(
 def _gaps(app: App) -> list[KnownGap]:
     gaps = load_gaps(app.checkout.root / GAPS_FILE)
     for g in gaps:
+        # A bytes gap may name a configuration: its layout is the first word.
+        layout = g.layout.split()[0] if g.scope == "bytes" and g.layout else g.layout
         try:
-            expand([g.layout])
+            expand([layout])
         except (KeyError, ValueError) as e:
             raise GapsError(f"{GAPS_FILE}: {g.layout}: {e}") from None
     return gaps

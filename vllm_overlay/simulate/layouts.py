@@ -78,7 +78,7 @@ class Layout:
         return self.build_specs()
 
     def register_specs(self) -> None:
-        _register_tail_ring_spec()
+        """Register spec classes vLLM does not ship (none at present)."""
 
 
 def _bf16() -> Any:
@@ -129,45 +129,19 @@ def _kda(block: int, page_bytes: int, scratch: int) -> Any:
     )
 
 
-_TAIL_RING_CLS: list[Any] = []
+def _tail_ring(capacity: int, head_size: int) -> Any:
+    """GLM-5.3-Flash's kpool tail: a ``CircularBufferSpec`` ring of the open
+    kpool group's rows (``Glm5NextTailCache.get_kv_cache_spec``), never a
+    prefix hit and empty at a block-aligned one."""
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
 
-
-def _register_tail_ring_spec() -> Any:
-    """A per-request tail ring: a window spec whose pages are never a hit.
-
-    Stands in for GLM-5.3-Flash's kpool tail (a ``SlidingWindowSpec``
-    subclass that is not prefix-cacheable); vLLM 0.33.0 does not ship it.
-    """
-    from dataclasses import dataclass as _dc
-
-    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-    if not _TAIL_RING_CLS:
-
-        @_dc(frozen=True, kw_only=True)
-        class TailRingSpec(SlidingWindowMLASpec):  # type: ignore[misc]
-            @property
-            def prefix_cacheable(self) -> bool:
-                return False
-
-        _TAIL_RING_CLS.append(TailRingSpec)
-    cls = _TAIL_RING_CLS[0]
-    KVCacheSpecRegistry.register(
-        cls, SlidingWindowManager, uniform_type_base_spec=SlidingWindowMLASpec
-    )
-    return cls
-
-
-def _tail_ring(block: int, window: int, head_size: int) -> Any:
-    cls = _register_tail_ring_spec()
-    return cls(
-        block_size=block,
+    return CircularBufferSpec(
+        block_size=capacity,
         num_kv_heads=1,
         head_size=head_size,
+        head_size_v=0,
         dtype=_bf16(),
-        sliding_window=window,
+        dcp_sharded=False,
     )
 
 
@@ -210,7 +184,7 @@ def _kimi() -> dict[str, Any]:
 def _glm() -> dict[str, Any]:
     block = 64
     mla = _mla(block)
-    tail = _tail_ring(block, 16, 576)
+    tail = _tail_ring(_GLM_RING_CAPACITY, 576)
     kda = _kda(block, mla.page_size_bytes, scratch=1)
     # Three layers per kind, so the planner makes one group per kind:
     # G0 = MLA (target + MTP drafter), G1 = tail ring, G2 = KDA.
@@ -225,6 +199,9 @@ def _glm() -> dict[str, Any]:
     return specs
 
 
+# kpool 16 with one speculative token: 16 x pow2(cdiv(16 + 1, 16)) rows.
+_GLM_KPOOL = 16
+_GLM_RING_CAPACITY = 32
 _KIMI_SLOTS = SpecSlots(num_speculative_tokens=1, num_lookahead_tokens=1)
 _GLM_SLOTS = SpecSlots(num_speculative_tokens=1, num_lookahead_tokens=1)
 
@@ -254,7 +231,8 @@ BASE_LAYOUTS: dict[str, Layout] = {
         has_state=True,
         prefill_slots=_GLM_SLOTS,
         decode_slots=_GLM_SLOTS,
-        note="MLA+indexer, 1-block tail ring, KDA, MTP-like slots",
+        ring=Ring(group_tokens=_GLM_KPOOL, capacity=_GLM_RING_CAPACITY),
+        note="MLA+indexer, kpool tail ring (CircularBufferSpec), KDA, MTP-like slots",
     ),
 }
 

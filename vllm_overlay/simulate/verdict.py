@@ -37,6 +37,10 @@ class KnownGap(msgspec.Struct, forbid_unknown_fields=True):
     tracked_by: str
     """The issue or patch that tracks it (``issue 20``, a pull request URL)."""
     why: str
+    scope: Literal["scheduler", "bytes"] = "scheduler"
+    """Which simulator the gap is for: ``simulate`` or ``simulate --bytes``
+    (``simulate/bytes/verdict.py`` says how a bytes gap names a
+    configuration)."""
 
 
 class KnownGaps(msgspec.Struct, forbid_unknown_fields=True):
@@ -107,6 +111,7 @@ class Verdict:
 def judge(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
     """The verdict on the overlay rows of ``report``; with no overlay run, a
     sweep that ran no case at all still fails."""
+    gaps = [g for g in gaps if g.scope == "scheduler"]
     by_key = {(g.layout, g.problem): g for g in gaps}
     verdict = Verdict()
     rows = [r for r in report.layouts if r.variant == "overlay"]

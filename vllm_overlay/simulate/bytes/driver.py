@@ -98,6 +98,7 @@ class CaseBytes(msgspec.Struct, frozen=True):
     wrong_bytes: int = 0
     wrong_needs: int = 0
     stray_bytes: int = 0
+    late_reads: int = 0
     moved_bytes: int = 0
     min_bytes: int = 0
     notes: list[str] = []
@@ -624,14 +625,16 @@ def _first_error(text: str) -> str:
 def _case(n: int, hit: float, verdicts: list[Verdict], moved: int) -> CaseBytes:
     wrong_bytes = sum(v.wrong_bytes for v in verdicts)
     stray = sum(v.stray_bytes for v in verdicts)
+    late = sum(v.late_reads for v in verdicts)
     notes = [note for v in verdicts for note in v.notes][:4]
     return CaseBytes(
         n=n,
         hit_fraction=hit,
-        wrong=bool(wrong_bytes or stray),
+        wrong=bool(wrong_bytes or stray or late),
         wrong_bytes=wrong_bytes,
         wrong_needs=sum(v.wrong_needs for v in verdicts),
         stray_bytes=stray,
+        late_reads=late,
         moved_bytes=moved,
         min_bytes=sum(v.min_bytes for v in verdicts),
         notes=notes,

@@ -293,6 +293,10 @@ class Verdict:
     wrong_bytes: int = 0
     stray_bytes: int = 0
     """Bytes changed outside the transfer's destination pages."""
+    late_reads: int = 0
+    """READs posted on a step whose load is not synchronous: vLLM's model
+    runner starts that load after the forward, so it lands after the forward
+    that needed it, into blocks the request may have freed."""
     min_bytes: int = 0
     """Bytes of the pages the decoder lacked before the transfer."""
     notes: list[str] = field(default_factory=list)
@@ -939,6 +943,15 @@ class Rank:
                         f"rank {self.cfg.tp_rank}: group {need.group} page "
                         f"{need.index} ({what}): {wrong} wrong bytes"
                     )
+        if plan is not None and not plan.has_sync_kv_loads and watch.dest == "meta":
+            meta = plan.metadata.reqs_to_recv.get(watch.rid)
+            if meta is not None and any(meta.local_block_ids):
+                verdict.late_reads += 1
+                verdict.notes.append(
+                    f"rank {self.cfg.tp_rank}: READ posted on a step without a "
+                    "synchronous load (no external tokens): it lands after the "
+                    "forward"
+                )
         stray = self.kv.stray_bytes(self._destination(watch, tables, plan))
         verdict.stray_bytes = int(stray.size)
         if stray.size:

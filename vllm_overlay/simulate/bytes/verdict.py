@@ -1,0 +1,108 @@
+"""The byte simulator's verdict on the overlay: one line and an exit status.
+
+The rules of ``simulate/verdict.py``, per configuration: an overlay
+configuration that starts must move no wrong or stray byte (``wrong KV``),
+crash in no case and not be refused at its first transfer (``errors``), and
+run at least one case (``no cases``), unless ``docs/known-gaps.toml`` lists
+it. A gap of ``scope = "bytes"`` names a layout (every configuration of it),
+``layout mode``, ``layout mode P->D`` or the whole configuration name as the
+table prints it (``glm read 1->2 LBNHC``). A configuration refused at start
+is no failure; a run where every overlay configuration was refused is. The
+base is not judged: it is what the series fixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_overlay.simulate.bytes.report import (
+    BytesReport,
+    ConfigItem,
+    ConfigReport,
+    config_name,
+)
+from vllm_overlay.simulate.verdict import KnownGap, Problem
+
+
+def names(item: ConfigItem) -> tuple[str, ...]:
+    """Every name a known gap may give this configuration, widest first."""
+    mode = f"{item.layout} {item.mode}"
+    return (item.layout, mode, f"{mode} {item.p_tp}->{item.d_tp}", config_name(item))
+
+
+def problems(r: ConfigReport) -> list[tuple[Problem, str]]:
+    """What is wrong with one configuration's run, each with its detail."""
+    if r.refused_at_start is not None:
+        return []
+    if r.cases == 0:
+        return [("no cases", "ran no case")]
+    out: list[tuple[Problem, str]] = []
+    if r.wrong_cases:
+        out.append(
+            ("wrong KV", f"wrong or stray bytes in {r.wrong_cases} of {r.cases} cases")
+        )
+    if r.refused is not None:
+        out.append(("errors", f"refused at the first transfer: {r.refused[:120]}"))
+    elif r.error_cases:
+        out.append(("errors", f"crashes in {r.error_cases} of {r.cases} cases"))
+    return out
+
+
+@dataclass
+class BytesVerdict:
+    judged: int = 0
+    refused: int = 0
+    failures: list[str] = field(default_factory=list)
+    known: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failures else 0
+
+    def line(self) -> str:
+        known = f"; {len(self.known)} known gap(s)" if self.known else ""
+        if self.failures:
+            shown = "; ".join(self.failures[:6])
+            more = len(self.failures) - 6
+            shown += f"; and {more} more" if more > 0 else ""
+            return (
+                f"simulate --bytes: FAILED: the overlay falls short in "
+                f"{len(self.failures)} configuration(s): {shown}{known}"
+            )
+        if not self.judged:
+            return "simulate --bytes: no overlay configuration ran: nothing to judge"
+        return (
+            f"simulate --bytes: ok: the overlay moves the right bytes in every "
+            f"configuration that starts ({self.judged - self.refused} run, "
+            f"{self.refused} refused at start){known}"
+        )
+
+
+def judge(report: BytesReport, gaps: list[KnownGap]) -> BytesVerdict:
+    """The verdict on the overlay configurations of ``report``."""
+    by_key = {(g.layout, g.problem): g for g in gaps if g.scope == "bytes"}
+    verdict = BytesVerdict()
+    rows = [r for r in report.configs if r.variant == "overlay"]
+    if "overlay" not in report.variants:
+        return verdict
+    for r in rows:
+        verdict.judged += 1
+        verdict.refused += r.refused_at_start is not None
+        for problem, detail in problems(r):
+            gap = next(
+                (
+                    g
+                    for name in names(r.item)
+                    if (g := by_key.get((name, problem))) is not None
+                ),
+                None,
+            )
+            if gap is None:
+                verdict.failures.append(f"{config_name(r.item)} {detail}")
+            else:
+                verdict.known.append(
+                    f"{config_name(r.item)} {problem} ({gap.tracked_by})"
+                )
+    if not rows or not any(r.cases for r in rows):
+        verdict.failures.append("no case ran: every configuration was refused at start")
+    return verdict
