@@ -17,9 +17,13 @@ from pathlib import Path
 import pytest
 
 from tests.upstream.repos import (
+    CLAMP,
+    CLAMP_NEW,
     COMMON,
     CONNECTOR,
+    INSERTED,
     REPO,
+    SPDX,
     MakeRepo,
     diff,
     edit,
@@ -39,16 +43,6 @@ from vllm_overlay.upstream.rebase.newbase import (
 )
 from vllm_overlay.upstream.rebase.plan import rebase_plan
 from vllm_overlay.upstream.rebase.report import RebaseError
-
-CLAMP = (
-    '    def _clamp_to_prompt_blocks(self, req: "Request", block_ids: BlockIds)'
-    " -> BlockIds:\n"
-)
-CLAMP_NEW = (
-    CLAMP + "        # Overlay test: blocks past the prompt are never transferred.\n"
-)
-SPDX = "# SPDX-License-Identifier: Apache-2.0\n"
-INSERTED = "".join(f"# upstream line {i}\n" for i in range(7))
 
 
 def _one_patch(base: dict[str, str]) -> dict[str, str]:
