@@ -113,3 +113,25 @@ def test_a_moved_line_is_neither_added_nor_removed() -> None:
     )
     (c,) = _checks(ours, ours=ours)
     assert c.removed == [] and c.added == []
+
+
+def test_an_insertion_is_looked_for_where_its_insertion_point_went() -> None:
+    """A hunk without context that only inserts: its region is around the
+    line it inserts after, wherever that line went in the new base."""
+    ours = OLD.replace(FILLER[30], FILLER[30] + "extra = special()\n")
+    (fp,) = parse_patch(unified_diff("m.py", OLD, ours, context=0))
+    assert fp.hunks[0].old_len == 0
+    # Upstream added lines at the top and changed a line far above ours.
+    new = "".join(f"# top {i}\n" for i in range(5)) + OLD.replace(
+        FILLER[2], "value_2 = other()\n"
+    )
+    (c,) = check_hunks(OLD, new, fp)
+    # FILLER[30] is old line 34 (after the function's three lines); it is
+    # line 39 of the new base, and the hunk inserts right after it. The
+    # region ends with the file (48 lines).
+    assert c.region == (39 - SLACK + 1, min(48, 39 + SLACK))
+    assert not c.landed and c.found == []
+    (c,) = check_hunks(
+        OLD, new.replace(FILLER[30], FILLER[30] + "extra = special()\n"), fp
+    )
+    assert c.landed and c.exact and c.evidence() == ["40: extra = special()"]

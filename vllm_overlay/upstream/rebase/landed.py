@@ -161,13 +161,16 @@ class HunkCheck:
 def _map_region(
     opcodes: Sequence[tuple[str, int, int, int, int]], a0: int, a1: int
 ) -> tuple[int, int]:
-    """The new lines [b0, b1) that old lines [a0, a1) became."""
+    """The new lines [b0, b1) that old lines [a0, a1) became; for an empty
+    range (a hunk that only inserts), where its insertion point went."""
     b0: int | None = None
     b1: int | None = None
     for tag, i1, i2, j1, j2 in opcodes:
         if tag == "equal":
             lo, hi = max(a0, i1), min(a1, i2)
-            if lo >= hi:
+            if a0 == a1 and i1 <= a0 <= i2:
+                lo = hi = a0
+            elif lo >= hi:
                 continue
             start, end = j1 + lo - i1, j1 + hi - i1
         elif (i1 < a1 and i2 > a0) or (i1 == i2 and a0 <= i1 <= a1):
@@ -176,12 +179,8 @@ def _map_region(
             continue
         b0 = start if b0 is None else min(b0, start)
         b1 = end if b1 is None else max(b1, end)
-    if b0 is None or b1 is None:
-        # Every line around it went: look where the next kept line went.
-        for _tag, _i1, i2, _j1, j2 in opcodes:
-            if i2 >= a1:
-                return j2, j2
-        return 0, 0
+    # The opcodes cover every old line and both ends: something maps.
+    assert b0 is not None and b1 is not None
     return b0, b1
 
 
