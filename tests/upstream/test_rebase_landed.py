@@ -120,6 +120,10 @@ def test_a_base_holding_0001_drops_it_records_it_and_rebases_the_rest(
     )
     out = capsys.readouterr().out
     assert "moriio_connector.py: hunk #1 landed: its post-image is at lines" in out
+    rest = len(series.patches) - 1
+    assert out.splitlines()[-1] == (
+        f"rebase: {rest} offset, 1 upstream: the series is on vLLM 0.34.0"
+    )
     # 0001 left the series; its header is kept, with the release that has it.
     assert not (root / "patches" / first.name).exists()
     assert load_series(root).names == series.names[1:]
@@ -229,6 +233,10 @@ def test_0001_merged_in_another_form_is_partly_upstream_and_names_the_rest(
     out = capsys.readouterr().out
     assert (
         f"moriio_connector.py: hunk #{k + 1} does not apply: context not found" in out
+    )
+    assert out.splitlines()[-1] == (
+        f"rebase: 1 conflict, {len(series.patches) - 1} blocked: not every patch "
+        "applies; nothing in the repository changed"
     )
     assert load_series(root).names == series.names
     assert not (root / "patches" / "dropped").exists()

@@ -35,6 +35,7 @@ from vllm_overlay.upstream.rebase.report import (
     RebaseReport,
     encode_report,
     format_table,
+    result_counts,
 )
 
 
@@ -122,11 +123,20 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
     _write_report(report_path, report)
     app.say(f"rebase: report written to {report_path}")
     app.result(report)
+    counts = result_counts(report)
     if plan is None:
-        app.say("rebase: not every patch applies; nothing in the repository changed")
+        app.say(
+            f"rebase: {counts}: not every patch applies; nothing in the "
+            "repository changed"
+        )
         return 1
-    if not args.write:
-        app.say("rebase: every patch applies or is upstream; --write updates the pin")
+    if args.write:
+        app.say(f"rebase: {counts}: the series is on vLLM {new.version}")
+    else:
+        app.say(
+            f"rebase: {counts}: every patch applies or is upstream; --write "
+            "updates the pin"
+        )
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Literal
 
 import msgspec
@@ -112,6 +113,14 @@ def _landed_lines(row: RebaseRow) -> list[str]:
             more = len(h.evidence) - SHOWN_EVIDENCE
             out.append(f"          (+{more} more line(s) in the report)")
     return out
+
+
+def result_counts(report: RebaseReport) -> str:
+    """How many patches got each result, in the table's order of results:
+    ``1 upstream, 13 offset``."""
+    counts = Counter(r.result for r in report.rows)
+    order: tuple[Result, ...] = (*MOVES, "conflict", "blocked")
+    return ", ".join(f"{counts[k]} {k}" for k in order if counts[k]) or "no patch"
 
 
 def encode_report(report: RebaseReport) -> bytes:
