@@ -40,6 +40,12 @@ from vllm_overlay.series.patch_series import (
 )
 from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
 from vllm_overlay.tree.apply import overlay_texts
+from vllm_overlay.tree.manifest import (
+    MANIFEST_NAME,
+    AppliedPatch,
+    Manifest,
+    encode_manifest,
+)
 
 WHEEL = "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
 
@@ -73,6 +79,21 @@ def _newer_tree(tmp_path: Path, base: dict[str, str], connector: str) -> Path:
     (so that it is not the pinned base with the series applied)."""
     newer = edit(connector, SPDX, SPDX + INSERTED)
     return write_tree(tmp_path / "new", {**base, CONNECTOR: newer})
+
+
+def _manifest(series: Series, pin: Pin) -> bytes:
+    """What `vllm-overlay apply` leaves next to the module it overlaid
+    (its file hashes are not read here)."""
+    return encode_manifest(
+        Manifest(
+            tool_version="0.1.0",
+            series_id=series.series_id,
+            vllm_version=pin.vllm.version,
+            vllm_git_commit=pin.vllm.git_commit,
+            patches=[AppliedPatch(p.name, p.text) for p in series.patches],
+            files={},
+        )
+    )
 
 
 def _results(report: dict[str, Any]) -> list[str]:
@@ -316,9 +337,9 @@ def test_a_tree_carrying_the_series_is_said_and_left_alone(
 ) -> None:
     """`rebase --to` an overlaid install: one line, exit 0, nothing written."""
     root = _repo(make_repo, series)
-    tree = write_tree(
-        tmp_path / "site", {**base_texts, CONNECTOR: _overlaid(base_texts, series)}
-    )
+    files = {**base_texts, CONNECTOR: _overlaid(base_texts, series)}
+    tree = write_tree(tmp_path / "site", files)
+    (tree / pin.module / MANIFEST_NAME).write_bytes(_manifest(series, pin))
     rc, report = _rebase(root, tmp_path, base_texts, tree, "--write")
     assert rc == 0
     (line,) = capsys.readouterr().out.strip().splitlines()
@@ -328,5 +349,35 @@ def test_a_tree_carrying_the_series_is_said_and_left_alone(
         f"{series.series_id}): nothing to do"
     )
     assert report["carries_series"] is True and report["rows"] == []
+    assert load_pin(root / PIN_FILE) == pin
+    assert load_series(root).names == series.names
+
+
+def test_a_tree_carrying_another_overlay_is_refused(
+    tmp_path: Path,
+    make_repo: MakeRepo,
+    base_texts: dict[str, str],
+    series: Series,
+    pin: Pin,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An install overlaid by an earlier series (here its first three
+    patches) is no upstream base: its patches would look landed."""
+    root = _repo(make_repo, series)
+    earlier = series.upto(3)
+    files = {**base_texts, CONNECTOR: _overlaid(base_texts, earlier)}
+    tree = write_tree(tmp_path / "site", files)
+    (tree / pin.module / MANIFEST_NAME).write_bytes(_manifest(earlier, pin))
+    argv = ["--repo", str(root), "rebase", "--to", str(tree), "--write"]
+    argv += ["--from", str(write_tree(tmp_path / "old", base_texts))]
+    assert main([*argv, "--workdir", str(tmp_path / "work")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"error: {tree}/vllm (source tree) carries an overlay of "
+        f"series {earlier.series_id} (3 patches on vLLM {pin.vllm.version}), not "
+        f"this series ({series.series_id}): rebase onto a vLLM without an "
+        "overlay (its wheel, or the tree after `vllm-overlay apply --revert`)\n"
+    )
     assert load_pin(root / PIN_FILE) == pin
     assert load_series(root).names == series.names

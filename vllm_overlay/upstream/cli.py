@@ -32,6 +32,7 @@ from vllm_overlay.upstream.rebase.plan import (
     write_plan,
 )
 from vllm_overlay.upstream.rebase.report import (
+    RebaseError,
     RebaseReport,
     encode_report,
     format_table,
@@ -111,6 +112,12 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
             f"{series.series_id}): nothing to do"
         )
         return 0
+    if new.overlay:
+        raise RebaseError(
+            f"{new.source} carries {new.overlay}, not this series "
+            f"({series.series_id}): rebase onto a vLLM without an overlay (its "
+            "wheel, or the tree after `vllm-overlay apply --revert`)"
+        )
     report, plan = rebase_plan(
         pin, series, old_bases, new, workdir, git_commit=args.git_commit
     )
