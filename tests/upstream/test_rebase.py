@@ -233,6 +233,34 @@ def test_partly_upstream_carries_the_rest(
     )
 
 
+def test_a_file_landed_next_to_one_that_conflicts_is_said_first(
+    tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
+) -> None:
+    """One patch, two files: upstream took its moriio_common.py change and
+    wrote its own line where the connector change goes."""
+    anchor = "class MoRIIOError(Exception):\n"
+    common = edit(base_texts[COMMON], anchor, anchor + "    # Overlay test.\n")
+    connector = edit(base_texts[CONNECTOR], CLAMP, CLAMP_NEW)
+    both = patch_text(
+        "both",
+        [
+            diff(CONNECTOR, base_texts[CONNECTOR], connector),
+            diff(COMMON, base_texts[COMMON], common),
+        ],
+    )
+    root = make_repo({"0001-both.patch": both})
+    theirs = edit(base_texts[CONNECTOR], CLAMP, CLAMP + "        # Upstream's.\n")
+    report, plan = _plan(
+        root, base_texts, {CONNECTOR: theirs, COMMON: common}, tmp_path
+    )
+    assert _results(report) == [("0001-both.patch", "conflict")]
+    assert report.rows[0].detail == (
+        "partly upstream: moriio_connector.py: 1 conflict(s); 1 hunk(s) do not "
+        "apply; moriio_common.py: every hunk landed (1)"
+    )
+    assert plan is None
+
+
 def test_real_older_release_conflicts(
     tmp_path: Path,
     make_repo: MakeRepo,

@@ -244,7 +244,9 @@ def combine(outcomes: list[FileOutcome]) -> tuple[Result, str]:
     if "blocked" in kinds:
         return "blocked", "; ".join(details)
     if "conflict" in kinds:
-        return "conflict", "; ".join(details)
+        # A file that landed next to one that conflicts: say so first.
+        part = "partly upstream: " if kinds & {"upstream", "partly upstream"} else ""
+        return "conflict", part + "; ".join(details)
     if kinds == {"upstream"}:
         return "upstream", "; ".join(details) + "; proposed for removal"
     if kinds & {"upstream", "partly upstream"}:
