@@ -206,6 +206,7 @@ def test_a_base_holding_some_hunks_of_0001_carries_the_remainder(
         _overlaid(base_texts, series), SPDX, SPDX + INSERTED
     )
     assert load_pin(root / PIN_FILE).vllm.version == "0.34.0" != pin.vllm.version
+    assert check_series(root, load_pin(root / PIN_FILE), tests=False) == []
 
 
 def _one_line_hunk(fp: FilePatch, text: str) -> int:
