@@ -11,6 +11,7 @@ from vllm_overlay.series.patch_series import (
     SeriesError,
     check_series,
     load_series,
+    set_header_field,
 )
 from vllm_overlay.series.pin import load_pin
 
@@ -156,8 +157,52 @@ def test_builds_on_names_an_earlier_upstream_patch(ws: Workspace) -> None:
     _with_header(ws, "0002-b.patch", Origin=f"upstream, {url}", Forwarded=url)
     assert _problems(ws) == [
         f"0001-a.patch: Builds-On {url} is not the upstream URL of an earlier "
-        "patch in the series"
+        "patch in the series or of a dropped one"
     ]
+
+
+def _dropped(ws: Workspace, name: str, text: str) -> None:
+    folder = ws.repo / "patches" / "dropped"
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(text)
+
+
+def test_builds_on_a_dropped_patch(ws: Workspace) -> None:
+    """A patch upstream has left the series; its record still names the
+    change an extension builds on."""
+    url = "https://github.com/vllm-project/vllm/pull/1"
+    _with_header(ws, **{"Builds-On": url})
+    landed = {"Origin": f"upstream, {url}", "Forwarded": url}
+    _dropped(ws, "0001-x.dep3", header("x", **landed, **{"Applied-Upstream": "0.34.0"}))
+    assert _problems(ws) == []
+
+
+def test_dropped_records_are_checked(ws: Workspace) -> None:
+    _with_header(ws)
+    _dropped(ws, "0001-x.dep3", header("x"))
+    _dropped(ws, "0002-y.dep3", header("y", Forwarded="later", **{"X-A": "1"}))
+    _dropped(ws, "notes.txt", "anything\n")
+    assert _problems(ws) == [
+        "dropped/0001-x.dep3: Applied-Upstream is empty (a dropped patch names "
+        "the vLLM release that has it)",
+        "dropped/0002-y.dep3:11: unknown header field 'X-A' (neither DEP-3 nor "
+        "declared in README.md's patch headers)",
+        "dropped/0002-y.dep3: Forwarded: 'later' is not a DEP-3 value (no, "
+        "not-needed, or the URL the change was sent to)",
+        "dropped/notes.txt: not a .dep3 record of a dropped patch",
+    ]
+
+
+def test_set_header_field_replaces_the_value_and_its_continuation_lines() -> None:
+    head = "Subject: s\nApplied-Upstream: a\n b\nLast-Update: 2026-11-30\n"
+    assert set_header_field(head, "applied-upstream", "0.34.0") == (
+        "Subject: s\nApplied-Upstream: 0.34.0\nLast-Update: 2026-11-30\n"
+    )
+    assert set_header_field("Applied-Upstream:\n", "Applied-Upstream", "x") == (
+        "Applied-Upstream: x\n"
+    )
+    with pytest.raises(SeriesError, match="the header has no Bug field"):
+        set_header_field(head, "Bug", "x")
 
 
 def test_a_test_proves_one_patch(ws: Workspace) -> None:

@@ -15,6 +15,17 @@ MODULE = MODULE_DIR
 CONNECTOR = f"{MODULE}/moriio_connector.py"
 COMMON = f"{MODULE}/moriio_common.py"
 OLD_WHEEL_ENV = "VLLM_OVERLAY_TEST_OLD_WHEEL"
+# Lines of the base connector test patches edit around, and what upstream
+# adds at the top of a newer base.
+CLAMP = (
+    '    def _clamp_to_prompt_blocks(self, req: "Request", block_ids: BlockIds)'
+    " -> BlockIds:\n"
+)
+CLAMP_NEW = (
+    CLAMP + "        # Overlay test: blocks past the prompt are never transferred.\n"
+)
+SPDX = "# SPDX-License-Identifier: Apache-2.0\n"
+INSERTED = "".join(f"# upstream line {i}\n" for i in range(7))
 
 
 def header(subject: str, tests: str = "tests/patches/test_x.py::test_x") -> str:

@@ -17,9 +17,13 @@ from pathlib import Path
 import pytest
 
 from tests.upstream.repos import (
+    CLAMP,
+    CLAMP_NEW,
     COMMON,
     CONNECTOR,
+    INSERTED,
     REPO,
+    SPDX,
     MakeRepo,
     diff,
     edit,
@@ -39,16 +43,6 @@ from vllm_overlay.upstream.rebase.newbase import (
 )
 from vllm_overlay.upstream.rebase.plan import rebase_plan
 from vllm_overlay.upstream.rebase.report import RebaseError
-
-CLAMP = (
-    '    def _clamp_to_prompt_blocks(self, req: "Request", block_ids: BlockIds)'
-    " -> BlockIds:\n"
-)
-CLAMP_NEW = (
-    CLAMP + "        # Overlay test: blocks past the prompt are never transferred.\n"
-)
-SPDX = "# SPDX-License-Identifier: Apache-2.0\n"
-INSERTED = "".join(f"# upstream line {i}\n" for i in range(7))
 
 
 def _one_patch(base: dict[str, str]) -> dict[str, str]:
@@ -154,6 +148,13 @@ def test_lines_inserted_above_give_an_offset_and_a_refreshed_patch(
     )
 
 
+def _line_of(text: str, line: str) -> int:
+    """The 1-based number of ``line``, which stands once in ``text``."""
+    lines = text.splitlines(keepends=True)
+    assert lines.count(line) == 1
+    return lines.index(line) + 1
+
+
 def test_base_holding_the_patch_is_upstream_and_never_reverse_applied(
     tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
 ) -> None:
@@ -164,7 +165,15 @@ def test_base_holding_the_patch_is_upstream_and_never_reverse_applied(
     newer = {CONNECTOR: edit(merged, SPDX, SPDX + INSERTED)}
     report, plan = _plan(root, base_texts, newer, tmp_path)
     assert _results(report) == [("0001-clamp.patch", "upstream")]
-    assert "reverse-applies" in report.rows[0].detail
+    assert "every hunk landed (1)" in report.rows[0].detail
+    # The evidence: the hunk's post-image, and the line it adds, where the
+    # new base has them.
+    added = CLAMP_NEW[len(CLAMP) :]
+    at = _line_of(newer[CONNECTOR], added)
+    (note,) = report.rows[0].hunks
+    # Three lines of context either side.
+    assert note.landed == f"its post-image is at lines {at - 3}-{at + 3}"
+    assert note.evidence == [f"{at}: {added.strip()}"]
     assert plan is not None
     assert plan.patches == {"0001-clamp.patch": None}
     # The new pin records the new base as it is (the patch line included).
@@ -175,7 +184,8 @@ def test_base_holding_the_change_with_edits_nearby_is_upstream(
     tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
 ) -> None:
     """Upstream merged the change and also edited a context line of its hunk:
-    the patch no longer reverse-applies, but a 3-way merge changes nothing."""
+    the post-image is not there verbatim, but the line the patch adds is,
+    where the hunk sits."""
     root = make_repo(_one_patch(base_texts))
     merged = edit(base_texts[CONNECTOR], CLAMP, CLAMP_NEW)
     body = merged.split(CLAMP_NEW, 1)[1].splitlines(keepends=True)
@@ -185,29 +195,69 @@ def test_base_holding_the_change_with_edits_nearby_is_upstream(
     newer_text = edit(merged, anchor, CLAMP_NEW + body[0] + "        # upstream\n")
     report, plan = _plan(root, base_texts, {CONNECTOR: newer_text}, tmp_path)
     assert _results(report) == [("0001-clamp.patch", "upstream")]
-    assert "3-way merge of the patch changes nothing" in report.rows[0].detail
+    at = _line_of(newer_text, CLAMP_NEW[len(CLAMP) :])
+    (note,) = report.rows[0].hunks
+    assert note.landed == f"its 1 new line(s) are at lines {at} (context differs)"
     assert plan is not None
 
 
-def test_partly_upstream_is_a_conflict(
+def test_partly_upstream_carries_the_rest(
     tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
 ) -> None:
     patches = _two_patches(base_texts)
     root = make_repo(patches)
     # Upstream took 0001 and 0002's moriio_common.py change, not its
-    # connector change: 0002 cannot be dropped nor applied as it is.
+    # connector change: 0002's remainder is its connector change.
     series = load_series(root)
     common = apply_file_patch(
         base_texts[COMMON],
         next(fp for fp in series.patches[1].files if fp.path == COMMON),
     ).text
     newer = {CONNECTOR: edit(base_texts[CONNECTOR], CLAMP, CLAMP_NEW), COMMON: common}
-    report, plan = _plan(root, base_texts, newer, tmp_path)
+    version = {"vllm/_version.py": "__version__ = version = '0.34.0'\n"}
+    report, plan = _plan(root, base_texts, {**newer, **version}, tmp_path)
     assert _results(report) == [
         ("0001-clamp.patch", "upstream"),
-        ("0002-second.patch", "conflict"),
+        ("0002-second.patch", "partly upstream"),
     ]
-    assert "partly upstream" in report.rows[1].detail
+    assert "moriio_common.py: every hunk landed (1)" in report.rows[1].detail
+    assert plan is not None
+    remainder = plan.patches["0002-second.patch"]
+    assert remainder is not None
+    head, body = split_header(remainder, "0002-second.patch")
+    assert "Applied-Upstream: 0.34.0 (in part)\n" in head
+    (fp,) = parse_patch(body)
+    assert fp.path == CONNECTOR
+    assert apply_file_patch(newer[CONNECTOR], fp).text == edit(
+        newer[CONNECTOR], CLAMP_NEW, CLAMP_NEW + "        # and a second line.\n"
+    )
+
+
+def test_a_file_landed_next_to_one_that_conflicts_is_said_first(
+    tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
+) -> None:
+    """One patch, two files: upstream took its moriio_common.py change and
+    wrote its own line where the connector change goes."""
+    anchor = "class MoRIIOError(Exception):\n"
+    common = edit(base_texts[COMMON], anchor, anchor + "    # Overlay test.\n")
+    connector = edit(base_texts[CONNECTOR], CLAMP, CLAMP_NEW)
+    both = patch_text(
+        "both",
+        [
+            diff(CONNECTOR, base_texts[CONNECTOR], connector),
+            diff(COMMON, base_texts[COMMON], common),
+        ],
+    )
+    root = make_repo({"0001-both.patch": both})
+    theirs = edit(base_texts[CONNECTOR], CLAMP, CLAMP + "        # Upstream's.\n")
+    report, plan = _plan(
+        root, base_texts, {CONNECTOR: theirs, COMMON: common}, tmp_path
+    )
+    assert _results(report) == [("0001-both.patch", "conflict")]
+    assert report.rows[0].detail == (
+        "partly upstream: moriio_connector.py: 1 conflict(s); 1 hunk(s) do not "
+        "apply; moriio_common.py: every hunk landed (1)"
+    )
     assert plan is None
 
 

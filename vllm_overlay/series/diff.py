@@ -370,3 +370,53 @@ def shift_hunk_headers(text: str, shifts: Mapping[str, Sequence[int]]) -> str:
             )
         out.append(line)
     return "".join(out)
+
+
+def format_hunk(hunk: Hunk) -> str:
+    """The text of ``hunk``: its ``@@`` line (with its section) and its lines,
+    a line without a final newline marked as git marks it."""
+    head = f"{hunk.header} {hunk.section}" if hunk.section else hunk.header
+    out = [head + "\n"]
+    for tag, text in hunk.lines:
+        out.append(tag + text)
+        if not text.endswith("\n"):
+            out.append(f"\n{_NO_NEWLINE}\n")
+    return "".join(out)
+
+
+def place_hunks(hunks: Sequence[Hunk], offsets: Sequence[int]) -> tuple[Hunk, ...]:
+    """``hunks`` (in order, not overlapping) with their headers recomputed
+    for a target where hunk ``k`` sits ``offsets[k]`` lines from where its
+    header says: the old start moves by the offset, the new start follows
+    from the hunks before it. A subset of a patch's hunks, placed with the
+    offsets at which it applies, is a patch of its own."""
+    if len(hunks) != len(offsets):
+        raise ValueError(f"{len(hunks)} hunks, {len(offsets)} offsets")
+    out = []
+    delta = 0
+    for hunk, offset in zip(hunks, offsets, strict=True):
+        old_start = hunk.old_start + offset
+        at = old_start - 1 if hunk.old_len else old_start
+        new_start = at + delta + (1 if hunk.new_len else 0)
+        delta += hunk.new_len - hunk.old_len
+        out.append(
+            Hunk(
+                old_start,
+                hunk.old_len,
+                new_start,
+                hunk.new_len,
+                hunk.section,
+                hunk.lines,
+            )
+        )
+    return tuple(out)
+
+
+def format_file_patch(fp: FilePatch, index_line: str = "") -> str:
+    """A git-style section for ``fp``: ``diff --git``, ``index_line`` when
+    given (``index a..b 100644``), the file header and every hunk as it is."""
+    head = f"diff --git a/{fp.old_path} b/{fp.new_path}\n"
+    if index_line:
+        head += index_line.rstrip("\n") + "\n"
+    head += f"--- a/{fp.old_path}\n+++ b/{fp.new_path}\n"
+    return head + "".join(format_hunk(h) for h in fp.hunks)

@@ -16,6 +16,10 @@ from vllm_overlay.series.pin import Pin
 PATCH_DIR = "patches"
 SERIES_FILE = "series"
 HEADER_END = "---"
+# Patches that left the series because upstream vLLM has them: each one's
+# DEP-3 header, `Applied-Upstream` filled in, as `patches/dropped/<slug>.dep3`.
+DROPPED_DIR = "dropped"
+DROPPED_SUFFIX = ".dep3"
 
 # DEP-3 fields (https://dep-team.pages.debian.net/deps/dep3/) this series
 # uses, then the fields this project declares on top of DEP-3. README.md's
@@ -307,6 +311,70 @@ def parse_header(text: str, name: str) -> PatchHeader:
     return header
 
 
+def set_header_field(head: str, field: str, value: str) -> str:
+    """``head`` (a DEP-3 header) with ``field``'s value (and its
+    continuation lines) replaced by ``value``, every other byte kept; a
+    ``SeriesError`` when the header has no such field."""
+    lines = head.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        key, sep, _ = line.partition(":")
+        if not sep or line[:1] in " \t" or key.strip().lower() != field.lower():
+            continue
+        end = i + 1
+        while end < len(lines) and lines[end][:1] in (" ", "\t"):
+            end += 1
+        new = f"{key}: {value}".rstrip() + "\n"
+        return "".join(lines[:i] + [new] + lines[end:])
+    raise SeriesError(f"the header has no {field} field")
+
+
+@dataclass(frozen=True)
+class DroppedPatch:
+    """A patch upstream vLLM has: its header, kept when it left the series."""
+
+    name: str  # the record's file name, ``<slug>.dep3``
+    header: PatchHeader
+
+
+def dropped_record(head: str, version: str) -> str:
+    """The record of a dropped patch: its header, ``Applied-Upstream:
+    <version>``."""
+    return set_header_field(head, "Applied-Upstream", version)
+
+
+def dropped_problems(patch_dir: Path) -> tuple[list[DroppedPatch], list[str]]:
+    """Every record in ``patch_dir/dropped`` and what is wrong with them (a
+    header that does not parse, an empty ``Applied-Upstream``)."""
+    records: list[DroppedPatch] = []
+    problems: list[str] = []
+    folder = patch_dir / DROPPED_DIR
+    if not folder.is_dir():
+        return records, problems
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith("."):
+            continue
+        rel = f"{DROPPED_DIR}/{path.name}"
+        if path.suffix != DROPPED_SUFFIX or not path.is_file():
+            problems.append(f"{rel}: not a {DROPPED_SUFFIX} record of a dropped patch")
+            continue
+        try:
+            text = _read_text(path, rel)
+        except SeriesError as e:
+            problems.append(str(e))
+            continue
+        header, issues = header_problems(text, rel)
+        problems.extend(issues)
+        if header is None:
+            continue
+        if not header.applied_upstream:
+            problems.append(
+                f"{rel}: Applied-Upstream is empty (a dropped patch names the "
+                "vLLM release that has it)"
+            )
+        records.append(DroppedPatch(path.name, header))
+    return records, problems
+
+
 def load_patch(path: Path, index: int) -> SeriesPatch:
     text = _read_text(path, path.name)
     head, body = split_header(text, path.name)
@@ -386,15 +454,25 @@ def check_series(root: Path, pin: Pin, *, tests: bool = True) -> list[str]:
                 problems.append(f"{name}: touches {fp.path}, which is not pinned")
         if header is not None:
             loaded.append(SeriesPatch(i, name, path, text, header, files))
-    return problems + _series_problems(root, loaded, tests)
+    dropped, dropped_issues = dropped_problems(patch_dir)
+    problems += dropped_issues
+    return problems + _series_problems(root, loaded, tests, dropped)
 
 
-def _series_problems(root: Path, patches: list[SeriesPatch], tests: bool) -> list[str]:
+def _series_problems(
+    root: Path,
+    patches: list[SeriesPatch],
+    tests: bool,
+    dropped: list[DroppedPatch] = [],  # noqa: B006 (never mutated)
+) -> list[str]:
     """What a patch's header says about the rest of the series and (unless
-    ``tests`` is false) the test files it names."""
+    ``tests`` is false) the test files it names. A patch may build on a
+    dropped one (upstream has it)."""
     problems: list[str] = []
     named_by: dict[str, str] = {}
-    upstream_urls: set[str] = set()
+    upstream_urls = {
+        u for d in dropped for u in (d.header.upstream_url, d.header.origin_url) if u
+    }
     for patch in patches:
         h, name = patch.header, patch.name
         if not h.tests:
@@ -417,7 +495,7 @@ def _series_problems(root: Path, patches: list[SeriesPatch], tests: bool) -> lis
             if url not in upstream_urls:
                 problems.append(
                     f"{name}: Builds-On {url} is not the upstream URL of an "
-                    "earlier patch in the series"
+                    "earlier patch in the series or of a dropped one"
                 )
         upstream_urls |= {u for u in (h.upstream_url, h.origin_url) if u}
     return problems

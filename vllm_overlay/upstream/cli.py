@@ -25,8 +25,19 @@ from vllm_overlay.upstream.rebase.newbase import (
     is_downgrade,
     resolve_new_base,
 )
-from vllm_overlay.upstream.rebase.plan import DEFAULT_WORKDIR, rebase_plan, write_plan
-from vllm_overlay.upstream.rebase.report import encode_report, format_table
+from vllm_overlay.upstream.rebase.plan import (
+    DEFAULT_WORKDIR,
+    carries_series,
+    rebase_plan,
+    write_plan,
+)
+from vllm_overlay.upstream.rebase.report import (
+    RebaseError,
+    RebaseReport,
+    encode_report,
+    format_table,
+    result_counts,
+)
 
 
 def cmd_export(app: App, args: argparse.Namespace) -> int:
@@ -74,14 +85,39 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
     """Classify and move the series onto a newer vLLM base.
 
     Classify every patch against a newer vLLM (clean, offset, upstream,
-    conflict, blocked); with --write and no conflict, write the new pin and
-    the refreshed patches.
+    partly upstream, conflict, blocked); with --write and no conflict, write
+    the new pin, the refreshed patches and the records of dropped ones.
     """
     checkout = app.checkout
     pin, series = checkout.pin, checkout.series
     old_bases = base_source(args).load(pin, series).texts
     new = resolve_new_base(args.to, pin.module, args.cache, pin.vllm.version)
     workdir = checkout.path(args.workdir) / new.version
+    report_path = args.report or workdir / "rebase.json"
+    if carries_series(old_bases, series, new):
+        report = RebaseReport(
+            from_version=pin.vllm.version,
+            to_version=new.version,
+            to_source=new.source,
+            series_id=series.series_id,
+            workdir=str(workdir),
+            rows=[],
+            carries_series=True,
+        )
+        _write_report(report_path, report)
+        app.result(report)
+        app.say(
+            f"rebase: {new.source} already carries this series (vLLM "
+            f"{pin.vllm.version} + {len(series.patches)} patches, series "
+            f"{series.series_id}): nothing to do"
+        )
+        return 0
+    if new.overlay:
+        raise RebaseError(
+            f"{new.source} carries {new.overlay}, not this series "
+            f"({series.series_id}): rebase onto a vLLM without an overlay (its "
+            "wheel, or the tree after `vllm-overlay apply --revert`)"
+        )
     report, plan = rebase_plan(
         pin, series, old_bases, new, workdir, git_commit=args.git_commit
     )
@@ -91,17 +127,29 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
             app.say(f"  wrote {path}" if path.exists() else f"  removed {path}")
         report.written = True
     app.say(format_table(report))
-    report_path = args.report or workdir / "rebase.json"
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    report_path.write_bytes(encode_report(report))
+    _write_report(report_path, report)
     app.say(f"rebase: report written to {report_path}")
     app.result(report)
+    counts = result_counts(report)
     if plan is None:
-        app.say("rebase: not every patch applies; nothing in the repository changed")
+        app.say(
+            f"rebase: {counts}: not every patch applies; nothing in the "
+            "repository changed"
+        )
         return 1
-    if not args.write:
-        app.say("rebase: every patch applies or is upstream; --write updates the pin")
+    if args.write:
+        app.say(f"rebase: {counts}: the series is on vLLM {new.version}")
+    else:
+        app.say(
+            f"rebase: {counts}: every patch applies or is upstream; --write "
+            "updates the pin"
+        )
     return 0
+
+
+def _write_report(path: Path, report: RebaseReport) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(encode_report(report))
 
 
 def register(sub: Subparsers) -> None:

@@ -1,5 +1,6 @@
-"""One patch's files against the new base: clean, offset, upstream or
-conflict (a 3-way merge written out for review)."""
+"""One patch's files against the new base: clean, offset, upstream, partly
+upstream (some hunks landed, the rest carried) or conflict (a 3-way merge
+written out for review)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from vllm_overlay.series.diff import FilePatch, Hunk, HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import SeriesPatch
+from vllm_overlay.upstream.rebase.landed import HunkCheck, check_hunks
 from vllm_overlay.upstream.rebase.report import HunkNote, RebaseError, Result
 
 
@@ -44,84 +46,161 @@ class FileOutcome:
     detail: str
     new_post: str | None = None
     hunks: list[HunkNote] = field(default_factory=list)
+    # The hunks carried onto the new base (0-based; every hunk unless some
+    # landed) and the offset at which each applies there.
+    kept: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     merged: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
 
 
-def _hunk_notes(fp: FilePatch, offsets: list[int]) -> list[HunkNote]:
-    return [
-        HunkNote(fp.path, k + 1, _describe(h), off)
-        for k, (h, off) in enumerate(zip(fp.hunks, offsets, strict=True))
-        if off
-    ]
+@dataclass(frozen=True)
+class FileInput:
+    """One file of a patch: the texts it meets on both bases."""
+
+    fp: FilePatch
+    old_pre: str  # the pinned base with the patches below
+    old_post: str  # ... and this one
+    new_pre: str | None  # the new base with the patches carried so far
+    blocked_by: str = ""  # the earlier patch that conflicts in this file
 
 
 def _describe(hunk: Hunk) -> str:
     return f"{hunk.header} {hunk.section}".rstrip()
 
 
-def _failed_hunks(fp: FilePatch, text: str) -> list[HunkNote]:
-    notes = []
-    for k, hunk in enumerate(fp.hunks):
-        alone = FilePatch(fp.old_path, fp.new_path, (hunk,))
-        try:
-            apply_file_patch(text, alone, offset=True)
-        except HunkError:
-            notes.append(
-                HunkNote(fp.path, k + 1, _describe(hunk), problem="context not found")
-            )
-    return notes
+def _numbers(indexes: list[int]) -> str:
+    return " ".join(f"#{k + 1}" for k in indexes)
 
 
-def classify_file(
+def classify_patch(
     patch: SeriesPatch,
-    fp: FilePatch,
-    old_pre: str,
-    old_post: str,
-    new_pre: str | None,
+    inputs: list[FileInput],
+    labels: tuple[str, str],
+    workdir: Path,
+) -> list[FileOutcome]:
+    """Each file of ``patch`` against the new base, in order.
+
+    A file whose hunks apply exactly is clean. Otherwise each hunk is looked
+    for in the new base (``landed``); a hunk without evidence of its own
+    counts as landed only when its post-image is there verbatim and another
+    hunk of the patch landed on its own evidence."""
+    outcomes: dict[int, FileOutcome] = {}
+    checks: dict[int, list[HunkCheck]] = {}
+    for i, inp in enumerate(inputs):
+        name = file_name(inp.fp)
+        if inp.blocked_by:
+            why = f"{name}: not assessed, {inp.blocked_by} conflicts there"
+            outcomes[i] = FileOutcome("blocked", why)
+        elif inp.new_pre is None:
+            missing = f"{inp.fp.path} is not in the new base"
+            outcomes[i] = FileOutcome("conflict", missing)
+        else:
+            try:
+                done = apply_file_patch(inp.new_pre, inp.fp)
+            except HunkError:
+                checks[i] = check_hunks(inp.old_pre, inp.new_pre, inp.fp)
+                continue
+            every = list(range(len(inp.fp.hunks)))
+            outcomes[i] = FileOutcome(
+                "clean", "", done.text, kept=every, offsets=[0] * len(every)
+            )
+    evidence = any(c.landed for cs in checks.values() for c in cs)
+    for i, cs in checks.items():
+        landed = {
+            c.index: c.landed_summary()
+            if c.landed
+            else c.landed_summary(trivial_follows=True)
+            for c in cs
+            if c.landed or (evidence and not c.has_evidence and c.post_at is not None)
+        }
+        outcomes[i] = _classify_file(patch, inputs[i], cs, landed, labels, workdir)
+    return [outcomes[i] for i in range(len(inputs))]
+
+
+def _classify_file(
+    patch: SeriesPatch,
+    inp: FileInput,
+    checks: list[HunkCheck],
+    landed: dict[int, str],
     labels: tuple[str, str],
     workdir: Path,
 ) -> FileOutcome:
-    if new_pre is None:
-        return FileOutcome("conflict", f"{fp.path} is not in the new base")
+    fp, new_pre = inp.fp, inp.new_pre
+    assert new_pre is not None
+    name = file_name(fp)
+    notes = [
+        HunkNote(
+            fp.path,
+            c.index + 1,
+            _describe(c.hunk),
+            landed=landed[c.index],
+            evidence=c.evidence(),
+        )
+        for c in checks
+        if c.index in landed
+    ]
+    kept = [k for k in range(len(fp.hunks)) if k not in landed]
+    if not kept:
+        return FileOutcome(
+            "upstream", f"{name}: every hunk landed ({len(fp.hunks)})", hunks=notes
+        )
+    rest = FilePatch(fp.old_path, fp.new_path, tuple(fp.hunks[k] for k in kept))
     try:
-        done = apply_file_patch(new_pre, fp)
-        return FileOutcome("clean", "", done.text, offsets=[0] * len(fp.hunks))
+        done = apply_file_patch(new_pre, rest, offset=True)
     except HunkError:
         pass
-    try:
-        apply_file_patch(new_pre, fp.reversed(), offset=True)
-        return FileOutcome("upstream", f"{file_name(fp)}: the patch reverse-applies")
-    except HunkError:
-        pass
-    try:
-        done = apply_file_patch(new_pre, fp, offset=True)
+    else:
         offsets = [h.offset for h in done.hunks]
-        return FileOutcome(
-            "offset", "", done.text, _hunk_notes(fp, offsets), offsets=offsets
+        notes += [
+            HunkNote(fp.path, k + 1, _describe(fp.hunks[k]), off)
+            for k, off in zip(kept, offsets, strict=True)
+            if off
+        ]
+        notes.sort(key=lambda n: n.hunk)
+        if not landed:
+            return FileOutcome("offset", "", done.text, notes, kept, offsets)
+        detail = (
+            f"{name}: hunk(s) {_numbers(sorted(landed))} landed; "
+            f"{_numbers(kept)} carried (the remainder)"
         )
-    except HunkError:
-        pass
+        return FileOutcome("partly upstream", detail, done.text, notes, kept, offsets)
+    # The review merge leaves out what landed: new base, old base, and the
+    # old base with the hunks that did not.
+    theirs = apply_file_patch(inp.old_pre, rest).text
     new_label, old_label = labels
-    merge = merge_file(new_pre, old_pre, old_post, (new_label, old_label, patch.slug))
-    if merge.conflicts == 0 and merge.text == new_pre:
-        return FileOutcome(
-            "upstream", f"{file_name(fp)}: a 3-way merge of the patch changes nothing"
-        )
+    merge = merge_file(new_pre, inp.old_pre, theirs, (new_label, old_label, patch.slug))
     merged = _write_merge(
-        workdir / patch.slug, file_name(fp), merge.text, (new_pre, old_pre, old_post)
+        workdir / patch.slug, name, merge.text, (new_pre, inp.old_pre, theirs)
     )
-    failed = _failed_hunks(fp, new_pre)
+    by_index = {c.index: c for c in checks}
+    failed = [
+        HunkNote(fp.path, k + 1, _describe(fp.hunks[k]), problem=by_index[k].problem())
+        for k in kept
+        if not _applies_alone(new_pre, fp, k)
+    ]
     markers = [
         f"{merged}:{i}"
         for i, line in enumerate(merge.text.splitlines(), 1)
         if line.startswith("<<<<<<< ")
     ]
-    detail = _conflict_detail(file_name(fp), merge, failed)
+    detail = _conflict_detail(name, merge, failed, sorted(landed))
     return FileOutcome(
-        "conflict", detail, hunks=failed, merged=[merged], conflicts=markers
+        "conflict",
+        detail,
+        hunks=sorted(notes + failed, key=lambda n: n.hunk),
+        merged=[merged],
+        conflicts=markers,
     )
+
+
+def _applies_alone(text: str, fp: FilePatch, k: int) -> bool:
+    alone = FilePatch(fp.old_path, fp.new_path, (fp.hunks[k],))
+    try:
+        apply_file_patch(text, alone, offset=True)
+    except HunkError:
+        return False
+    return True
 
 
 def _write_merge(
@@ -135,16 +214,24 @@ def _write_merge(
     return str(out / f"{stem}.merged")
 
 
-def _conflict_detail(stem: str, merge: Merge, failed: list[HunkNote]) -> str:
+def _conflict_detail(
+    stem: str, merge: Merge, failed: list[HunkNote], landed: list[int]
+) -> str:
     """A short summary; the table lists each conflict (``path:line`` of the
-    ``.merged`` file) and each hunk on its own line."""
+    ``.merged`` file), each landed hunk and each hunk on its own line."""
+    changed = sum(1 for h in failed if "changed upstream" in h.problem)
     hunks = f"{len(failed)} hunk(s) do not apply" if failed else "every hunk applies"
+    if changed:
+        hunks += f" ({changed} changed upstream)"
+    prefix = f"{stem}: "
+    if landed:
+        prefix += f"partly upstream: hunk(s) {_numbers(landed)} landed; the rest: "
     if not merge.conflicts:
         return (
-            f"{stem}: context changed ({hunks}); the 3-way merge is clean but "
+            f"{prefix}context changed ({hunks}); the 3-way merge is clean but "
             "needs review"
         )
-    return f"{stem}: {merge.conflicts} conflict(s); {hunks}"
+    return f"{prefix}{merge.conflicts} conflict(s); {hunks}"
 
 
 def file_name(fp: FilePatch) -> str:
@@ -157,12 +244,13 @@ def combine(outcomes: list[FileOutcome]) -> tuple[Result, str]:
     if "blocked" in kinds:
         return "blocked", "; ".join(details)
     if "conflict" in kinds:
-        return "conflict", "; ".join(d for o in outcomes if (d := o.detail))
+        # A file that landed next to one that conflicts: say so first.
+        part = "partly upstream: " if kinds & {"upstream", "partly upstream"} else ""
+        return "conflict", part + "; ".join(details)
     if kinds == {"upstream"}:
         return "upstream", "; ".join(details) + "; proposed for removal"
-    if "upstream" in kinds:
-        up = [d for o in outcomes if o.result == "upstream" and (d := o.detail)]
-        return "conflict", "partly upstream (" + "; ".join(up) + "), rest not"
+    if kinds & {"upstream", "partly upstream"}:
+        return "partly upstream", "; ".join(details)
     if "offset" in kinds:
         return "offset", ""
     return "clean", ""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_overlay.series.pin import sha256_file
+from vllm_overlay.tree.manifest import load_manifest, manifest_path
 from vllm_overlay.tree.target import detect_target
 from vllm_overlay.upstream.rebase.report import RebaseError
 
@@ -34,6 +35,9 @@ class NewBase:
     wheel: str  # "" for a source tree
     wheel_sha256: str
     files: dict[str, bytes]
+    # A tree overlaid by `vllm-overlay apply`: what its manifest says it
+    # carries ("" for none).
+    overlay: str = ""
 
     def text(self, path: str) -> str | None:
         data = self.files.get(path)
@@ -108,6 +112,21 @@ def new_base_from_source(path: Path, module: str) -> NewBase:
         wheel="",
         wheel_sha256="",
         files=files,
+        overlay=_overlay(target.root, module),
+    )
+
+
+def _overlay(root: Path, module: str) -> str:
+    """What the tree's overlay manifest says it carries; "" without one."""
+    path = manifest_path(root, module)
+    if not path.exists():
+        return ""
+    manifest, problem = load_manifest(path)
+    if manifest is None:
+        return f"an overlay whose manifest {path} is unusable ({problem})"
+    return (
+        f"an overlay of series {manifest.series_id} ({len(manifest.patches)} "
+        f"patches on vLLM {manifest.vllm_version})"
     )
 
 

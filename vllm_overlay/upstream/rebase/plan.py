@@ -8,17 +8,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_overlay.series.diff import (
+    FilePatch,
     HunkError,
     apply_file_patch,
+    format_file_patch,
     git_blob_sha1,
     parse_patch,
+    place_hunks,
     shift_hunk_headers,
 )
 from vllm_overlay.series.patch_series import (
+    DROPPED_DIR,
+    DROPPED_SUFFIX,
     PATCH_DIR,
     SERIES_FILE,
     Series,
     SeriesPatch,
+    dropped_record,
+    set_header_field,
     split_header,
 )
 from vllm_overlay.series.pin import (
@@ -32,11 +39,12 @@ from vllm_overlay.series.pin import (
     sha256_bytes,
 )
 from vllm_overlay.transaction import Change, Transaction, lock
+from vllm_overlay.tree.apply import ApplyError, overlay_texts
 from vllm_overlay.upstream.rebase.classify import (
+    FileInput,
     FileOutcome,
-    classify_file,
+    classify_patch,
     combine,
-    file_name,
 )
 from vllm_overlay.upstream.rebase.newbase import NewBase
 from vllm_overlay.upstream.rebase.report import RebaseError, RebaseReport, RebaseRow
@@ -50,6 +58,8 @@ class Plan:
 
     pin: Pin
     patches: dict[str, str | None] = field(default_factory=dict)  # None: drop
+    # The record of each dropped patch: file name in patches/dropped -> text.
+    dropped: dict[str, str] = field(default_factory=dict)
 
 
 _INDEX_RE = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(.*)$")
@@ -80,8 +90,23 @@ class _Walk:
     new: dict[str, str]  # the new base with the patches carried so far
     labels: tuple[str, str]  # merge labels: the new base, the old base
     workdir: Path
+    version: str  # what Applied-Upstream names: the new base's version
     blocked: dict[str, str] = field(default_factory=dict)  # path -> patch
     refreshed: dict[str, str | None] = field(default_factory=dict)  # None: drop
+    dropped: dict[str, str] = field(default_factory=dict)  # record -> text
+
+
+def carries_series(old_bases: dict[str, str], series: Series, new: NewBase) -> bool:
+    """Whether the new base is the pinned base with this whole series
+    applied (an overlaid install): every pinned file as the overlay writes
+    it."""
+    try:
+        overlaid = {**old_bases, **overlay_texts(old_bases, series)}
+    except ApplyError:
+        return False
+    return bool(series.patches) and all(
+        new.text(path) == text for path, text in overlaid.items()
+    )
 
 
 def rebase_plan(
@@ -99,6 +124,8 @@ def rebase_plan(
         new={p: d.decode() for p, d in new.files.items()},
         labels=(f"new base {new.version}", f"old base {pin.vllm.version}"),
         workdir=workdir,
+        version=new.version
+        or (f"git {new.git_commit}" if new.git_commit else new.source),
     )
     report = RebaseReport(
         from_version=pin.vllm.version,
@@ -110,11 +137,12 @@ def rebase_plan(
     )
     if not report.ok:
         return report, None
-    return report, Plan(new_pin(pin, new, git_commit), walk.refreshed)
+    return report, Plan(new_pin(pin, new, git_commit), walk.refreshed, walk.dropped)
 
 
 def _step(walk: _Walk, patch: SeriesPatch) -> RebaseRow:
-    """Classify one patch and carry it forward on the new base."""
+    """Classify one patch and carry it (or what did not land) forward on the
+    new base."""
     outcomes = _assess(walk, patch)
     result, detail = combine(outcomes)
     hunks = [h for o in outcomes for h in o.hunks]
@@ -124,16 +152,23 @@ def _step(walk: _Walk, patch: SeriesPatch) -> RebaseRow:
             f"{h.offset:+d} lines ({h.header})"
             for h in hunks
         )
+    head, _ = split_header(patch.text, patch.name)
     if result in ("conflict", "blocked"):
         for fp in patch.files:
             walk.blocked.setdefault(fp.path, patch.name)
     elif result == "upstream":
         walk.refreshed[patch.name] = None
+        record = patch.slug + DROPPED_SUFFIX
+        walk.dropped[record] = dropped_record(head, walk.version)
     else:
-        walk.refreshed[patch.name] = _refresh(patch, outcomes, walk.new)
+        if result == "partly upstream":
+            head = set_header_field(
+                head, "Applied-Upstream", f"{walk.version} (in part)"
+            )
+        walk.refreshed[patch.name] = _refresh(patch, head, outcomes, walk.new)
         for fp, o in zip(patch.files, outcomes, strict=True):
-            assert o.new_post is not None
-            walk.new[fp.path] = o.new_post
+            if o.new_post is not None:
+                walk.new[fp.path] = o.new_post
     merged = [m for o in outcomes for m in o.merged]
     conflicts = [c for o in outcomes for c in o.conflicts]
     return RebaseRow(patch.name, result, detail, hunks, merged, conflicts)
@@ -141,8 +176,7 @@ def _step(walk: _Walk, patch: SeriesPatch) -> RebaseRow:
 
 def _assess(walk: _Walk, patch: SeriesPatch) -> list[FileOutcome]:
     """Each file of ``patch`` against the new base (or blocked there)."""
-    outcomes: list[FileOutcome] = []
-    posts: dict[str, str] = {}
+    inputs: list[FileInput] = []
     for fp in patch.files:
         old_pre = walk.old[fp.path]
         try:
@@ -152,40 +186,71 @@ def _assess(walk: _Walk, patch: SeriesPatch) -> list[FileOutcome]:
                 f"{patch.name} does not apply to the pinned base ({e}); "
                 "fix the series first (`vllm-overlay series check`, `apply`)"
             ) from None
-        posts[fp.path] = old_post
-        if fp.path in walk.blocked:
-            culprit = walk.blocked[fp.path]
-            why = f"{file_name(fp)}: not assessed, {culprit} conflicts there"
-            outcomes.append(FileOutcome("blocked", why))
-            continue
-        new_pre = walk.new.get(fp.path)
-        outcomes.append(
-            classify_file(
-                patch, fp, old_pre, old_post, new_pre, walk.labels, walk.workdir
-            )
+        blocked_by = walk.blocked.get(fp.path, "")
+        inputs.append(
+            FileInput(fp, old_pre, old_post, walk.new.get(fp.path), blocked_by)
         )
-    walk.old.update(posts)
+    outcomes = classify_patch(patch, inputs, walk.labels, walk.workdir)
+    walk.old.update({i.fp.path: i.old_post for i in inputs})
     return outcomes
 
 
+def _index_modes(body: str) -> dict[str, str]:
+    """What follows ``index a..b`` (the mode) for each file of a diff."""
+    modes: dict[str, str] = {}
+    current = None
+    for line in body.splitlines():
+        if line.startswith("diff --git "):
+            current = line.rsplit(" b/", 1)[-1]
+        m = _INDEX_RE.match(line)
+        if m and current is not None:
+            modes[current] = m.group(3)
+    return modes
+
+
 def _refresh(
-    patch: SeriesPatch, outcomes: list[FileOutcome], new_chain: dict[str, str]
+    patch: SeriesPatch,
+    head: str,
+    outcomes: list[FileOutcome],
+    new_chain: dict[str, str],
 ) -> str:
-    head, body = split_header(patch.text, patch.name)
-    shifts = {fp.path: o.offsets for fp, o in zip(patch.files, outcomes, strict=True)}
+    """The patch as it applies exactly to the new base: every hunk kept,
+    its ``@@`` lines moved; or, when some landed, the hunks that did not,
+    rendered anew (a file of which nothing is left goes)."""
+    old_head, body = split_header(patch.text, patch.name)
+    pairs = [(fp, o) for fp, o in zip(patch.files, outcomes, strict=True) if o.kept]
     blobs = {
         fp.path: (
             git_blob_sha1(new_chain[fp.path].encode()),
             git_blob_sha1((o.new_post or "").encode()),
         )
-        for fp, o in zip(patch.files, outcomes, strict=True)
+        for fp, o in pairs
     }
-    new_body = refresh_index_lines(shift_hunk_headers(body, shifts), blobs)
+    whole = len(pairs) == len(patch.files) and all(
+        len(o.kept) == len(fp.hunks) for fp, o in pairs
+    )
+    if whole:
+        shifts = {fp.path: o.offsets for fp, o in pairs}
+        new_body = refresh_index_lines(shift_hunk_headers(body, shifts), blobs)
+    else:
+        modes = _index_modes(body)
+        new_body = "".join(
+            format_file_patch(
+                FilePatch(
+                    fp.old_path,
+                    fp.new_path,
+                    place_hunks([fp.hunks[k] for k in o.kept], o.offsets),
+                ),
+                f"index {blobs[fp.path][0][:7]}..{blobs[fp.path][1][:7]}"
+                + modes.get(fp.path, " 100644"),
+            )
+            for fp, o in pairs
+        )
     # The refreshed patch must apply exactly, giving what the offsets gave.
-    for fp, o in zip(parse_patch(new_body), outcomes, strict=True):
+    for fp, (_, o) in zip(parse_patch(new_body), pairs, strict=True):
         if apply_file_patch(new_chain[fp.path], fp).text != o.new_post:
             raise RebaseError(f"{patch.name}: refreshing {fp.path} went wrong")
-    sep = patch.text[len(head) :].split("\n", 1)[0] + "\n"
+    sep = patch.text[len(old_head) :].split("\n", 1)[0] + "\n"
     return head + sep + new_body
 
 
@@ -208,9 +273,9 @@ def new_pin(pin: Pin, new: NewBase, git_commit: str = "") -> Pin:
 
 
 def write_plan(root: Path, plan: Plan) -> list[Path]:
-    """Write the new pin, the refreshed patches and the series in one
-    transaction; returns the files changed. Every text is computed (and the
-    pin validated) first."""
+    """Write the new pin, the refreshed patches, the series and the records
+    of dropped patches in one transaction; returns the files changed. Every
+    text is computed (and the pin validated) first."""
     pin_text = encode_pin(plan.pin)
     try:
         decode_pin(pin_text, "the new pin")
@@ -236,8 +301,15 @@ def write_plan(root: Path, plan: Plan) -> list[Path]:
         changes[f"{PATCH_DIR}/{SERIES_FILE}"] = Change("".join(kept).encode())
     for name in sorted(dropped):
         changes[f"{PATCH_DIR}/{name}"] = Change(None)
-    transaction = Transaction(root, dirs=[patch_dir])
+    for record, text in sorted(plan.dropped.items()):
+        changes[f"{PATCH_DIR}/{DROPPED_DIR}/{record}"] = Change(text.encode())
+    dirs = [patch_dir]
+    if plan.dropped:
+        dirs.append(patch_dir / DROPPED_DIR)
+    transaction = Transaction(root, dirs=dirs)
     with lock(root, what="rebase"):
         transaction.recover()
+        for d in dirs:
+            d.mkdir(exist_ok=True)
         transaction.commit(changes)
     return [root / rel for rel in changes]

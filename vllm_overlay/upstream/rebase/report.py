@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Literal
 
 import msgspec
 
 from vllm_overlay.errors import OverlayError
 
-Result = Literal["clean", "offset", "upstream", "conflict", "blocked"]
+Result = Literal[
+    "clean", "offset", "upstream", "partly upstream", "conflict", "blocked"
+]
+# The results that let the series move: the rest need a person.
+MOVES: tuple[Result, ...] = ("clean", "offset", "upstream", "partly upstream")
+# Evidence lines shown per landed hunk in the table (the report has all).
+SHOWN_EVIDENCE = 3
 
 
 class RebaseError(OverlayError):
@@ -21,6 +28,10 @@ class HunkNote(msgspec.Struct, forbid_unknown_fields=True):
     header: str
     offset: int = 0
     problem: str = ""
+    # Non-empty when the new base already holds the hunk: why (one line),
+    # and the new base's lines that show it (``LINE: text``).
+    landed: str = ""
+    evidence: list[str] = []
 
 
 class RebaseRow(msgspec.Struct, forbid_unknown_fields=True):
@@ -45,14 +56,18 @@ class RebaseReport(msgspec.Struct, forbid_unknown_fields=True):
     written: bool = False
     # The new base is an older vLLM release than the pinned one.
     downgrade: bool = False
+    # The new base is the pinned base with this very series applied (an
+    # overlaid install): nothing to do, and no rows.
+    carries_series: bool = False
 
     @property
     def ok(self) -> bool:
-        return all(r.result in ("clean", "offset", "upstream") for r in self.rows)
+        return all(r.result in MOVES for r in self.rows)
 
 
 def format_table(report: RebaseReport) -> str:
-    """One row per patch; under a conflict, one line per conflict (the
+    """One row per patch; under it, one line per landed hunk (and its first
+    evidence lines), and under a conflict one line per conflict (the
     ``.merged`` file and line), per hunk that does not apply, and per merge
     to review."""
     rows = [("patch", "result", "detail")] + [
@@ -71,18 +86,41 @@ def format_table(report: RebaseReport) -> str:
     lines.append(f"  {rows[0][0]:<{w0}}  {rows[0][1]:<{w1}}  {rows[0][2]}")
     for r, (a, b, c) in zip(report.rows, rows[1:], strict=True):
         lines.append(f"  {a:<{w0}}  {b:<{w1}}  {c}")
+        lines += _landed_lines(r)
         if r.result != "conflict":
             continue
         lines += [f"      {place}: conflict" for place in r.conflicts]
         lines += [
             f"      {h.file.rsplit('/', 1)[-1]}: hunk #{h.hunk} does not apply: "
-            f"{h.header}"
+            f"{h.problem} ({h.header})"
             for h in r.hunks
             if h.problem
         ]
         marked = {place.rsplit(":", 1)[0] for place in r.conflicts}
         lines += [f"      {m}: review" for m in r.merged if m not in marked]
     return "\n".join(lines)
+
+
+def _landed_lines(row: RebaseRow) -> list[str]:
+    out = []
+    for h in row.hunks:
+        if not h.landed:
+            continue
+        name = h.file.rsplit("/", 1)[-1]
+        out.append(f"      {name}: hunk #{h.hunk} landed: {h.landed}")
+        out += [f"          {e}" for e in h.evidence[:SHOWN_EVIDENCE]]
+        if len(h.evidence) > SHOWN_EVIDENCE:
+            more = len(h.evidence) - SHOWN_EVIDENCE
+            out.append(f"          (+{more} more line(s) in the report)")
+    return out
+
+
+def result_counts(report: RebaseReport) -> str:
+    """How many patches got each result, in the table's order of results:
+    ``1 upstream, 13 offset``."""
+    counts = Counter(r.result for r in report.rows)
+    order: tuple[Result, ...] = (*MOVES, "conflict", "blocked")
+    return ", ".join(f"{counts[k]} {k}" for k in order if counts[k]) or "no patch"
 
 
 def encode_report(report: RebaseReport) -> bytes:
