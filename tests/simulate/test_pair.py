@@ -63,3 +63,24 @@ def test_a_read_from_the_null_block_is_wrong_kv(llama_pair):
     assert not plain.wrong and plain.null_reads == 0
     assert result.wrong and result.wrong_groups == [0]
     assert result.null_reads == 1 and result.unread == 0
+
+
+def test_a_read_without_external_tokens_lands_after_the_forward(llama_pair):
+    """A full local hit loads nothing: vLLM marks no synchronous load, so the
+    model runner starts any READ after the forward. A READ posted then is
+    wrong KV (it overwrites what the forward wrote, in blocks the finished
+    request may have freed), whatever it copies."""
+    plain = llama_pair.run_case(65, 1.0)
+    assert plain.error is None and not plain.wrong
+    assert plain.local_hit_tokens == 64 and plain.late_reads == 0
+
+    def read_a_held_page(local, remote, tables):
+        prefill = llama_pair.p.scheduler.kv_cache_manager.get_block_ids(
+            f"r{llama_pair._seq}"
+        )
+        return [[tables[0][0]]], [[prefill[0][0]]]
+
+    late = llama_pair.run_case(65, 1.0, rewrite=read_a_held_page)
+    assert late.error is None
+    assert late.wrong and late.wrong_groups == [0]
+    assert late.late_reads == 1

@@ -102,6 +102,11 @@ class CaseResult(msgspec.Struct, frozen=True):
     error: str | None = None
     null_reads: int = 0
     """Pages READ from the prefiller's null block or into the decoder's."""
+    late_reads: int = 0
+    """Pages READ on a step whose load vLLM starts after the forward
+    (``SchedulerOutput.has_sync_kv_loads`` false: no external tokens): they
+    land after the forward that needed them, into blocks the request may
+    already have freed."""
 
 
 def past_hit(need: Need, computed_tokens: int | None) -> bool:

@@ -15,6 +15,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from vllm_overlay.simulate.check import (
     CHUNK,
     FULL,
@@ -472,11 +474,18 @@ class Pair:
         null_reads: list[int] = []
         meta = so.kv_connector_metadata
         req_meta = meta.reqs_to_recv.get(rid) if meta is not None else None
+        # vLLM's model runner starts a step's load before the forward only
+        # when the step has a synchronous load (a request with external
+        # tokens); any other READ lands after the forward.
+        late = not getattr(so, "has_sync_kv_loads", True)
+        before: CaseResult | None = None
         if req_meta is not None:
             local = [list(x) for x in req_meta.local_block_ids]
             remote = [list(x) for x in req_meta.remote_block_ids]
             if rewrite is not None:
                 local, remote = rewrite(local, remote, tables)
+            if late and any(local):
+                before = check.judge(self.d_store, [], hit_fraction, local_hit)
             try:
                 reads, null_reads = self._read(local, remote)
             except RuntimeError as exc:
@@ -484,7 +493,15 @@ class Pair:
         # Zeroing a READ destination races the READ: count it as lost.
         read_dsts = {dst for _, dst in reads}
         self.d_store.zero([b for b in so.new_block_ids_to_zero or [] if b in read_dsts])
-        return check.judge(self.d_store, reads, hit_fraction, local_hit, null_reads)
+        result = check.judge(self.d_store, reads, hit_fraction, local_hit, null_reads)
+        if before is None:
+            return result
+        # The forward ran on what ``before`` judged; the pages read after it
+        # are overwritten.
+        wrong_groups = sorted({*before.wrong_groups, *(g for g, _ in reads)})
+        return msgspec.structs.replace(
+            result, wrong=True, wrong_groups=wrong_groups, late_reads=len(reads)
+        )
 
     def _read(
         self, local: Sequence[list[int]], remote: Sequence[list[int]]
