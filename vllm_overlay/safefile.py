@@ -98,7 +98,16 @@ def is_regular(st: os.stat_result | None) -> bool:
 
 
 def same_file(a: os.stat_result | None, b: os.stat_result | None) -> bool:
-    return a is not None and b is not None and os.path.samestat(a, b)
+    """The same file, unchanged: an inode number freed by an unlink is soon
+    reused (by a symlink planted there, say), so its type, size and mtime
+    must match too."""
+    return (
+        a is not None
+        and b is not None
+        and os.path.samestat(a, b)
+        and stat.S_IFMT(a.st_mode) == stat.S_IFMT(b.st_mode)
+        and (a.st_size, a.st_mtime_ns) == (b.st_size, b.st_mtime_ns)
+    )
 
 
 def create_exclusive(

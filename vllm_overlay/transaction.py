@@ -294,6 +294,8 @@ class Transaction:
         for e in journal.entries:
             path = self._resolve(e.path)
             _check_signals()
+            if e.existed:
+                _expect(backup_name(path), found[e.path], "the backup")
             if e.delete:
                 _step(f"remove {e.path}")
                 os.unlink(path)
@@ -358,12 +360,10 @@ class Transaction:
 
     def undo(self) -> bool:
         """Undo an interrupted commit, if any; True when one was undone. A
-        backup that is not a regular file is refused before anything moves."""
+        backup that is not a regular file is left alone, never restored."""
         journal = self.read_journal()
         if journal is None:
             return False
-        for e in journal.entries:
-            _regular_or_absent(backup_name(self._resolve(e.path)))
         with _signals_deferred():
             dirs = set()
             for e in journal.entries:
@@ -371,7 +371,12 @@ class Transaction:
                 dirs.add(path.parent)
                 backup = backup_name(path)
                 kept = lstat(backup)
-                if kept is not None:
+                if kept is not None and not is_regular(kept):
+                    # Not ours (`recover` refuses it): a commit checks each
+                    # backup right before it touches the file, so a file
+                    # whose backup was replaced is untouched.
+                    pass
+                elif kept is not None:
                     _step(f"undo {e.path}")
                     if same_file(lstat(path), kept):
                         os.unlink(backup)

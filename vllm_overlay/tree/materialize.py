@@ -154,23 +154,26 @@ def materialize(
 
 def _check_below(root: int, out: Path, path: str) -> None:
     """Refuse a symlink (or anything unexpected) on ``path``'s way below
-    ``out`` before anything is written."""
+    ``out``, at ``path`` or at its temporary file, before anything is
+    written."""
     parts = path.split("/")
-    for i in range(len(parts)):
-        rel = "/".join(parts[: i + 1])
+    temp = "/".join([*parts[:-1], f".{parts[-1]}.overlay-new"])
+    ways = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for rel in [*ways, temp]:
         try:
             st = os.lstat(rel, dir_fd=root)
         except FileNotFoundError:
-            return
+            continue
         except OSError as e:
             raise MaterializeError(
                 f"--out {out}: cannot write {out / rel}: {e.strerror}"
             ) from None
-        last = i == len(parts) - 1
-        if not (stat.S_ISREG(st.st_mode) if last else stat.S_ISDIR(st.st_mode)):
+        is_dir = rel not in (path, temp)
+        if not (stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)):
             raise MaterializeError(
                 f"--out {out}: {out / rel} is {describe_stat(out / rel, st)}, not "
-                f"{'a regular file' if last else 'a directory'}; nothing was written"
+                f"{'a directory' if is_dir else 'a regular file'}; nothing was "
+                "written"
             )
 
 
