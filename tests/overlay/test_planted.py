@@ -66,17 +66,18 @@ def _regular(snap: dict[str, Entry]) -> dict[str, Entry]:
 class Outside:
     """A file outside the target, and a path outside where none exists."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, content: bytes = VICTIM):
         root.mkdir()
+        self.content = content
         self.victim = root / "victim.txt"
-        self.victim.write_bytes(VICTIM)
+        self.victim.write_bytes(content)
         self.dangling = root / "created-through-a-link.txt"
 
     def target(self, kind: str) -> Path:
         return self.victim if kind == "victim" else self.dangling
 
     def assert_untouched(self) -> None:
-        assert self.victim.read_bytes() == VICTIM
+        assert self.victim.read_bytes() == self.content
         assert not self.dangling.exists()
 
 
@@ -112,10 +113,15 @@ def test_link_planted_before_is_refused_and_changes_nothing(
     name: str,
     kind: str,
 ) -> None:
-    outside = Outside(tmp_path / "outside")
     tree = FakeTree.create(tmp_path / "t")
     _start(tree, command)
-    _plant(tree.module / name, outside.target(kind))
+    # A link in a file's place points to the same bytes elsewhere: nothing
+    # tells it apart but being a link.
+    path = tree.module / name
+    outside = Outside(
+        tmp_path / "outside", path.read_bytes() if path.exists() else VICTIM
+    )
+    _plant(path, outside.target(kind))
     before = _lsnap(tree.module)
     capsys.readouterr()
     assert tree.cli(command) == 2
