@@ -142,8 +142,18 @@ def write_text(stream: TextIO, text: str) -> None:
     ASCII stream) is written as a backslash escape."""
     if not _encodable(stream, text):
         encoding = getattr(stream, "encoding", None) or "utf-8"
-        text = text.encode(encoding, "backslashreplace").decode(encoding)
+        text = _unsurrogate(text).encode(encoding, "backslashreplace").decode(encoding)
     stream.write(text)
+
+
+def _unsurrogate(text: str) -> str:
+    """``text`` with the lone surrogates a file name that is not UTF-8
+    decodes to shown as the bytes they stand for (``\\xff``)."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no name decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def _json_escape(match: re.Match[str]) -> str:
@@ -158,9 +168,7 @@ def _escape_surrogates(value: Any) -> Any:
     """``value`` (builtins) with each string's lone surrogates (from a file
     name that is not UTF-8) turned into backslash escapes."""
     if isinstance(value, str):
-        return value.encode("utf-8", "surrogateescape").decode(
-            "utf-8", "backslashreplace"
-        )
+        return _unsurrogate(value)
     if isinstance(value, dict):
         return {_escape_surrogates(k): _escape_surrogates(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -160,12 +160,13 @@ def _create(path: Path) -> int:
         raise Planted(f"{e}; refusing to write through it") from None
 
 
-def _regular_or_absent(path: Path) -> os.stat_result | None:
+def _regular_or_absent(path: Path, then: str = "") -> os.stat_result | None:
     """``path``'s status when it is a regular file, None when absent; a
     symlink or anything else there is ``Planted``."""
     st = lstat(path)
     if st is not None and not is_regular(st):
-        raise Planted(f"{path}: {describe_stat(path, st)}, not a regular file")
+        why = f"{describe_stat(path, st)}, not a regular file"
+        raise Planted(f"{path}: {why}{then}")
     return st
 
 
@@ -262,7 +263,7 @@ class Transaction:
             path = self._resolve(e.path)
             names += [temp_name(path), backup_name(path)]
         for name in names:
-            _regular_or_absent(name)
+            _regular_or_absent(name, "; nothing was written")
         for name in names:
             name.unlink(missing_ok=True)
 
@@ -286,16 +287,17 @@ class Transaction:
             if content is not None:
                 path = self._resolve(e.path)
                 ours[e.path] = _write_file(temp_name(path), content, e.mode, e.path)
+        backups: dict[str, os.stat_result] = {}
         for e in journal.entries:
             if e.existed:
                 _step(f"backup {e.path}")
-                _backup(self._resolve(e.path), found[e.path])
+                backups[e.path] = _backup(self._resolve(e.path), found[e.path])
         self._sync("backups", dirs)
         for e in journal.entries:
             path = self._resolve(e.path)
             _check_signals()
             if e.existed:
-                _expect(backup_name(path), found[e.path], "the backup")
+                _expect(backup_name(path), backups[e.path], "the backup")
             if e.delete:
                 _step(f"remove {e.path}")
                 os.unlink(path)
@@ -400,9 +402,10 @@ class Transaction:
 
     def planted(self) -> list[str]:
         """What stands at one of this transaction's own paths (journal,
-        temporary and backup files) and is not a regular file: one line each."""
+        lock, temporary and backup files) and is not a regular file: one line
+        each."""
         out = []
-        for path in (self.journal, *self.leftovers()):
+        for path in (self.journal, self.root / LOCK_NAME, *self.leftovers()):
             st = lstat(path)
             if st is not None and not is_regular(st):
                 out.append(f"{path}: {describe_stat(path, st)}, not a regular file")
@@ -440,9 +443,10 @@ def _remove_regular(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _backup(path: Path, found: os.stat_result) -> None:
+def _backup(path: Path, found: os.stat_result) -> os.stat_result:
     """A hard link ``.NAME.overlay-old`` to ``path`` (a copy where links are
-    not supported), after checking ``path`` is still the file ``found``."""
+    not supported), after checking ``path`` is still the file ``found``;
+    the backup's status."""
     backup = backup_name(path)
     _expect(path, found, "the file to replace")
     try:
@@ -452,12 +456,12 @@ def _backup(path: Path, found: os.stat_result) -> None:
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EMLINK):
             raise
-        _copy(path, found, backup)
-        return
+        return _copy(path, found, backup)
     _expect(backup, found, "the backup")
+    return found
 
 
-def _copy(path: Path, found: os.stat_result, backup: Path) -> None:
+def _copy(path: Path, found: os.stat_result, backup: Path) -> os.stat_result:
     src, st = open_regular(path)
     try:
         if not same_file(st, found):
@@ -469,6 +473,7 @@ def _copy(path: Path, found: os.stat_result, backup: Path) -> None:
             os.fchmod(dst, st.st_mode & 0o7777)
             os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
             os.fsync(dst)
+            return os.fstat(dst)
         finally:
             os.close(dst)
     finally:

@@ -8,6 +8,7 @@ and leaves every file as it was. Issue 41, findings 1 and 2.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -316,3 +317,32 @@ def test_materialize_replaces_its_own_files(
         for k, v in STATES.overlay.items()
         if not k.startswith(".")
     }
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_backups_are_copies_where_hard_links_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """A file system without hard links: each backup is a copy (created
+    exclusively, mode kept), and a failure at the last rename is undone from
+    the copies exactly."""
+
+    def no_links(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    tree = FakeTree.create(tmp_path / "t")
+    before = _start(tree, command)
+    steps = STATES.apply_steps if command == "apply" else STATES.revert_steps
+    last_rename = steps[steps.index("fsync dir after renames") - 1]
+
+    def fail(step: str) -> None:
+        if step == last_rename:
+            raise OSError(errno.EIO, "Input/output error", step)
+
+    monkeypatch.setattr(transaction, "_fault_hook", fail)
+    assert tree.cli(command) == 2
+    assert _lsnap(tree.module) == before
+    monkeypatch.setattr(transaction, "_fault_hook", None)
+    assert tree.cli(command) == 0
+    assert _lsnap(tree.module) == _end(command)
