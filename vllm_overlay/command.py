@@ -11,13 +11,18 @@ Output rules, the same in every command:
 - with ``--json``, stdout holds exactly one JSON object (the command's
   result, or ``{"error": ...}``) and the text is left out (progress of long
   work still shows on stderr);
-- an error is one line ``error: ...`` on stderr and exit status 2.
+- an error is one line ``error: ...`` on stderr and exit status 2;
+- output never fails on a character the stream cannot encode (a file name
+  that is not UTF-8, an ASCII-only terminal): text gets backslash escapes,
+  JSON ``\\uXXXX`` escapes, so a command that did its work never ends in an
+  encoding error.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import re
 import shutil
 import sys
 import time
@@ -68,7 +73,7 @@ class App:
     def say(self, text: str = "") -> None:
         """A line for people on stdout (left out under ``--json``)."""
         if not self.json:
-            print(text, file=self.out)
+            write_text(self.out, text + "\n")
 
     def progress(self, line: str) -> None:
         """Progress of long work on stderr: on a terminal, one line that
@@ -95,19 +100,80 @@ class App:
     def result(self, value: Any) -> None:
         """The command's result: one JSON object on stdout under ``--json``."""
         if self.json:
-            data = msgspec.json.encode(value)
-            self.out.write(msgspec.json.format(data, indent=2).decode() + "\n")
+            try:
+                data = msgspec.json.encode(value)
+            except UnicodeEncodeError:  # a lone surrogate: an undecodable name
+                data = msgspec.json.encode(
+                    _escape_surrogates(msgspec.to_builtins(value))
+                )
+            text = msgspec.json.format(data, indent=2).decode() + "\n"
+            if not _encodable(self.out, text):
+                text = _NON_ASCII.sub(_json_escape, text)
+            self.out.write(text)
             self.out.flush()
 
     def fail(self, message: str) -> int:
         """Report an error: one line on stderr (and a JSON object under
         ``--json``); returns the exit status."""
         line = " ".join(message.split("\n"))
-        self.err.write(f"error: {line}\n")
+        write_text(self.err, f"error: {line}\n")
         self.err.flush()
         if self.json:
             self.result({"error": line})
         return EXIT_ERROR
+
+
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+
+
+def _encodable(stream: TextIO, text: str) -> bool:
+    try:
+        text.encode(getattr(stream, "encoding", None) or "utf-8")
+    except UnicodeEncodeError:
+        return False
+    except LookupError:
+        return True
+    return True
+
+
+def write_text(stream: TextIO, text: str) -> None:
+    """``text`` on ``stream``; what its encoding cannot take (a lone
+    surrogate from a file name that is not UTF-8, anything non-ASCII on an
+    ASCII stream) is written as a backslash escape."""
+    if not _encodable(stream, text):
+        encoding = getattr(stream, "encoding", None) or "utf-8"
+        text = _unsurrogate(text).encode(encoding, "backslashreplace").decode(encoding)
+    stream.write(text)
+
+
+def _unsurrogate(text: str) -> str:
+    """``text`` with the lone surrogates a file name that is not UTF-8
+    decodes to shown as the bytes they stand for (``\\xff``)."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no name decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    """A non-ASCII character as JSON ``\\uXXXX`` escapes (a surrogate pair
+    beyond the BMP); valid only inside a JSON string, where JSON puts it."""
+    raw = match.group().encode("utf-16-be", "surrogatepass")
+    units = (int.from_bytes(raw[i : i + 2], "big") for i in range(0, len(raw), 2))
+    return "".join(f"\\u{unit:04x}" for unit in units)
+
+
+def _escape_surrogates(value: Any) -> Any:
+    """``value`` (builtins) with each string's lone surrogates (from a file
+    name that is not UTF-8) turned into backslash escapes."""
+    if isinstance(value, str):
+        return _unsurrogate(value)
+    if isinstance(value, dict):
+        return {_escape_surrogates(k): _escape_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape_surrogates(v) for v in value]
+    return value
 
 
 class Parser(argparse.ArgumentParser):

@@ -5,7 +5,9 @@ and the tree is left exactly as it was. Issue 15's defect groups 3-5 and 7.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,7 +18,9 @@ import pytest
 from tests.overlay.faketree import BASE_TEXTS, COMMON, CONNECTOR, FakeTree, json_of
 from tests.overlay.workspace import REPO, make_diff
 from vllm_overlay.cli import main
+from vllm_overlay.safefile import MAX_READ_BYTES
 from vllm_overlay.series.pin import MODULE_DIR, PIN_FILE
+from vllm_overlay.transaction import LOCK_NAME
 from vllm_overlay.tree.manifest import MANIFEST_NAME
 
 
@@ -325,3 +329,81 @@ def test_edited_patch_after_apply_names_its_file(
     )
     err = _one_error(capsys, tree.argv("apply"))
     assert "0002-connector.patch" in err
+
+
+# -- issue 41: success stays success; what is too large or cannot be written ----
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii"])
+def test_undecodable_file_name_does_not_turn_a_done_apply_into_an_error(
+    tree: FakeTree, tmp_path: Path, encoding: str, json_out: bool
+) -> None:
+    """A file whose name is not UTF-8 in the module: apply overlays the tree
+    and says so (exit 0), the name shown with escapes, whatever the output
+    encoding; it used to end in `internal error: UnicodeEncodeError`."""
+    reference = FakeTree.create(tmp_path / "reference")
+    assert reference.cli("apply") == 0
+    odd = os.fsencode(tree.module) + b"/moriio_\xff.py"
+    with open(odd, "wb") as f:
+        f.write(b"x = 1\n")
+    argv = ["--json"] if json_out else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_overlay.cli", *argv, *tree.argv("apply")],
+        cwd=REPO,
+        env={**os.environ, "PYTHONIOENCODING": encoding},
+        capture_output=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stderr) == (0, b"")
+    out = proc.stdout.decode(encoding)
+    warning = f"{MODULE_DIR}/moriio_\\xff.py: not in the pin; left as it is"
+    if json_out:
+        result = json_of(out)
+        assert result["action"] == "applied"
+        assert result["warnings"] == [warning]
+    else:
+        assert f"  warning: {warning}\n" in out
+        assert out.endswith("apply: applied: 2 patches (series e149ab85e16e)\n")
+    now = {k: v for k, v in tree.snapshot().items() if "moriio_" + "\udcff" not in k}
+    assert now == reference.snapshot()
+
+
+def test_pinned_file_over_the_size_cap_is_refused_unread(
+    tree: FakeTree, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """6 MB where a pinned file stands: one line naming the file, its size
+    and the cap, checked before reading (it used to take seconds and a
+    hundred MB to say it matched nothing)."""
+    path = tree.site / CONNECTOR
+    path.chmod(0o644)
+    os.truncate(path, 6 << 20)
+    before = tree.snapshot()
+    err = _one_error(capsys, tree.argv("apply"))
+    assert err == (
+        f"error: {CONNECTOR}: {6 << 20} bytes, larger than the {MAX_READ_BYTES}-"
+        "byte cap on a pinned file; nothing was written\n"
+    )
+    assert tree.snapshot() == before
+    assert tree.cli("status") == 1
+    assert f"larger than the {MAX_READ_BYTES}-byte cap" in capsys.readouterr().out
+
+
+def test_lock_that_cannot_be_written_says_which_and_what(
+    tree: FakeTree, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk when the pid goes into the lock: the error names the lock
+    and what failed (it used to be a bare `No space left on device`)."""
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    before = tree.snapshot()
+    err = _one_error(capsys, tree.argv("apply"))
+    assert err == (
+        f"error: cannot write this process's pid into the lock "
+        f"{tree.module / LOCK_NAME}: No space left on device; nothing was written\n"
+    )
+    assert tree.snapshot() == before
+    assert not (tree.module / LOCK_NAME).exists()

@@ -136,3 +136,29 @@ def test_shorter_series_overlay_is_stale_and_reapplied(tmp_path: Path) -> None:
     assert tree.cli("apply") == 0
     assert tree.snapshot() == expected
     assert _report(tree).clean
+
+
+def test_empty_series_on_an_overlay_is_a_revert(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 41: every patch gone from the series (landed upstream, say):
+    `apply` restores the pinned base and removes the manifest, which used to
+    stay and record the old series ("already overlaid" ever after)."""
+    tree = FakeTree.create(tmp_path / "t")
+    base = tree.snapshot()
+    assert tree.cli("apply") == 0
+    for patch in (tree.repo / "patches").glob("*.patch"):
+        patch.unlink()
+    (tree.repo / "patches" / "series").write_text("# every patch landed\n")
+    capsys.readouterr()
+    assert tree.cli("apply") == 0
+    out = capsys.readouterr().out
+    assert out.endswith("apply: the series is empty: restored the pinned base\n")
+    assert tree.snapshot() == base
+    assert not (tree.module / MANIFEST_NAME).exists()
+    assert tree.cli("status") == 0
+    assert tree.cli("apply") == 0
+    assert capsys.readouterr().out.endswith(
+        "apply: the series is empty: already the pinned base\n"
+    )
+    assert tree.snapshot() == base

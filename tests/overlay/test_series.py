@@ -296,3 +296,18 @@ def test_load_series_refuses_missing(ws: Workspace) -> None:
     (ws.repo / "patches" / "series").write_text("0001-gone.patch\n")
     with pytest.raises(SeriesError):
         load_series(ws.repo)
+
+
+def test_empty_series_is_refused_unless_allowed(ws: Workspace, capsys) -> None:
+    """A series file listing no patch (issue 41): applying it is the pinned
+    base, so `series check` wants it said with --allow-empty."""
+    series_file = ws.repo / "patches" / "series"
+    assert _problems(ws) == [
+        f"{series_file} lists no patch (applying it is the pinned base; "
+        "`series check --allow-empty` accepts that)"
+    ]
+    assert main(["--repo", str(ws.repo), "series", "check"]) == 2
+    assert "lists no patch" in capsys.readouterr().out
+    assert main(["--repo", str(ws.repo), "series", "check", "--allow-empty"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("series check: ok, 0 patches")

@@ -15,11 +15,12 @@ def cmd_series_check(app: App, args: argparse.Namespace) -> int:
     Check patches/series (each entry once, every patch listed), every DEP-3
     header (Forwarded no, not-needed or a URL; an upstream Origin with its
     URL; every required field; no undeclared field), Builds-On, the tests
-    each header names, and that every diff touches only pinned files. Each
-    problem is one line; exit status 2.
+    each header names, and that every diff touches only pinned files. A
+    series listing no patch is refused unless --allow-empty. Each problem is
+    one line; exit status 2.
     """
     checkout = app.checkout
-    problems = check_series(checkout.root, checkout.pin)
+    problems = check_series(checkout.root, checkout.pin, allow_empty=args.allow_empty)
     for problem in problems:
         app.say(f"error: {problem}")
     if problems:
@@ -50,4 +51,9 @@ def register(sub: Subparsers) -> None:
         doc="The patch series: patches/series and the patches it lists.",
     )
     series_sub = add_subcommands(series, "series_command")
-    add_command(series_sub, "check", cmd_series_check)
+    check = add_command(series_sub, "check", cmd_series_check)
+    check.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="accept a series that lists no patch (applying it is the pinned base)",
+    )

@@ -416,16 +416,24 @@ def load_series(root: Path) -> Series:
     return Series(root, tuple(patches))
 
 
-def check_series(root: Path, pin: Pin, *, tests: bool = True) -> list[str]:
+def check_series(
+    root: Path, pin: Pin, *, tests: bool = True, allow_empty: bool = False
+) -> list[str]:
     """Every problem of the series, one line each (empty: the series is sound).
     ``tests=False`` leaves out whether the test files the headers name exist
-    (an install of the overlay carries no tests; `apply` checks the rest)."""
+    (an install of the overlay carries no tests; `apply` checks the rest). A
+    series listing no patch is a problem unless ``allow_empty``."""
     patch_dir = root / PATCH_DIR
     try:
         names = read_series_file(patch_dir)
     except SeriesError as e:
         return [str(e)]
     problems = entry_problems(names)
+    if not names and not allow_empty:
+        problems.append(
+            f"{patch_dir / SERIES_FILE} lists no patch (applying it is the pinned "
+            "base; `series check --allow-empty` accepts that)"
+        )
     seen = set(names)
     on_disk = {p.name for p in patch_dir.glob("*.patch")}
     for name in sorted(on_disk - seen):

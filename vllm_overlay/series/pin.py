@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import posixpath
 from pathlib import Path
 from typing import Annotated
@@ -107,14 +108,19 @@ def encode_pin(pin: Pin) -> str:
     return header + tomli_w.dumps(msgspec.to_builtins(pin))
 
 
-def module_files(root: Path, module: str) -> dict[str, str]:
-    """sha256 of every regular file of ``module`` below ``root`` (the
-    directory holding the ``vllm`` package), caches and overlay files aside."""
-    base = root / module
+def module_files(module_dir: Path, module: str) -> dict[str, str]:
+    """sha256 of every file below ``module_dir`` (the directory of
+    ``module``), by its path ``module/...``, caches and overlay files aside.
+    A symlink is not followed: its value is "". A name that is not UTF-8 is
+    given with backslash escapes (it can only be shown, never pinned)."""
     out: dict[str, str] = {}
-    for p in sorted(base.rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        if not p.is_file() or "__pycache__" in p.parts or p.name.startswith("."):
+    for p in sorted(module_dir.rglob("*")):
+        if "__pycache__" in p.parts or p.name.startswith("."):
             continue
-        out[rel] = sha256_file(p)
+        rel = f"{module.rstrip('/')}/{p.relative_to(module_dir).as_posix()}"
+        rel = os.fsencode(rel).decode("utf-8", "backslashreplace")
+        if p.is_symlink():
+            out[rel] = ""
+        elif p.is_file():
+            out[rel] = sha256_file(p)
     return out

@@ -12,16 +12,17 @@ files and the manifest in one ``Transaction``, under the module directory's
 lock. A write cut short by a kill is undone by the next `apply` or
 `apply --revert` before it does anything else; a manifest that is missing,
 unreadable or out of date is rewritten whenever the bytes are a known state.
+An empty series is the pinned base: applying it reverts (no manifest left).
+The module directory is resolved once, and a symlinked one is reported.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import msgspec
 
 from vllm_overlay import __version__
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.safefile import UnsafeFileError, lstat
 from vllm_overlay.series.diff import HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.series.pin import Pin, sha256_bytes
@@ -33,8 +34,8 @@ from vllm_overlay.tree.manifest import (
     ManifestFile,
     encode_manifest,
 )
-from vllm_overlay.tree.status import StatusReport, tree_status
-from vllm_overlay.tree.target import Target, TargetError
+from vllm_overlay.tree.status import StatusReport, read_pinned, tree_status
+from vllm_overlay.tree.target import Target
 
 
 class ApplyError(OverlayError):
@@ -78,6 +79,8 @@ def _refuse_unless_known(report: StatusReport) -> None:
     f = bad[0]
     if f.state == "missing":
         raise ApplyError(f"{f.path}: missing from the target; nothing was written")
+    if not f.actual_sha256:  # a symlink, or over the size cap: not read
+        raise ApplyError(f"{f.path}: {f.detail}; nothing was written")
     why = f" ({f.detail})" if f.detail else ""
     raise ApplyError(
         f"{f.path}: does not match the pinned base{why} (expected sha256 "
@@ -107,13 +110,6 @@ def _manifest(pin: Pin, series: Series, texts: dict[str, str]) -> bytes:
     )
 
 
-def _module_dir(target: Target, pin: Pin) -> Path:
-    module_dir = target.root / pin.module
-    if not module_dir.is_dir():
-        raise TargetError(f"{target.describe()}: has no {pin.module}")
-    return module_dir
-
-
 def _rel(pin: Pin, path: str) -> str:
     return path[len(pin.module.rstrip("/")) + 1 :]
 
@@ -139,12 +135,25 @@ def _change(
         return _locked_change(target, pin, series, overlay=overlay, wait=wait)
     except TransactionError as e:
         raise ApplyError(str(e)) from None
+    except UnsafeFileError as e:  # a pinned file swapped after status read it
+        raise ApplyError(f"{e}; nothing was written") from None
 
 
 def _locked_change(
     target: Target, pin: Pin, series: Series, *, overlay: bool, wait: bool
 ) -> ApplyReport:
-    module_dir = _module_dir(target, pin)
+    # The module directory is resolved once: every read and write below
+    # goes there, even if a symlink on the way is changed meanwhile.
+    target = target.resolve_module()
+    module_dir = target.module_dir()
+    notes = []
+    if module_dir != target.root / pin.module:
+        notes.append(
+            f"{target.root / pin.module} resolves to {module_dir} through a "
+            "symlink: the files there are the ones changed"
+        )
+    empty = overlay and not series.patches
+    overlay = overlay and not empty  # an empty series is the pinned base
     with lock(module_dir, wait=wait):
         txn = Transaction(module_dir, dirs={target.file(p).parent for p in pin.files})
         recovered = txn.recover()
@@ -156,23 +165,26 @@ def _locked_change(
         changes = {
             _rel(pin, path): Change(text.encode())
             for path, text in sorted(desired.items())
-            if target.file(path).read_bytes() != text.encode()
+            if read_pinned(target.file(path)) != text.encode()
         }
         manifest_ok = report.manifest in ("ok", "absent")
-        if overlay and series.patches and (changes or not manifest_ok):
+        if overlay and (changes or not manifest_ok):
             touched = {p: desired[p] for p in series.touched_paths()}
             changes[MANIFEST_NAME] = Change(_manifest(pin, series, touched))
-        elif not overlay and (module_dir / MANIFEST_NAME).exists():
+        elif not overlay and lstat(module_dir / MANIFEST_NAME) is not None:
             changes[MANIFEST_NAME] = Change(None)
         txn.commit(changes)
     written = sorted(path for path in desired if _rel(pin, path) in changes)
+    message = _message(overlay, report, series, written, changes)
+    if empty:
+        message = f"the series is empty: {message}"
     return ApplyReport(
         action=_action(overlay, report, written, changes),
-        message=_message(overlay, report, series, written, changes),
+        message=message,
         files=written,
         series_id=series.series_id if overlay else "",
         recovered=recovered,
-        warnings=_warnings(report),
+        warnings=notes + _warnings(report),
     )
 
 

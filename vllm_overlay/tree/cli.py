@@ -41,7 +41,8 @@ def cmd_apply(app: App, args: argparse.Namespace) -> int:
         series = _series_for_revert(app)
         outcome = revert_series(target, pin, series, wait=args.wait)
     else:
-        problems = check_series(checkout.root, pin, tests=False)
+        # An empty series is the pinned base: applying it reverts.
+        problems = check_series(checkout.root, pin, tests=False, allow_empty=True)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise SeriesError(

@@ -6,6 +6,14 @@ from pathlib import Path
 
 import msgspec
 
+from vllm_overlay.safefile import (
+    MAX_READ_BYTES,
+    NotRegularError,
+    TooLargeError,
+    describe_stat,
+    read_regular,
+)
+
 MANIFEST_NAME = ".overlay-manifest.json"
 
 
@@ -40,11 +48,13 @@ def load_manifest(path: Path) -> tuple[Manifest | None, str]:
     """The manifest at ``path`` and "", or None and why it cannot be used
     ("" when there is none)."""
     try:
-        data = path.read_bytes()
+        data = read_regular(path, MAX_READ_BYTES, "a manifest")
     except FileNotFoundError:
         return None, ""
-    except IsADirectoryError:
-        return None, "a directory stands at its path"
+    except NotRegularError as e:
+        return None, f"{describe_stat(path, e.st)} stands at its path"
+    except TooLargeError as e:
+        return None, e.why
     except OSError as e:
         return None, f"cannot read it: {e.strerror}"
     try:

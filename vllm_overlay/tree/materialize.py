@@ -9,12 +9,23 @@ either, ``$VLLM_OVERLAY_WHEEL``, else this Python's vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.safefile import (
+    MAX_READ_BYTES,
+    UnsafeFileError,
+    create_exclusive,
+    describe_stat,
+    is_regular,
+    lstat_at,
+    write_all,
+)
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.series.pin import Pin, sha256_bytes, sha256_file
 from vllm_overlay.tree.apply import overlay_texts
@@ -59,9 +70,15 @@ def base_from_wheel(wheel: Path, pin: Pin) -> dict[str, str]:
     with zipfile.ZipFile(wheel) as zf:
         for path, sha in pin.files.items():
             try:
-                data = zf.read(path)
+                size = zf.getinfo(path).file_size
             except KeyError:
                 raise MaterializeError(f"{wheel}: holds no {path}") from None
+            if size > MAX_READ_BYTES:
+                raise MaterializeError(
+                    f"{wheel}!{path}: {size} bytes, larger than the "
+                    f"{MAX_READ_BYTES}-byte cap on a pinned file"
+                )
+            data = zf.read(path)
             if sha256_bytes(data) != sha:
                 raise MaterializeError(f"{wheel}!{path}: does not match the pin")
             out[path] = data.decode()
@@ -105,20 +122,90 @@ def materialize(
     bases: dict[str, str], series: Series, out: Path, *, overlay: bool = True
 ) -> list[Path]:
     """Write every pinned file below ``out``, path-preserving; with
-    ``overlay`` the series is applied first. Returns the files written."""
+    ``overlay`` the series is applied first. Returns the files written.
+
+    Below ``out`` nothing is written through a symlink: each directory is
+    opened without following one, each file is written to a new file
+    created exclusively and renamed into place, and a symlink (or anything
+    but a directory or a regular file) standing at one of these paths is
+    refused before anything is written."""
     texts = dict(bases)
     if overlay:
         texts.update(overlay_texts(bases, series))
-    written = []
-    for path, text in sorted(texts.items()):
-        dest = out / path
-        try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(text)
-        except OSError as e:
-            where = e.filename or dest
-            raise MaterializeError(
-                f"--out {out}: cannot write {where}: {e.strerror}"
-            ) from None
-        written.append(dest)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        root = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        where = e.filename or out
+        raise MaterializeError(
+            f"--out {out}: cannot write {where}: {e.strerror}"
+        ) from None
+    try:
+        for path in sorted(texts):
+            _check_below(root, out, path)
+        written = []
+        for path, text in sorted(texts.items()):
+            _write_below(root, out, path, text.encode())
+            written.append(out / path)
+    finally:
+        os.close(root)
     return written
+
+
+def _check_below(root: int, out: Path, path: str) -> None:
+    """Refuse a symlink (or anything unexpected) on ``path``'s way below
+    ``out``, at ``path`` or at its temporary file, before anything is
+    written."""
+    parts = path.split("/")
+    temp = "/".join([*parts[:-1], f".{parts[-1]}.overlay-new"])
+    ways = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for rel in [*ways, temp]:
+        try:
+            st = os.lstat(rel, dir_fd=root)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise MaterializeError(
+                f"--out {out}: cannot write {out / rel}: {e.strerror}"
+            ) from None
+        is_dir = rel not in (path, temp)
+        if not (stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)):
+            raise MaterializeError(
+                f"--out {out}: {out / rel} is {describe_stat(out / rel, st)}, not "
+                f"{'a directory' if is_dir else 'a regular file'}; nothing was "
+                "written"
+            )
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _write_below(root: int, out: Path, path: str, data: bytes) -> None:
+    """``data`` into ``out/path``: each directory opened without following
+    a symlink, a new file created exclusively, renamed over the old one."""
+    *dirs, name = path.split("/")
+    fd = os.dup(root)
+    try:
+        for part in dirs:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, dir_fd=fd)
+            sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        temp = Path(f".{name}.overlay-new")
+        if is_regular(lstat_at(temp, fd)):  # left by a run cut short
+            os.unlink(temp, dir_fd=fd)
+        new = create_exclusive(temp, 0o666, dir_fd=fd)
+        try:
+            write_all(new, data)
+        finally:
+            os.close(new)
+        os.replace(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+    except UnsafeFileError as e:
+        raise MaterializeError(f"--out {out}: {out / path}: {e.why}") from None
+    except OSError as e:
+        raise MaterializeError(
+            f"--out {out}: cannot write {out / path}: {e.strerror}"
+        ) from None
+    finally:
+        os.close(fd)

@@ -11,12 +11,20 @@ are reported as notes.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+from vllm_overlay.safefile import (
+    MAX_READ_BYTES,
+    NotRegularError,
+    TooLargeError,
+    read_regular,
+)
 from vllm_overlay.series.diff import (
     DiffError,
     FilePatch,
@@ -27,7 +35,7 @@ from vllm_overlay.series.diff import (
 from vllm_overlay.series.patch_series import Series, SeriesError, split_header
 from vllm_overlay.series.pin import Pin, module_files, sha256_bytes
 from vllm_overlay.transaction import Transaction, TransactionError, lock_holder
-from vllm_overlay.tree.manifest import Manifest, load_manifest, manifest_path
+from vllm_overlay.tree.manifest import MANIFEST_NAME, Manifest, load_manifest
 from vllm_overlay.tree.target import Target
 
 FileStateName = Literal["base", "overlaid", "partial", "stale", "unknown", "missing"]
@@ -101,10 +109,16 @@ def file_status(
 ) -> tuple[FileStatus, str | None]:
     """Classify one pinned file; also return its base text when known."""
     expected = pin.files[path]
-    file = target.file(path)
-    if not file.is_file():
+    try:
+        data = read_pinned(target.file(path))
+    except FileNotFoundError:
         return FileStatus(path, "missing", [], expected, ""), None
-    data = file.read_bytes()
+    except NotRegularError as e:
+        if stat.S_ISDIR(e.st.st_mode):
+            return FileStatus(path, "missing", [], expected, ""), None
+        return FileStatus(path, "unknown", [], expected, "", detail=e.why), None
+    except TooLargeError as e:
+        return FileStatus(path, "unknown", [], expected, "", detail=e.why), None
     actual = sha256_bytes(data)
     if actual == expected:
         return FileStatus(path, "base", [], expected, actual), data.decode()
@@ -142,6 +156,12 @@ def file_status(
         FileStatus(path, "unknown", [], expected, actual, recorded_sha, detail),
         None,
     )
+
+
+def read_pinned(file: Path) -> bytes:
+    """A pinned file's bytes: never read through a symlink, and its size
+    checked against the cap before it is read."""
+    return read_regular(file, MAX_READ_BYTES, "a pinned file")
 
 
 def _recorded(manifest: Manifest | None, path: str) -> list[FilePatch]:
@@ -204,9 +224,9 @@ def tree_status(
 
     Returns the report and the base text of every file whose base is known.
     """
-    module_dir = target.root / pin.module
+    module_dir = target.module_dir()
     dirs = {target.file(p).parent for p in pin.files}
-    manifest, problem = load_manifest(manifest_path(target.root, pin.module))
+    manifest, problem = load_manifest(module_dir / MANIFEST_NAME)
     files: list[FileStatus] = []
     bases: dict[str, str] = {}
     for path in sorted(pin.files):
@@ -215,7 +235,7 @@ def tree_status(
         if base is not None:
             bases[path] = base
     if module_dir.is_dir():
-        for path, sha in module_files(target.root, pin.module).items():
+        for path, sha in module_files(module_dir, pin.module).items():
             if path not in pin.files:
                 files.append(
                     FileStatus(
@@ -224,7 +244,7 @@ def tree_status(
                         [],
                         "",
                         sha,
-                        detail="not in the pin",
+                        detail="not in the pin" if sha else "a symlink, not in the pin",
                         pinned=False,
                     )
                 )
@@ -261,8 +281,10 @@ def _notes(txn: Transaction, state: TreeStateName, manifest: str) -> list[str]:
             "an apply was interrupted: `vllm-overlay apply` or `apply --revert` "
             "undoes it first"
         )
+    planted = txn.planted()
+    notes.extend(f"{line}: not the overlay's, remove it by hand" for line in planted)
     stray = txn.leftovers()
-    if stray and not interrupted and holder is None:
+    if stray and not interrupted and holder is None and not planted:
         notes.append(
             f"{len(stray)} leftover temporary file(s), e.g. {stray[0].name}: the "
             "next apply removes them"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -22,9 +22,28 @@ class Target:
     root: Path
     # "files": only the MoRIIO module below vllm/, as `materialize` writes it.
     kind: Literal["installed", "source", "files"]
+    # The module directory, resolved once (`apply` sets it): every path
+    # below the module is taken from there, even if a symlink on the way to
+    # it changes meanwhile.
+    module_real: Path | None = None
 
     def file(self, rel: str) -> Path:
+        prefix = MODULE_DIR + "/"
+        if self.module_real is not None and rel.startswith(prefix):
+            return self.module_real / rel[len(prefix) :]
         return self.root / rel
+
+    def module_dir(self) -> Path:
+        """The MoRIIO module's directory (resolved, when ``module_real`` is)."""
+        return self.module_real or self.root / MODULE_DIR
+
+    def resolve_module(self) -> Target:
+        """This target with its module directory resolved once (it must
+        exist): a symlink on the way is followed now, and only now."""
+        module_dir = self.root / MODULE_DIR
+        if not module_dir.is_dir():
+            raise TargetError(f"{self.describe()}: has no {MODULE_DIR}")
+        return replace(self, module_real=module_dir.resolve(strict=True))
 
     def describe(self) -> str:
         what = {
