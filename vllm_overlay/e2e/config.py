@@ -47,6 +47,10 @@ CACHE_ENV = {
     "TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
 }
 
+# The uid and gid docker/Dockerfile's vLLM runs as (its `USER`): the cache
+# directory is handed to it before the servers start.
+IMAGE_UID = 2000
+
 # `docker run` flags for a server when the config gives none: the unprivileged
 # set of vLLM's ROCm P/D CI and MoRIIO usage doc. Host network and IPC (MoRIIO
 # and NCCL address the host's NICs and shared memory), the GPU (kfd, dri) and

@@ -9,7 +9,7 @@ from typing import Literal
 
 import msgspec
 
-from vllm_overlay.e2e.config import Reach, RunConfig
+from vllm_overlay.e2e.config import CACHE_MOUNT, IMAGE_UID, Reach, RunConfig
 from vllm_overlay.e2e.secret import MASK, secret_names
 from vllm_overlay.e2e.servers import (
     container_name,
@@ -19,10 +19,12 @@ from vllm_overlay.e2e.servers import (
     servers,
 )
 
-# clean/pull/start/collect/stop run a command on a host; spawn starts a
+# clean/pull/prepare/start/collect/stop run a command on a host; spawn starts a
 # process of the harness node that stop terminates; wait polls an endpoint
 # from the harness.
-Action = Literal["clean", "pull", "start", "spawn", "wait", "collect", "stop"]
+Action = Literal[
+    "clean", "pull", "prepare", "start", "spawn", "wait", "collect", "stop"
+]
 Probe = Literal["http", "tcp"]
 
 
@@ -123,6 +125,20 @@ def pull_command(config: RunConfig) -> list[str] | None:
     return ["sh", "-c", script]
 
 
+def cache_command(config: RunConfig) -> list[str] | None:
+    """The cache directory of a node handed to the image's user (vLLM runs
+    as uid IMAGE_UID; docker creates a missing directory as root), from a
+    throwaway root container of the image; None: no cache directory."""
+    c = config.container
+    if not c.cache_dir:
+        return None
+    owner = f"{IMAGE_UID}:{IMAGE_UID}"
+    return [
+        c.engine, "run", "--rm", "--user", "0", "--entrypoint", "chown",
+        "--volume", f"{c.cache_dir}:{CACHE_MOUNT}", c.image, "-R", owner, CACHE_MOUNT,
+    ]  # fmt: skip
+
+
 def build_plan(config: RunConfig) -> Plan:
     """Every command of a run, in order; needs every address."""
     config.check_addresses()
@@ -161,6 +177,13 @@ def build_plan(config: RunConfig) -> Plan:
                     timeout_s=config.timeouts.pull_s,
                 )
             )  # fmt: skip
+    prepare = cache_command(config)
+    if prepare is not None:
+        nodes: dict[str, Reach] = {}
+        for s in servers(config):
+            nodes.setdefault(where(s.reach), s.reach)
+        for host, reach in nodes.items():
+            setup.append(Step("node", "prepare", host, on_host(reach, prepare), reach))
     if not r.container:
         argv = router_command(config, place="harness")
         setup.append(Step("router", "spawn", "local", argv))

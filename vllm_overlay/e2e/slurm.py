@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from vllm_overlay.e2e.config import RunConfig
+from vllm_overlay.e2e.config import IMAGE_UID, RunConfig
 from vllm_overlay.e2e.launch import (
     STOP_GRACE_S,
     ClosedOnExit,
@@ -40,7 +40,7 @@ from vllm_overlay.e2e.launch import (
     run_command,
     wait_healthy,
 )
-from vllm_overlay.e2e.plan import pull_command
+from vllm_overlay.e2e.plan import cache_command, pull_command
 from vllm_overlay.e2e.secret import MASK, is_secret, secret_names
 from vllm_overlay.e2e.servers import (
     HOST_IP,
@@ -201,6 +201,17 @@ class SlurmJob:
             "fi",
         ]
 
+    def cache_lines(self) -> list[str]:
+        prepare = cache_command(self.config)
+        if prepare is None:
+            return []
+        return [
+            f'if ! {bash_line(prepare)} >> "$LOG" 2>&1; then',
+            f'  echo "could not hand the cache directory to uid {IMAGE_UID}" >> "$LOG"',
+            "  finish 1",
+            "fi",
+        ]
+
     def node_script(self) -> str:
         c, s = self.config, self.config.slurm
         engine = shlex.quote(c.container.engine)
@@ -243,6 +254,7 @@ class SlurmJob:
             'mv "$E2E_DIR/addr/$WHAT.tmp" "$E2E_DIR/addr/$WHAT"',
             'finish() { echo "$1" > "$E2E_DIR/exit/$WHAT"; exit "$1"; }',
             *[line.replace("exit 1", "finish 1") for line in self.pull_lines('"$LOG"')],
+            *self.cache_lines(),
             f'{engine} rm --force "$NAME" >/dev/null 2>&1 || true',
             f"trap '{engine} rm --force \"$NAME\" >/dev/null 2>&1; exit 143' TERM INT",
             'case "$RANK" in',
