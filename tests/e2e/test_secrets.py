@@ -163,16 +163,16 @@ def test_a_run_over_ssh_hands_the_token_to_the_containers_and_nowhere_else(
         (fake_docker / "env" / "moriio-e2e-loop-decode-0.json").read_text()
     )
     assert decode["VLLM_API_KEY"] == hashlib.sha256(KEY.encode()).hexdigest()
-    assert "VLLM_API_KEY=***" in (run_dir / "logs" / "decode-0.log").read_text()
     # The commands went through ssh, with the secrets by name only.
     ssh_calls = [json.loads(x) for x in fake_ssh.read_text().splitlines()]
     assert any("docker run --detach" in " ".join(c) for c in ssh_calls)
-    docker_calls = (fake_docker / "calls.jsonl").read_text()
-    assert '"--env", "HF_TOKEN"' in docker_calls
     texts = {"stdout": out, "stderr": err}
     for secret in (TOKEN, KEY):
         assert holders(secret, run_dir, fake_docker, fake_ssh, texts=texts) == []
+    docker_calls = (fake_docker / "calls.jsonl").read_text()
+    assert '"--env", "HF_TOKEN"' in docker_calls
     assert "HF_TOKEN=***" in out
+    assert "VLLM_API_KEY=***" in (run_dir / "logs" / "decode-0.log").read_text()
 
 
 def test_slurm_env_files_are_private_and_hold_only_the_secrets(
