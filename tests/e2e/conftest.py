@@ -165,6 +165,21 @@ def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def fake_ssh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An `ssh` on PATH that runs the remote command on this machine
+    (tests/e2e/fakessh.py); returns the log of its command lines."""
+    bin_dir = tmp_path / "ssh-bin"
+    bin_dir.mkdir()
+    ssh = bin_dir / "ssh"
+    ssh.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "fakessh.py"} "$@"\n')
+    ssh.chmod(0o755)
+    log = tmp_path / "ssh-calls.jsonl"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SSH_LOG", str(log))
+    return log
+
+
+@pytest.fixture
 def fake_docker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A `docker` on PATH that runs stand-ins (tests/e2e/fakedocker.py);
     yields its state directory and removes every "container" left."""

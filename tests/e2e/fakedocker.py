@@ -9,11 +9,15 @@ tests/e2e/frontend.py. State lives in $FAKE_DOCKER_STATE. Behaviour knobs:
   start-up failure and exits with 3 (a MoRI assert, an OOM ...);
 - FAKE_DOCKER_PULL: ok (default, prints progress), hang, fail;
 - FAKE_DOCKER_HAVE_IMAGE=1: `image inspect` finds the image.
+Every call's argv is appended to calls.jsonl in the state directory (what
+`ps` shows on a node); every container's env, as sha256 per name, to
+env/<name>.json (what reached the container, and no value).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -27,7 +31,7 @@ REPO = HERE.parents[1]
 VALUE_FLAGS = {
     "--name", "--network", "--ipc", "--device", "--group-add", "--cap-add",
     "--security-opt", "--ulimit", "--shm-size", "--volume", "-v", "--env", "-e",
-    "--entrypoint", "--user", "--format", "--tail",
+    "--entrypoint", "--user", "--format", "--tail", "--env-file",
 }  # fmt: skip
 DIE_LINES = (
     "INFO 11-30 12:00:00 api_server.py:1] vLLM API server version 0.33.0",
@@ -81,11 +85,31 @@ def command_for(name: str, entrypoint: str, args: list[str]) -> list[str]:
     raise SystemExit(f"fake docker: no stand-in for entrypoint {entrypoint} {args[:1]}")
 
 
-def child_env(flags: dict[str, list[str]]) -> dict[str, str]:
-    env = dict(os.environ)
-    for kv in flags.get("--env", []) + flags.get("-e", []):
-        key, _, value = kv.partition("=")
-        env[key] = value
+def given_env(flags: dict[str, list[str]]) -> dict[str, str]:
+    """What docker sets in the container: --env-file lines, then --env; a
+    name without a value takes the client's own (unset: left out)."""
+    env: dict[str, str] = {}
+    entries = []
+    for path in flags.get("--env-file", []):
+        lines = Path(path).read_text().splitlines()
+        entries += [x for x in lines if x.strip() and not x.startswith("#")]
+    entries += flags.get("--env", []) + flags.get("-e", [])
+    for kv in entries:
+        key, eq, value = kv.partition("=")
+        if eq:
+            env[key] = value
+        elif key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def child_env(name: str, flags: dict[str, list[str]]) -> dict[str, str]:
+    given = given_env(flags)
+    record = state() / "env"
+    record.mkdir(exist_ok=True)
+    digests = {k: hashlib.sha256(v.encode()).hexdigest() for k, v in given.items()}
+    (record / f"{name}.json").write_text(json.dumps(digests))
+    env = {**os.environ, **given}
     env["PYTHONPATH"] = str(REPO)
     return env
 
@@ -112,8 +136,10 @@ def supervise(name: str, argv: list[str], env: dict[str, str], log: Path | None)
 
 def cmd_run(args: list[str]) -> int:
     flags, rest = parse(args)
-    name = flags["--name"][0]
     entrypoint = flags["--entrypoint"][0]
+    if entrypoint == "chown":  # the cache directory handed to the image's user
+        return 0
+    name = flags["--name"][0]
     image, inner = rest[0], rest[1:]
     assert image, "no image"
     if (state() / f"{name}.json").exists():
@@ -123,7 +149,7 @@ def cmd_run(args: list[str]) -> int:
         )
         return 125
     argv = command_for(name, entrypoint, inner)
-    env = child_env(flags)
+    env = child_env(name, flags)
     log = state() / f"{name}.log"
     log.write_bytes(b"")
     (state() / f"{name}.exit").unlink(missing_ok=True)
@@ -242,6 +268,9 @@ def main(argv: list[str]) -> int:
     if not argv:
         return 2
     cmd, args = argv[0], argv[1:]
+    if cmd != "_supervise":
+        with (state() / "calls.jsonl").open("a") as f:
+            f.write(json.dumps(["docker", *argv]) + "\n")
     if cmd == "_supervise":
         return cmd_supervise(args[0])
     if cmd == "image" and args[:1] == ["inspect"]:

@@ -199,7 +199,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 def serve_main(argv: list[str]) -> int:
     """A `vllm serve MODEL ...` command line, served by a stand-in until
-    SIGTERM. Prints the overlay banner of $STANDIN_BANNER first."""
+    SIGTERM. Prints the overlay banner of $STANDIN_BANNER first, and the
+    variable named by $STANDIN_LEAK with its value (a server that logs a
+    secret)."""
     assert argv[0] == "serve", argv
     port = int(argv[argv.index("--port") + 1])
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
@@ -213,6 +215,9 @@ def serve_main(argv: list[str]) -> int:
     banner = os.environ.get("STANDIN_BANNER", "")
     if banner:
         print(banner, flush=True)
+    leak = os.environ.get("STANDIN_LEAK", "")
+    if leak:
+        print(f"{leak}={os.environ.get(leak, '')}", flush=True)
     server = StandIn(role, port=port)
     server.log = lambda line: print(line, flush=True)
     stop = threading.Event()

@@ -14,6 +14,7 @@ from tests.e2e.conftest import EXAMPLE, FIXTURES
 from vllm_overlay.cli import main
 from vllm_overlay.e2e.cli import series_patches
 from vllm_overlay.e2e.config import (
+    IMAGE_UID,
     UNPRIVILEGED_FLAGS,
     ConfigError,
     RunConfig,
@@ -120,6 +121,27 @@ def test_cache_volume_and_engine_timeout_in_every_server() -> None:
     joined = " ".join(starts(build_plan(config))["prefill-0"].argv)
     assert "VLLM_ENGINE_READY_TIMEOUT_S=7200" in joined
     assert "/cache" not in joined and "3600" not in joined
+
+
+def test_the_cache_directory_is_handed_to_the_image_user() -> None:
+    # The image's vLLM runs as uid IMAGE_UID; docker creates a missing bind
+    # mount source as root. Before any server starts, every server node's
+    # cache directory is chowned from a root container of the image.
+    plan = build_plan(load_config(EXAMPLE))
+    actions = [(s.what, s.action, s.where) for s in plan.setup]
+    prepares = [s for s in plan.setup if s.action == "prepare"]
+    assert [s.where for s in prepares] == ["local", "mi350x-b"]
+    owner = f"{IMAGE_UID}:{IMAGE_UID}"
+    assert prepares[0].argv[-6:] == [
+        "--volume", "/var/cache/vllm-moriio-e2e:/cache",
+        load_config(EXAMPLE).container.image, "-R", owner, "/cache",
+    ]  # fmt: skip
+    assert "--user 0 --entrypoint chown" in " ".join(prepares[0].argv)
+    first_start = next(i for i, a in enumerate(actions) if a[1] == "start")
+    last_pull = max(i for i, a in enumerate(actions) if a[1] == "pull")
+    assert last_pull < actions.index(("node", "prepare", "local")) < first_start
+    no_cache = with_container(load_config(EXAMPLE), cache_dir="")
+    assert not [s for s in build_plan(no_cache).setup if s.action == "prepare"]
 
 
 def test_rdma_env_per_node() -> None:

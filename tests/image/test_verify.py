@@ -110,6 +110,32 @@ def test_router_check(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not wrong.ok and wrong.detail.startswith("vllm-router 0.1.17 (pinned 9.9.9)")
 
 
+def test_router_check_needs_what_the_router_requires(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The Dockerfile installs the router --no-deps: what it requires must
+    # already be in the base (vLLM's own dependencies).
+    import importlib.metadata
+
+    real = importlib.metadata.requires
+
+    def requires(dist: str) -> list[str] | None:
+        if dist != "vllm-router":
+            return real(dist)
+        return [
+            "msgspec>=0.18",
+            'no-such-package-xyz>=1; python_version >= "3"',
+            'also-not-installed; extra == "dev"',
+        ]
+
+    monkeypatch.setattr(importlib.metadata, "requires", requires)
+    check = check_router("0.1.17")
+    assert not check.ok
+    assert check.detail == (
+        "vllm-router 0.1.17 requires no-such-package-xyz, not installed"
+    )
+
+
 def test_every_check_runs_and_the_verdict_is_their_and(pin: Pin) -> None:
     v = verify_install(REPO, pin, SERIES)
     names = [c.name for c in v.checks]

@@ -9,11 +9,14 @@ computed from, and the checks. See examples/*.toml and docs/e2e.md.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 
+from vllm_overlay.e2e.secret import masked_env
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.tomlfile import decode_toml, read_toml
 
@@ -44,6 +47,10 @@ CACHE_ENV = {
     "TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
 }
 
+# The uid and gid docker/Dockerfile's vLLM runs as (its `USER`): the cache
+# directory is handed to it before the servers start.
+IMAGE_UID = 2000
+
 # `docker run` flags for a server when the config gives none: the unprivileged
 # set of vLLM's ROCm P/D CI and MoRIIO usage doc. Host network and IPC (MoRIIO
 # and NCCL address the host's NICs and shared memory), the GPU (kfd, dri) and
@@ -66,6 +73,122 @@ UNPRIVILEGED_FLAGS = (
 
 class ConfigError(OverlayError):
     """The run config is missing, not TOML, or invalid."""
+
+
+# Every string of the config reaches a command line, a batch script, an env
+# file or a report: no control characters (a newline in a `#SBATCH` value
+# starts a shell line of the job). The values below are also single words
+# of a command line or a script, where a leading '-' would be read as an
+# option and a shell character as code: each matches its pattern.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab"}
+_NOT_OPTION = re.compile(r"[^-].*", re.DOTALL)
+_WORDS: list[tuple[re.Pattern[str], re.Pattern[str], str]] = [
+    (
+        re.compile(
+            r"(prefill|decode)\.instances\[\d+\]\.reach\.ssh|router\.reach\.ssh"
+        ),
+        re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.@:+-]*)?"),
+        "an ssh destination (user@host or an alias: letters, digits, . _ - @ :) "
+        "not beginning with '-'",
+    ),
+    (
+        re.compile(r"container\.image"),
+        re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*"),
+        "an image reference (letters, digits, . _ / : @ + -)",
+    ),
+    (
+        re.compile(r"container\.engine"),
+        re.compile(r"[A-Za-z0-9_./][A-Za-z0-9_./+-]*"),
+        "a program name or path (letters, digits, . _ / + -) not beginning with '-'",
+    ),
+    (
+        re.compile(r"container\.shm_size"),
+        re.compile(r"[0-9]+[bkmgBKMG]?"),
+        "a size such as 64g",
+    ),
+    (
+        re.compile(r"container\.cache_dir"),
+        re.compile(r"(/[^:\s]*)?"),
+        "an absolute path without ':' or whitespace, or empty",
+    ),
+    (
+        re.compile(r"container\.volumes\[\d+\]|model\.path|router\.toy_proxy"),
+        _NOT_OPTION,
+        "a path or host:container[:ro] mount, not beginning with '-' (it would be "
+        "read as an option)",
+    ),
+    (
+        re.compile(r"slurm\.time"),
+        re.compile(r"[0-9]+([:-][0-9]+){0,3}|UNLIMITED|INFINITE"),
+        "a Slurm time limit: minutes, [D-]HH:MM[:SS], UNLIMITED",
+    ),
+    (
+        re.compile(r"slurm\.(partition|account)"),
+        re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.,-]*)?"),
+        "a Slurm name (letters, digits, _ . , -) not beginning with '-'",
+    ),
+    (
+        re.compile(r"slurm\.sbatch_options\[\d+\]"),
+        re.compile(r"--?[A-Za-z].*", re.DOTALL),
+        "an sbatch option beginning with '-'",
+    ),
+    (
+        re.compile(r"slurm\.node_env\.<name>"),
+        re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*"),
+        "a Slurm node name (letters, digits, _ . -)",
+    ),
+]
+# vLLM flags whose value is a secret: it belongs in the container env (which
+# reaches the container by name), never on the server's command line.
+_SECRET_FLAGS = {"--hf-token": "HF_TOKEN", "--api-key": "VLLM_API_KEY"}
+_ARGS = re.compile(r"(model|prefill|decode|router)\.extra_args\[\d+\]")
+
+
+def _strings(value: object, path: str) -> Iterator[tuple[str, str]]:
+    """(field path, text) of every string in ``value``; a dict's keys are
+    at ``path.<name>``."""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, msgspec.Struct):
+        for field in msgspec.structs.fields(value):
+            sub = f"{path}.{field.name}" if path else field.name
+            yield from _strings(getattr(value, field.name), sub)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield f"{path}.<name>", str(key)
+            yield from _strings(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _strings(item, f"{path}[{i}]")
+
+
+def text_problem(path: str, text: str) -> str | None:
+    """Why ``text`` at ``path`` cannot go into a command line or a script,
+    or None. Never quotes the text: it may be a secret."""
+    bad = _CONTROL.search(text)
+    if bad is not None:
+        name = _CONTROL_NAMES.get(bad.group(), f"U+{ord(bad.group()):04X}")
+        return f"contains {name}; control characters are not allowed"
+    for field, pattern, what in _WORDS:
+        if field.fullmatch(path) and not pattern.fullmatch(text):
+            return f"must be {what}"
+    if _ARGS.fullmatch(path) and text.split("=", 1)[0] in _SECRET_FLAGS:
+        flag = text.split("=", 1)[0]
+        return (
+            f"{flag} would put a secret on a command line; set container.env "
+            f"{_SECRET_FLAGS[flag]} instead (passed to the container by name)"
+        )
+    return None
+
+
+def check_text(config: object) -> None:
+    """Raise ValueError naming the first field that cannot go into a
+    command line or a script as it is."""
+    for path, text in _strings(config, ""):
+        problem = text_problem(path, text)
+        if problem is not None:
+            raise ValueError(f"{path.replace('.<name>', ' (a name)')}: {problem}")
 
 
 class Reach(msgspec.Struct, forbid_unknown_fields=True):
@@ -378,6 +501,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     slurm: Slurm = msgspec.field(default_factory=Slurm)
 
     def __post_init__(self) -> None:
+        check_text(self)
         if self.prefill.dcp != self.decode.dcp:
             raise ValueError("prefill.dcp and decode.dcp must match for READ")
         if self.layout.block_size == 0:
@@ -436,6 +560,21 @@ def load_config(path: Path) -> RunConfig:
 
 
 def encode_config(config: RunConfig) -> dict[str, object]:
-    """The config as plain data, for the top of every report."""
+    """The config as plain data, for the top of every report: every secret
+    env value (container, sides, instances, Slurm nodes) shown as ``***``."""
+
+    def mask(value: object, key: str = "") -> object:
+        if isinstance(value, dict):
+            if key == "env":
+                return masked_env(value)
+            if key == "node_env":
+                return {node: masked_env(env) for node, env in value.items()}
+            return {k: mask(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mask(v) for v in value]
+        return value
+
     data: dict[str, object] = msgspec.to_builtins(config)
-    return data
+    masked = mask(data)
+    assert isinstance(masked, dict)
+    return masked

@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -28,6 +28,7 @@ from types import FrameType, TracebackType
 import msgspec
 
 from vllm_overlay.e2e.plan import Plan, Step, on_host
+from vllm_overlay.e2e.secret import all_values, scrub
 from vllm_overlay.errors import OverlayError
 
 STOP_GRACE_S = 15.0
@@ -138,11 +139,14 @@ def resolve_executable(name: str) -> str:
 
 
 def run_command(
-    argv: list[str], timeout_s: float
+    argv: list[str], timeout_s: float, stdin: bytes | None = None
 ) -> subprocess.CompletedProcess[bytes]:
-    """``argv`` with a timeout; a missing program or a timeout is a LaunchError."""
+    """``argv`` with a timeout (and ``stdin`` written to it); a missing
+    program or a timeout is a LaunchError."""
     try:
-        return subprocess.run(argv, capture_output=True, timeout=timeout_s, check=False)
+        return subprocess.run(
+            argv, input=stdin, capture_output=True, timeout=timeout_s, check=False
+        )
     except subprocess.TimeoutExpired:
         raise LaunchError(
             f"`{' '.join(argv)[:200]}` did not finish in {timeout_s:g}s"
@@ -241,7 +245,11 @@ class Launcher(ClosedOnExit):
 
     Between health polls (and whenever the runner asks) every started
     container is inspected: one that is no longer running stops the run at
-    once with its exit code and last log lines (`stopped`)."""
+    once with its exit code and last log lines (`stopped`).
+
+    ``secrets`` holds the secret env values of each container, by step
+    (`servers.leg_secrets`): a start step reads them on its stdin; collected
+    logs show them as ``***``."""
 
     def __init__(
         self,
@@ -251,8 +259,10 @@ class Launcher(ClosedOnExit):
         poll_s: float = 5.0,
         command_s: float = 120.0,
         say: Callable[[str], None] = print,
+        secrets: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.plan = plan
+        self.secrets = secrets or {}
         self.log_dir = log_dir
         self.endpoints = endpoints
         self.poll_s = poll_s
@@ -302,10 +312,11 @@ class Launcher(ClosedOnExit):
             if code != 0:
                 raise LaunchError(f"pull @ {step.where}: exit {code}: {last[:300]}")
             return
-        result = run_command(step.argv, self.command_s)
+        result = run_command(step.argv, self.command_s, self.stdin(step))
         if step.action == "collect":
-            (self.log_dir / f"{step.what}.log").write_bytes(
-                result.stdout + result.stderr
+            text = (result.stdout + result.stderr).decode(errors="replace")
+            (self.log_dir / f"{step.what}.log").write_text(
+                scrub(text, all_values(self.secrets))
             )
         if step.action == "start":
             self.started.append(step)
@@ -314,6 +325,16 @@ class Launcher(ClosedOnExit):
             raise LaunchError(
                 f"{step.what} @ {step.where}: exit {result.returncode}: {err}"
             )
+
+    def stdin(self, step: Step) -> bytes | None:
+        """The secret values ``step`` reads, one a line; None: it reads none."""
+        if not step.secret_env:
+            return None
+        values = self.secrets.get(step.what, {})
+        missing = [n for n in step.secret_env if n not in values]
+        if missing:
+            raise LaunchError(f"{step.what}: no value for {', '.join(missing)}")
+        return "".join(f"{values[n]}\n" for n in step.secret_env).encode()
 
     def inspect(self, step: Step) -> ContainerState | None:
         """None while ``step``'s container runs; its state once it stopped."""
@@ -341,7 +362,10 @@ class Launcher(ClosedOnExit):
             ),
             self.command_s,
         )
-        text = (logs.stdout + logs.stderr).decode(errors="replace")
+        text = scrub(
+            (logs.stdout + logs.stderr).decode(errors="replace"),
+            all_values(self.secrets),
+        )
         return ContainerState(
             step.what, step.where, status, code, oom, last_lines(text)
         )

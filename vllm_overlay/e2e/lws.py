@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_overlay.e2e.config import ROLES, RunConfig
+from vllm_overlay.e2e.secret import is_secret
 from vllm_overlay.e2e.servers import (
     HOST_IP,
     ROUTER_IP,
@@ -26,6 +27,20 @@ from vllm_overlay.e2e.servers import (
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 GPU_RESOURCE = "amd.com/gpu"  # the AMD GPU device plugin's resource
 EXCLUSIVE = "leaderworkerset.sigs.k8s.io/exclusive-topology"
+
+
+def secret_name(config: RunConfig) -> str:
+    """The Kubernetes Secret the pods read secret env values from."""
+    return f"{config.name}-env"
+
+
+def env_var(config: RunConfig, name: str, value: str) -> dict[str, Any]:
+    """A container env entry; a secret is a reference into the run's
+    Secret (created by the user), never its value."""
+    if is_secret(name):
+        ref = {"name": secret_name(config), "key": name}
+        return {"name": name, "valueFrom": {"secretKeyRef": ref}}
+    return {"name": name, "value": value}
 
 
 def fill(word: str, router_host: str) -> str:
@@ -58,7 +73,7 @@ def server_set(config: RunConfig, role: str, router_host: str) -> dict[str, Any]
     first = side_servers[0]
     argv = [fill(w, router_host) for w in serve_command(config, first)]
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    env += [{"name": k, "value": v} for k, v in sorted(first.env.items())]
+    env += [env_var(config, k, v) for k, v in sorted(first.env.items())]
     vols, mounts = volumes(config)
     health = {"httpGet": {"path": "/health", "port": first.http_port}}
     t = config.timeouts

@@ -9,7 +9,8 @@ from typing import Literal
 
 import msgspec
 
-from vllm_overlay.e2e.config import Reach, RunConfig
+from vllm_overlay.e2e.config import CACHE_MOUNT, IMAGE_UID, Reach, RunConfig
+from vllm_overlay.e2e.secret import MASK, secret_names
 from vllm_overlay.e2e.servers import (
     container_name,
     docker_run_router,
@@ -18,10 +19,12 @@ from vllm_overlay.e2e.servers import (
     servers,
 )
 
-# clean/pull/start/collect/stop run a command on a host; spawn starts a
+# clean/pull/prepare/start/collect/stop run a command on a host; spawn starts a
 # process of the harness node that stop terminates; wait polls an endpoint
 # from the harness.
-Action = Literal["clean", "pull", "start", "spawn", "wait", "collect", "stop"]
+Action = Literal[
+    "clean", "pull", "prepare", "start", "spawn", "wait", "collect", "stop"
+]
 Probe = Literal["http", "tcp"]
 
 
@@ -36,6 +39,9 @@ class Step(msgspec.Struct, forbid_unknown_fields=True):
     probe: Probe = "http"
     timeout_s: float = 0.0
     must_succeed: bool = True
+    # Secret env names the command reads from its stdin, one value a line
+    # (`with_secrets`); the launcher writes them there. Never their values.
+    secret_env: list[str] = msgspec.field(default_factory=list)
 
     def describe(self) -> str:
         if self.action == "wait":
@@ -48,6 +54,9 @@ class Step(msgspec.Struct, forbid_unknown_fields=True):
             return f"terminate the {self.what} process"
         if self.action == "pull":
             return f"{shlex.join(self.argv)}  (timeout {self.timeout_s:g}s)"
+        if self.secret_env:
+            given = ", ".join(f"{n}={MASK}" for n in self.secret_env)
+            return f"{shlex.join(self.argv)}  (on stdin: {given})"
         return shlex.join(self.argv)
 
 
@@ -88,6 +97,17 @@ def on_host(reach: Reach, argv: list[str]) -> list[str]:
     return ["ssh", *reach.ssh_options, reach.ssh, shlex.join(argv)]
 
 
+def with_secrets(argv: list[str], names: list[str]) -> list[str]:
+    """``argv`` run by sh once it has read the values of ``names`` from
+    its stdin, one a line, into its environment: the values reach the
+    engine (`--env NAME`) through ssh's stdin, never a command line."""
+    if not names:
+        return list(argv)
+    reads = " && ".join(f"IFS= read -r {n}" for n in names)
+    script = f'{reads} && export {" ".join(names)} && exec "$@"'
+    return ["sh", "-c", script, "sh", *argv]
+
+
 def where(reach: Reach) -> str:
     return reach.ssh or "local"
 
@@ -105,6 +125,20 @@ def pull_command(config: RunConfig) -> list[str] | None:
     return ["sh", "-c", script]
 
 
+def cache_command(config: RunConfig) -> list[str] | None:
+    """The cache directory of a node handed to the image's user (vLLM runs
+    as uid IMAGE_UID; docker creates a missing directory as root), from a
+    throwaway root container of the image; None: no cache directory."""
+    c = config.container
+    if not c.cache_dir:
+        return None
+    owner = f"{IMAGE_UID}:{IMAGE_UID}"
+    return [
+        c.engine, "run", "--rm", "--user", "0", "--entrypoint", "chown",
+        "--volume", f"{c.cache_dir}:{CACHE_MOUNT}", c.image, "-R", owner, CACHE_MOUNT,
+    ]  # fmt: skip
+
+
 def build_plan(config: RunConfig) -> Plan:
     """Every command of a run, in order; needs every address."""
     config.check_addresses()
@@ -113,12 +147,14 @@ def build_plan(config: RunConfig) -> Plan:
     router_url = f"http://{r.address}:{r.port}"
     legs: list[tuple[str, Reach, list[str] | None, str]] = []
     # (what, reach, docker run argv or None for a harness process, url)
+    env_of: dict[str, dict[str, str]] = {"router": c.env}
     if r.container:
         name = container_name(config, "router")
         legs.append(("router", r.reach, docker_run_router(config, name), router_url))
     for s in servers(config):
         name = container_name(config, s.name)
         legs.append((s.name, s.reach, docker_run_server(config, s, name), s.url))
+        env_of[s.name] = s.env
 
     setup: list[Step] = []
     for what, reach, _, _ in legs:
@@ -141,15 +177,24 @@ def build_plan(config: RunConfig) -> Plan:
                     timeout_s=config.timeouts.pull_s,
                 )
             )  # fmt: skip
+    prepare = cache_command(config)
+    if prepare is not None:
+        nodes: dict[str, Reach] = {}
+        for s in servers(config):
+            nodes.setdefault(where(s.reach), s.reach)
+        for host, reach in nodes.items():
+            setup.append(Step("node", "prepare", host, on_host(reach, prepare), reach))
     if not r.container:
         argv = router_command(config, place="harness")
         setup.append(Step("router", "spawn", "local", argv))
     for what, reach, run_argv, _ in legs:
         assert run_argv is not None
+        names = secret_names(env_of[what])
         setup.append(
             Step(
-                what, "start", where(reach), on_host(reach, run_argv), reach,
-                container_name(config, what),
+                what, "start", where(reach),
+                on_host(reach, with_secrets(run_argv, names)), reach,
+                container_name(config, what), secret_env=names,
             )
         )  # fmt: skip
     # The servers first: the front end serves only once they registered.

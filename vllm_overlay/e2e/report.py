@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from vllm_overlay.e2e.checks import Section
+from vllm_overlay.e2e.secret import scrub
 
 MAX_ROWS = 400
 
@@ -64,11 +66,18 @@ def markdown(report: Report) -> str:
     return "\n".join(lines)
 
 
-def write_report(report: Report, run_dir: Path) -> tuple[Path, Path]:
+def write_report(
+    report: Report, run_dir: Path, secrets: Iterable[str] = ()
+) -> tuple[Path, Path]:
+    """report.json and report.md; any of ``secrets`` in them (a server's
+    log line, an error) is shown as ``***``. The config in ``report`` is
+    already masked (`encode_config`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    hidden = set(secrets)
     js, md = run_dir / "report.json", run_dir / "report.md"
-    js.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
-    md.write_text(markdown(report))
+    data = msgspec.json.format(msgspec.json.encode(report), indent=2).decode()
+    js.write_text(scrub(data, hidden) + "\n")
+    md.write_text(scrub(markdown(report), hidden))
     return js, md
 
 

@@ -62,7 +62,8 @@ from vllm_overlay.e2e.prompts import (
     sweep_prompts,
 )
 from vllm_overlay.e2e.report import Report, write_report
-from vllm_overlay.e2e.servers import servers
+from vllm_overlay.e2e.secret import all_values, masking, scrub
+from vllm_overlay.e2e.servers import leg_secrets, node_secrets, servers
 
 LauncherKind = Literal["ssh", "slurm", "attach"]
 NOT_SENT = Completion([], "", 0, error="not sent")
@@ -118,6 +119,7 @@ def make_launcher(
         plan = build_plan(config)
         if kind == "attach":
             plan = plan.attach()
+    needs = any(s.secret_env for s in plan.steps)
     return Launcher(
         plan,
         run_dir / "logs",
@@ -125,7 +127,30 @@ def make_launcher(
         t.poll_s,
         t.command_s,
         say,
+        secrets=leg_secrets(config) if needs else None,
     )
+
+
+def secret_values(config: RunConfig, kind: LauncherKind) -> set[str]:
+    """Every secret value the run may hand a container (none for attach:
+    it starts nothing), to be masked in what the run prints and writes."""
+    if kind == "attach":
+        return set()
+    found = all_values(leg_secrets(config))
+    if kind == "slurm":
+        found |= all_values(node_secrets(config))
+    return found
+
+
+def scrub_logs(log_dir: Path, values: set[str]) -> None:
+    """The run's log files with every secret value shown as ``***``."""
+    if not values or not log_dir.is_dir():
+        return
+    for log in sorted(log_dir.glob("*.log")):
+        text = log.read_text(errors="replace")
+        clean = scrub(text, values)
+        if clean != text:
+            log.write_text(clean)
 
 
 class Session:
@@ -233,6 +258,8 @@ def run(
     launcher_kind: LauncherKind = "ssh",
 ) -> Report:
     """Run every check; ``plan`` (ssh launcher) defaults to the config's."""
+    hidden = secret_values(config, launcher_kind)
+    say = masking(say, hidden)
     c = config.checks
     tok = load_tokenizer(config.model.tokenizer)
     geo = Geometry.of(config)
@@ -289,6 +316,7 @@ def run(
     except (LaunchError, Terminated, KeyboardInterrupt) as e:
         error = f"{type(e).__name__}: {e}"
 
+    scrub_logs(launcher.log_dir, hidden)
     names = [s.name for s in servers(config)]
     logs = read_logs(launcher.log_dir, names)
     patches = image_series(logs)
@@ -338,7 +366,7 @@ def run(
         config.container.image, series, encode_config(config), sections, error,
         launcher=launcher_kind, front_end=config.router.kind, notes=notes,
     )  # fmt: skip
-    js, md = write_report(report, run_dir)
+    js, md = write_report(report, run_dir, hidden)
     say(f"e2e: {'PASS' if report.ok else 'FAIL'}; report {md} and {js}")
     return report
 

@@ -9,7 +9,9 @@ unchanged (`ROUTER_IP` stands for the front end's address).
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Mapping
 from typing import Literal
 
 import msgspec
@@ -24,6 +26,7 @@ from vllm_overlay.e2e.config import (
     RunConfig,
     Side,
 )
+from vllm_overlay.e2e.secret import SecretError, is_secret, secret_names
 
 # Filled in on the node by the Slurm launcher.
 HOST_IP = "@HOST_IP@"
@@ -216,15 +219,27 @@ def container_name(config: RunConfig, what: str) -> str:
     return f"{config.container.name_prefix}-{config.name}-{what}"
 
 
-def env_flags(env: dict[str, str]) -> list[str]:
+def env_flags(env: Mapping[str, str], env_file: str = "") -> list[str]:
+    """`--env NAME=VALUE` of every plain variable. A secret goes by name
+    only: `--env NAME` (the engine takes the value from its own
+    environment), or with ``env_file`` one `--env-file` that holds them."""
     out: list[str] = []
     for key in sorted(env):
-        out += ["--env", f"{key}={env[key]}"]
+        if not is_secret(key):
+            out += ["--env", f"{key}={env[key]}"]
+        elif not env_file:
+            out += ["--env", key]
+    if env_file and secret_names(env):
+        out += ["--env-file", env_file]
     return out
 
 
 def docker_run_server(
-    config: RunConfig, server: Server, name: str, detach: bool = True
+    config: RunConfig,
+    server: Server,
+    name: str,
+    detach: bool = True,
+    env_file: str = "",
 ) -> list[str]:
     """`docker run` of one server: detached (ssh launcher) or in the
     foreground and removed on exit (one Slurm task per server)."""
@@ -235,14 +250,55 @@ def docker_run_server(
         argv += ["--volume", f"{c.cache_dir}:{CACHE_MOUNT}"]
     for volume in c.volumes:
         argv += ["--volume", volume]
-    argv += env_flags(server.env)
+    argv += env_flags(server.env, env_file)
     inner = serve_command(config, server)
     return [*argv, "--entrypoint", inner[0], c.image, *inner[1:]]
 
 
-def docker_run_router(config: RunConfig, name: str) -> list[str]:
+def docker_run_router(config: RunConfig, name: str, env_file: str = "") -> list[str]:
     c = config.container
     argv = [c.engine, "run", "--detach", "--name", name, "--network", "host"]
-    argv += env_flags(dict(c.env))
+    argv += env_flags(c.env, env_file)
     inner = router_command(config)
     return [*argv, "--entrypoint", inner[0], c.image, *inner[1:]]
+
+
+def resolve_secrets(
+    env: Mapping[str, str], where: str, environ: Mapping[str, str]
+) -> dict[str, str]:
+    """The secret values of ``env``; one left empty in the config is taken
+    from the harness's own environment (``environ``)."""
+    out: dict[str, str] = {}
+    for name in secret_names(env):
+        value = env[name] or environ.get(name, "")
+        if not value:
+            raise SecretError(
+                f"{where}: secret {name} is empty in the config and not set in "
+                "the environment of the harness"
+            )
+        out[name] = value
+    return out
+
+
+def leg_secrets(
+    config: RunConfig, environ: Mapping[str, str] | None = None
+) -> dict[str, dict[str, str]]:
+    """The secret env values of every container of the run, by what runs
+    there ("router", "prefill-0", ...): what the launchers hand the
+    engine off the command line."""
+    environ = os.environ if environ is None else environ
+    out = {"router": resolve_secrets(config.container.env, "container.env", environ)}
+    for s in servers(config):
+        out[s.name] = resolve_secrets(s.env, s.name, environ)
+    return out
+
+
+def node_secrets(
+    config: RunConfig, environ: Mapping[str, str] | None = None
+) -> dict[str, dict[str, str]]:
+    """The secret values of `slurm.node_env`, by node name."""
+    environ = os.environ if environ is None else environ
+    return {
+        node: resolve_secrets(env, f"slurm.node_env.{node}", environ)
+        for node, env in config.slurm.node_env.items()
+    }

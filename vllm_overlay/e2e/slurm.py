@@ -16,14 +16,16 @@ submitting node (as vLLM's ROCm P/D CI shares its log directory).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from vllm_overlay.e2e.config import RunConfig
+from vllm_overlay.e2e.config import IMAGE_UID, RunConfig
 from vllm_overlay.e2e.launch import (
     STOP_GRACE_S,
     ClosedOnExit,
@@ -38,7 +40,8 @@ from vllm_overlay.e2e.launch import (
     run_command,
     wait_healthy,
 )
-from vllm_overlay.e2e.plan import pull_command
+from vllm_overlay.e2e.plan import cache_command, pull_command
+from vllm_overlay.e2e.secret import MASK, is_secret, secret_names
 from vllm_overlay.e2e.servers import (
     HOST_IP,
     PLACEHOLDERS,
@@ -46,6 +49,8 @@ from vllm_overlay.e2e.servers import (
     container_name,
     docker_run_router,
     docker_run_server,
+    leg_secrets,
+    node_secrets,
     router_command,
     servers,
     unplaced,
@@ -73,6 +78,20 @@ def bash_line(argv: list[str]) -> str:
     return " ".join(bash_word(w) for w in argv)
 
 
+def write_private(path: Path, text: str) -> None:
+    """``path`` holding ``text``, readable by its owner only (0600 from
+    the moment it exists)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # a file that was there keeps its mode otherwise
+        f.write(text)
+
+
+def env_file_text(values: Mapping[str, str]) -> str:
+    """`docker run --env-file` lines: NAME=VALUE, the value verbatim."""
+    return "".join(f"{k}={values[k]}\n" for k in sorted(values))
+
+
 class SlurmJob:
     """The files of one job under ``run_dir/slurm``."""
 
@@ -91,6 +110,21 @@ class SlurmJob:
     @property
     def node(self) -> Path:
         return self.dir / "node.sh"
+
+    @property
+    def secrets_dir(self) -> Path:
+        """Env files of the secret values (0600, in a 0700 directory),
+        read by the engine on each node; removed when the job is over."""
+        return self.dir / "secrets"
+
+    def env_file(self, what: str, env: Mapping[str, str]) -> str:
+        """The env file of ``what``'s secrets; "" when it has none."""
+        if not secret_names(env):
+            return ""
+        return str(self.secrets_dir / f"{what}.env")
+
+    def node_names(self) -> list[str]:
+        return sorted(self.config.slurm.node_env)
 
     def addr(self, what: str) -> Path:
         return self.dir / "addr" / what
@@ -128,7 +162,9 @@ class SlurmJob:
         engine = shlex.quote(c.container.engine)
         if self.router_in_job():
             name = shlex.quote(container_name(c, "router"))
-            run = docker_run_router(c, container_name(c, "router"))
+            run = docker_run_router(
+                c, container_name(c, "router"), self.env_file("router", c.container.env)
+            )
             lines += [
                 "# The front end runs on this (the first) node; its address is",
                 "# every server's proxy_ip.",
@@ -165,6 +201,17 @@ class SlurmJob:
             "fi",
         ]
 
+    def cache_lines(self) -> list[str]:
+        prepare = cache_command(self.config)
+        if prepare is None:
+            return []
+        return [
+            f'if ! {bash_line(prepare)} >> "$LOG" 2>&1; then',
+            f'  echo "could not hand the cache directory to uid {IMAGE_UID}" >> "$LOG"',
+            "  finish 1",
+            "fi",
+        ]
+
     def node_script(self) -> str:
         c, s = self.config, self.config.slurm
         engine = shlex.quote(c.container.engine)
@@ -187,8 +234,17 @@ class SlurmJob:
             "NODE_ENV=()",
             'case "${SLURMD_NODENAME:-$(hostname -s)}" in',
         ]
-        for node, env in sorted(s.node_env.items()):
-            flags = [f for k in sorted(env) for f in ("--env", f"{k}={env[k]}")]
+        for i, node in enumerate(self.node_names()):
+            env = s.node_env[node]
+            flags = [
+                f
+                for k in sorted(env)
+                if not is_secret(k)
+                for f in ("--env", f"{k}={env[k]}")
+            ]
+            env_file = self.env_file(f"node-{i}", env)
+            if env_file:
+                flags += ["--env-file", env_file]
             lines.append(f"  {shlex.quote(node)}) NODE_ENV=({bash_line(flags)}) ;;")
         lines += [
             "esac",
@@ -198,13 +254,17 @@ class SlurmJob:
             'mv "$E2E_DIR/addr/$WHAT.tmp" "$E2E_DIR/addr/$WHAT"',
             'finish() { echo "$1" > "$E2E_DIR/exit/$WHAT"; exit "$1"; }',
             *[line.replace("exit 1", "finish 1") for line in self.pull_lines('"$LOG"')],
+            *self.cache_lines(),
             f'{engine} rm --force "$NAME" >/dev/null 2>&1 || true',
             f"trap '{engine} rm --force \"$NAME\" >/dev/null 2>&1; exit 143' TERM INT",
             'case "$RANK" in',
         ]
         for i, srv in enumerate(self.servers):
             name = container_name(self.config, srv.name)
-            run = docker_run_server(self.config, srv, name, detach=False)
+            run = docker_run_server(
+                self.config, srv, name, detach=False,
+                env_file=self.env_file(srv.name, srv.env),
+            )  # fmt: skip
             at = run.index("--entrypoint")
             run = [*run[:at], NODE_ENV, *run[at:]]
             lines.append(f'  {i}) {bash_line(run)} >> "$LOG" 2>&1 & ;;')
@@ -215,16 +275,65 @@ class SlurmJob:
         ]
         return "\n".join(lines) + "\n"
 
-    def write(self) -> None:
+    def write(
+        self,
+        secrets: Mapping[str, Mapping[str, str]] | None = None,
+        nodes: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> None:
+        """The scripts, and the env files of the secret values: ``secrets``
+        per container (`leg_secrets`), ``nodes`` per node (`node_secrets`);
+        default: the config's, or the harness's environment for an empty one."""
         for d in (self.dir / "addr", self.dir / "exit", self.log_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.batch.write_text(self.batch_script())
         self.node.write_text(self.node_script())
         self.node.chmod(0o755)
+        secrets = leg_secrets(self.config) if secrets is None else secrets
+        nodes = node_secrets(self.config) if nodes is None else nodes
+        files = {
+            what: env
+            for what, env in secrets.items()
+            if env and (what != "router" or self.router_in_job())
+        }
+        for i, node in enumerate(self.node_names()):
+            if nodes.get(node):
+                files[f"node-{i}"] = nodes[node]
+        if not files:
+            return
+        self.secrets_dir.mkdir(mode=0o700, exist_ok=True)
+        self.secrets_dir.chmod(0o700)
+        for what, env in files.items():
+            write_private(self.secrets_dir / f"{what}.env", env_file_text(env))
+
+    def remove_secrets(self) -> None:
+        shutil.rmtree(self.secrets_dir, ignore_errors=True)
+
+
+def secret_lines(job: SlurmJob) -> list[str]:
+    """Which secrets each container's env file holds, masked."""
+    c = job.config
+    envs = {s.name: s.env for s in job.servers}
+    if job.router_in_job():
+        envs = {"router": c.container.env, **envs}
+    envs.update(
+        {f"node-{i}": c.slurm.node_env[n] for i, n in enumerate(job.node_names())}
+    )
+    held = {w: secret_names(env) for w, env in envs.items() if secret_names(env)}
+    if not held:
+        return []
+    return [
+        f"# secrets, written to {job.secrets_dir}/<what>.env (0600) when the job is "
+        "submitted and removed when it is over; the scripts name the files only:",
+        *(
+            f"#   {w}.env: {', '.join(f'{n}={MASK}' for n in names)}"
+            for w, names in held.items()
+        ),
+    ]
 
 
 def dry_run_lines(job: SlurmJob) -> list[str]:
     return [
+        *secret_lines(job),
         f"# sbatch {job.batch}",
         *job.batch_script().splitlines(),
         f"# {job.node} (every task)",
@@ -413,6 +522,7 @@ class SlurmLauncher(ClosedOnExit):
                     self.say(f"e2e: job {self.job_id} still queued after scancel")
             except LaunchError as e:
                 self.say(f"e2e: cancelling job {self.job_id} failed: {e}")
+        self.job.remove_secrets()
         if self.router_proc is not None and self.router_proc.poll() is None:
             self.router_proc.terminate()
             try:

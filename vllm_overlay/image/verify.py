@@ -13,7 +13,9 @@ reads the installed packages themselves, never a record of the build:
   from that vLLM, and defines the connector class;
 - ``banner-plugin``: vLLM's own general-plugin loader finds our entry point
   and it logs the series line;
-- ``vllm-router``: the pinned router is installed, its command on PATH.
+- ``vllm-router``: the pinned router is installed, its command on PATH,
+  and every package it requires is installed (the Dockerfile installs it
+  --no-deps: they are vLLM's own).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class Verification(msgspec.Struct):
 def router_pin(repo: Path) -> str:
     """The vllm-router version docker/requirements-image.txt pins."""
     text = (repo / REQUIREMENTS).read_text()
-    m = re.search(r"^vllm-router==(\S+)\s*$", text, re.MULTILINE)
+    m = re.search(r"^vllm-router==([^\s\\;]+)", text, re.MULTILINE)
     if m is None:
         raise ValueError(f"{REQUIREMENTS} pins no vllm-router==VERSION")
     return m.group(1)
@@ -183,11 +185,35 @@ def check_banner(vllm_dir: Path, series: Series) -> Check:
     return Check("banner-plugin", True, f"{eps[0].name} logs: {expected}")
 
 
+def missing_requirements(dist: str) -> list[str]:
+    """The packages ``dist`` requires (no extras) that are not installed."""
+    missing = []
+    for req in importlib.metadata.requires(dist) or []:
+        name_part, _, marker = req.partition(";")
+        if "extra" in marker:
+            continue
+        m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", name_part)
+        if m is None:
+            continue
+        try:
+            importlib.metadata.version(m.group(1))
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(m.group(1))
+    return missing
+
+
 def check_router(version: str) -> Check:
     try:
         found = importlib.metadata.version("vllm-router")
     except importlib.metadata.PackageNotFoundError:
         return Check("vllm-router", False, "vllm-router is not installed")
+    missing = missing_requirements("vllm-router")
+    if missing:
+        return Check(
+            "vllm-router",
+            False,
+            f"vllm-router {found} requires {', '.join(missing)}, not installed",
+        )
     # Where this interpreter's installs put commands, then PATH.
     scripts = sysconfig.get_path("scripts")
     search = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
