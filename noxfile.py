@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -187,11 +188,16 @@ def cpu_python(session: nox.Session) -> Path:
 
 
 def overlay(
-    session: nox.Session, python: Path, *args: str, env: dict[str, str] | None = None
+    session: nox.Session,
+    python: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    silent: bool = False,
 ) -> None:
-    """`vllm-overlay ARGS` with ``python``."""
+    """`vllm-overlay ARGS` with ``python``; ``silent``: its output only if it
+    fails."""
     cmd = (str(python), "-m", "vllm_overlay.cli", *args)
-    session.run(*cmd, env={**TEST_ENV, **(env or {})}, external=True)
+    session.run(*cmd, env={**TEST_ENV, **(env or {})}, external=True, silent=silent)
 
 
 def wheel_env(session: nox.Session) -> dict[str, str]:
@@ -288,9 +294,10 @@ def unit_base(session: nox.Session) -> None:
     The suite on the pinned base, then with the series, then each patch's
     named tests on the stack levels in between: the per-patch revert-red
     table, and a gate that every patch's Tests fail on the stack below it and
-    pass with it, and its Guards pass on both. The shared environment holds
-    the base only while the base run lasts; the overlay goes back on even
-    when that run fails or is interrupted.
+    pass with it, and its Guards pass on both; then the whole export into a
+    temporary directory. The shared environment holds the base only while the
+    base run lasts; the overlay goes back on even when that run fails or is
+    interrupted.
     """
     python = cpu_python(session)
     base, overlaid = REPORTS / "outcomes-base.json", REPORTS / "outcomes-overlay.json"
@@ -316,6 +323,12 @@ def unit_base(session: nox.Session) -> None:
     overlay(session, python, "levels", *args, env=wheel_env(session))
     outcomes = ("--base-outcomes", str(base), "--overlay-outcomes", str(overlaid))
     overlay(session, python, "revert-red", *outcomes, "--levels", str(levels))
+    # The whole export, thrown away: a ported test that fails vLLM's ruff, or
+    # mails that do not apply in order, fail the gate, not a later export.
+    with tempfile.TemporaryDirectory(prefix="export-check-") as out:
+        args = ("--out", out, "--no-signoff")
+        overlay(session, python, "export", *args, env=wheel_env(session), silent=True)
+    session.log("unit-base: every patch exports (ruff, git am in stack order)")
 
 
 @nox.session(venv_backend="none")
