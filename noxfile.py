@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -27,7 +28,10 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_overlay import cpuenv  # noqa: E402  (standard library only)
+from vllm_overlay import cpuenv, noxlog  # noqa: E402  (standard library only)
+from vllm_overlay.text import count  # noqa: E402
+
+noxlog.drop_uv_note(logging.getLogger("nox"))
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
@@ -270,7 +274,7 @@ def lint(session: nox.Session) -> None:
         ROOT / "tests" / "image" / "fixtures" / "Containerfile.tiny",
     ]
     session.run("hadolint", *(str(f) for f in containerfiles))
-    session.log(f"lint: ok ({len(touched)} overlaid vLLM files checked)")
+    session.log(f"lint: ok ({count(len(touched), 'overlaid vLLM file')} checked)")
 
 
 @nox.session

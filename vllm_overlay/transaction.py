@@ -50,6 +50,7 @@ from types import FrameType
 import msgspec
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.text import count
 
 JOURNAL_NAME = ".overlay-journal.json"
 LOCK_NAME = ".overlay-lock"
@@ -306,7 +307,7 @@ class Transaction:
         for d in sorted({p.parent for p in stray}):
             fsync_dir(d)
         if stray:
-            done.append(f"removed {len(stray)} leftover file(s)")
+            done.append(f"removed {count(len(stray), 'leftover file')}")
         return done
 
 

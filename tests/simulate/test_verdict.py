@@ -62,7 +62,7 @@ def test_wrong_kv_crashes_and_no_case_with_the_overlay_fail() -> None:
         "glm ran no case",
     ]
     line = verdict.line()
-    assert line.startswith("simulate: FAILED: the overlay falls short in 3 layout(s)")
+    assert line.startswith("simulate: FAILED: the overlay falls short in 3 layouts")
     assert "\n" not in line
 
 
@@ -78,7 +78,7 @@ def test_a_listed_gap_is_known_and_a_gap_that_no_longer_shows_is_said() -> None:
     assert verdict.passing_gaps == ["llama (wrong KV)"]  # kimi did not run
     assert verdict.line() == (
         "simulate: ok: the overlay reads the right KV in every layout that starts "
-        "(2 run, 1 refused at start); 1 known gap(s): gemma wrong KV (issue 12)"
+        "(2 run, 1 refused at start); 1 known gap: gemma wrong KV (issue 12)"
     )
     # A gap covers its problem only.
     crash = _report(_row("gemma", lengths_tried=1, cases=1, error_cases=1))
@@ -140,7 +140,7 @@ def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
     assert main(argv) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == (
-        "simulate: FAILED: the overlay falls short in 1 layout(s): dsv4 reads "
+        "simulate: FAILED: the overlay falls short in 1 layout: dsv4 reads "
         "wrong KV at 1 of 1 lengths"
     )
     assert json.loads(report.read_text())["layouts"][0]["wrong_lengths"] == [251]
@@ -152,7 +152,7 @@ def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
     assert (
         capsys.readouterr()
         .out.splitlines()[-1]
-        .endswith("1 known gap(s): dsv4 wrong KV (issue 12)")
+        .endswith("1 known gap: dsv4 wrong KV (issue 12)")
     )
 
 

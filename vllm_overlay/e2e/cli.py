@@ -12,6 +12,7 @@ from vllm_overlay.e2e.config import RunConfig, load_config
 from vllm_overlay.e2e.expect import Expectations, Geometry, prefix_read, sweep_lengths
 from vllm_overlay.e2e.servers import servers
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.text import count
 
 LAUNCHERS = ("ssh", "slurm", "attach")
 
@@ -105,7 +106,7 @@ def check_lines(
         *expectation_lines(config, lengths, found),
         f"needle in a haystack: {', '.join(map(str, c.needle_words))} words",
         f"full-local-hit repeat: one {c.repeat_length}-token prompt through P/D, "
-        f"then {config.decode.count} time(s) again (round robin brings it back "
+        f"then {count(config.decode.count, 'time')} again (round robin brings it back "
         "to a decoder that holds it)",
     ]
     for f in c.prefix_hit_fractions:

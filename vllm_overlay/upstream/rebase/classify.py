@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vllm_overlay.series.diff import FilePatch, Hunk, HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import SeriesPatch
+from vllm_overlay.text import count, verb
 from vllm_overlay.upstream.rebase.report import HunkNote, RebaseError, Result
 
 
@@ -138,13 +139,17 @@ def _write_merge(
 def _conflict_detail(stem: str, merge: Merge, failed: list[HunkNote]) -> str:
     """A short summary; the table lists each conflict (``path:line`` of the
     ``.merged`` file) and each hunk on its own line."""
-    hunks = f"{len(failed)} hunk(s) do not apply" if failed else "every hunk applies"
+    hunks = (
+        f"{count(len(failed), 'hunk')} {verb(len(failed), 'does', 'do')} not apply"
+        if failed
+        else "every hunk applies"
+    )
     if not merge.conflicts:
         return (
             f"{stem}: context changed ({hunks}); the 3-way merge is clean but "
             "needs review"
         )
-    return f"{stem}: {merge.conflicts} conflict(s); {hunks}"
+    return f"{stem}: {count(merge.conflicts, 'conflict')}; {hunks}"
 
 
 def file_name(fp: FilePatch) -> str:
