@@ -223,9 +223,15 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         app.say(json.dumps(manifest(load_config(args.config)), indent=2))
         return 0
     if args.dry_run:
-        app.say(dry_run_text(args.config, args.launcher, args.run_dir, app).rstrip())
+        text = dry_run_text(args.config, args.launcher, args.run_dir, app)
+        plan, summary = text.rstrip("\n").rsplit("\n", 1)
+        app.say(plan)
+        # Warnings before the summary, which stays the last line.
+        app.out.flush()
         for line in missing_local_files(load_config(args.config)):
             app.err.write(f"warning: {line}\n")
+        app.err.flush()
+        app.say(summary)
         return 0
     from vllm_overlay.e2e.runner import run
 
