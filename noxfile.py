@@ -363,7 +363,8 @@ def simulate(session: nox.Session) -> None:
     Exit status 1 when the overlay reads wrong KV, crashes or runs no case in
     a layout docs/known-gaps.toml does not list.
     """
-    # The JSON report goes to .nox-reports/simulate.json unless --report says.
+    # The JSON report: .nox-reports/simulate.json for the full run, a name of
+    # its own for a run given --layouts, --lengths, ... (or --report's).
     overlay(session, cpu_python(session), "simulate", *session.posargs)
 
 
@@ -376,8 +377,9 @@ def simulate_bytes(session: nox.Session) -> None:
     cache layout; prints the table. Arguments after `--` go to
     `vllm-overlay simulate --bytes` (e.g. `-- --layouts llama --modes read`).
     """
-    # The JSON report goes to .nox-reports/simulate-bytes.json unless --report
-    # says. The run ends with nox, however nox ends (simulate/bytes/lifetime.py).
+    # The JSON report: .nox-reports/simulate-bytes.json for the full run, a name
+    # of its own for a targeted run (or --report's). The run ends with nox,
+    # however nox ends (simulate/bytes/lifetime.py).
     parent = {"VLLM_OVERLAY_PARENT_PID": str(os.getpid())}
     args = ("simulate", "--bytes", *session.posargs)
     overlay(session, cpu_python(session), *args, env=parent)

@@ -3,6 +3,7 @@ crashes or runs no case in a layout the known-gaps file does not list."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import shutil
@@ -11,8 +12,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from vllm_overlay.cli import main
+from vllm_overlay.cli import build_parser, main
 from vllm_overlay.command import PROGRESS_EVERY, App
+from vllm_overlay.simulate.cli import report_name, selection
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     TABLE_WIDTH,
@@ -156,16 +158,67 @@ def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
     )
 
 
-def test_the_json_report_is_written_by_default(
+def test_a_targeted_run_writes_its_own_report_and_keeps_the_full_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Any argument keeps the report: .nox-reports/simulate.json."""
+    """A run given --layouts/--lengths/... writes a report named by its
+    selection; the full run's .nox-reports/simulate.json stays as it was."""
     root = _checkout(tmp_path, "")
+    full = root / ".nox-reports" / "simulate.json"
+    full.parent.mkdir()
+    full.write_text('{"the": "full run"}\n')
     argv = ["--repo", str(root), "simulate", "--layouts", "llama", "--lengths", "5"]
     assert main([*argv, "--hits", "0", "--variant", "overlay"]) == 0
-    written = root / ".nox-reports" / "simulate.json"
+    written = full.with_name(
+        "simulate.layouts-llama.lengths-5.hits-0.variant-overlay.json"
+    )
     assert json.loads(written.read_text())["layouts"][0]["cases"] == 1
-    assert f"report: {written}" in capsys.readouterr().out
+    assert full.read_text() == '{"the": "full run"}\n'
+    assert (
+        f"report: {written} (this selection's; the full run's is simulate.json)"
+        in capsys.readouterr().out
+    )
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["simulate", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        ((), "simulate.json"),
+        (("--processes", "2", "--markdown"), "simulate.json"),
+        (("--layouts", "glm"), "simulate.layouts-glm.json"),
+        (
+            ("--layouts", "kimi/dcp2", "--whole"),
+            "simulate.layouts-kimi_dcp2.whole.json",
+        ),
+        (("--lengths", "1-4096/13"), "simulate.lengths-1-4096_13.json"),
+        (("--update-readme",), "simulate.families.json"),
+        (("--bytes",), "simulate-bytes.json"),
+        (("--bytes", "--layouts", "glm"), "simulate-bytes.layouts-glm.json"),
+        (
+            ("--bytes", "--tp", "1-1", "--all-hits", "--modes", "read"),
+            "simulate-bytes.modes-read.tp-1-1.all-hits.json",
+        ),
+    ],
+)
+def test_report_names(argv: tuple[str, ...], name: str) -> None:
+    args = _args(*argv)
+    full = "simulate-bytes.json" if args.bytes else "simulate.json"
+    assert report_name(full, selection(args)) == name
+
+
+def test_a_long_selection_is_cut_and_hashed() -> None:
+    lengths = ",".join(str(n) for n in range(1, 200))
+    name = report_name("simulate.json", selection(_args("--lengths", lengths)))
+    other = report_name(
+        "simulate.json", selection(_args("--lengths", lengths + ",300"))
+    )
+    assert name.startswith("simulate.lengths-1,2,3,") and name.endswith(".json")
+    assert len(name) <= len("simulate..json") + 80
+    assert name != other
 
 
 class _Stream(io.StringIO):
