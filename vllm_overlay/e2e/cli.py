@@ -217,6 +217,11 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
     every command and the prompt lengths expected to fail on the base image,
     and why.
     """
+    if args.print_serve:
+        from vllm_overlay.e2e.deploy import serve_text
+
+        app.say(serve_text(load_config(args.config)).rstrip("\n"))
+        return 0
     if args.emit == "lws":
         from vllm_overlay.e2e.lws import manifest
 
@@ -270,6 +275,13 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--dry-run", action="store_true", help="print every command, launch nothing"
+    )
+    p.add_argument(
+        "--print-serve",
+        action="store_true",
+        help="print the commands that start the front end and every server "
+        "(the container flags, RDMA env and `vllm serve` lines of the run), "
+        "launch nothing",
     )
     p.add_argument(
         "--run-dir",
