@@ -86,6 +86,12 @@ class App:
             self.err.write(line + "\n")
         self.err.flush()
 
+    def note(self, line: str) -> None:
+        """A line on stderr that stays (what long work is about to do),
+        also under ``--json``; on a terminal it replaces a progress line."""
+        self.err.write(("\r\x1b[K" if self.err.isatty() else "") + line + "\n")
+        self.err.flush()
+
     def end_progress(self) -> None:
         if self.err.isatty():
             self.err.write("\r\x1b[K")

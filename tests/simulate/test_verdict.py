@@ -15,6 +15,7 @@ import pytest
 from vllm_overlay.cli import build_parser, main
 from vllm_overlay.command import PROGRESS_EVERY, App
 from vllm_overlay.simulate.cli import report_name, selection
+from vllm_overlay.simulate.eta import duration
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     TABLE_WIDTH,
@@ -174,9 +175,18 @@ def test_a_targeted_run_writes_its_own_report_and_keeps_the_full_one(
     )
     assert json.loads(written.read_text())["layouts"][0]["cases"] == 1
     assert full.read_text() == '{"the": "full run"}\n'
+    out, err = capsys.readouterr()
     assert (
-        f"report: {written} (this selection's; the full run's is simulate.json)"
-        in capsys.readouterr().out
+        f"report: {written} (this selection's; the full run's is simulate.json)" in out
+    )
+    # Before it starts, the plan and its expected time; the next run of the
+    # same selection is expected to take what this one took.
+    plan = "simulate: 3 cases: 3 layouts x 1 variant; expected about "
+    assert err.startswith(plan)
+    wall = json.loads(written.read_text())["wall_seconds"]
+    assert main([*argv, "--hits", "0", "--variant", "overlay"]) == 0
+    assert capsys.readouterr().err.startswith(
+        f"{plan}{duration(wall)} (the last run of this selection took {duration(wall)})"
     )
 
 

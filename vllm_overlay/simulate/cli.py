@@ -94,6 +94,19 @@ def selection(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [(name, value.strip()) for name, value in given if value.strip()]
 
 
+class _Wall(msgspec.Struct):
+    wall_seconds: float
+
+
+def previous_wall_seconds(report: Path) -> float | None:
+    """The wall time an earlier run wrote into ``report``, if it is there
+    and readable."""
+    try:
+        return msgspec.json.decode(report.read_bytes(), type=_Wall).wall_seconds
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 # A report name stays readable: a longer selection is cut and given a hash.
 _NAME_MAX = 80
 
@@ -222,8 +235,17 @@ def _run(app: App, args: argparse.Namespace) -> int:
         if layouts or args.variant != "both" or args.bytes:
             return app.fail("--update-readme runs every family, base and overlay")
         layouts = _family_layouts()
+    name = BYTES_REPORT if args.bytes else SIMULATE_REPORT
+    full = app.checkout.root / REPORT_DIR / name
+    chosen = selection(args)
+    out = args.report or full.with_name(report_name(full.name, chosen))
     options = SweepOptions(
-        base_source(args), args.overlay_from, app.progress, app.checkout
+        base_source(args),
+        args.overlay_from,
+        app.progress,
+        app.checkout,
+        announce=app.note,
+        previous_seconds=previous_wall_seconds(out),
     )
     report: SweepReport | bytes_cli.BytesReport
     if args.bytes:
@@ -261,10 +283,6 @@ def _run(app: App, args: argparse.Namespace) -> int:
     if isinstance(report, bytes_cli.BytesReport) and report.family_lengths:
         app.say(f"model families: lengths {report.family_lengths}")
     app.say(text)
-    name = BYTES_REPORT if args.bytes else SIMULATE_REPORT
-    full = app.checkout.root / REPORT_DIR / name
-    chosen = selection(args)
-    out = args.report or full.with_name(report_name(full.name, chosen))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
     if args.report or not chosen:

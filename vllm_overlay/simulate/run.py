@@ -17,6 +17,7 @@ import msgspec
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.simulate import procs
+from vllm_overlay.simulate.eta import SCHEDULER_CPU_PER_CASE
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     LayoutReport,
@@ -25,6 +26,7 @@ from vllm_overlay.simulate.report import (
     WorkerLine,
 )
 from vllm_overlay.simulate.worker import MARK
+from vllm_overlay.text import count
 from vllm_overlay.tree.materialize import BaseSource
 from vllm_overlay.tree.variant import MORIIO_FILES
 
@@ -230,6 +232,16 @@ def run_sweep(
         processes_per_variant = max(1, (os.cpu_count() or 2) // len(sources))
     chunks = _split(names, processes_per_variant)
     ports = {v: 20000 + 4000 * i for i, v in enumerate(sources)}
+    per_variant = sum(len(parse_lengths(per_layout[n])) for n in names)
+    cases = per_variant * len(parse_hits(hits)) * len(sources)
+    options.expect(
+        "simulate",
+        f"{count(cases, 'case')}: {count(len(names), 'layout')} x "
+        f"{count(len(sources), 'variant')}",
+        cases,
+        SCHEDULER_CPU_PER_CASE,
+        len(chunks) * len(sources),
+    )
 
     def launch(variant: str, moriio_dir: Path) -> list[procs.Started]:
         return [
