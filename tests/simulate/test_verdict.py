@@ -23,6 +23,7 @@ from vllm_overlay.simulate.report import (
     SweepReport,
     clip,
     format_table,
+    summary_line,
 )
 from vllm_overlay.simulate.verdict import (
     GAPS_FILE,
@@ -292,3 +293,14 @@ def test_clip_cuts_after_a_whole_word() -> None:
     assert clip("short", 18) == "short"
     assert clip("a\n  b", 10) == "a b"
     assert clip("x" * 30, 10) == "xxxxxxx..."
+
+
+def test_the_summary_says_one_case() -> None:
+    report = SweepReport(
+        lengths="5",
+        hits=[0.0],
+        variants={"overlay": "series"},
+        layouts=[LayoutReport("overlay", "llama", "", cases=1, lengths_tried=1)],
+        wall_seconds=1.0,
+    )
+    assert summary_line(report).startswith("1 case; overlay: ")

@@ -191,4 +191,5 @@ def summary_line(report: SweepReport) -> str:
             f"more than the minimum, {errors} with errors, {refused} refused at start"
         )
     cases = sum(r.cases for r in report.layouts)
-    return f"{cases} cases; " + "; ".join(parts) + f"; wall {report.wall_seconds:.1f} s"
+    wall = f"; wall {report.wall_seconds:.1f} s"
+    return f"{count(cases, 'case')}; " + "; ".join(parts) + wall

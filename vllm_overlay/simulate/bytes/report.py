@@ -148,7 +148,7 @@ def summary_line(report: BytesReport) -> str:
         )
     cases = sum(r.cases for r in report.configs)
     return (
-        f"{cases} cases in {len(report.configs)} configurations; "
+        f"{count(cases, 'case')} in {count(len(report.configs), 'configuration')}; "
         + "; ".join(parts)
         + f"; wall {report.wall_seconds:.1f} s"
         + (
