@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
 import nox
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_overlay import cpuenv  # noqa: E402  (standard library only)
+from vllm_overlay import cpuenv, noxlog  # noqa: E402  (standard library only)
+from vllm_overlay.text import count  # noqa: E402
+
+noxlog.drop_uv_note(logging.getLogger("nox"))
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
@@ -187,11 +192,16 @@ def cpu_python(session: nox.Session) -> Path:
 
 
 def overlay(
-    session: nox.Session, python: Path, *args: str, env: dict[str, str] | None = None
+    session: nox.Session,
+    python: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    silent: bool = False,
 ) -> None:
-    """`vllm-overlay ARGS` with ``python``."""
+    """`vllm-overlay ARGS` with ``python``; ``silent``: its output only if it
+    fails."""
     cmd = (str(python), "-m", "vllm_overlay.cli", *args)
-    session.run(*cmd, env={**TEST_ENV, **(env or {})}, external=True)
+    session.run(*cmd, env={**TEST_ENV, **(env or {})}, external=True, silent=silent)
 
 
 def wheel_env(session: nox.Session) -> dict[str, str]:
@@ -264,7 +274,7 @@ def lint(session: nox.Session) -> None:
         ROOT / "tests" / "image" / "fixtures" / "Containerfile.tiny",
     ]
     session.run("hadolint", *(str(f) for f in containerfiles))
-    session.log(f"lint: ok ({len(touched)} overlaid vLLM files checked)")
+    session.log(f"lint: ok ({count(len(touched), 'overlaid vLLM file')} checked)")
 
 
 @nox.session
@@ -288,9 +298,10 @@ def unit_base(session: nox.Session) -> None:
     The suite on the pinned base, then with the series, then each patch's
     named tests on the stack levels in between: the per-patch revert-red
     table, and a gate that every patch's Tests fail on the stack below it and
-    pass with it, and its Guards pass on both. The shared environment holds
-    the base only while the base run lasts; the overlay goes back on even
-    when that run fails or is interrupted.
+    pass with it, and its Guards pass on both; then the whole export into a
+    temporary directory. The shared environment holds the base only while the
+    base run lasts; the overlay goes back on even when that run fails or is
+    interrupted.
     """
     python = cpu_python(session)
     base, overlaid = REPORTS / "outcomes-base.json", REPORTS / "outcomes-overlay.json"
@@ -316,6 +327,12 @@ def unit_base(session: nox.Session) -> None:
     overlay(session, python, "levels", *args, env=wheel_env(session))
     outcomes = ("--base-outcomes", str(base), "--overlay-outcomes", str(overlaid))
     overlay(session, python, "revert-red", *outcomes, "--levels", str(levels))
+    # The whole export, thrown away: a ported test that fails vLLM's ruff, or
+    # mails that do not apply in order, fail the gate, not a later export.
+    with tempfile.TemporaryDirectory(prefix="export-check-") as out:
+        args = ("--out", out, "--no-signoff")
+        overlay(session, python, "export", *args, env=wheel_env(session), silent=True)
+    session.log("unit-base: every patch exports (ruff, git am in stack order)")
     session.log("a small byte sweep with the overlay: its verdict gates too")
     bytes_gate(session, python)
 
@@ -360,7 +377,8 @@ def simulate(session: nox.Session) -> None:
     Exit status 1 when the overlay reads wrong KV, crashes or runs no case in
     a layout docs/known-gaps.toml does not list.
     """
-    # The JSON report goes to .nox-reports/simulate.json unless --report says.
+    # The JSON report: .nox-reports/simulate.json for the full run, a name of
+    # its own for a run given --layouts, --lengths, ... (or --report's).
     overlay(session, cpu_python(session), "simulate", *session.posargs)
 
 
@@ -373,8 +391,9 @@ def simulate_bytes(session: nox.Session) -> None:
     cache layout; prints the table. Arguments after `--` go to
     `vllm-overlay simulate --bytes` (e.g. `-- --layouts llama --modes read`).
     """
-    # The JSON report goes to .nox-reports/simulate-bytes.json unless --report
-    # says. The run ends with nox, however nox ends (simulate/bytes/lifetime.py).
+    # The JSON report: .nox-reports/simulate-bytes.json for the full run, a name
+    # of its own for a targeted run (or --report's). The run ends with nox,
+    # however nox ends (simulate/bytes/lifetime.py).
     parent = {"VLLM_OVERLAY_PARENT_PID": str(os.getpid())}
     args = ("simulate", "--bytes", *session.posargs)
     overlay(session, cpu_python(session), *args, env=parent)

@@ -20,6 +20,7 @@ from vllm_overlay.command import (
     UsageError,
     add_subcommands,
     global_options,
+    parse_command_line,
 )
 from vllm_overlay.e2e import cli as e2e_cli
 from vllm_overlay.errors import OverlayError
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     app = App(json="--json" in args_list)
     try:
-        args = build_parser().parse_args(args_list)
+        args = parse_command_line(build_parser(), args_list)
         app = App(repo=args.repo, json=args.json)
         code = int(args.handler(app, args))
         sys.stdout.flush()  # a closed pipe shows here, not at exit

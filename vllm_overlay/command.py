@@ -91,6 +91,12 @@ class App:
             self.err.write(line + "\n")
         self.err.flush()
 
+    def note(self, line: str) -> None:
+        """A line on stderr that stays (what long work is about to do),
+        also under ``--json``; on a terminal it replaces a progress line."""
+        self.err.write(("\r\x1b[K" if self.err.isatty() else "") + line + "\n")
+        self.err.flush()
+
     def end_progress(self) -> None:
         if self.err.isatty():
             self.err.write("\r\x1b[K")
@@ -187,6 +193,20 @@ class UsageError(Exception):
     """The command line itself is wrong."""
 
 
+def parse_command_line(
+    parser: argparse.ArgumentParser, argv: list[str]
+) -> argparse.Namespace:
+    """``parser.parse_args``, but an unknown argument points at the help of
+    the subcommand it was given to, as a missing one does."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        prog = getattr(args, "command_prog", parser.prog)
+        raise UsageError(
+            f"unrecognized arguments: {' '.join(unknown)} (see `{prog} --help`)"
+        )
+    return args
+
+
 def global_options(*, root: bool) -> argparse.ArgumentParser:
     """``--repo`` and ``--json``, accepted before and after the subcommand.
 
@@ -230,6 +250,7 @@ def add_command(
         parents=_LEAF_PARENTS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.set_defaults(command_prog=parser.prog)
     if handler is not None:
         parser.set_defaults(handler=handler)
     return parser

@@ -73,6 +73,7 @@ from vllm_overlay.safefile import (
     standing,
     write_all,
 )
+from vllm_overlay.text import count
 
 JOURNAL_NAME = ".overlay-journal.json"
 LOCK_NAME = ".overlay-lock"
@@ -432,7 +433,7 @@ class Transaction:
         for d in sorted({p.parent for p in stray}):
             fsync_dir(d)
         if stray:
-            done.append(f"removed {len(stray)} leftover file(s)")
+            done.append(f"removed {count(len(stray), 'leftover file')}")
         return done
 
 

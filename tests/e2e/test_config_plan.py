@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from tests.e2e.conftest import EXAMPLE, FIXTURES
+from tests.e2e.conftest import EXAMPLE, FIXTURES, REPO
 from vllm_overlay.cli import main
 from vllm_overlay.e2e.cli import series_patches
 from vllm_overlay.e2e.config import (
@@ -354,3 +356,20 @@ def test_dry_run_warns_when_the_tokenizer_is_not_on_this_machine(
     local.write_text(EXAMPLE.read_text().replace(config.model.tokenizer, str(here), 1))
     assert main(["e2e", "--config", str(local), "--dry-run"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_the_dry_runs_summary_is_its_last_line_even_after_a_warning() -> None:
+    """docs/e2e.md: the last line of every dry run sums it up; a warning
+    about a missing local file comes before it (both streams to one)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_overlay.cli", "e2e", "--config", str(EXAMPLE)]
+        + ["--dry-run"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=True,
+    )
+    lines = run.stdout.rstrip("\n").splitlines()
+    assert any(line.startswith("warning: model.tokenizer") for line in lines)
+    assert lines[-1].startswith("e2e dry run llama-smoke: "), lines[-1]

@@ -162,9 +162,17 @@ def test_materialize_bad_paths(
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--lengths", "x"], "--lengths 'x'"),
+        (["--lengths", "x"], "--lengths 'x': 'x' is not a length, a range a-b"),
+        (
+            ["--lengths", "0-10"],
+            "--lengths '0-10': a prompt length is at least 1, not 0",
+        ),
+        (["--lengths", "5,10-5"], "--lengths '5,10-5': a range a-b needs a <= b"),
+        (["--lengths", "1-9/0"], "--lengths '1-9/0': a step is at least 1, not 0"),
+        (["--lengths", ","], "--lengths ',': no length given"),
         (["--layouts", "nope"], "--layouts 'nope'"),
-        (["--hits", "500"], "--hits '500'"),
+        (["--hits", "500"], "--hits '500': a hit is 0 to 100 %, not 500"),
+        (["--hits", "half"], "--hits 'half': 'half' is not a percentage"),
         (["--processes", "0"], "--processes 0: must be at least 1"),
         (["--bytes", "--processes", "-1"], "--processes -1: must be at least 1"),
     ],
@@ -181,6 +189,25 @@ def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unrecognized arguments: --bogus" in err
     err = _one_error(capsys, ["--repo", "/nonexistent/repo", "status"])
     assert "/nonexistent/repo: no such directory" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "help_of"),
+    [
+        (["status", "--bogus"], "vllm-overlay status"),
+        (["--bogus", "status"], "vllm-overlay status"),
+        (["series", "check", "--bogus"], "vllm-overlay series check"),
+        (["materialize"], "vllm-overlay materialize"),
+        (["series"], "vllm-overlay series"),
+    ],
+)
+def test_a_usage_error_points_at_the_subcommands_help(
+    capsys: pytest.CaptureFixture[str], argv: list[str], help_of: str
+) -> None:
+    # An unknown argument and a missing one both point at the help of the
+    # command they were given to.
+    err = _one_error(capsys, argv)
+    assert err.endswith(f"(see `{help_of} --help`)\n"), err
 
 
 def test_broken_pipe_is_quiet(tree: FakeTree) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 from tests.overlay.workspace import REPO
 from vllm_overlay.series.patch_series import (
     DEP3_FIELDS,
@@ -45,3 +47,58 @@ def test_series_table_is_the_series() -> None:
             assert h.forwarded_url in forwarded, patch.name
         else:
             assert forwarded == h.forwarded, patch.name
+
+
+def _section(heading: str) -> str:
+    return README.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_command_line_section_lists_every_command() -> None:
+    from vllm_overlay.cli import build_parser
+
+    parser = build_parser()
+    commands = next(
+        a.choices
+        for a in parser._actions  # argparse keeps its subcommands there
+        if isinstance(a.choices, dict)
+    )
+    section = _section("The command line")
+    missing = [c for c in commands if f"vllm-overlay {c}" not in section]
+    assert not missing, f"README's command line leaves out {missing}"
+
+
+def _noxfile() -> ast.Module:
+    return ast.parse((REPO / "noxfile.py").read_text())
+
+
+def test_the_readme_says_what_a_plain_nox_runs() -> None:
+    defaults = next(
+        ast.literal_eval(node.value)
+        for node in _noxfile().body
+        if isinstance(node, ast.Assign)
+        and ast.unparse(node.targets[0]) == "nox.options.sessions"
+    )
+    said = ", ".join(f"`{s}`" for s in defaults).replace(", ", " and ")
+    assert f"A plain `nox` runs the default sessions, {said}" in README
+
+
+def test_the_sessions_table_is_every_session() -> None:
+    sessions = []
+    for node in _noxfile().body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for deco in node.decorator_list:
+            if isinstance(deco, ast.Call) and ast.unparse(deco.func) == "nox.session":
+                name = next(
+                    (
+                        ast.literal_eval(k.value)
+                        for k in deco.keywords
+                        if k.arg == "name"
+                    ),
+                    node.name,
+                )
+                sessions.append(name)
+            elif ast.unparse(deco) == "nox.session":
+                sessions.append(node.name)
+    rows = [row[0].strip("`") for row in _table("Sessions")]
+    assert sorted(rows) == sorted(sessions)

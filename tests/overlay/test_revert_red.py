@@ -187,7 +187,7 @@ def test_whole_series_checks_red_on_the_base_are_one_line_not_a_warning(
     report = _report(series, levels)
     assert gate(report, series) == []
     assert series_level_note(report) == (
-        "also expected: 4 test(s) of the whole series (named by no patch) fail on "
+        "also expected: 4 tests of the whole series (named by no patch) fail on "
         "the base and pass with the series: tests/other.py (1), "
         "tests/simulate/test_x.py (3)"
     )

@@ -29,7 +29,9 @@ def test_sound_series_passes(ws: Workspace, capsys) -> None:
     assert _problems(ws) == []
     assert main(["--repo", str(ws.repo), "series", "check"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1].startswith("series check: ok, 1 patches")
+    # One of each, said as one: not "1 patches", "1 tests".
+    assert out[-1].startswith("series check: ok, 1 patch, series ")
+    assert "; 1 test, 0 guards; " in out[0], out[0]
 
 
 def test_missing_patch_file(ws: Workspace) -> None:
@@ -243,7 +245,7 @@ def test_cli_rejects_each_problem_on_one_line(ws: Workspace, capsys) -> None:
         "error: 0002-b.patch: Origin: an upstream origin carries the URL of the "
         "upstream change ('upstream, https://...'), got 'upstream'",
         "error: 0003-c.patch: header lacks Remove-When",
-        "series check: 3 problem(s)",
+        "series check: 3 problems",
     ]
 
 

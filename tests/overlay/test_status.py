@@ -126,3 +126,28 @@ def test_status_takes_what_materialize_wrote(ws: Workspace, tmp_path, capsys) ->
     capsys.readouterr()
     assert main([*repo, "status", "--target", str(tmp_path)]) == 2
     assert "materialize --out" in capsys.readouterr().err
+
+
+def test_materialize_upto_names_the_patches_and_one_series_id(
+    ws: Workspace, tmp_path, capsys
+) -> None:
+    """`--upto N` says which patches of which series it wrote; the stack's own
+    series id (a different hash) is left to --json."""
+    _series(ws)
+    whole = load_series(ws.repo)
+    repo = ["--repo", str(ws.repo), "materialize", "--from", str(ws.vllm)]
+    assert main([*repo, "--upto", "1", "--out", str(tmp_path / "one")]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    stack_id = whole.upto(1).series_id
+    assert f"overlaid by 1 patch 0001 of series {whole.series_id}," in last, last
+    assert stack_id not in last
+    assert main([*repo, "--upto", "2", "--out", str(tmp_path / "two")]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert f" files, overlaid by series {whole.series_id}," in last, last
+    assert main([*repo, "--upto", "3", "--out", str(tmp_path / "three")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: --upto 3: the series has patches 1..2 (0 for none); nothing was "
+        "written\n"
+    )
+    assert not (tmp_path / "three").exists()

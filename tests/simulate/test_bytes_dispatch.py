@@ -183,3 +183,22 @@ def test_a_child_runs_this_checkout_from_any_directory(tmp_path, monkeypatch):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "shadowed" not in out
+
+
+def test_the_summary_says_one_case_in_one_configuration():
+    from vllm_overlay.simulate.bytes.report import (
+        BytesReport,
+        ConfigItem,
+        ConfigReport,
+        summary_line,
+    )
+
+    item = ConfigItem("llama", "read", 1, 1, "LBNHC")
+    report = BytesReport(
+        lengths=[17],
+        hits=[0.0],
+        variants={"overlay": "series"},
+        configs=[ConfigReport("overlay", item, cases=1, planned=1)],
+        wall_seconds=1.0,
+    )
+    assert summary_line(report).startswith("1 case in 1 configuration; overlay: ")

@@ -34,3 +34,15 @@ def test_committed_matrix_covers_every_family_layout_base_and_overlay():
         "docs/supported-models.json does not match the family layouts: run "
         "`vllm-overlay simulate --update-readme`"
     )
+
+
+def test_the_readme_gives_each_refusal_whole():
+    """A refusal's end often says what to do ("Padding is only supported for
+    non-MLA attention layers", "Pass --disable-hybrid-kv-cache-manager"): the
+    table gives the whole message, never cut at "..."."""
+    report = load_matrix(REPO / MATRIX_JSON)
+    section = readme_section(report)
+    refusals = [r.refused_at_start for r in report.layouts if r.refused_at_start]
+    assert refusals
+    for text in refusals:
+        assert " ".join(text.split()).replace("|", "\\|") in section, text

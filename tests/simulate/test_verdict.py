@@ -3,6 +3,7 @@ crashes or runs no case in a layout the known-gaps file does not list."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import shutil
@@ -11,8 +12,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from vllm_overlay.cli import main
+from vllm_overlay.cli import build_parser, main
 from vllm_overlay.command import PROGRESS_EVERY, App
+from vllm_overlay.simulate.cli import report_name, selection
+from vllm_overlay.simulate.eta import duration
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     TABLE_WIDTH,
@@ -20,6 +23,7 @@ from vllm_overlay.simulate.report import (
     SweepReport,
     clip,
     format_table,
+    summary_line,
 )
 from vllm_overlay.simulate.verdict import (
     GAPS_FILE,
@@ -62,7 +66,7 @@ def test_wrong_kv_crashes_and_no_case_with_the_overlay_fail() -> None:
         "glm ran no case",
     ]
     line = verdict.line()
-    assert line.startswith("simulate: FAILED: the overlay falls short in 3 layout(s)")
+    assert line.startswith("simulate: FAILED: the overlay falls short in 3 layouts")
     assert "\n" not in line
 
 
@@ -78,7 +82,7 @@ def test_a_listed_gap_is_known_and_a_gap_that_no_longer_shows_is_said() -> None:
     assert verdict.passing_gaps == ["llama (wrong KV)"]  # kimi did not run
     assert verdict.line() == (
         "simulate: ok: the overlay reads the right KV in every layout that starts "
-        "(2 run, 1 refused at start); 1 known gap(s): gemma wrong KV (issue 12)"
+        "(2 run, 1 refused at start); 1 known gap: gemma wrong KV (issue 12)"
     )
     # A gap covers its problem only.
     crash = _report(_row("gemma", lengths_tried=1, cases=1, error_cases=1))
@@ -140,7 +144,7 @@ def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
     assert main(argv) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == (
-        "simulate: FAILED: the overlay falls short in 1 layout(s): dsv4 reads "
+        "simulate: FAILED: the overlay falls short in 1 layout: dsv4 reads "
         "wrong KV at 1 of 1 lengths"
     )
     assert json.loads(report.read_text())["layouts"][0]["wrong_lengths"] == [251]
@@ -152,20 +156,80 @@ def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
     assert (
         capsys.readouterr()
         .out.splitlines()[-1]
-        .endswith("1 known gap(s): dsv4 wrong KV (issue 12)")
+        .endswith("1 known gap: dsv4 wrong KV (issue 12)")
     )
 
 
-def test_the_json_report_is_written_by_default(
+def test_a_targeted_run_writes_its_own_report_and_keeps_the_full_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Any argument keeps the report: .nox-reports/simulate.json."""
+    """A run given --layouts/--lengths/... writes a report named by its
+    selection; the full run's .nox-reports/simulate.json stays as it was."""
     root = _checkout(tmp_path, "")
+    full = root / ".nox-reports" / "simulate.json"
+    full.parent.mkdir()
+    full.write_text('{"the": "full run"}\n')
     argv = ["--repo", str(root), "simulate", "--layouts", "llama", "--lengths", "5"]
     assert main([*argv, "--hits", "0", "--variant", "overlay"]) == 0
-    written = root / ".nox-reports" / "simulate.json"
+    written = full.with_name(
+        "simulate.layouts-llama.lengths-5.hits-0.variant-overlay.json"
+    )
     assert json.loads(written.read_text())["layouts"][0]["cases"] == 1
-    assert f"report: {written}" in capsys.readouterr().out
+    assert full.read_text() == '{"the": "full run"}\n'
+    out, err = capsys.readouterr()
+    assert (
+        f"report: {written} (this selection's; the full run's is simulate.json)" in out
+    )
+    # Before it starts, the plan and its expected time; the next run of the
+    # same selection is expected to take what this one took.
+    plan = "simulate: 3 cases: 3 layouts x 1 variant; expected about "
+    assert err.startswith(plan)
+    wall = json.loads(written.read_text())["wall_seconds"]
+    assert main([*argv, "--hits", "0", "--variant", "overlay"]) == 0
+    assert capsys.readouterr().err.startswith(
+        f"{plan}{duration(wall)} (the last run of this selection took {duration(wall)})"
+    )
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["simulate", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        ((), "simulate.json"),
+        (("--processes", "2", "--markdown"), "simulate.json"),
+        (("--layouts", "glm"), "simulate.layouts-glm.json"),
+        (
+            ("--layouts", "kimi/dcp2", "--whole"),
+            "simulate.layouts-kimi_dcp2.whole.json",
+        ),
+        (("--lengths", "1-4096/13"), "simulate.lengths-1-4096_13.json"),
+        (("--update-readme",), "simulate.families.json"),
+        (("--bytes",), "simulate-bytes.json"),
+        (("--bytes", "--layouts", "glm"), "simulate-bytes.layouts-glm.json"),
+        (
+            ("--bytes", "--tp", "1-1", "--all-hits", "--modes", "read"),
+            "simulate-bytes.modes-read.tp-1-1.all-hits.json",
+        ),
+    ],
+)
+def test_report_names(argv: tuple[str, ...], name: str) -> None:
+    args = _args(*argv)
+    full = "simulate-bytes.json" if args.bytes else "simulate.json"
+    assert report_name(full, selection(args)) == name
+
+
+def test_a_long_selection_is_cut_and_hashed() -> None:
+    lengths = ",".join(str(n) for n in range(1, 200))
+    name = report_name("simulate.json", selection(_args("--lengths", lengths)))
+    other = report_name(
+        "simulate.json", selection(_args("--lengths", lengths + ",300"))
+    )
+    assert name.startswith("simulate.lengths-1,2,3,") and name.endswith(".json")
+    assert len(name) <= len("simulate..json") + 80
+    assert name != other
 
 
 class _Stream(io.StringIO):
@@ -229,3 +293,14 @@ def test_clip_cuts_after_a_whole_word() -> None:
     assert clip("short", 18) == "short"
     assert clip("a\n  b", 10) == "a b"
     assert clip("x" * 30, 10) == "xxxxxxx..."
+
+
+def test_the_summary_says_one_case() -> None:
+    report = SweepReport(
+        lengths="5",
+        hits=[0.0],
+        variants={"overlay": "series"},
+        layouts=[LayoutReport("overlay", "llama", "", cases=1, lengths_tried=1)],
+        wall_seconds=1.0,
+    )
+    assert summary_line(report).startswith("1 case; overlay: ")

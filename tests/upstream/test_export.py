@@ -459,7 +459,7 @@ def test_cli_export_and_run_tests_on_the_stack(
     argv += ["--signoff", SIGNER]
     assert main([*argv, "--patch", "0001-port-offsets"]) == 0
     out = capsys.readouterr().out
-    assert "export: 1 bundle(s)" in out
+    assert "export: 1 bundle in" in out
     # The ported tests run alone, with the MoRIIO package of the stack with
     # the patch: this Python's vLLM need not carry the test series.
     assert main([*argv, "--run-tests", "--patch", "0002-stable-offsets"]) == 0

@@ -150,3 +150,105 @@ def test_upstream_names() -> None:
     assert upstream_test_path(Path("tests/patches/test_moriio_x.py")) == (
         "tests/v1/kv_connector/unit/test_moriio_x.py"
     )
+
+
+# A helper module that imports `cdiv` from outside (for a definition the
+# port does not need) beside one that defines its own `cdiv` (needed).
+OUTSIDE_CDIV = '''"""Imports cdiv from outside."""
+
+from math import ceil as cdiv
+
+
+def unused_here(a: int) -> int:
+    return cdiv(a)
+'''
+
+OWN_CDIV = '''"""Defines its own cdiv."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+'''
+
+CONFTEST_IMPORTING = '''"""Fixtures."""
+
+from outside import unused_here
+'''
+
+
+def _top_level_bindings(source: str) -> list[str]:
+    """Every name the module's top level binds, once per binding."""
+    out: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            out += [a.asname or a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            out.append(node.name)
+        elif isinstance(node, ast.Assign):
+            out += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    return out
+
+
+def test_an_import_of_a_module_the_port_draws_nothing_from_is_left_out(
+    tmp_path: Path,
+) -> None:
+    # `outside` is loaded (conftest imports from it) but nothing of it is
+    # needed: its `from math import ceil as cdiv` must not land beside the
+    # inlined `def cdiv` (ruff: F811 redefinition).
+    test = (
+        "from own import cdiv\n\n\ndef test_x() -> None:\n    assert cdiv(7, 2) == 4\n"
+    )
+    d = _layout(
+        tmp_path,
+        conftest=CONFTEST_IMPORTING,
+        outside=OUTSIDE_CDIV,
+        own=OWN_CDIV,
+        test_0042_x=test,
+    )
+    out = port_test(d / "test_0042_x.py")
+    assert "import ceil" not in out
+    bindings = _top_level_bindings(out)
+    assert bindings.count("cdiv") == 1
+    namespace: dict[str, object] = {}
+    exec(compile(out, "ported.py", "exec"), namespace)
+    namespace["test_x"]()  # type: ignore[operator]
+
+
+def test_an_import_wins_over_a_conftest_name(tmp_path: Path) -> None:
+    # The test imports `build` from outside; conftest's `build` is not it.
+    test = (
+        "from os.path import join as build\n\n\ndef test_x() -> None:\n"
+        "    assert build('a', 'b')\n"
+    )
+    d = _layout(tmp_path, conftest=CONFTEST, helpers=HELPERS, test_0042_x=test)
+    out = port_test(d / "test_0042_x.py")
+    assert "def build" not in out and "shared_helper" not in out
+    assert _top_level_bindings(out).count("build") == 1
+
+
+def test_a_name_both_imported_and_defined_by_what_the_port_needs(
+    tmp_path: Path,
+) -> None:
+    # `outside.unused_here` (needed now) means math's ceil by `cdiv`, the
+    # test means own.py's: one file cannot hold both.
+    test = (
+        "from outside import unused_here\nfrom own import cdiv\n\n\n"
+        "def test_x() -> None:\n    assert cdiv(unused_here(3), 2) == 2\n"
+    )
+    d = _layout(tmp_path, outside=OUTSIDE_CDIV, own=OWN_CDIV, test_0042_x=test)
+    with pytest.raises(
+        PortError,
+        match=r"'cdiv' is both imported by outside.py .* and defined in own.py",
+    ):
+        port_test(d / "test_0042_x.py")
+
+
+def test_the_series_tests_port_with_each_name_bound_once() -> None:
+    patches = Path(__file__).resolve().parents[1] / "patches"
+    twice = {}
+    for test_file in sorted(patches.glob("test_[0-9][0-9][0-9][0-9]_*.py")):
+        bindings = _top_level_bindings(port_test(test_file))
+        dup = sorted({n for n in bindings if bindings.count(n) > 1})
+        if dup:
+            twice[test_file.name] = dup
+    assert not twice

@@ -14,6 +14,7 @@ import msgspec
 
 from vllm_overlay.e2e.client import Completion
 from vllm_overlay.e2e.launch import ContainerState
+from vllm_overlay.text import count
 
 Status = Literal["pass", "fail", "skip"]
 
@@ -180,7 +181,7 @@ def accuracy_section(
         ),
     ]
     if errors:
-        cases.append(Case("requests", "fail", f"{errors} request(s) failed"))
+        cases.append(Case("requests", "fail", f"{count(errors, 'request')} failed"))
     summary: dict[str, float | int | str] = {
         "problems": problems,
         "pd": round(pd_score, 4),

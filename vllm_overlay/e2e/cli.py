@@ -12,6 +12,7 @@ from vllm_overlay.e2e.config import RunConfig, load_config
 from vllm_overlay.e2e.expect import Expectations, Geometry, prefix_read, sweep_lengths
 from vllm_overlay.e2e.servers import servers
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.text import count
 
 LAUNCHERS = ("ssh", "slurm", "attach")
 
@@ -105,7 +106,7 @@ def check_lines(
         *expectation_lines(config, lengths, found),
         f"needle in a haystack: {', '.join(map(str, c.needle_words))} words",
         f"full-local-hit repeat: one {c.repeat_length}-token prompt through P/D, "
-        f"then {config.decode.count} time(s) again (round robin brings it back "
+        f"then {count(config.decode.count, 'time')} again (round robin brings it back "
         "to a decoder that holds it)",
     ]
     for f in c.prefix_hit_fractions:
@@ -216,15 +217,26 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
     every command and the prompt lengths expected to fail on the base image,
     and why.
     """
+    if args.print_serve:
+        from vllm_overlay.e2e.deploy import serve_text
+
+        app.say(serve_text(load_config(args.config)).rstrip("\n"))
+        return 0
     if args.emit == "lws":
         from vllm_overlay.e2e.lws import manifest
 
         app.say(json.dumps(manifest(load_config(args.config)), indent=2))
         return 0
     if args.dry_run:
-        app.say(dry_run_text(args.config, args.launcher, args.run_dir, app).rstrip())
+        text = dry_run_text(args.config, args.launcher, args.run_dir, app)
+        plan, summary = text.rstrip("\n").rsplit("\n", 1)
+        app.say(plan)
+        # Warnings before the summary, which stays the last line.
+        app.out.flush()
         for line in missing_local_files(load_config(args.config)):
             app.err.write(f"warning: {line}\n")
+        app.err.flush()
+        app.say(summary)
         return 0
     from vllm_overlay.e2e.runner import run
 
@@ -263,6 +275,13 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--dry-run", action="store_true", help="print every command, launch nothing"
+    )
+    p.add_argument(
+        "--print-serve",
+        action="store_true",
+        help="print the commands that start the front end and every server "
+        "(the container flags, RDMA env and `vllm serve` lines of the run), "
+        "launch nothing",
     )
     p.add_argument(
         "--run-dir",

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from vllm_overlay.e2e.config import Checks, RunConfig
+from vllm_overlay.text import count
 
 # Patch slugs (file name without the number and .patch), so a renumbered
 # series still matches.
@@ -95,7 +96,9 @@ class Geometry:
         if self.window:
             parts.append(f"window {self.window} (page {self.window_block})")
         if self.hybrid:
-            parts.append(f"hybrid READ, {self.attention_groups} attention group(s)")
+            parts.append(
+                f"hybrid READ, {count(self.attention_groups, 'attention group')}"
+            )
         la = f"lookahead prefill {self.prefill_lookahead} / decode "
         parts.append(f"{la}{self.decode_lookahead}")
         return ", ".join(parts)

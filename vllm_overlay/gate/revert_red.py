@@ -21,6 +21,7 @@ from vllm_overlay.gate.reports import (
 )
 from vllm_overlay.gate.stack import level_label, named_tests
 from vllm_overlay.series.patch_series import Series
+from vllm_overlay.text import count, verb
 
 NOT_RUN: TestOutcome = "not run"
 # Test id -> outcome, for one run of the suite.
@@ -137,8 +138,9 @@ def series_level_note(report: RevertRedReport) -> str:
         files[path] = files.get(path, 0) + 1
     where = ", ".join(f"{path} ({n})" for path, n in files.items())
     return (
-        f"also expected: {len(rows)} test(s) of the whole series (named by no "
-        f"patch) fail on the base and pass with the series: {where}"
+        f"also expected: {count(len(rows), 'test')} of the whole series (named "
+        f"by no patch) {verb(len(rows), 'fails', 'fail')} on the base and "
+        f"{verb(len(rows), 'passes', 'pass')} with the series: {where}"
     )
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from vllm_overlay.command import App, Subparsers, add_command, add_subcommands
 from vllm_overlay.series.patch_series import check_series
+from vllm_overlay.text import count
 
 
 def cmd_series_check(app: App, args: argparse.Namespace) -> int:
@@ -24,7 +25,7 @@ def cmd_series_check(app: App, args: argparse.Namespace) -> int:
     for problem in problems:
         app.say(f"error: {problem}")
     if problems:
-        app.say(f"series check: {len(problems)} problem(s)")
+        app.say(f"series check: {count(len(problems), 'problem')}")
         app.result({"ok": False, "problems": problems})
         return 2
     series = checkout.series
@@ -33,11 +34,12 @@ def cmd_series_check(app: App, args: argparse.Namespace) -> int:
         files = ", ".join(Path(f.path).name for f in p.files)
         where = h.upstream_url or f"Forwarded: {h.forwarded}"
         app.say(
-            f"  {p.index:>2}  {p.name}  ({files}; {len(h.tests)} tests, "
-            f"{len(h.guards)} guards; {h.author}; {where})"
+            f"  {p.index:>2}  {p.name}  ({files}; {count(len(h.tests), 'test')}, "
+            f"{count(len(h.guards), 'guard')}; {h.author}; {where})"
         )
     app.say(
-        f"series check: ok, {len(series.patches)} patches, series {series.series_id}"
+        f"series check: ok, {count(len(series.patches), 'patch', 'patches')}, "
+        f"series {series.series_id}"
     )
     app.result({"ok": True, "series_id": series.series_id, "patches": series.names})
     return 0

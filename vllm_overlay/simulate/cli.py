@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import re
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -72,6 +74,57 @@ def _check_args(layouts: list[str], lengths: str | None, hits: str | None) -> No
         except (ValueError, KeyError) as e:
             why = e.args[0] if isinstance(e, KeyError) and e.args else e
             raise SimulateArgsError(f"{option} {value!r}: {why}") from None
+
+
+def selection(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The options that chose what runs, where not their default (a run
+    without any is the full run): (name, value), in a fixed order."""
+    given: list[tuple[str, str]] = [
+        ("layouts", args.layouts),
+        ("lengths", args.lengths or ""),
+        ("hits", args.hits or ""),
+        ("variant", "" if args.variant == "both" else args.variant),
+        ("overlay-from", "" if args.overlay_from == "series" else args.overlay_from),
+        ("whole", "yes" if args.whole else ""),
+        ("families", "yes" if args.update_readme else ""),
+    ]
+    given += [
+        (option.removeprefix("--"), "yes" if value is True else str(value))
+        for option, value in bytes_cli.given_options(args).items()
+    ]
+    return [(name, value.strip()) for name, value in given if value.strip()]
+
+
+class _Wall(msgspec.Struct):
+    wall_seconds: float
+
+
+def previous_wall_seconds(report: Path) -> float | None:
+    """The wall time an earlier run wrote into ``report``, if it is there
+    and readable."""
+    try:
+        return msgspec.json.decode(report.read_bytes(), type=_Wall).wall_seconds
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+# A report name stays readable: a longer selection is cut and given a hash.
+_NAME_MAX = 80
+
+
+def report_name(full: str, chosen: list[tuple[str, str]]) -> str:
+    """``simulate-bytes.json`` for the full run; a run that chose what runs
+    gets a name of its own from its selection, so it never replaces the full
+    run's report: ``simulate-bytes.layouts-glm.json``."""
+    if not chosen:
+        return full
+    parts = [name if value == "yes" else f"{name}-{value}" for name, value in chosen]
+    slug = re.sub(r"[^A-Za-z0-9.,+=-]", "_", ".".join(parts))
+    if len(slug) > _NAME_MAX:
+        digest = hashlib.sha256(slug.encode()).hexdigest()[:8]
+        slug = f"{slug[: _NAME_MAX - 9]}-{digest}"
+    stem, _, ext = full.rpartition(".")
+    return f"{stem}.{slug}.{ext}"
 
 
 def register(sub: Subparsers) -> None:
@@ -183,8 +236,17 @@ def _run(app: App, args: argparse.Namespace) -> int:
         if layouts or args.variant != "both" or args.bytes:
             return app.fail("--update-readme runs every family, base and overlay")
         layouts = _family_layouts()
+    name = BYTES_REPORT if args.bytes else SIMULATE_REPORT
+    full = app.checkout.root / REPORT_DIR / name
+    chosen = selection(args)
+    out = args.report or full.with_name(report_name(full.name, chosen))
     options = SweepOptions(
-        base_source(args), args.overlay_from, app.progress, app.checkout
+        base_source(args),
+        args.overlay_from,
+        app.progress,
+        app.checkout,
+        announce=app.note,
+        previous_seconds=previous_wall_seconds(out),
     )
     report: SweepReport | bytes_cli.BytesReport
     if args.bytes:
@@ -222,11 +284,12 @@ def _run(app: App, args: argparse.Namespace) -> int:
     if isinstance(report, bytes_cli.BytesReport) and report.family_lengths:
         app.say(f"model families: lengths {report.family_lengths}")
     app.say(text)
-    name = BYTES_REPORT if args.bytes else SIMULATE_REPORT
-    out = args.report or app.checkout.root / REPORT_DIR / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
-    app.say(f"report: {out}")
+    if args.report or not chosen:
+        app.say(f"report: {out}")
+    else:
+        app.say(f"report: {out} (this selection's; the full run's is {full.name})")
     if args.update_readme:
         assert isinstance(report, SweepReport)
         root = app.checkout.root

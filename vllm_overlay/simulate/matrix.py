@@ -26,9 +26,10 @@ def _cell(r: LayoutReport | None, markdown: bool) -> str:
         return "-"
     if r.refused_at_start is not None:
         who = "MoRIIO" if r.refused_by == "connector" else "vLLM"
-        text = clip(r.refused_at_start, 150 if markdown else 70)
-        if markdown:
-            text = text.replace("|", "\\|")
+        if markdown:  # the whole message: its end often says what to do
+            text = " ".join(r.refused_at_start.split()).replace("|", "\\|")
+        else:
+            text = clip(r.refused_at_start, 70)
         return f"refused by {who}: {text}"
     wrong = len(r.wrong_lengths)
     head = "**wrong KV**" if wrong and markdown else ("WRONG KV" if wrong else "")

@@ -25,6 +25,13 @@ from typing import Any
 import msgspec
 
 from vllm_overlay.checkout import Checkout
+from vllm_overlay.simulate.eta import (
+    duration,
+    eta_text,
+    expected_line,
+    expected_seconds,
+)
+from vllm_overlay.text import count
 from vllm_overlay.tree.materialize import BaseSource
 
 Sources = dict[str, tuple[dict[str, str], str]]
@@ -46,6 +53,28 @@ class SweepOptions:
     """``series`` (default), a directory or ``REPO@REF`` (``overlay_files``)."""
     progress: Callable[[str], None] | None = None
     checkout: Checkout | None = None
+    announce: Callable[[str], None] | None = None
+    """Gets the line saying what the sweep runs and how long it should take."""
+    previous_seconds: float | None = None
+    """The wall time of the last run of the same selection, if known."""
+
+    def expect(
+        self, what: str, plan: str, cases: int, cpu_per_case: float, processes: int
+    ) -> None:
+        """Announce the plan and its expected time: the last run of the same
+        selection's, else ``cases`` at ``cpu_per_case`` on ``processes``."""
+        if self.announce is None:
+            return
+        if self.previous_seconds is not None:
+            seconds = self.previous_seconds
+            basis = f"the last run of this selection took {duration(seconds)}"
+        else:
+            cores = os.cpu_count() or 1
+            seconds = expected_seconds(cases, cpu_per_case, processes, cores)
+            parallel = max(1, min(processes, cores))
+            on = count(parallel, "process", "processes")
+            basis = f"{cpu_per_case:.3g} CPU-s per case on {on}"
+        self.announce(expected_line(what, plan, seconds, basis))
 
     @staticmethod
     def where(sources: Sources) -> dict[str, str]:
@@ -68,13 +97,16 @@ class SweepOptions:
 
 class Tally:
     """A sweep's results as its processes report them (one reader thread
-    each), and a progress line naming what each process is on."""
+    each), and a progress line: items done, the share of the work done
+    (items under way count by their cases done), the time left at the pace
+    so far, and what each process is on."""
 
     def __init__(
         self,
         total: int,
         key: Callable[[Any], str],
         progress: Callable[[str], None] | None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.results: list[Any] = []
         self._total = total
@@ -82,6 +114,16 @@ class Tally:
         self._progress = progress
         self._busy: dict[tuple[str, str], tuple[int, int]] = {}
         self._lock = threading.Lock()
+        self._clock = clock
+        # When the first report came, and the share done then: the pace is
+        # measured from there (the processes' imports come before it).
+        self._first: tuple[float, float] | None = None
+
+    def fraction(self) -> float:
+        """The share of the work done: every finished item, and each item
+        under way by its cases done."""
+        under_way = sum(d / t for d, t in self._busy.values() if t > 0)
+        return (len(self.results) + under_way) / max(1, self._total)
 
     def ordered(self, plan_index: Callable[[Any], int], variants: list[str]) -> Any:
         """The results in plan order, each item's variants side by side."""
@@ -102,7 +144,13 @@ class Tally:
                     f"{v}:{what} {d}/{t}"
                     for (v, what), (d, t) in sorted(self._busy.items())
                 )
-                self._progress(f"[{len(self.results)}/{self._total} done] {busy}")
+                now, fraction = self._clock(), self.fraction()
+                if self._first is None:
+                    self._first = (now, fraction)
+                start, since = self._first
+                pace = eta_text(now - start, fraction, since)
+                done = f"{len(self.results)}/{self._total} done"
+                self._progress(f"[{done}, {pace}] {busy}")
 
 
 def start(

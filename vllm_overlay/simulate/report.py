@@ -8,6 +8,7 @@ import msgspec
 
 from vllm_overlay.simulate.check import CaseResult
 from vllm_overlay.simulate.procs import ratio
+from vllm_overlay.text import count
 
 
 class CaseCounts(Protocol):
@@ -186,8 +187,9 @@ def summary_line(report: SweepReport) -> str:
         )
         errors = sum(r.error_cases > 0 for r in rs)
         parts.append(
-            f"{variant}: {wrong} layout(s) with wrong KV, {over} reading more than "
-            f"the minimum, {errors} with errors, {refused} refused at start"
+            f"{variant}: {count(wrong, 'layout')} with wrong KV, {over} reading "
+            f"more than the minimum, {errors} with errors, {refused} refused at start"
         )
     cases = sum(r.cases for r in report.layouts)
-    return f"{cases} cases; " + "; ".join(parts) + f"; wall {report.wall_seconds:.1f} s"
+    wall = f"; wall {report.wall_seconds:.1f} s"
+    return f"{count(cases, 'case')}; " + "; ".join(parts) + wall

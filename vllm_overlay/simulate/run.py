@@ -17,6 +17,7 @@ import msgspec
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.simulate import procs
+from vllm_overlay.simulate.eta import SCHEDULER_CPU_PER_CASE
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     LayoutReport,
@@ -25,6 +26,7 @@ from vllm_overlay.simulate.report import (
     WorkerLine,
 )
 from vllm_overlay.simulate.worker import MARK
+from vllm_overlay.text import count
 from vllm_overlay.tree.materialize import BaseSource
 from vllm_overlay.tree.variant import MORIIO_FILES
 
@@ -62,8 +64,18 @@ def default_lengths(layout_names: list[str]) -> dict[str, str]:
     }
 
 
+def _whole_number(value: str, part: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"{part!r} is not a length, a range a-b or a range a-b/step"
+        ) from None
+
+
 def parse_lengths(text: str) -> list[int]:
-    """``1-4096``, ``1-4096/13`` (every 13th), ``251,377`` or a mix."""
+    """``1-4096``, ``1-4096/13`` (every 13th), ``251,377`` or a mix. A bad
+    value is a ValueError saying why."""
     out: set[int] = set()
     for part in text.split(","):
         part = part.strip()
@@ -71,18 +83,37 @@ def parse_lengths(text: str) -> list[int]:
             continue
         rng, _, step = part.partition("/")
         lo, _, hi = rng.partition("-")
-        first, last = int(lo), int(hi or lo)
-        out.update(range(first, last + 1, int(step or 1)))
-    if not out or min(out) < 1:
-        raise ValueError(f"bad --lengths {text!r}")
+        first = _whole_number(lo, part)
+        last = _whole_number(hi or lo, part)
+        every = _whole_number(step or "1", part)
+        if first < 1:
+            raise ValueError(f"a prompt length is at least 1, not {first}")
+        if last < first:
+            raise ValueError(f"a range a-b needs a <= b, not {first} > {last}")
+        if every < 1:
+            raise ValueError(f"a step is at least 1, not {every}")
+        out.update(range(first, last + 1, every))
+    if not out:
+        raise ValueError("no length given (e.g. 1-4096, 1-4096/17 or 251,377)")
     return sorted(out)
 
 
 def parse_hits(text: str) -> list[float]:
-    """Percentages, e.g. ``0,50,89.7,100`` -> fractions."""
-    hits = [float(x) / 100 for x in text.split(",") if x.strip()]
-    if not hits or any(h < 0 or h > 1 for h in hits):
-        raise ValueError(f"bad --hits {text!r}")
+    """Percentages, e.g. ``0,50,89.7,100`` -> fractions. A bad value is a
+    ValueError saying why."""
+    hits = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        try:
+            percent = float(part)
+        except ValueError:
+            raise ValueError(f"{part!r} is not a percentage") from None
+        if not 0 <= percent <= 100:
+            raise ValueError(f"a hit is 0 to 100 %, not {part}")
+        hits.append(percent / 100)
+    if not hits:
+        raise ValueError("no hit given (e.g. 0,50,100)")
     return hits
 
 
@@ -201,6 +232,16 @@ def run_sweep(
         processes_per_variant = max(1, (os.cpu_count() or 2) // len(sources))
     chunks = _split(names, processes_per_variant)
     ports = {v: 20000 + 4000 * i for i, v in enumerate(sources)}
+    per_variant = sum(len(parse_lengths(per_layout[n])) for n in names)
+    cases = per_variant * len(parse_hits(hits)) * len(sources)
+    options.expect(
+        "simulate",
+        f"{count(cases, 'case')}: {count(len(names), 'layout')} x "
+        f"{count(len(sources), 'variant')}",
+        cases,
+        SCHEDULER_CPU_PER_CASE,
+        len(chunks) * len(sources),
+    )
 
     def launch(variant: str, moriio_dir: Path) -> list[procs.Started]:
         return [

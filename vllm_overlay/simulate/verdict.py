@@ -19,6 +19,7 @@ import msgspec
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.simulate.report import LayoutReport, SweepReport
+from vllm_overlay.text import count
 from vllm_overlay.tomlfile import read_toml
 
 GAPS_FILE = Path("docs") / "known-gaps.toml"
@@ -92,12 +93,13 @@ class Verdict:
         return 1 if self.failures else 0
 
     def line(self) -> str:
-        known = f"; {len(self.known)} known gap(s): {', '.join(self.known)}"
+        known = f"; {count(len(self.known), 'known gap')}: {', '.join(self.known)}"
         known = known if self.known else ""
         if self.failures:
             return (
-                f"simulate: FAILED: the overlay falls short in {len(self.failures)} "
-                f"layout(s): {'; '.join(self.failures)}{known}"
+                "simulate: FAILED: the overlay falls short in "
+                f"{count(len(self.failures), 'layout')}: "
+                f"{'; '.join(self.failures)}{known}"
             )
         if not self.judged:
             return "simulate: no overlay layout ran: nothing to judge" + known

@@ -14,6 +14,7 @@ from vllm_overlay.command import (
     base_source,
 )
 from vllm_overlay.series.patch_series import Series, SeriesError, check_series
+from vllm_overlay.text import count
 from vllm_overlay.tree.apply import apply_series, revert_series
 from vllm_overlay.tree.materialize import materialize
 from vllm_overlay.tree.status import format_status, tree_status
@@ -95,21 +96,45 @@ def cmd_materialize(app: App, args: argparse.Namespace) -> int:
     Every pinned MoRIIO file, overlaid (or the base with --base), is written
     below DIR with its path inside vLLM kept.
     """
-    pin, series = app.checkout.pin, app.checkout.series
-    bases = base_source(args).load(pin, series)
-    if args.upto is not None:
-        if not 0 <= args.upto <= len(series.patches):
-            raise SeriesError(f"--upto must be 0..{len(series.patches)}")
-        series = series.upto(args.upto)
+    pin, whole = app.checkout.pin, app.checkout.series
+    if args.upto is not None and not 0 <= args.upto <= len(whole.patches):
+        raise SeriesError(
+            f"--upto {args.upto}: the series has patches 1..{len(whole.patches)} "
+            f"(0 for none); nothing was written"
+        )
+    bases = base_source(args).load(pin, whole)
+    series = whole if args.upto is None else whole.upto(args.upto)
     written = materialize(bases.texts, series, args.out, overlay=not args.base)
     for path in written:
         app.say(f"  wrote {path}")
-    what = "base" if args.base else f"overlaid (series {series.series_id})"
+    what = _stack_said(whole, series, args.base)
     app.say(
-        f"materialize: {len(written)} {what} files from {bases.source} into {args.out}"
+        f"materialize: {count(len(written), 'file')}, {what}, from {bases.source} "
+        f"into {args.out}"
     )
-    app.result({"files": [str(p) for p in written], "series_id": series.series_id})
+    app.result(
+        {
+            "files": [str(p) for p in written],
+            "series_id": series.series_id,
+            "whole_series_id": whole.series_id,
+        }
+    )
     return 0
+
+
+def _stack_said(whole: Series, stack: Series, base: bool) -> str:
+    """What was written: the base, the whole series, or its first patches.
+    Only the whole series' id is named (a stack's own id is in --json)."""
+    if base or not stack.patches:
+        return "the pinned base"
+    if len(stack.patches) == len(whole.patches):
+        return f"overlaid by series {whole.series_id}"
+    numbers = [p.name.split("-", 1)[0] for p in stack.patches]
+    span = numbers[0] if len(numbers) == 1 else f"{numbers[0]}..{numbers[-1]}"
+    return (
+        f"overlaid by {count(len(numbers), 'patch', 'patches')} {span} of "
+        f"series {whole.series_id}"
+    )
 
 
 def register(sub: Subparsers) -> None:
@@ -138,5 +163,5 @@ def register(sub: Subparsers) -> None:
     add_base_options(mat, "the base files")
     mat.add_argument("--base", action="store_true", help="write the base files")
     mat.add_argument(
-        "--upto", type=int, metavar="N", help="apply the first N patches only"
+        "--upto", type=int, metavar="N", help="apply the first N patches only (0: none)"
     )

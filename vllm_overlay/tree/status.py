@@ -34,6 +34,7 @@ from vllm_overlay.series.diff import (
 )
 from vllm_overlay.series.patch_series import Series, SeriesError, split_header
 from vllm_overlay.series.pin import Pin, module_files, sha256_bytes
+from vllm_overlay.text import count as count_of
 from vllm_overlay.transaction import Transaction, TransactionError, lock_holder
 from vllm_overlay.tree.manifest import MANIFEST_NAME, Manifest, load_manifest
 from vllm_overlay.tree.target import Target
@@ -286,8 +287,8 @@ def _notes(txn: Transaction, state: TreeStateName, manifest: str) -> list[str]:
     stray = txn.leftovers()
     if stray and not interrupted and holder is None and not planted:
         notes.append(
-            f"{len(stray)} leftover temporary file(s), e.g. {stray[0].name}: the "
-            "next apply removes them"
+            f"{count_of(len(stray), 'leftover temporary file')}, e.g. "
+            f"{stray[0].name}: the next apply removes them"
         )
     if state in ("base", "overlaid") and manifest not in ("ok", "absent"):
         fix = "apply --revert removes it" if state == "base" else "apply rewrites it"

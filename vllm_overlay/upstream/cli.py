@@ -12,6 +12,7 @@ from vllm_overlay.command import (
     add_command,
     base_source,
 )
+from vllm_overlay.text import count
 from vllm_overlay.upstream.export import (
     DEFAULT_OUT,
     RUFF_VERSION,
@@ -60,7 +61,7 @@ def cmd_export(app: App, args: argparse.Namespace) -> int:
         if path.name == "checks.log":
             app.say(path.read_text().rstrip("\n"))
         app.say(f"  wrote {path}")
-    app.say(f"export: {len(written) // 3} bundle(s) in {out}")
+    app.say(f"export: {count(len(written) // 3, 'bundle')} in {out}")
     app.result({"out": str(out), "files": [str(p) for p in written]})
     return 0
 

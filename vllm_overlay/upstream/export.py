@@ -67,6 +67,7 @@ from vllm_overlay.gate.stack import level_label, named_tests
 from vllm_overlay.series.diff import Hunk, HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import Series, SeriesPatch
 from vllm_overlay.series.pin import Pin
+from vllm_overlay.text import count, verb
 from vllm_overlay.tree.materialize import BaseSource
 from vllm_overlay.upstream.gitmail import Identity, am_check, am_series, format_patch
 from vllm_overlay.upstream.prbody import (
@@ -200,8 +201,11 @@ def _revert_red_rows(
             "fail upstream without that patch: " + ", ".join(foreign[:3]),
         )
     log.append(
-        f"[ok] revert-red: {len(named)} named test(s) fail on {below} and pass "
-        f"with the patch; {len(guards)} guard(s) pass on both (unit-base report "
+        f"[ok] revert-red: {count(len(named), 'named test')} "
+        f"{verb(len(named), 'fails', 'fail')} on {below} and "
+        f"{verb(len(named), 'passes', 'pass')} with the patch; "
+        f"{count(len(guards), 'guard')} {verb(len(guards), 'passes', 'pass')} on "
+        f"both (unit-base report "
         f"{report.generated_at})"
     )
     return named, guards, others

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from vllm_overlay.gate.reports import RevertRedReport, RevertRedRow, StackRow
 from vllm_overlay.series.patch_series import PatchHeader
+from vllm_overlay.text import count, verb
 
 GITHUB_BODY_LIMIT = 65536
 _LIST_ITEM = re.compile(r"^(?:[-*+]|\d+[.)])\s")
@@ -196,9 +197,13 @@ def pr_body(b: BodyInputs) -> str:
     if b.others:
         steady = all(r.base == r.overlay == "passed" for r in b.others)
         out += [
-            f"The other {len(b.others)} test(s) in the file pin behaviour that "
-            "must not change"
-            + ("; they pass before and after." if steady else " (results below)."),
+            f"The other {count(len(b.others), 'test')} in the file "
+            f"{verb(len(b.others), 'pins', 'pin')} behaviour that must not change"
+            + (
+                f"; {verb(len(b.others), 'it passes', 'they pass')} before and after."
+                if steady
+                else " (results below)."
+            ),
             "",
         ]
     below = b.below_label or b.base_label

@@ -5,13 +5,16 @@ The overlay's tests live in ``tests/patches/`` and use the fixtures of the
 patch's harness). vLLM's tree has neither, so the port inlines every
 definition the test module needs, found by name: functions, classes and
 constants it references, fixtures it names as parameters, autouse fixtures,
-and what those need in turn. Imports are merged and rewritten; imports of
-the local modules are dropped (an alias becomes an assignment). The result
-starts with vLLM's SPDX header.
+and what those need in turn. Imports are kept per module: an import is kept
+only when a statement the port takes from that module uses it (a local
+module the port draws nothing from adds no import), and then merged; imports
+of the local modules are dropped (an alias becomes an assignment). The
+result starts with vLLM's SPDX header.
 
 What cannot be ported is an error, never guessed around: a local module used
 as a module (``import helpers``; ``helpers.x``), a name defined twice by
-different local modules, an import of the overlay's own package.
+different local modules, a name one module imports and another defines (or
+two modules import two ways), an import of the overlay's own package.
 """
 
 from __future__ import annotations
@@ -163,7 +166,8 @@ def _is_docstring(stmt: ast.stmt) -> bool:
 
 @dataclass
 class _Imports:
-    """Import aliases: bound name -> one-alias import statement source."""
+    """One module's import aliases: bound name -> one-alias import statement
+    source."""
 
     runtime: dict[str, str] = field(default_factory=dict)
     type_only: dict[str, str] = field(default_factory=dict)
@@ -189,6 +193,14 @@ class _Imports:
                 bound = alias.asname or alias.name.split(".")[0]
                 as_ = f" as {alias.asname}" if alias.asname else ""
                 self._put(table, bound, f"import {alias.name}{as_}", where)
+
+    def line(self, bound: str) -> tuple[str, bool] | None:
+        """The import binding ``bound``, and whether it is type-only."""
+        if bound in self.runtime:
+            return self.runtime[bound], False
+        if bound in self.type_only:
+            return self.type_only[bound], True
+        return None
 
     @staticmethod
     def _put(table: dict[str, str], bound: str, line: str, where: str) -> None:
@@ -225,13 +237,15 @@ def port_test(test_file: Path) -> str:
     formatted: run ruff format on it)."""
     porter = _Porter(test_file)
     body = porter.test_body()
-    needed, seen = porter.needed(body)
+    needed, imported = porter.needed(body)
     porter.check(needed, body)
-    return porter.render(body, needed, seen)
+    return porter.render(body, needed, imported)
 
 
 # A statement the port inlines, and the local module defining it.
 _Needed = dict[int, tuple[str, ast.stmt]]
+# An import the port keeps: (the module importing it, the bound name).
+_Imported = set[tuple[str, str]]
 
 
 class _Porter:
@@ -242,7 +256,8 @@ class _Porter:
         self.local = {p.stem for p in self.dir.glob("*.py") if p != test_file}
         self.test = _parse(test_file, test_file.stem)
         self.modules: dict[str, _Module] = {self.test.name: self.test}
-        self.imports = _Imports()
+        # Per module: its imports of names from outside the local modules.
+        self.imports: dict[str, _Imports] = {}
         self.aliases: list[str] = []
         # Per module: a name imported from a local module -> (module, name).
         self.links: dict[str, dict[str, tuple[str, str]]] = {}
@@ -299,17 +314,26 @@ class _Porter:
         top = module.split(".")[0]
         if top in _FORBIDDEN and not (isinstance(s, ast.ImportFrom) and s.level):
             raise PortError(f"{where}: imports {top!r}, which is not in vLLM's tree")
-        self.imports.add(s, type_only, where)
+        self.imports.setdefault(mod.name, _Imports()).add(s, type_only, where)
 
-    def _resolve(self, module: str, name: str) -> tuple[str, ast.stmt] | None:
-        """Where ``name`` used in ``module`` is defined: the module itself,
-        a local module it imports the name from, else conftest (fixtures)."""
+    def _imports(self, module: str) -> _Imports:
+        return self.imports.get(module) or _Imports()
+
+    def _resolve(
+        self, module: str, name: str
+    ) -> tuple[str, ast.stmt] | tuple[str, str] | None:
+        """What ``name`` used in ``module`` is: a definition (module,
+        statement) in the module itself or in a local module it imports the
+        name from; an outside import (module, bound name) of that module;
+        else a conftest definition (a fixture); None for anything else."""
         for _ in range(len(self.modules) + 1):
             if name in self.defs[module]:
                 return module, self.defs[module][name]
             if name not in self.links.get(module, {}):
                 break
             module, name = self.links[module][name]
+        if self._imports(module).line(name) is not None:
+            return module, name
         if "conftest" in self.defs and name in self.defs["conftest"]:
             return "conftest", self.defs["conftest"][name]
         return None
@@ -325,12 +349,14 @@ class _Porter:
             and not _is_type_checking(s)
         ]
 
-    def needed(self, body: list[ast.stmt]) -> tuple[_Needed, set[tuple[str, str]]]:
+    def needed(self, body: list[ast.stmt]) -> tuple[_Needed, _Imported]:
         """Every local definition the test body needs, transitively, and
-        every (module, name) looked at."""
+        every outside import those and the body use, by the module whose
+        import it is."""
         test = self.test.name
         own = {n for s in body for n in _bound_names(s)}
         needed: _Needed = {}
+        imported: _Imported = set()
         todo = [(test, n) for n in sorted({n for s in body for n in _referenced(s)})]
         for mod in self.modules.values():
             for stmt in mod.tree.body:
@@ -344,13 +370,15 @@ class _Porter:
                 continue
             seen.add((module, name))
             found = self._resolve(module, name)
-            if found is None or found[0] == test:
+            if found is None:
                 continue
-            where, stmt = found
-            if id(stmt) not in needed:
-                needed[id(stmt)] = (where, stmt)
-                todo.extend((where, n) for n in _referenced(stmt))
-        return needed, seen
+            where, what = found
+            if isinstance(what, str):
+                imported.add((where, what))
+            elif where != test and id(what) not in needed:
+                needed[id(what)] = (where, what)
+                todo.extend((where, n) for n in _referenced(what))
+        return needed, imported
 
     def check(self, needed: _Needed, body: list[ast.stmt]) -> None:
         """No name comes from two local modules; nothing reads a local
@@ -375,18 +403,21 @@ class _Porter:
                             "vLLM's tree does not have"
                         )
 
-    def render(
-        self, body: list[ast.stmt], needed: _Needed, seen: set[tuple[str, str]]
-    ) -> str:
+    def render(self, body: list[ast.stmt], needed: _Needed, imported: _Imported) -> str:
         inlined: list[str] = []
         for mod in self.modules.values():
             chosen = [s for s in mod.tree.body if id(s) in needed]
             if chosen and mod is not self.test:
                 inlined.append("# Builders the tests below share.\n")
                 inlined.extend(mod.segment(s) + "\n\n" for s in chosen)
-        used: set[str] = {name for _, name in seen}
-        for stmt in [*body, *(stmt for _, stmt in needed.values())]:
-            used |= _referenced(stmt)
+        defined = {
+            name: f"{where}.py"
+            for where, stmt in [
+                *needed.values(),
+                *((self.test.name, s) for s in body),
+            ]
+            for name in _bound_names(stmt)
+        }
         out = [SPDX_HEADER]
         first = self.test.tree.body[0] if self.test.tree.body else None
         if first is not None and _is_docstring(first):
@@ -394,7 +425,7 @@ class _Porter:
                 _PATCH_PREFIX.sub(_drop_prefix, self.test.segment(first), count=1)
             )
             out.append("\n")
-        out.extend(self._import_lines(used))
+        out.extend(self._import_lines(imported, defined))
         out.append("\n\n")
         out.extend(inlined)
         out.extend(self.aliases)
@@ -402,24 +433,37 @@ class _Porter:
         out.extend(self.test.segment(s) + "\n\n" for s in body)
         return "".join(out).rstrip("\n") + "\n"
 
-    def _import_lines(self, used: set[str]) -> list[str]:
-        imports = self.imports
-        runtime = sorted({v for k, v in imports.runtime.items() if k in used})
-        type_only = sorted(
-            {
-                v
-                for k, v in imports.type_only.items()
-                if k in used and k not in imports.runtime
-            }
-        )
-        if type_only:
-            flag = imports.runtime.get(
-                "TYPE_CHECKING", "from typing import TYPE_CHECKING"
-            )
+    def _import_lines(self, imported: _Imported, defined: dict[str, str]) -> list[str]:
+        """The kept imports, merged: one file has one namespace, so a name
+        bound two ways (two imports, or an import and an inlined
+        definition) is refused, naming both."""
+        lines: dict[str, tuple[str, bool, str]] = {}
+        for module, bound in sorted(imported):
+            found = self._imports(module).line(bound)
+            assert found is not None
+            line, type_only = found
+            if bound in defined:
+                raise PortError(
+                    f"{bound!r} is both imported by {module}.py ({line!r}) and "
+                    f"defined in {defined[bound]}; use one of them"
+                )
+            have = lines.get(bound)
+            if have is not None and have[0] != line:
+                raise PortError(
+                    f"{bound!r} is imported two ways: {have[0]!r} in {have[2]}.py, "
+                    f"{line!r} in {module}.py"
+                )
+            if have is None or not type_only:
+                lines[bound] = (line, type_only, module)
+        runtime = sorted({line for line, t, _ in lines.values() if not t})
+        type_only_lines = sorted({line for line, t, _ in lines.values() if t})
+        if type_only_lines:
+            flag = lines.get("TYPE_CHECKING", ("from typing import TYPE_CHECKING",))[0]
             runtime = sorted({*runtime, flag})
-        out = ["from __future__ import annotations\n\n"] if imports.future else []
+        future = any(i.future for i in self.imports.values())
+        out = ["from __future__ import annotations\n\n"] if future else []
         out.extend(line + "\n" for line in runtime)
-        if type_only:
+        if type_only_lines:
             out.append("\nif TYPE_CHECKING:\n")
-            out.extend(f"    {line}\n" for line in type_only)
+            out.extend(f"    {line}\n" for line in type_only_lines)
         return out

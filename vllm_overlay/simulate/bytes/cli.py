@@ -80,15 +80,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def given_options(args: argparse.Namespace) -> dict[str, str | bool]:
+    """The ``--bytes`` options given other than at their default, with
+    their values."""
+    given: dict[str, str | bool] = {
+        "--modes": args.modes if args.modes != ",".join(MODES) else False,
+        "--tp": args.tp if args.tp is not None else False,
+        "--kv-layouts": (
+            args.kv_layouts if args.kv_layouts != ",".join(KV_LAYOUTS) else False
+        ),
+        "--all-hits": bool(args.all_hits),
+    }
+    return {name: value for name, value in given.items() if value}
+
+
 def given_without_bytes(args: argparse.Namespace) -> list[str]:
     """The ``--bytes`` options a command line without ``--bytes`` gives."""
-    given = {
-        "--modes": args.modes != ",".join(MODES),
-        "--tp": args.tp is not None,
-        "--kv-layouts": args.kv_layouts != ",".join(KV_LAYOUTS),
-        "--all-hits": args.all_hits,
-    }
-    return [name for name, set_ in given.items() if set_]
+    return list(given_options(args))
 
 
 def sweep(

@@ -8,6 +8,7 @@ import msgspec
 
 from vllm_overlay.simulate.procs import ratio, table
 from vllm_overlay.simulate.report import Progress
+from vllm_overlay.text import count
 
 
 class ConfigItem(msgspec.Struct, frozen=True):
@@ -142,12 +143,12 @@ def summary_line(report: BytesReport) -> str:
         )
         over = sum(r.moved_bytes > r.min_bytes for r in rs)
         parts.append(
-            f"{variant}: {wrong} configuration(s) with wrong bytes, {over} moving "
-            f"more than the minimum, {refused} refused"
+            f"{variant}: {count(wrong, 'configuration')} with wrong bytes, "
+            f"{over} moving more than the minimum, {refused} refused"
         )
     cases = sum(r.cases for r in report.configs)
     return (
-        f"{cases} cases in {len(report.configs)} configurations; "
+        f"{count(cases, 'case')} in {count(len(report.configs), 'configuration')}; "
         + "; ".join(parts)
         + f"; wall {report.wall_seconds:.1f} s"
         + (

@@ -30,8 +30,10 @@ from vllm_overlay.simulate.bytes.report import (
 )
 from vllm_overlay.simulate.bytes.shm import remove_stale_shm
 from vllm_overlay.simulate.bytes.zygote import MARK
+from vllm_overlay.simulate.eta import BYTES_CPU_PER_CASE
 from vllm_overlay.simulate.layouts import all_layouts
 from vllm_overlay.simulate.run import parse_hits, parse_lengths
+from vllm_overlay.text import count
 
 STANDIN_DIR = Path(__file__).resolve().parent / "standin"
 
@@ -232,6 +234,23 @@ def run_bytes_sweep(
     )
     families = {name for name, layout in all_layouts().items() if layout.family}
     shares = max(1, min(zygotes, len(items)))
+    cases = len(sources) * sum(
+        len(
+            item.cases(
+                lengths_list if item.lengths is None else parse_lengths(item.lengths),
+                hits_list,
+            )
+        )
+        for item in items
+    )
+    configs = len(items) * len(sources)
+    options.expect(
+        "simulate --bytes",
+        f"{count(configs, 'configuration')}, {count(cases, 'case')}",
+        cases,
+        BYTES_CPU_PER_CASE,
+        shares * len(sources),
+    )
 
     # A zygote stopped by a signal removes its ranks' /dev/shm files; one
     # killed outright cannot: whatever is left of a process that is gone

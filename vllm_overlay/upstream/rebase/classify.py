@@ -11,6 +11,7 @@ from pathlib import Path
 
 from vllm_overlay.series.diff import FilePatch, Hunk, HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import SeriesPatch
+from vllm_overlay.text import count, verb
 from vllm_overlay.upstream.rebase.landed import HunkCheck, check_hunks
 from vllm_overlay.upstream.rebase.report import HunkNote, RebaseError, Result
 
@@ -220,7 +221,11 @@ def _conflict_detail(
     """A short summary; the table lists each conflict (``path:line`` of the
     ``.merged`` file), each landed hunk and each hunk on its own line."""
     changed = sum(1 for h in failed if "changed upstream" in h.problem)
-    hunks = f"{len(failed)} hunk(s) do not apply" if failed else "every hunk applies"
+    hunks = (
+        f"{count(len(failed), 'hunk')} {verb(len(failed), 'does', 'do')} not apply"
+        if failed
+        else "every hunk applies"
+    )
     if changed:
         hunks += f" ({changed} changed upstream)"
     prefix = f"{stem}: "
@@ -231,7 +236,7 @@ def _conflict_detail(
             f"{prefix}context changed ({hunks}); the 3-way merge is clean but "
             "needs review"
         )
-    return f"{prefix}{merge.conflicts} conflict(s); {hunks}"
+    return f"{prefix}{count(merge.conflicts, 'conflict')}; {hunks}"
 
 
 def file_name(fp: FilePatch) -> str:
