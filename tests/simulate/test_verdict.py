@@ -29,6 +29,7 @@ from vllm_overlay.simulate.verdict import (
     GAPS_FILE,
     GapsError,
     KnownGap,
+    gap_layout,
     judge,
     load_gaps,
 )
@@ -104,7 +105,7 @@ def test_a_run_where_every_layout_is_refused_ran_no_case() -> None:
 def test_the_known_gaps_file_names_real_layouts_and_trackers() -> None:
     gaps = load_gaps(REPO / GAPS_FILE)
     for g in gaps:
-        assert expand([g.layout]), g.layout
+        assert expand([gap_layout(g)]), g.layout
         assert g.tracked_by.strip() and g.why.strip()
 
 

@@ -49,6 +49,7 @@ from vllm_overlay.simulate.verdict import (
     SIMULATE_REPORT,
     GapsError,
     KnownGap,
+    gap_layout,
     judge,
     load_gaps,
 )
@@ -333,10 +334,8 @@ def _bytes_sweep(
 def _gaps(app: App) -> list[KnownGap]:
     gaps = load_gaps(app.checkout.root / GAPS_FILE)
     for g in gaps:
-        # A bytes gap may name a configuration: its layout is the first word.
-        layout = g.layout.split()[0] if g.scope == "bytes" and g.layout else g.layout
         try:
-            expand([layout])
+            expand([gap_layout(g)])
         except (KeyError, ValueError) as e:
             raise GapsError(f"{GAPS_FILE}: {g.layout}: {e}") from None
     return gaps

@@ -48,6 +48,12 @@ class KnownGaps(msgspec.Struct, forbid_unknown_fields=True):
     gap: list[KnownGap] = []
 
 
+def gap_layout(gap: KnownGap) -> str:
+    """The layout a gap is about: a bytes gap may name a configuration
+    (``glm read 1->2 LBNHC``), whose first word is its layout."""
+    return gap.layout.split()[0] if gap.scope == "bytes" and gap.layout else gap.layout
+
+
 def load_gaps(path: Path) -> list[KnownGap]:
     """The known gaps; none when the file does not exist."""
     if not path.is_file():
