@@ -54,9 +54,7 @@ def test_the_plugin_is_registered_where_vllm_looks() -> None:
     declared = project["entry-points"][GROUP]
     assert list(declared.values()) == [ENTRY]
     installed = [
-        ep
-        for ep in importlib.metadata.entry_points(group=GROUP)
-        if ep.value == ENTRY
+        ep for ep in importlib.metadata.entry_points(group=GROUP) if ep.value == ENTRY
     ]
     assert installed, "the editable install predates the entry point: run via nox"
     assert installed[0].load() is cpuplatform.platform_plugin
@@ -152,7 +150,7 @@ def test_vllm_picks_it_and_the_simulators_legs_schedule_on_it() -> None:
     }
 
 
-@pytest.mark.skipif(VLLM < Version("0.34.0"), reason="vLLM 0.34.0 and later")
+@pytest.mark.skipif(Version("0.34.0") > VLLM, reason="vLLM 0.34.0 and later")
 def test_vllms_own_cpu_platform_refuses_without_triton() -> None:
     """Why the platform exists: on vLLM's CpuPlatform the same leg does not
     build on an x86 CPU without Triton, also with the plugin asked for

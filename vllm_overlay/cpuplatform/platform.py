@@ -16,7 +16,7 @@ from typing import Any
 from vllm.platforms.cpu import CpuPlatform
 
 
-class OverlayCpuPlatform(CpuPlatform):
+class OverlayCpuPlatform(CpuPlatform):  # type: ignore[misc]  # vLLM: untyped here
     """vLLM's CPU platform for the scheduler, the KV cache planner and the
     connector, on a CPU without Triton (``vllm_overlay.cpuplatform``)."""
 
