@@ -6,7 +6,9 @@ vLLM's pure-Python requirements, so some of its requirements are unmet on
 purpose; ``pip check`` tells those from real conflicts. This package is
 installed in editable mode once, and again only when the checkout or its
 ``pyproject.toml`` changes. A ``.pth`` file makes vLLM pick its CPU platform
-without ``VLLM_TARGET_DEVICE`` set, so ``vllm --version`` works there.
+without ``VLLM_TARGET_DEVICE`` set, so ``vllm --version`` works there; with
+``VLLM_OVERLAY_CPU_PLATFORM=1`` it leaves the variable unset, so vLLM asks the
+platform plugins and picks the overlay's CPU platform (``cpuplatform``).
 
 Standard library only: the noxfile imports it before any environment exists.
 """
@@ -22,9 +24,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_overlay import cpuplatform
+
 DEVICE_PTH = "vllm-overlay-cpu.pth"
 # Lines of a .pth file that start with "import" run at interpreter start.
-DEVICE_PTH_TEXT = 'import os; os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")\n'
+DEVICE_PTH_TEXT = (
+    f'import os; os.environ.get("{cpuplatform.ENV}") == "1" or '
+    'os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")\n'
+)
 EDITABLE_STAMP = ".editable-stamp"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")

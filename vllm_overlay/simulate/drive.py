@@ -32,6 +32,7 @@ from vllm_overlay.simulate.check import (
 from vllm_overlay.simulate.hashes import PromptHashes
 from vllm_overlay.simulate.layouts import Layout
 from vllm_overlay.simulate.legs import Leg, build_leg
+from vllm_overlay.simulate.outputs import model_runner_output
 from vllm_overlay.simulate.pages import Page, PageStore
 
 Lists = list[list[int]]
@@ -325,7 +326,7 @@ class Pair:
         finished_sending: set[str] | None = None,
         before_compute: Callable[[Any], None] | None = None,
     ) -> list[Any]:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         sched = leg.scheduler
         so = sched.schedule()
@@ -343,9 +344,8 @@ class Pair:
             req = sched.requests[rid]
             done = req.num_computed_tokens >= req.num_tokens
             sampled.append([7] if done else [])
-        out = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
+        out = model_runner_output(
+            ids,
             sampled_token_ids=sampled,
             kv_connector_output=(
                 KVConnectorOutput(finished_sending=finished_sending)

@@ -62,6 +62,7 @@ from vllm_overlay.simulate.check import (
     needs,
     past_hit,
 )
+from vllm_overlay.simulate.outputs import model_runner_output
 
 READ, WRITE = "read", "write"
 
@@ -1120,7 +1121,7 @@ class Rank:
         """The scheduler's update from the leg's output: each finished
         request's (id, finish reason, ``kv_transfer_params``), and the
         requests the scheduler still holds."""
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         so = self._so
         sched = self.scheduler
@@ -1136,9 +1137,8 @@ class Rank:
             invalid_block_ids=output["invalid_block_ids"],
             failed_recving=output["failed_recving"],
         )
-        out = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
+        out = model_runner_output(
+            ids,
             sampled_token_ids=sampled,
             kv_connector_output=kv_out,
         )
