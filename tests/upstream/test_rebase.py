@@ -255,7 +255,7 @@ def test_a_file_landed_next_to_one_that_conflicts_is_said_first(
     )
     assert _results(report) == [("0001-both.patch", "conflict")]
     assert report.rows[0].detail == (
-        "partly upstream: moriio_connector.py: 1 conflict(s); 1 hunk(s) do not "
+        "partly upstream: moriio_connector.py: 1 conflict; 1 hunk does not "
         "apply; moriio_common.py: every hunk landed (1)"
     )
     assert plan is None

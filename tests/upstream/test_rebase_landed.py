@@ -247,7 +247,7 @@ def test_0001_merged_in_another_form_is_partly_upstream_and_names_the_rest(
     assert row["detail"].startswith(
         f"moriio_connector.py: partly upstream: hunk(s) {others} landed; the rest: "
     )
-    assert row["detail"].endswith("1 hunk(s) do not apply (1 changed upstream)")
+    assert row["detail"].endswith("1 hunk does not apply (1 changed upstream)")
     (failed,) = [h for h in row["hunks"] if h["problem"]]
     assert failed["hunk"] == k + 1
     assert "changed upstream: the" in failed["problem"]
