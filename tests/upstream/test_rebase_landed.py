@@ -310,7 +310,10 @@ def test_a_hunk_without_evidence_follows_its_patch(
     """A blank line added next to a change that landed on its own evidence:
     its post-image is there verbatim, so it landed with the patch."""
     base = base_texts[CONNECTOR]
-    anchor = "class MoRIIOConnectorWorker:\n"
+    # A class statement of the installed base, read at run time.
+    anchor = next(
+        line for line in base.splitlines(keepends=True) if line.startswith("class ")
+    )
     patched = edit(edit(base, CLAMP, CLAMP_NEW), anchor, "\n" + anchor)
     root = make_repo(
         {"0001-x.patch": patch_text("x", [diff(CONNECTOR, base, patched)])}
