@@ -154,6 +154,9 @@ def load_pair(pair: BuildPair, dirs: Mapping[str, Path]) -> None:
         raise VariantError(f"pair {pair.name}: no directory for build {missing[0]!r}")
     if pair.mixed:
         _LOADED = LoadedBuilds({b: dirs[b] for b in (pair.prefill, pair.decode)})
+        # One build stays active: an import of the package's modules before
+        # a leg picks its own finds them, not a third copy.
+        _LOADED.use(pair.prefill)
     else:
         use_moriio_dir(dirs[pair.prefill])
     _PAIR = pair

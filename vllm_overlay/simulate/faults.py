@@ -22,7 +22,7 @@ The faults (the series patch whose check each one meets in the overlay):
 - ``capped-count``: the decoder's external token count one page short of
   what the connector asked, as a scheduler that capped it would give it
   (0007: a capped count on a hybrid model);
-- ``null-window``: the null block as a sliding-window group's first
+- ``null-window``: the null block as a sliding-window group's last
   prefill page (0008/0014: a freed page in the window);
 - ``hook-raises`` (a self-test, only when named): the connector's
   ``get_num_new_matched_tokens`` raises for the request.
@@ -69,7 +69,7 @@ def _null_window_page(lists: Lists, ctx: FaultContext) -> Lists | None:
     changed = False
     for i, kind in enumerate(ctx.kinds):
         if kind == WINDOW and i < len(out) and out[i]:
-            out[i][0] = ctx.null_block
+            out[i][-1] = ctx.null_block
             changed = True
     return out if changed else None
 
