@@ -252,7 +252,7 @@ def run_sweep(
     options.expect(
         what,
         f"{count(cases, 'case')}: {count(len(names), 'layout')} x "
-        f"{count(len(pairs), 'pair')}"
+        f"{count(len(pairs), 'variant')}"
         + (f" x {count(len(faults), 'fault')}" if faults else ""),
         cases,
         SCHEDULER_CPU_PER_CASE * (2 if faults else 1),

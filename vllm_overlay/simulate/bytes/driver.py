@@ -526,7 +526,7 @@ class Driver:
                 hit_fraction,
                 wrong=False,
                 error=error,
-                escaped=f"{SchedulerEscape.__name__}: {ESCAPED} " in error,
+                escaped=is_escape(error),
             )
 
     def _run_case(self, n: int, hit_fraction: float) -> CaseBytes:
@@ -621,6 +621,12 @@ class Driver:
         if not any(out[0] == watch.rid and out[1] for out in outs):
             self._until_finished(self.d, watch.rid)
         return verdicts
+
+
+def is_escape(error: str) -> bool:
+    """Whether a case's error (a rank's traceback's last line) is an
+    exception that left rank 0's scheduler (``rank.SchedulerEscape``)."""
+    return f"{SchedulerEscape.__name__}: {ESCAPED} " in error
 
 
 def _first_error(text: str) -> str:
