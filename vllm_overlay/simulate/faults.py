@@ -195,17 +195,18 @@ def format_faults(reports: Sequence[FaultReport]) -> str:
             "escapes",
             "other right",
             "local prefill",
+            "refused wrong",
             "first error",
         )
     ]
     for r in reports:
         if r.refused_at_start is not None:
             rows.append(
-                (r.layout, r.fault, r.variant, "-", "-", "-", "-", "refused at start")
+                (r.layout, r.fault, r.variant, "-", "-", "-", "-", "-", "refused at start")
             )
             continue
         if not r.cases:
-            rows.append((r.layout, r.fault, r.variant, "0", "-", "-", "-", "n/a"))
+            rows.append((r.layout, r.fault, r.variant, "0", "-", "-", "-", "-", "n/a"))
             continue
         rows.append(
             (
@@ -216,6 +217,7 @@ def format_faults(reports: Sequence[FaultReport]) -> str:
                 str(r.escapes),
                 f"{r.other_right}/{r.cases}",
                 f"{r.refused_local}/{r.cases}",
+                str(r.refused_wrong),
                 clip(r.first_errors[0], 60) if r.first_errors else "",
             )
         )

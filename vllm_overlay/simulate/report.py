@@ -222,8 +222,9 @@ def summary_line(report: SweepReport) -> str:
 
 
 def format_pairs(report: SweepReport) -> str:
-    """Layout x pair: the cases, those with wrong KV, crashes (errors),
-    escapes out of the scheduler, and fallbacks to local prefill."""
+    """Layout x pair: the cases, those with wrong KV, crashes (errors that
+    did not escape the scheduler), escapes out of the scheduler, and
+    fallbacks to local prefill."""
     rows: list[tuple[str, ...]] = [
         ("layout", "pair", "cases", "wrong KV", "crashes", "escapes", "fallbacks")
     ]
@@ -237,7 +238,7 @@ def format_pairs(report: SweepReport) -> str:
                 r.variant,
                 str(r.cases),
                 str(r.wrong_cases),
-                str(r.error_cases),
+                str(r.error_cases - r.escape_cases),
                 str(r.escape_cases),
                 str(r.fallback_cases),
             )
