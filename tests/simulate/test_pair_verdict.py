@@ -42,7 +42,9 @@ def test_a_mixed_pair_with_wrong_kv_fails_unless_listed_for_that_pair():
         _row("base->overlay", wrong_lengths=[529]),
     ]
     verdict = judge(_sweep(*rows), [])
-    assert verdict.failures == ["gemma (base->overlay) reads wrong KV at 1 of 4 lengths"]
+    assert verdict.failures == [
+        "gemma (base->overlay) reads wrong KV at 1 of 4 lengths"
+    ]
     gap = KnownGap("gemma", "wrong KV", "issue 35", "0008", pair="base->overlay")
     assert judge(_sweep(*rows), [gap]).exit_code == 0
     other = KnownGap("gemma", "wrong KV", "issue 35", "0008", pair="overlay->base")

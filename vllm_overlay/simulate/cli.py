@@ -20,6 +20,7 @@ from vllm_overlay.command import (
 )
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.reports import REPORT_DIR
+from vllm_overlay.simulate.builds import BuildPair, parse_pairs
 from vllm_overlay.simulate.bytes import cli as bytes_cli
 from vllm_overlay.simulate.bytes.lifetime import (
     Interrupted,
@@ -27,7 +28,6 @@ from vllm_overlay.simulate.bytes.lifetime import (
     signals_raise,
 )
 from vllm_overlay.simulate.bytes.verdict import judge as judge_bytes
-from vllm_overlay.simulate.builds import BuildPair, parse_pairs
 from vllm_overlay.simulate.faults import (
     DEFAULT_FAULT_HITS,
     DEFAULT_FAULT_LENGTHS,

@@ -255,7 +255,9 @@ class Pair:
         def count_spy(request: Any, num_computed_tokens: int) -> Any:
             rid = request.request_id
             if rid in self._raises:
-                raise RuntimeError(f"injected: get_num_new_matched_tokens({rid}) raises")
+                raise RuntimeError(
+                    f"injected: get_num_new_matched_tokens({rid}) raises"
+                )
             got, load_async = count(request, num_computed_tokens)
             cap = self._caps.pop(rid, 0)
             if cap and got is not None and got > 1:
@@ -570,7 +572,9 @@ class Pair:
         for _ in range(16):
             if not (set(rids.values()) & set(self.d.scheduler.requests)):
                 break
-            self._step(self.d, self.d_store, meta, before_compute=before, after_compute=after)
+            self._step(
+                self.d, self.d_store, meta, before_compute=before, after_compute=after
+            )
         self._external.pop(rid_bad, None)
         self._step(self.p, self.p_store, {}, finished_sending=set(rids.values()))
         ok, bad = box.get("ok"), box.get("bad")

@@ -175,9 +175,9 @@ class FaultReport(msgspec.Struct, tag="fault"):
         self.other_right += case.other_right
         self.refused_local += case.refused_local
         self.refused_wrong += case.refused_wrong
-        if case.error and len(self.first_errors) < 3:
-            if case.error not in self.first_errors:
-                self.first_errors.append(case.error)
+        fresh = case.error and case.error not in self.first_errors
+        if fresh and case.error is not None and len(self.first_errors) < 3:
+            self.first_errors.append(case.error)
 
 
 def format_faults(reports: Sequence[FaultReport]) -> str:
@@ -202,7 +202,17 @@ def format_faults(reports: Sequence[FaultReport]) -> str:
     for r in reports:
         if r.refused_at_start is not None:
             rows.append(
-                (r.layout, r.fault, r.variant, "-", "-", "-", "-", "-", "refused at start")
+                (
+                    r.layout,
+                    r.fault,
+                    r.variant,
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "refused at start",
+                )
             )
             continue
         if not r.cases:

@@ -17,10 +17,10 @@ import msgspec
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.simulate import procs
-from vllm_overlay.simulate.eta import SCHEDULER_CPU_PER_CASE
-from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.builds import BuildPair
+from vllm_overlay.simulate.eta import SCHEDULER_CPU_PER_CASE
 from vllm_overlay.simulate.faults import FaultReport
+from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     LayoutReport,
     PlanItem,
@@ -176,6 +176,7 @@ def overlay_files(
 def _split(layouts: list[str], parts: int) -> list[list[str]]:
     buckets: list[list[str]] = [[] for _ in range(parts)]
     loads = [0.0] * parts
+
     def cost(name: str) -> float:
         return _COST.get(name.split()[0].split("/")[0], 1.0)
 
@@ -235,10 +236,11 @@ def run_sweep(
     parse_hits(hits)
     pairs = [BuildPair.parse(v) for v in variants]
     sources = options.sources(variants)
+    modes: list[str | None] = list(faults) if faults else [None]
     items_per_pair = [
         PlanItem(name, per_layout[name], hits, whole, fault=fault)
         for name in names
-        for fault in (faults or [None])
+        for fault in modes
     ]
     tally = procs.Tally(len(items_per_pair) * len(pairs), _key, options.progress)
     if processes_per_variant is None:
@@ -274,9 +276,7 @@ def run_sweep(
             for i, chunk in enumerate(chunks)
         ]
 
-    procs.run_processes(
-        sources, launch, MARK, _DECODER, tally, [p.name for p in pairs]
-    )
+    procs.run_processes(sources, launch, MARK, _DECODER, tally, [p.name for p in pairs])
     order = {_key(item): i for i, item in enumerate(items_per_pair)}
     results = tally.ordered(lambda r: order.get(_key(r), 0), [p.name for p in pairs])
     return SweepReport(

@@ -200,8 +200,7 @@ def fault_problems(r: FaultReport) -> list[tuple[Problem, str]]:
         out.append(
             (
                 "escapes",
-                f"an exception escapes the scheduler in {r.escapes} of {r.cases} "
-                "cases",
+                f"an exception escapes the scheduler in {r.escapes} of {r.cases} cases",
             )
         )
     if r.crashes:

@@ -131,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = msgspec.json.decode(args.plan, type=list[PlanItem])
     for i, item in enumerate(plan):
         if item.pair is not None and item.pair != pair:
-            raise SystemExit(f"plan item {item.layout}: pair {item.pair.name}, "
-                             f"this process runs {pair.name}")
+            raise SystemExit(
+                f"plan item {item.layout}: pair {item.pair.name}, "
+                f"this process runs {pair.name}"
+            )
         port = args.port + 1000 * i
         lengths, hits = parse_lengths(item.lengths), parse_hits(item.hits)
         if item.fault is not None:

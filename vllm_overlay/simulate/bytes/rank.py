@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_overlay.simulate.builds import use_role
 from vllm_overlay.simulate.bytes.content import (
     POISON,
     attention_bytes,
@@ -50,7 +51,6 @@ from vllm_overlay.simulate.bytes.content import (
     prefix_hashes,
     state_bytes,
 )
-from vllm_overlay.simulate.builds import use_role
 from vllm_overlay.simulate.bytes.geometry import Geometry, layer_total_heads
 from vllm_overlay.simulate.bytes.kvmem import same_bytes
 from vllm_overlay.simulate.check import (
