@@ -41,8 +41,8 @@ from vllm_overlay.gate.shards import (
     test_files,
 )
 from vllm_overlay.gate.stack import LEVEL_OUTCOMES, level_plan, run_levels
-from vllm_overlay.text import count
 from vllm_overlay.series.patch_series import Series
+from vllm_overlay.text import count
 
 
 def cmd_levels(app: App, args: argparse.Namespace) -> int:
@@ -140,11 +140,14 @@ def cmd_suite(app: App, args: argparse.Namespace) -> int:
     if touches is not None:
         now = load_times(out / TIMES)
         cheap = {
-            t for t, s in (now.seconds if now else {}).items()
+            t
+            for t, s in (now.seconds if now else {}).items()
             if s <= SAMPLE_MAX_SECONDS
         }
         pool = {t: w for t, w in touches.tests.items() if w or t in cheap or not now}
-        sel = select(type(touches)(touches.dirs, pool), SAMPLE, app.checkout.series.series_id)
+        sel = select(
+            type(touches)(touches.dirs, pool), SAMPLE, app.checkout.series.series_id
+        )
         sel = Selection(sorted(t for t, w in touches.tests.items() if w), sel.sample)
         (out / SELECTION).write_bytes(encode(sel))
         touched = {t: w for t, w in touches.tests.items() if w}

@@ -142,14 +142,18 @@ def run_shards(
     procs: list[tuple[int, subprocess.Popen[bytes], float]] = []
     started = time.monotonic()
     for i, files in enumerate(shards):
+        plugins = (
+            ["-p", "vllm_overlay.gate.only", "--only-ids", str(only)] if only else []
+        )
+        if touch:
+            plugins += ["-p", "vllm_overlay.gate.touch", "--touch-json",
+                        str(out / f"touches-{i}.json")]  # fmt: skip
         cmd = [
             sys.executable, "-m", "pytest", "--rootdir", str(root),
             "-p", "vllm_overlay.gate.outcomes",
             "--outcomes-json", str(out / f"outcomes-{i}.json"),
             f"--junitxml={out / f'junit-{i}.xml'}", "-o", "junit_family=xunit1",
-            *(["-p", "vllm_overlay.gate.touch", "--touch-json",
-               str(out / f"touches-{i}.json")] if touch else []),
-            *(["-p", "vllm_overlay.gate.only", "--only-ids", str(only)] if only else []),
+            *plugins,
             *pytest_args,
             *(f.relative_to(root).as_posix() for f in files),
         ]  # fmt: skip

@@ -28,6 +28,7 @@ import sys
 import tempfile
 from collections.abc import Generator, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -119,14 +120,14 @@ class Recorder:
         the test directory being imported (a conftest: its directory)."""
         if self.scope != STARTUP and not self.scope.startswith(COLLECT):
             return self.scope
-        frame = sys._getframe(1)
-        outermost = None
+        frame: FrameType | None = sys._getframe(1)
+        outermost: Path | None = None
         while frame is not None:
             if frame.f_code.co_name == "<module>":
                 path = Path(frame.f_code.co_filename)
                 if path.is_relative_to(self.tests):
                     outermost = path
-            frame = frame.f_back  # type: ignore[assignment]
+            frame = frame.f_back
         if outermost is None:
             return self.scope
         node = outermost.parent if outermost.name == "conftest.py" else outermost
