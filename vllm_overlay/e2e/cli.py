@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
+
+import msgspec
 
 from vllm_overlay.command import App, Subparsers, add_command
 from vllm_overlay.e2e.config import RunConfig, load_config
 from vllm_overlay.e2e.expect import Expectations, Geometry, prefix_read, sweep_lengths
+from vllm_overlay.e2e.preflight import Preflight, PreflightError
+from vllm_overlay.e2e.preflight import text_lines as preflight_lines
 from vllm_overlay.e2e.servers import servers
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.text import count
@@ -217,6 +224,12 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
     every command and the prompt lengths expected to fail on the base image,
     and why.
     """
+    if args.preflight:
+        result = run_preflight(args.config)
+        for line in preflight_lines(result):
+            app.say(line)
+        app.result(result)
+        return 0 if result.ok else 1
     if args.print_serve:
         from vllm_overlay.e2e.deploy import serve_text
 
@@ -243,6 +256,18 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.launcher != "slurm":
         config.check_addresses()
+    # The first step of every real run: nothing starts unless vLLM, on CPU,
+    # builds both legs as the checks need them.
+    checked = run_preflight(args.config)
+    for line in preflight_lines(checked):
+        app.say(line)
+    if not checked.ok:
+        raise OverlayError(
+            f"{config.name}: the preflight refused the config ({checked.findings[0]}); "
+            "nothing was started"
+        )
+    if checked.layout is not None:
+        config = msgspec.structs.replace(config, layout=checked.layout)
     run_dir = (
         args.run_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
@@ -253,6 +278,36 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
     )  # fmt: skip
     app.result(report)
     return 0 if report.ok else 1
+
+
+def run_preflight(config_path: Path) -> Preflight:
+    """The CPU preflight (preflight_vllm.py): here when this Python has vLLM,
+    else in the Python ``$VLLM_OVERLAY_PREFLIGHT_PYTHON`` names or the
+    checkout's ``.venv`` (``nox -s dev``), whose JSON result is read back."""
+    if importlib.util.find_spec("vllm") is not None:
+        from vllm_overlay.e2e.preflight_vllm import preflight
+
+        return preflight(config_path)
+    python = os.environ.get("VLLM_OVERLAY_PREFLIGHT_PYTHON") or str(
+        Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
+    )
+    if not Path(python).is_file():
+        raise PreflightError(
+            f"the preflight needs vLLM (CPU): {python} does not exist; run "
+            "`nox -s dev` or set VLLM_OVERLAY_PREFLIGHT_PYTHON"
+        )
+    argv = [python, "-m", "vllm_overlay.cli", "--json", "e2e", "--config",
+            str(config_path), "--preflight"]  # fmt: skip
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(argv, capture_output=True, env=env, check=False)
+    try:
+        return msgspec.json.decode(done.stdout, type=Preflight)
+    except msgspec.DecodeError:
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
+        raise PreflightError(
+            f"the preflight in {python} failed (exit {done.returncode}): "
+            f"{tail[0] if tail else 'no output'}"
+        ) from None
 
 
 def register(sub: Subparsers) -> None:
@@ -275,6 +330,14 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--dry-run", action="store_true", help="print every command, launch nothing"
+    )
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="on CPU, build each server's engine config, KV cache groups and "
+        "ROCm attention backends with vLLM's own code and check them (block "
+        "sizes, drafters, layout, check lengths); launch nothing. Every real "
+        "run does this first",
     )
     p.add_argument(
         "--print-serve",

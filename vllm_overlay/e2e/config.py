@@ -399,6 +399,10 @@ class Model(msgspec.Struct, forbid_unknown_fields=True):
     # the report then gives transferred tokens only.
     kv_bytes_per_token: NonNegative = 0
     extra_args: list[str] = msgspec.field(default_factory=list)
+    # A folder holding the model's config.json only (no weights), relative
+    # to the config file: the CPU preflight builds vLLM's engine config
+    # from it (e.g. examples/models/llama-3.1-70b).
+    preflight_model: str = ""
 
 
 class Layout(msgspec.Struct, forbid_unknown_fields=True):
