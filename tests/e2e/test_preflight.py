@@ -43,11 +43,25 @@ def dsv4_leg(role: str, block: int = 256, drafter: bool = True) -> LegFacts:
         family="deepseek-v4-pro",
         draft_layers=draft,
         groups=[
-            GroupFacts(0, "SlidingWindowMLASpec", 43 + len(draft), 64, 64, 128,
-                       backends=["DEEPSEEK_SPARSE_SWA"], draft_layers=draft),
-            GroupFacts(1, "MLAAttentionSpec", 41, block, block,
-                       backends=["DEEPSEEK_V4_ROCM_AITER_MLA_SPARSE"],
-                       kernel_error=mla_error),
+            GroupFacts(
+                0,
+                "SlidingWindowMLASpec",
+                43 + len(draft),
+                64,
+                64,
+                128,
+                backends=["DEEPSEEK_SPARSE_SWA"],
+                draft_layers=draft,
+            ),
+            GroupFacts(
+                1,
+                "MLAAttentionSpec",
+                41,
+                block,
+                block,
+                backends=["DEEPSEEK_V4_ROCM_AITER_MLA_SPARSE"],
+                kernel_error=mla_error,
+            ),
             GroupFacts(2, "SlidingWindowMLASpec", 41, 8, 8, 128, float32=True),
         ],  # fmt: skip
         hash_block_size=64,
@@ -157,7 +171,9 @@ def test_a_typed_layout_that_disagrees_is_refused(tmp_path: Path) -> None:
     text = (EXAMPLES / "glm-5.3-flash-1p1d.toml").read_text()
     path = tmp_path / "glm.toml"
     path.write_text(
-        text.replace("[layout]\nblock_size = 64\n", "[layout]\nblock_size = 48\n").replace(
+        text.replace(
+            "[layout]\nblock_size = 64\n", "[layout]\nblock_size = 48\n"
+        ).replace(
             'preflight_model = "models/', f'preflight_model = "{EXAMPLES}/models/'
         )
     )

@@ -75,6 +75,8 @@ class LegFacts(msgspec.Struct, forbid_unknown_fields=True):
     groups: list[GroupFacts] = msgspec.field(default_factory=list)
     hash_block_size: int = 0
     error: str = ""  # vLLM refused to build it
+    # What could not be checked on CPU (said, never counted as passing).
+    notes: list[str] = msgspec.field(default_factory=list)
 
     def describe(self) -> str:
         spec = (
@@ -262,9 +264,7 @@ def typed_layout_fields(config_path: Path) -> set[str]:
     return set(layout) if isinstance(layout, dict) else set()
 
 
-def check(
-    config: RunConfig, legs: list[LegFacts], typed: set[str]
-) -> Preflight:
+def check(config: RunConfig, legs: list[LegFacts], typed: set[str]) -> Preflight:
     """Every finding of one run config's legs."""
     result = Preflight(config.name, legs)
     for leg in legs:
@@ -288,6 +288,7 @@ def text_lines(result: Preflight) -> list[str]:
     lines = []
     for leg in result.legs:
         lines.append(f"preflight {leg.describe()}")
+        lines += [f"  not checked: {n}" for n in leg.notes]
         for g in leg.groups:
             backend = f", {g.kernel_block_sizes}" if g.kernel_block_sizes else ""
             window = f", window {g.sliding_window}" if g.sliding_window else ""

@@ -143,9 +143,9 @@ def _dsv4_backend(spec: Any) -> Any:
         if spec.dtype == torch.float32:
             return CompressorBackend
         return attn.swa_backend_cls or DeepseekSparseSWABackend
+    indexer = spec.cache_role is not None and spec.cache_role.name == "INDEXER"
     if isinstance(spec, MLAAttentionSpec) and spec.model_version == "deepseek_v4":
-        if spec.cache_role is None or spec.cache_role.name != "INDEXER":
-            return attn.backend_cls
+        return None if indexer else attn.backend_cls
     return None
 
 
@@ -244,7 +244,9 @@ def leg_facts(role: str, argv: list[str], model_dir: Path) -> LegFacts:
     return facts
 
 
-def _backends(facts: LegFacts, specs: dict[str, Any], vllm_config: Any, arch: str) -> None:
+def _backends(
+    facts: LegFacts, specs: dict[str, Any], vllm_config: Any, arch: str
+) -> None:
     platform = rocm_platform()
     seen: dict[int, tuple[str, Any]] = {}
     facts.backends = {}
@@ -259,8 +261,15 @@ def _backends(facts: LegFacts, specs: dict[str, Any], vllm_config: Any, arch: st
             elif arch == "DeepseekV4ForCausalLM":
                 backend = _dsv4_backend(spec)
             else:
-                with _quiet():
-                    backend = _generic_backend(platform, spec, vllm_config)
+                try:
+                    with _quiet():
+                        backend = _generic_backend(platform, spec, vllm_config)
+                except Exception as e:  # a ROCm backend module needs real Triton
+                    facts.notes.append(
+                        f"{type(spec).__name__}: the ROCm backend is not known here "
+                        f"({type(e).__name__}: {str(e)[:120]}); its kernel block "
+                        "sizes are not checked"
+                    )
             seen[key] = (name, backend)
         if seen[key][1] is not None:
             facts.backends[name] = seen[key][1].get_name()
@@ -330,7 +339,11 @@ def _groups(
         error = ""
         sizes = ""
         if classes:
-            first = [next(s for n, s in zip(names, layer_specs) if facts.backends.get(n) == b) for b in backends]
+            pairs = list(zip(names, layer_specs, strict=True))
+            first = [
+                next(s for n, s in pairs if facts.backends.get(n) == b)
+                for b in backends
+            ]
             sizes = "; ".join(
                 f"{c.get_name()}: {c.get_supported_kernel_block_sizes(s)}"
                 for c, s in zip(classes, first, strict=True)
