@@ -1,6 +1,6 @@
 """Every workflow of vllm-moriio-overlay is a nox session.
 
-The CPU vLLM environment (torch 2.13.0+cpu, vLLM 0.33.0 --no-deps, vLLM's
+The CPU vLLM environment (torch 2.13.0+cpu, the pinned vLLM --no-deps, vLLM's
 pure-Python requirements from ci/requirements-vllm-cpu.txt) is a plain pip
 virtualenv that nox does not manage (uv does not see the local CPU torch):
 `.nox/cpu-vllm`, shared by every session that needs vLLM; `.venv` (the `dev`
@@ -28,7 +28,7 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_overlay import cpuenv, noxlog  # noqa: E402  (standard library only)
+from vllm_overlay import cpuenv, cpuplatform, noxlog  # noqa: E402  (stdlib only)
 from vllm_overlay.text import count  # noqa: E402
 
 noxlog.drop_uv_note(logging.getLogger("nox"))
@@ -58,7 +58,8 @@ OLD_VLLM = (
     "ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af814c6",
 )
 OLD_VLLM_MB = 133
-TEST_ENV = {"VLLM_TARGET_DEVICE": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
+# vLLM runs on the overlay's test-only CPU platform (vllm_overlay/cpuplatform).
+TEST_ENV = {cpuplatform.ENV: "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 # -- helpers -------------------------------------------------------------------

@@ -40,6 +40,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_overlay import cpuplatform
+
 LAYOUTS = "llama,dsv4,kimi/dcp8,glm"
 LENGTHS = "4096,8192,16384,32768,65536,131072"
 HITS = "0,50"
@@ -190,8 +192,7 @@ def _run_variant(
 
     moriio_dir = build_variant_dir(root / variant / "moriio", files)
     env = dict(
-        os.environ,
-        VLLM_TARGET_DEVICE="cpu",
+        cpuplatform.cpu_environ(),
         VLLM_LOGGING_LEVEL="ERROR",
         OMP_NUM_THREADS="1",
         MKL_NUM_THREADS="1",

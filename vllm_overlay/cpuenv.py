@@ -5,10 +5,9 @@ vLLM is installed there with ``--no-deps`` next to a CPU build of torch and
 vLLM's pure-Python requirements, so some of its requirements are unmet on
 purpose; ``pip check`` tells those from real conflicts. This package is
 installed in editable mode once, and again only when the checkout or its
-``pyproject.toml`` changes. A ``.pth`` file makes vLLM pick its CPU platform
-without ``VLLM_TARGET_DEVICE`` set, so ``vllm --version`` works there; with
-``VLLM_OVERLAY_CPU_PLATFORM=1`` it leaves the variable unset, so vLLM asks the
-platform plugins and picks the overlay's CPU platform (``cpuplatform``).
+``pyproject.toml`` changes. A ``.pth`` file sets ``VLLM_OVERLAY_CPU_PLATFORM=1``
+unless it is set, so every process there (``vllm --version`` too) runs on the
+overlay's test-only CPU platform (``cpuplatform``); ``=0`` turns it off.
 
 Standard library only: the noxfile imports it before any environment exists.
 """
@@ -28,10 +27,7 @@ from vllm_overlay import cpuplatform
 
 DEVICE_PTH = "vllm-overlay-cpu.pth"
 # Lines of a .pth file that start with "import" run at interpreter start.
-DEVICE_PTH_TEXT = (
-    f'import os; os.environ.get("{cpuplatform.ENV}") == "1" or '
-    'os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")\n'
-)
+DEVICE_PTH_TEXT = f'import os; os.environ.setdefault("{cpuplatform.ENV}", "1")\n'
 EDITABLE_STAMP = ".editable-stamp"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")

@@ -14,9 +14,10 @@ import msgspec
 import pytest
 
 from tests.e2e.ports import free_port
+from vllm_overlay import cpuplatform
 from vllm_overlay.e2e.config import RunConfig, load_config
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+cpuplatform.use_in_this_process()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[2]

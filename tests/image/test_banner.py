@@ -4,12 +4,12 @@ and checked against the files."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.image.conftest import COMMON
+from vllm_overlay import cpuplatform
 from vllm_overlay.e2e.checks import BANNER
 from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import Pin
@@ -66,7 +66,7 @@ def test_vllm_plugin_loader_logs_the_banner() -> None:
         "configure_logging(LoggingConfig())\n"
         "load_general_plugins()\n"
     )
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "INFO"}
+    env = {**cpuplatform.cpu_environ(), "VLLM_LOGGING_LEVEL": "INFO"}
     result = subprocess.run(
         [sys.executable, "-c", code],
         env=env,

@@ -4,7 +4,6 @@ the image, here run on this environment's vLLM and on throwaway trees."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import msgspec
 import pytest
 
 from tests.image.conftest import REPO
+from vllm_overlay import cpuplatform
 from vllm_overlay.image.verify import (
     Verification,
     check_banner,
@@ -151,7 +151,7 @@ def test_every_check_runs_and_the_verdict_is_their_and(pin: Pin) -> None:
 
 
 def _verify_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    env = cpuplatform.cpu_environ()
     return subprocess.run(
         [sys.executable, "-m", "vllm_overlay.cli", "--repo", str(REPO),
          "image", "verify", *args],

@@ -20,7 +20,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from vllm_overlay import cpuplatform
+
+cpuplatform.use_in_this_process()
 
 import torch  # noqa: E402
 from vllm.config import (  # noqa: E402

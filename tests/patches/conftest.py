@@ -81,9 +81,13 @@ def stub_mori(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         moriio_common, "get_tensor_model_parallel_world_size", lambda: 1
     )
+    stub_backend = types.SimpleNamespace(get_name=lambda: "STUB")
+    # The worker asks for its attention backend: get_attn_backend up to vLLM
+    # 0.33.0, get_current_attn_backends from 0.34.0.
     monkeypatch.setattr(
-        mc,
-        "get_attn_backend",
-        lambda *a, **k: types.SimpleNamespace(get_name=lambda: "STUB"),
+        mc, "get_attn_backend", lambda *a, **k: stub_backend, raising=False
+    )
+    monkeypatch.setattr(
+        mc, "get_current_attn_backends", lambda *a, **k: [stub_backend], raising=False
     )
     monkeypatch.setattr(mc.MoRIIOConnectorWorker, "_start_heartbeat", lambda self: None)

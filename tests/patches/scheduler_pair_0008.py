@@ -24,7 +24,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -33,6 +33,7 @@ from tests.patches.builders import (
     make_vllm_config,
     moriio_kv_transfer_config,
 )
+from vllm_overlay.simulate.outputs import model_runner_output
 
 _SAMPLED_TOKEN = 7
 
@@ -139,9 +140,8 @@ class SchedulerPair:
         ]
         result = scheduler.update_from_output(
             output,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            model_runner_output(
+                req_ids,
                 sampled_token_ids=sampled,
                 kv_connector_output=KVConnectorOutput(finished_sending=finished_sending)
                 if finished_sending

@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from vllm_overlay import cpuplatform
 from tests.patches.pairing_0002 import (
     ALL_SWEEP_CASES,
     MAX_PROMPT_TOKENS,
@@ -50,7 +51,7 @@ def sweep_base(
 ) -> dict[str, list[int]]:
     """Sweep ``cases`` against the pinned base in a separate interpreter."""
     moriio_dir = _materialize_base(work / "base")
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env = cpuplatform.cpu_environ()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     # Redirect the MoRIIO package to the base files before anything imports it.
     code = (

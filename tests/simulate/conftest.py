@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from vllm_overlay import cpuplatform
+
+cpuplatform.use_in_this_process()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ cores), and only then remove its ranks and their files.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from vllm_overlay import cpuplatform
 from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.shm import remove_shm, shm_files
 
@@ -84,7 +84,7 @@ def _running(proc: psutil.Process) -> bool:
 
 @pytest.fixture
 def run(tmp_path) -> Iterator[Run]:
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env = cpuplatform.cpu_environ()
     env.pop(PARENT_ENV, None)
     report = tmp_path / "simulate-bytes.json"
     top = subprocess.Popen(

@@ -16,7 +16,8 @@ from vllm_overlay.simulate.bytes.run import STANDIN_DIR
 
 _SCRIPT = r"""
 import json, os, sys, threading
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from vllm_overlay import cpuplatform
+cpuplatform.use_in_this_process()
 import numpy as np
 import torch
 import vllm.distributed.parallel_state as ps

@@ -38,6 +38,24 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     return env.get(ENV, "") == "1"
 
 
+def cpu_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) for a child that runs vLLM on
+    this platform: the switch on, and an explicit ``VLLM_TARGET_DEVICE=cpu``
+    (which would bypass the plugins) dropped."""
+    env = dict(os.environ if environ is None else environ)
+    env[ENV] = "1"
+    if env.get("VLLM_TARGET_DEVICE") == "cpu":
+        del env["VLLM_TARGET_DEVICE"]
+    return env
+
+
+def use_in_this_process() -> None:
+    """Turn the platform on for this process; call before vLLM is imported."""
+    os.environ[ENV] = "1"
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        del os.environ["VLLM_TARGET_DEVICE"]
+
+
 def platform_plugin() -> str | None:
     """vLLM platform plugin: the platform's class path when enabled, else None."""
     return PLATFORM if enabled() else None

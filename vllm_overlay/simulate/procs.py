@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_overlay import cpuplatform
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.simulate.eta import (
     duration,
@@ -166,8 +167,7 @@ def start(
     the working directory does not go first on ``sys.path``, where another
     checkout's ``vllm_overlay`` would shadow this one."""
     full = dict(
-        os.environ,
-        VLLM_TARGET_DEVICE="cpu",
+        cpuplatform.cpu_environ(),
         VLLM_LOGGING_LEVEL="ERROR",
         OMP_NUM_THREADS="1",
         MKL_NUM_THREADS="1",

@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_overlay import cpuplatform
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.reports import (
@@ -349,7 +350,7 @@ def _run_ported(
                 dest = root / path
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_text(text)
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+        env = cpuplatform.cpu_environ()
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         cmd += ["-p", "vllm_overlay.gate.level"]
         cmd += ["--moriio-dir", str(level / ctx.pin.module)]

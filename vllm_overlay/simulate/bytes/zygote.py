@@ -25,6 +25,7 @@ from types import FrameType
 
 import msgspec
 
+from vllm_overlay import cpuplatform
 from vllm_overlay.simulate.bytes.lifetime import (
     STOP_SIGNALS,
     die_with_parent_from_env,
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ports", default=None, metavar="LO-HI")
     args = ap.parse_args(argv)
 
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    cpuplatform.use_in_this_process()
     # MoRIIO's KDA transfer needs the dim-first conv state layout.
     os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     check_standin()
