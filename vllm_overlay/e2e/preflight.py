@@ -69,6 +69,7 @@ class LegFacts(msgspec.Struct, forbid_unknown_fields=True):
     num_speculative_tokens: int = 0
     lookahead: int = 0
     kv_cache_dtype: str = "auto"
+    kv_cache_layout: str = ""  # resolved from the backends' layouts
     family: str = ""  # the simulator's spec builder
     draft_layers: list[str] = msgspec.field(default_factory=list)
     backends: dict[str, str] = msgspec.field(default_factory=dict)  # layer -> name
@@ -88,7 +89,8 @@ class LegFacts(msgspec.Struct, forbid_unknown_fields=True):
         block = self.user_block_size or "vLLM's choice"
         return (
             f"{self.role}: {self.architecture}, TP {self.tp}, DCP {self.dcp}, "
-            f"--block-size {block}, {spec}, hash block {self.hash_block_size}"
+            f"--block-size {block}, {spec}, KV cache layout "
+            f"{self.kv_cache_layout or '?'}, hash block {self.hash_block_size}"
         )
 
 

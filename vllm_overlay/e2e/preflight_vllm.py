@@ -128,9 +128,10 @@ def rocm_platform() -> Any:
     return platform
 
 
-def _dsv4_backend(spec: Any) -> Any:
+def _dsv4_backend(spec: Any, vllm_config: Any) -> Any:
     """DeepSeek-V4's layers name their backends themselves; on ROCm the
-    attention layer is ``DeepseekV4ROCMAiterMLAAttention``."""
+    attention layer is ``DeepseekV4ROCMAiterMLAAttention``, whose indexer
+    (``_get_indexer_cls``) owns the indexer key cache and its backend."""
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
@@ -143,10 +144,49 @@ def _dsv4_backend(spec: Any) -> Any:
         if spec.dtype == torch.float32:
             return CompressorBackend
         return attn.swa_backend_cls or DeepseekSparseSWABackend
-    indexer = spec.cache_role is not None and spec.cache_role.name == "INDEXER"
-    if isinstance(spec, MLAAttentionSpec) and spec.model_version == "deepseek_v4":
-        return None if indexer else attn.backend_cls
-    return None
+    if not isinstance(spec, MLAAttentionSpec):
+        return None
+    if spec.cache_role is not None and spec.cache_role.name == "INDEXER":
+        # The methods read no instance state: asked of bare instances.
+        indexer_cls = _bare(attn)._get_indexer_cls(vllm_config)
+        cache_cls = _bare(indexer_cls)._get_cache_cls()
+        return _bare(cache_cls).get_attn_backend()
+    return attn.backend_cls if spec.model_version == "deepseek_v4" else None
+
+
+def _bare(cls: type) -> Any:
+    """An instance of ``cls`` whose ``__init__`` never ran (no weights)."""
+    return object.__new__(cls)
+
+
+@contextlib.contextmanager
+def _candidates_on_cpu(tried: list[tuple[str, str]]) -> Iterator[None]:
+    """ROCm's backend selection imports every candidate backend and takes an
+    ``ImportError`` as "not valid here". On CPU a few candidate modules fail
+    with another error (Triton's stand-in lacks ``tl.float16``): those count
+    as not loadable too, and each candidate tried is recorded in ``tried``
+    (name, "" or the error) so a failure ahead of the chosen one is said."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    real = AttentionBackendEnum.get_class
+
+    def get_class(self: Any) -> Any:
+        try:
+            cls = real(self)
+        except ImportError as e:
+            tried.append((self.name, f"ImportError: {e}"))
+            raise
+        except Exception as e:
+            tried.append((self.name, f"{type(e).__name__}: {e}"))
+            raise ImportError(str(e)) from e
+        tried.append((self.name, ""))
+        return cls
+
+    AttentionBackendEnum.get_class = get_class  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AttentionBackendEnum.get_class = real  # type: ignore[method-assign]
 
 
 def _generic_backend(platform: Any, spec: Any, vllm_config: Any) -> Any:
@@ -177,8 +217,27 @@ def _generic_backend(platform: Any, spec: Any, vllm_config: Any) -> Any:
         use_kv_connector=True,
         use_dcp=parallel.decode_context_parallel_size > 1,
     )
-    path = platform.get_attn_backend_cls(None, selector)
-    return resolve_obj_by_qualname(path)
+    tried: list[tuple[str, str]] = []
+    with _candidates_on_cpu(tried):
+        path = platform.get_attn_backend_cls(None, selector)
+    backend = resolve_obj_by_qualname(path)
+    name = backend.get_name()
+    ahead = []
+    for tried_name, error in tried:
+        if tried_name == name:
+            break
+        if error:
+            ahead.append(f"{tried_name} ({error[:100]})")
+    if ahead:
+        raise _Unchecked(
+            f"{type(spec).__name__}: ROCm would try {', '.join(ahead)} before "
+            f"{name}, and they cannot load on CPU"
+        )
+    return backend
+
+
+class _Unchecked(Exception):
+    """The backend ROCm would pick cannot be told on CPU."""
 
 
 def _quiet() -> contextlib.AbstractContextManager[Any]:
@@ -247,34 +306,54 @@ def leg_facts(role: str, argv: list[str], model_dir: Path) -> LegFacts:
 def _backends(
     facts: LegFacts, specs: dict[str, Any], vllm_config: Any, arch: str
 ) -> None:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     platform = rocm_platform()
-    seen: dict[int, tuple[str, Any]] = {}
+    seen: dict[Any, Any] = {}  # one lookup per distinct spec
     facts.backends = {}
     for name, spec in specs.items():
-        key = id(spec)
-        if key not in seen:
-            from vllm.v1.kv_cache_interface import MambaSpec
-
+        if spec not in seen:
             backend = None
             if isinstance(spec, MambaSpec):
                 backend = None
             elif arch == "DeepseekV4ForCausalLM":
-                backend = _dsv4_backend(spec)
+                backend = _dsv4_backend(spec, vllm_config)
             else:
                 try:
                     with _quiet():
                         backend = _generic_backend(platform, spec, vllm_config)
                 except Exception as e:  # a ROCm backend module needs real Triton
-                    facts.notes.append(
-                        f"{type(spec).__name__}: the ROCm backend is not known here "
-                        f"({type(e).__name__}: {str(e)[:120]}); its kernel block "
-                        "sizes are not checked"
+                    text = str(e) if isinstance(e, _Unchecked) else (
+                        f"{type(spec).__name__}: the ROCm backend is not known "
+                        f"here ({type(e).__name__}: {str(e)[:120]})"
                     )
-            seen[key] = (name, backend)
-        if seen[key][1] is not None:
-            facts.backends[name] = seen[key][1].get_name()
+                    note = f"{text}; its kernel block sizes are not checked"
+                    if note not in facts.notes:
+                        facts.notes.append(note)
+            seen[spec] = backend
+        if seen[spec] is not None:
+            facts.backends[name] = seen[spec].get_name()
     _BACKEND_CLASSES.clear()
-    _BACKEND_CLASSES.update({b.get_name(): b for _, b in seen.values() if b})
+    _BACKEND_CLASSES.update({b.get_name(): b for b in seen.values() if b})
+    facts.kv_cache_layout = _kv_cache_layout(vllm_config, specs)
+
+
+def _kv_cache_layout(vllm_config: Any, specs: dict[str, Any]) -> str:
+    """The KV cache layout the engine core resolves
+    (``resolve_kv_cache_layout``, v1/engine/core.py) from the layouts the
+    layers' backends support: it decides how the planner groups mixed pages
+    (a block-outermost layout packs them)."""
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+
+    supported = get_supported_kv_cache_layouts(_BACKEND_CLASSES.values())
+    with _quiet():
+        layout = resolve_kv_cache_layout(
+            vllm_config, [[x.name for x in supported]], list(specs.values())
+        )
+    return str(layout.name)
 
 
 # Backend name -> class, for the kernel block check of the groups.
@@ -317,7 +396,11 @@ def _groups(
         decode_slots=slots,
     )
     role = "kv_producer" if facts.role == "prefill" else "kv_consumer"
-    options = LegOptions(with_scheduler=False, tensor_parallel_size=facts.tp)
+    options = LegOptions(
+        with_scheduler=False,
+        tensor_parallel_size=facts.tp,
+        kv_cache_layout=facts.kv_cache_layout or None,
+    )
     # The simulator's stand-in target holds 65536 positions; the length only
     # sizes the probe pool, never a block or a group.
     max_len = min(facts.max_model_len, 65536)
