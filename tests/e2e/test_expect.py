@@ -4,6 +4,8 @@ naming the lengths that fail on the base image and why (defect 1)."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -24,10 +26,14 @@ from vllm_overlay.e2e.expect import (
     sweep_lengths,
 )
 from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.simulate import procs
 from vllm_overlay.simulate.report import PlanItem
-from vllm_overlay.simulate.run import base_files, overlay_files, run_variant
+from vllm_overlay.simulate.run import _DECODER, MARK, base_files, overlay_files
 
+# The example: MTP x9 on both servers, 9 lookahead slots on each leg.
 DSV4 = Geometry.of(load_config(EXAMPLES / "dsv4-pro-1p1d.toml"))
+# The upstream run of vLLM #62165: the 9 slots on the decode server only.
+DSV4_UPSTREAM = dataclasses.replace(DSV4, prefill_lookahead=0)
 GEMMA = Geometry(16, 1, 512, 16, False, 1, 0, 0, ())
 SEED_001 = (251, 377, 384, 440, 447, 636, 832, 895)
 
@@ -44,20 +50,37 @@ def simulated() -> dict[tuple[str, str], object]:
     over, _ = overlay_files(base)
     plan = [
         PlanItem("dsv4", "1-1100", "0"),
+        PlanItem("dsv4-both/dcp1", "1-1100", "0"),
         PlanItem("gemma", "500-660", "0"),
         PlanItem("glm", "100", "0"),
     ]
+
+    def run(variant: str, files: dict[str, str], port: int) -> list[Any]:
+        # The simulator's worker, also knowing the example's dsv4 deployment.
+        return procs.run_variant_process(
+            variant,
+            files,
+            lambda moriio_dir: procs.start(
+                "tests.e2e.simlayouts",
+                [*procs.variant_args(moriio_dir, variant, plan), f"--port={port}"],
+            ),
+            MARK,
+            _DECODER,
+        )
+
     jobs = (("base", base, 46100), ("overlay", over, 46200))
     with ThreadPoolExecutor(len(jobs)) as pool:
-        done = pool.map(
-            lambda job: run_variant(job[0], job[1], plan, port=job[2]), jobs
-        )
+        done = pool.map(lambda job: run(*job), jobs)
         return {(r.variant, r.layout): r for reports in done for r in reports}
 
 
 @pytest.mark.parametrize(
     ("layout", "geo", "lengths"),
-    [("dsv4", DSV4, range(1, 1101)), ("gemma", GEMMA, range(500, 661))],
+    [
+        ("dsv4", DSV4_UPSTREAM, range(1, 1101)),
+        ("dsv4-both", DSV4, range(1, 1101)),
+        ("gemma", GEMMA, range(500, 661)),
+    ],
 )
 def test_rules_agree_with_the_simulator(simulated, layout, geo, lengths) -> None:  # noqa: ANN001
     slugs = [p.name for p in load_series(REPO).patches]
@@ -182,3 +205,13 @@ def test_kimi_dry_run_gives_pages_per_prefix_hit(capsys) -> None:  # noqa: ANN00
 def test_llama_is_a_smoke_test(capsys) -> None:  # noqa: ANN001
     out = dry_run(EXAMPLES / "llama-smoke.toml", capsys)
     assert "no length fails; this layout has none of the mechanisms" in out
+
+
+def test_unequal_lookahead_on_the_prefill_side_is_not_modelled() -> None:
+    # The simulator checked none and the same on both legs; a prefill tail
+    # longer or shorter than the decoder's is not guessed at.
+    for prefill in (3, 12):
+        exp = Expectations(dataclasses.replace(DSV4, prefill_lookahead=prefill), [])
+        assert exp.rules == []
+        assert f"{prefill} lookahead slots on the prefill servers" in exp.not_modelled
+    assert Expectations(DSV4, []).not_modelled == ""
