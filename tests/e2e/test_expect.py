@@ -5,8 +5,8 @@ naming the lengths that fail on the base image and why (defect 1)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 

@@ -93,7 +93,7 @@ def parse_serve(argv: list[str], model_dir: Path) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="subparser")
     cmd = ServeSubcommand()
     cmd.subparser_init(sub)
-    args = parser.parse_args(["serve", str(model_dir), *argv[3:]])
+    args: argparse.Namespace = parser.parse_args(["serve", str(model_dir), *argv[3:]])
     args.model = args.model_tag  # what ServeSubcommand.cmd does
     cmd.validate(args)
     return args
@@ -182,11 +182,11 @@ def _candidates_on_cpu(tried: list[tuple[str, str]]) -> Iterator[None]:
         tried.append((self.name, ""))
         return cls
 
-    AttentionBackendEnum.get_class = get_class  # type: ignore[method-assign]
+    AttentionBackendEnum.get_class = get_class
     try:
         yield
     finally:
-        AttentionBackendEnum.get_class = real  # type: ignore[method-assign]
+        AttentionBackendEnum.get_class = real
 
 
 def _generic_backend(platform: Any, spec: Any, vllm_config: Any) -> Any:
@@ -323,9 +323,13 @@ def _backends(
                     with _quiet():
                         backend = _generic_backend(platform, spec, vllm_config)
                 except Exception as e:  # a ROCm backend module needs real Triton
-                    text = str(e) if isinstance(e, _Unchecked) else (
-                        f"{type(spec).__name__}: the ROCm backend is not known "
-                        f"here ({type(e).__name__}: {str(e)[:120]})"
+                    text = (
+                        str(e)
+                        if isinstance(e, _Unchecked)
+                        else (
+                            f"{type(spec).__name__}: the ROCm backend is not known "
+                            f"here ({type(e).__name__}: {str(e)[:120]})"
+                        )
                     )
                     note = f"{text}; its kernel block sizes are not checked"
                     if note not in facts.notes:
@@ -482,7 +486,7 @@ def preflight(config_path: Path) -> Preflight:
     folder = model_folder(config, config_path)
     legs = []
     for role in ("prefill", "decode"):
-        server = servers(config, role)[0]  # type: ignore[arg-type]
+        server = servers(config, role)[0]
         try:
             legs.append(leg_facts(role, serve_command(config, server), folder))
         except Exception as e:  # vLLM refusing the arguments or the config
