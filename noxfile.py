@@ -376,7 +376,9 @@ def simulate(session: nox.Session) -> None:
     `nox -s simulate -- --lengths 1-4096` tries every length, most of them
     extrapolated from small cases (`-- --whole` runs each one).
     Exit status 1 when the overlay reads wrong KV, crashes or runs no case in
-    a layout docs/known-gaps.toml does not list.
+    a layout docs/known-gaps.toml does not list. Opt-in (docs/simulate-pairs.md):
+    `-- --variant mixed` (a base prefiller with an overlaid decoder and the
+    reverse), `-- --faults` (each refusal path through the real scheduler).
     """
     # The JSON report: .nox-reports/simulate.json for the full run, a name of
     # its own for a run given --layouts, --lengths, ... (or --report's).
@@ -390,7 +392,8 @@ def simulate_bytes(session: nox.Session) -> None:
     Both legs' real MoRIIO workers move real KV cache tensors over a loopback
     stand-in for mori, base vs overlay, every layout, mode, TP pair and KV
     cache layout; prints the table. Arguments after `--` go to
-    `vllm-overlay simulate --bytes` (e.g. `-- --layouts llama --modes read`).
+    `vllm-overlay simulate --bytes` (e.g. `-- --layouts llama --modes read`;
+    opt-in `-- --variant mixed`: mixed pairs of builds, docs/simulate-pairs.md).
     """
     # The JSON report: .nox-reports/simulate-bytes.json for the full run, a name
     # of its own for a targeted run (or --report's). The run ends with nox,

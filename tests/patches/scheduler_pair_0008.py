@@ -64,10 +64,17 @@ def build_scheduler(
         )
 
 
+_SEED_STRIDE = 50_021
+
+
 def prompt(seed: int, num_tokens: int) -> list[int]:
     """Tokens no other seed shares (its first one already differs), so only a
-    deliberate prefix is a hit."""
-    return [seed * 100_003 + i for i in range(num_tokens)]
+    deliberate prefix is a hit. Token ids stay below 2**31: vLLM keeps a
+    request's tokens as int32."""
+    assert num_tokens < _SEED_STRIDE
+    tokens = [seed * _SEED_STRIDE + i for i in range(num_tokens)]
+    assert tokens[-1] < 2**31
+    return tokens
 
 
 @dataclass

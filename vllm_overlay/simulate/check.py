@@ -107,6 +107,13 @@ class CaseResult(msgspec.Struct, frozen=True):
     (``SchedulerOutput.has_sync_kv_loads`` false: no external tokens): they
     land after the forward that needed them, into blocks the request may
     already have freed."""
+    escaped: bool = False
+    """The case's exception escaped a leg's ``Scheduler.schedule()`` or
+    ``update_from_output()`` (``drive.Escaped``): a server's engine dies."""
+    fallback: bool = False
+    """The decoder's connector counted no external token although the
+    decoder lacked prompt tokens: it served the request by local prefill
+    (judged after its forward)."""
 
 
 def past_hit(need: Need, computed_tokens: int | None) -> bool:

@@ -20,6 +20,7 @@ from vllm_overlay.command import (
 )
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.reports import REPORT_DIR
+from vllm_overlay.simulate.builds import BuildPair, parse_pairs
 from vllm_overlay.simulate.bytes import cli as bytes_cli
 from vllm_overlay.simulate.bytes.lifetime import (
     Interrupted,
@@ -27,7 +28,14 @@ from vllm_overlay.simulate.bytes.lifetime import (
     signals_raise,
 )
 from vllm_overlay.simulate.bytes.verdict import judge as judge_bytes
-from vllm_overlay.simulate.layouts import all_layouts, expand
+from vllm_overlay.simulate.faults import (
+    DEFAULT_FAULT_HITS,
+    DEFAULT_FAULT_LENGTHS,
+    FAULTS,
+    format_faults,
+    parse_faults,
+)
+from vllm_overlay.simulate.layouts import BASE_LAYOUTS, all_layouts, expand
 from vllm_overlay.simulate.matrix import (
     MATRIX_JSON,
     format_matrix,
@@ -35,7 +43,12 @@ from vllm_overlay.simulate.matrix import (
     replace_section,
 )
 from vllm_overlay.simulate.procs import SweepOptions
-from vllm_overlay.simulate.report import SweepReport, format_table, summary_line
+from vllm_overlay.simulate.report import (
+    SweepReport,
+    format_pairs,
+    format_table,
+    summary_line,
+)
 from vllm_overlay.simulate.run import (
     DEFAULT_HITS,
     DEFAULT_LENGTHS,
@@ -85,6 +98,7 @@ def selection(args: argparse.Namespace) -> list[tuple[str, str]]:
         ("lengths", args.lengths or ""),
         ("hits", args.hits or ""),
         ("variant", "" if args.variant == "both" else args.variant),
+        ("faults", args.faults or ""),
         ("overlay-from", "" if args.overlay_from == "series" else args.overlay_from),
         ("whole", "yes" if args.whole else ""),
         ("families", "yes" if args.update_readme else ""),
@@ -154,9 +168,27 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--variant",
-        choices=("base", "overlay", "both"),
         default="both",
-        help="which variants to run (default: %(default)s)",
+        metavar="PAIRS",
+        help="which connector build each leg runs, a comma list of pairs: base, "
+        "overlay (one build on both legs), base->overlay (a base prefiller, an "
+        "overlaid decoder), overlay->base (a rolling upgrade's two halves); "
+        "both = base,overlay; mixed = base->overlay,overlay->base; all = the "
+        "four (default: %(default)s; every pair with an overlaid leg is "
+        "judged; with --bytes the mixed pairs run the mechanism layouts only)",
+    )
+    p.add_argument(
+        "--faults",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="LIST",
+        help="instead of the sweep, drive each per-request refusal path of the "
+        "decoder's connector through vLLM's real Scheduler.schedule() with "
+        "another request in flight: " + ", ".join(FAULTS) + " (all: every "
+        f"refusal path, the default; hook-raises is a self-test); lengths "
+        f"default {DEFAULT_FAULT_LENGTHS}, hits {DEFAULT_FAULT_HITS}; fails on "
+        "an exception escaping the scheduler unless known-gaps lists it",
     )
     p.add_argument(
         "--report",
@@ -229,7 +261,16 @@ def _run(app: App, args: argparse.Namespace) -> int:
         return app.fail(f"--processes {args.processes}: must be at least 1")
     if not args.bytes and (given := bytes_cli.given_without_bytes(args)):
         return app.fail(f"{', '.join(given)}: only with --bytes")
-    variants = ["base", "overlay"] if args.variant == "both" else [args.variant]
+    try:
+        variants = [pair.name for pair in parse_pairs(args.variant)]
+    except ValueError as e:
+        return app.fail(f"--variant {args.variant!r}: {e}")
+    try:
+        faults = parse_faults(args.faults) if args.faults is not None else None
+    except ValueError as e:
+        return app.fail(f"--faults {args.faults!r}: {e}")
+    if faults and (args.bytes or args.update_readme or args.whole):
+        return app.fail("--faults: not with --bytes, --update-readme or --whole")
     layouts = [x for x in args.layouts.split(",") if x.strip()]
     _check_args(layouts, args.lengths, args.hits)
     gaps = _gaps(app)
@@ -263,20 +304,30 @@ def _run(app: App, args: argparse.Namespace) -> int:
         text = bytes_cli.show(report)
         summary = bytes_cli.summary_line(report)
     else:
-        hits = args.hits or DEFAULT_HITS
+        hits = args.hits or (DEFAULT_FAULT_HITS if faults else DEFAULT_HITS)
+        lengths = args.lengths or (DEFAULT_FAULT_LENGTHS if faults else None)
         report = run_sweep(
-            layouts,
-            args.lengths,
+            layouts or (list(BASE_LAYOUTS) if faults else []),
+            lengths,
             hits,
             variants,
             options,
             args.processes,
             whole=args.whole,
+            faults=faults,
         )
         if args.markdown:
             text = format_matrix(report, markdown=True)
+        elif faults:
+            text = format_faults(report.faults)
         else:
             text = format_table(report)
+            if any(BuildPair.parse(v).mixed for v in variants) or any(
+                r.escape_cases or r.fallback_cases for r in report.layouts
+            ):
+                text += "\n\nby pair of builds (prefill->decode):\n" + format_pairs(
+                    report
+                )
         summary = summary_line(report)
     app.end_progress()
     for variant, where in report.variants.items():

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_overlay.simulate.builds import CONSUMER, PRODUCER, module_of, use_role
 from vllm_overlay.simulate.check import (
     CHUNK,
     FULL,
@@ -29,6 +30,7 @@ from vllm_overlay.simulate.check import (
     ReadCheck,
     precopy_states,
 )
+from vllm_overlay.simulate.faults import Fault, FaultCase, FaultContext, apply_payload
 from vllm_overlay.simulate.hashes import PromptHashes
 from vllm_overlay.simulate.layouts import Layout
 from vllm_overlay.simulate.legs import Leg, build_leg
@@ -151,12 +153,11 @@ def worker_routes(leg: Leg) -> list[int | None]:
     ``_mamba_payload_index_by_layer`` (None: the layer finds no state slot);
     otherwise each layer reads its transfer group's list.
     """
-    import sys
-
     from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
 
     config = leg.worker_config or leg.kv_cache_config
-    module = sys.modules[type(leg.scheduler.connector).__module__]
+    # The leg's own build (a mixed pair loads two: ``builds.py``).
+    module = module_of(leg.scheduler.connector)
     groups = config.transfer_groups
     has_mamba = any(
         isinstance(s, MambaSpec)
@@ -165,7 +166,7 @@ def worker_routes(leg: Leg) -> list[int | None]:
     )
     if not has_mamba:
         return list(range(len(groups)))
-    attn, mamba = module._split_kv_cache_group_kinds(config)
+    attn, mamba = module["_split_kv_cache_group_kinds"](config)
     order = [*attn, *mamba]
     routes: list[int | None] = []
     for t, group in enumerate(groups):
@@ -181,6 +182,17 @@ def worker_routes(leg: Leg) -> list[int | None]:
 
 class _Refused(Exception):
     """The workers refuse the READ (``_read`` raised); ``__cause__`` says why."""
+
+
+class Escaped(Exception):
+    """An exception out of a leg's ``Scheduler.schedule()`` or
+    ``update_from_output()``: in a server it reaches ``EngineCoreProc`` and the
+    engine dies with every request in flight. ``__cause__`` is the exception;
+    ``site`` says which leg and call (``D schedule()``)."""
+
+    def __init__(self, site: str) -> None:
+        super().__init__(site)
+        self.site = site
 
 
 class Pair:
@@ -208,10 +220,11 @@ class Pair:
         self._build()
 
     def _build(self) -> None:
-        self.p = build_leg(self.layout, "kv_producer", self.port, self.max_model_len)
-        self.d = build_leg(
-            self.layout, "kv_consumer", self.port + 100, self.max_model_len
-        )
+        # Each leg on its own build's connector (a mixed pair: ``builds.py``).
+        use_role(PRODUCER)
+        self.p = build_leg(self.layout, PRODUCER, self.port, self.max_model_len)
+        use_role(CONSUMER)
+        self.d = build_leg(self.layout, CONSUMER, self.port + 100, self.max_model_len)
         hashes = PromptHashes()
         for leg in (self.p, self.d):
             leg.block_hasher = hashes.wrap(leg.block_hasher, leg)
@@ -233,6 +246,25 @@ class Pair:
             return update(request, blocks, num_external_tokens)
 
         connector.update_state_after_alloc = spy
+        # Fault mode (``faults.py``): the decoder's count for a request cut
+        # by some tokens, or raising.
+        self._caps: dict[str, int] = {}
+        self._raises: set[str] = set()
+        count = connector.get_num_new_matched_tokens
+
+        def count_spy(request: Any, num_computed_tokens: int) -> Any:
+            rid = request.request_id
+            if rid in self._raises:
+                raise RuntimeError(
+                    f"injected: get_num_new_matched_tokens({rid}) raises"
+                )
+            got, load_async = count(request, num_computed_tokens)
+            cap = self._caps.pop(rid, 0)
+            if cap and got is not None and got > 1:
+                got = max(got - cap, 1)
+            return got, load_async
+
+        connector.get_num_new_matched_tokens = count_spy
 
     @staticmethod
     def _null_id(leg: Leg) -> int:
@@ -325,11 +357,16 @@ class Pair:
         meta: dict[str, tuple[int, int]],
         finished_sending: set[str] | None = None,
         before_compute: Callable[[Any], None] | None = None,
+        after_compute: Callable[[Any], None] | None = None,
     ) -> list[Any]:
         from vllm.v1.outputs import KVConnectorOutput
 
         sched = leg.scheduler
-        so = sched.schedule()
+        site = "P" if leg is self.p else "D"
+        try:
+            so = sched.schedule()
+        except Exception as exc:
+            raise Escaped(f"{site} schedule()") from exc
         # Worker order: zero fresh blocks, apply copy-on-write copies, then
         # (in ``start_load_kv``) READ, then the forward.
         store.zero(list(so.new_block_ids_to_zero or []))
@@ -338,6 +375,8 @@ class Pair:
         if before_compute is not None:
             before_compute(so)
         self._compute(leg, store, so, meta)
+        if after_compute is not None:
+            after_compute(so)
         ids = list(so.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -353,7 +392,10 @@ class Pair:
                 else None
             ),
         )
-        outputs = sched.update_from_output(so, out)
+        try:
+            outputs = sched.update_from_output(so, out)
+        except Exception as exc:
+            raise Escaped(f"{site} update_from_output()") from exc
         return [o for eco in outputs.values() for o in eco.outputs]
 
     def _run_local(
@@ -387,8 +429,7 @@ class Pair:
             return self._run_case(n, hit_fraction, rewrite, held)
         except Exception as exc:  # fail-closed refusals and crashes alike
             self._build()
-            cause = exc.__cause__ if isinstance(exc, _Refused) else None
-            return _error_result(n, hit_fraction, cause or exc)
+            return _error_result(n, hit_fraction, exc)
 
     def _run_case(
         self, n: int, hit_fraction: float, rewrite: RewriteFn | None, held: int | None
@@ -402,19 +443,7 @@ class Pair:
             self._run_local(self.d, self.d_store, f"w{uid}", warm, uid, shared)
 
         rid = f"r{uid}"
-        self.p.scheduler.add_request(
-            self._request(self.p, rid, tokens, {"do_remote_decode": True})
-        )
-        params = None
-        for _ in range(64):
-            for o in self._step(self.p, self.p_store, {rid: (uid, n)}):
-                if o.request_id == rid and o.kv_transfer_params:
-                    params = o.kv_transfer_params
-            if params is not None:
-                break
-        if params is None:
-            raise RuntimeError("prefill returned no kv_transfer_params")
-
+        params = self._prefill(rid, tokens, uid, n)
         d_params = _copied(params)
         d_params["do_remote_prefill"] = True
         self.d.scheduler.add_request(self._request(self.d, rid, tokens, d_params))
@@ -431,11 +460,25 @@ class Pair:
                     raise
                 refused.append(exc.__cause__)
 
-        self._step(self.d, self.d_store, {rid: (uid, n)}, before_compute=read_and_check)
+        def judge_fallback(so: Any) -> None:
+            # Served by local prefill: judged once its forward computed
+            # the prompt.
+            got = box.get("result")
+            if got is not None and got.fallback and self._prompt_done(rid, n):
+                box["result"] = self._judge_held(rid, n, uid, got)
+
+        meta = {rid: (uid, n)}
+        self._step(
+            self.d,
+            self.d_store,
+            meta,
+            before_compute=read_and_check,
+            after_compute=judge_fallback,
+        )
         for _ in range(8):
             if rid not in self.d.scheduler.requests:
                 break
-            self._step(self.d, self.d_store, {rid: (uid, n)})
+            self._step(self.d, self.d_store, meta, after_compute=judge_fallback)
         self._step(self.p, self.p_store, {}, finished_sending={rid})
         if rid in self.p.scheduler.requests:
             raise RuntimeError("prefill did not free the request")
@@ -448,10 +491,126 @@ class Pair:
         ):
             raise RuntimeError("reset_prefix_cache refused")
         if refused:
-            return _error_result(n, hit_fraction, refused[0])
+            return _error_result(n, hit_fraction, _Refused(), refused[0])
         if "result" not in box:
             raise RuntimeError("decoder did not schedule the request")
         return box["result"]
+
+    def run_fault_case(self, n: int, hit_fraction: float, fault: Fault) -> FaultCase:
+        """Two requests on the decoder in one step, one of them meeting
+        ``fault`` (``faults.py``). A case that fails rebuilds both legs."""
+        try:
+            return self._run_fault_case(n, hit_fraction, fault)
+        except Exception as exc:
+            self._build()
+            return FaultCase(
+                n,
+                hit_fraction,
+                escaped=isinstance(exc, Escaped),
+                error=error_text(exc)[:300],
+            )
+
+    def _run_fault_case(self, n: int, hit_fraction: float, fault: Fault) -> FaultCase:
+        self._seq += 2
+        uids = {"ok": self._seq - 1, "bad": self._seq}
+        rids = {"ok": f"r{uids['ok']}", "bad": f"f{uids['bad']}"}
+        tokens = {k: prompt_tokens(uid, n) for k, uid in uids.items()}
+        shared = round(n * hit_fraction)
+        if shared > 0:
+            for k, uid in uids.items():
+                warm = prompt_tokens(uid, shared + 1, shared=shared)
+                self._run_local(self.d, self.d_store, f"w{k}{uid}", warm, uid, shared)
+        d_params = {}
+        for k in ("ok", "bad"):
+            d_params[k] = _copied(self._prefill(rids[k], tokens[k], uids[k], n))
+            d_params[k]["do_remote_prefill"] = True
+        ctx = FaultContext(
+            [self.groups[g].kind for g in self.payload_groups],
+            self.p_store.null_block_id,
+        )
+        if not apply_payload(fault, d_params["bad"], ctx):
+            self._step(self.p, self.p_store, {}, finished_sending=set(rids.values()))
+            return FaultCase(n, hit_fraction, injected=False)
+        rid_ok, rid_bad = rids["ok"], rids["bad"]
+        if fault.cap_pages:
+            block = self.groups[self.payload_groups[0]].block_tokens
+            self._caps[rid_bad] = fault.cap_pages * block
+        if fault.raises:
+            self._raises.add(rid_bad)
+        for k in ("ok", "bad"):
+            self.d.scheduler.add_request(
+                self._request(self.d, rids[k], tokens[k], d_params[k])
+            )
+        meta = {rids[k]: (uids[k], n) for k in rids}
+        box: dict[str, CaseResult] = {}
+        bad_reads = [0]
+
+        def before(so: Any) -> None:
+            # The workers READ every request's pages before the forward:
+            # the faulty one's first, so a stray copy shows in the other's.
+            km = so.kv_connector_metadata
+            bad = km.reqs_to_recv.get(rid_bad) if km is not None else None
+            if bad is not None and any(bad.local_block_ids):
+                reads, _ = self._read(
+                    [list(x) for x in bad.local_block_ids],
+                    [list(x) for x in bad.remote_block_ids],
+                )
+                bad_reads[0] += len(reads)
+            if rid_ok in so.num_scheduled_tokens and "ok" not in box:
+                box["ok"] = self._read_and_check(
+                    so, rid_ok, n, uids["ok"], hit_fraction, None
+                )
+
+        def after(so: Any) -> None:
+            got = box.get("ok")
+            if got is not None and got.fallback and self._prompt_done(rid_ok, n):
+                box["ok"] = self._judge_held(rid_ok, n, uids["ok"], got)
+            if "bad" not in box and self._prompt_done(rid_bad, n):
+                blank = _error_result(n, hit_fraction, RuntimeError())
+                box["bad"] = self._judge_held(rid_bad, n, uids["bad"], blank)
+
+        for _ in range(16):
+            if not (set(rids.values()) & set(self.d.scheduler.requests)):
+                break
+            self._step(
+                self.d, self.d_store, meta, before_compute=before, after_compute=after
+            )
+        self._external.pop(rid_bad, None)
+        self._step(self.p, self.p_store, {}, finished_sending=set(rids.values()))
+        ok, bad = box.get("ok"), box.get("bad")
+        return FaultCase(
+            n,
+            hit_fraction,
+            other_right=ok is not None and not ok.wrong,
+            refused_local=bad is not None and not bad.wrong and bad_reads[0] == 0,
+            refused_read=bad_reads[0],
+            refused_wrong=bad is not None and bad.wrong,
+        )
+
+    def _prefill(self, rid: str, tokens: list[int], uid: int, n: int) -> Any:
+        """Prefill ``tokens`` on P until it returns its ``kv_transfer_params``."""
+        self.p.scheduler.add_request(
+            self._request(self.p, rid, tokens, {"do_remote_decode": True})
+        )
+        for _ in range(64):
+            for o in self._step(self.p, self.p_store, {rid: (uid, n)}):
+                if o.request_id == rid and o.kv_transfer_params:
+                    return o.kv_transfer_params
+        raise RuntimeError("prefill returned no kv_transfer_params")
+
+    def _prompt_done(self, rid: str, n: int) -> bool:
+        req = self.d.scheduler.requests.get(rid)
+        return req is not None and req.num_computed_tokens >= n
+
+    def _judge_held(self, rid: str, n: int, uid: int, got: CaseResult) -> CaseResult:
+        """What the decoder holds for ``rid`` after computing its prompt,
+        judged by the pages' contents alone."""
+        tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
+        check = ReadCheck(self.groups, tables, self.d_store, n, uid, None)
+        held = check.judge(self.d_store, [], got.hit_fraction, got.local_hit_tokens)
+        return msgspec.structs.replace(
+            got, wrong=held.wrong, wrong_groups=held.wrong_groups
+        )
 
     def _read_and_check(
         self,
@@ -466,7 +625,8 @@ class Pair:
             raise RuntimeError("decoder did not schedule the request")
         req = self.d.scheduler.requests[rid]
         computed = req.num_computed_tokens - so.num_scheduled_tokens[rid]
-        local_hit = computed - self._external.pop(rid, 0)
+        external = self._external.pop(rid, 0)
+        local_hit = computed - external
         tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
         precopy_states(self.groups, tables, self.d_store, n)
         check = ReadCheck(self.groups, tables, self.d_store, n, uid, local_hit)
@@ -474,6 +634,29 @@ class Pair:
         null_reads: list[int] = []
         meta = so.kv_connector_metadata
         req_meta = meta.reqs_to_recv.get(rid) if meta is not None else None
+        if (
+            external == 0
+            and local_hit < n - 1
+            and (req_meta is None or not any(req_meta.local_block_ids))
+            and rewrite is None
+        ):
+            # No transfer: the decoder computes the prompt itself
+            # (``judge_fallback`` judges it after the forward).
+            return CaseResult(
+                n=n,
+                hit_fraction=hit_fraction,
+                local_hit_tokens=local_hit,
+                wrong=False,
+                wrong_groups=[],
+                pages_read=0,
+                min_pages=0,
+                bytes_read=0,
+                min_bytes=0,
+                extra_reads=0,
+                duplicate_reads=0,
+                unread=0,
+                fallback=True,
+            )
         # vLLM's model runner starts a step's load before the forward only
         # when the step has a synchronous load (a request with external
         # tokens); any other READ lands after the forward.
@@ -551,7 +734,19 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def _error_result(n: int, hit_fraction: float, exc: BaseException) -> CaseResult:
+def error_text(exc: BaseException, cause: BaseException | None = None) -> str:
+    """One line for a case's error: an escape says where it escaped."""
+    cause = cause or exc.__cause__
+    if isinstance(exc, Escaped) and cause is not None:
+        return f"escaped {exc.site}: {type(cause).__name__}: {cause}"
+    if isinstance(exc, _Refused) and cause is not None:
+        exc = cause
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _error_result(
+    n: int, hit_fraction: float, exc: BaseException, cause: BaseException | None = None
+) -> CaseResult:
     return CaseResult(
         n=n,
         hit_fraction=hit_fraction,
@@ -565,7 +760,8 @@ def _error_result(n: int, hit_fraction: float, exc: BaseException) -> CaseResult
         extra_reads=0,
         duplicate_reads=0,
         unread=0,
-        error=f"{type(exc).__name__}: {exc}"[:300],
+        error=error_text(exc, cause)[:300],
+        escaped=isinstance(exc, Escaped),
     )
 
 

@@ -26,6 +26,7 @@ import msgspec
 
 from vllm_overlay import cpuplatform
 from vllm_overlay.checkout import Checkout
+from vllm_overlay.simulate.builds import BuildPair, builds_of, load_pair
 from vllm_overlay.simulate.eta import (
     duration,
     eta_text,
@@ -83,17 +84,35 @@ class SweepOptions:
         return {variant: where for variant, (_, where) in sources.items()}
 
     def sources(self, variants: Sequence[str]) -> Sources:
+        """The files of every build the pairs ``variants`` run (``base``,
+        ``overlay``, ``base->overlay``...), by build."""
         from vllm_overlay.simulate.run import base_files, overlay_files
 
+        builds = builds_of([BuildPair.parse(v) for v in variants])
         sources: Sources = {}
         base = base_files(self.base_source, self.checkout)
-        if "base" in variants:
+        if "base" in builds:
             sources["base"] = base
-        if "overlay" in variants:
+        if "overlay" in builds:
             sources["overlay"] = overlay_files(
                 base[0], self.overlay_source, self.checkout
             )
         return sources
+
+    @staticmethod
+    def where_pairs(sources: Sources, variants: Sequence[str]) -> dict[str, str]:
+        """Pair name -> where its builds' files came from (for reports)."""
+        out = {}
+        for variant in variants:
+            pair = BuildPair.parse(variant)
+            if pair.mixed:
+                out[variant] = (
+                    f"prefill {pair.prefill}: {sources[pair.prefill][1]}; "
+                    f"decode {pair.decode}: {sources[pair.decode][1]}"
+                )
+            else:
+                out[variant] = sources[pair.prefill][1]
+        return out
 
 
 class Tally:
@@ -259,23 +278,50 @@ class Emitter:
         sys.stdout.flush()
 
 
-def variant_args(moriio_dir: Path, variant: str, plan: Any) -> list[str]:
+def build_args(dirs: Mapping[str, Path]) -> list[str]:
+    """``--build=NAME=DIR`` for each build's moriio directory."""
+    return [f"--build={name}={directory}" for name, directory in dirs.items()]
+
+
+def variant_args(dirs: Mapping[str, Path], variant: str, plan: Any) -> list[str]:
     """The arguments ``variant_parser`` reads."""
     return [
-        f"--moriio-dir={moriio_dir}",
+        *build_args(dirs),
         f"--variant={variant}",
         "--plan=" + msgspec.json.encode(plan).decode(),
     ]
 
 
+def _build_arg(text: str) -> tuple[str, Path]:
+    name, sep, directory = text.partition("=")
+    if not sep or not name or not directory:
+        raise argparse.ArgumentTypeError(f"{text!r}: want NAME=DIR")
+    return name, Path(directory)
+
+
 def variant_parser() -> argparse.ArgumentParser:
-    """The child's command line: its variant's moriio directory and name,
-    and its plan (JSON)."""
+    """The child's command line: each build's moriio directory
+    (``--build NAME=DIR``), its pair's name (``--variant``: ``base``,
+    ``base->overlay``; ``builds.BuildPair.parse``) and its plan (JSON)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--moriio-dir", type=Path, required=True)
+    ap.add_argument("--build", type=_build_arg, action="append", required=True)
     ap.add_argument("--variant", required=True)
     ap.add_argument("--plan", required=True, help="JSON list of plan items")
     return ap
+
+
+def load_variant(args: argparse.Namespace) -> BuildPair:
+    """In the child: load its pair's builds (``builds.load_pair``) from
+    ``variant_parser``'s arguments."""
+    pair = BuildPair.parse(args.variant)
+    load_pair(pair, dict(args.build))
+    return pair
+
+
+def pair_dirs(variant: str, dirs: Mapping[str, Path]) -> dict[str, Path]:
+    """The directories of the builds pair ``variant`` runs."""
+    pair = BuildPair.parse(variant)
+    return {b: dirs[b] for b in dict.fromkeys((pair.prefill, pair.decode))}
 
 
 def ratio(num: int, den: int) -> str:
@@ -298,18 +344,21 @@ def table(rows: Sequence[Sequence[str]]) -> str:
 
 def run_processes(
     sources: Mapping[str, tuple[dict[str, str] | None, str]],
-    start: Callable[[str, Path], list[Started]],
+    start: Callable[[str, dict[str, Path]], list[Started]],
     mark: str,
     decoder: msgspec.json.Decoder[Any],
     tally: Tally,
+    variants: Sequence[str] | None = None,
 ) -> None:
-    """Write each variant's moriio directory (files None: the installed
-    package), start its processes with ``start(variant, moriio_dir)`` and
-    read them all into ``tally``; the directories go afterwards."""
+    """Write each build's moriio directory (files None: the installed
+    package), start each pair's processes with ``start(variant, dirs)``
+    (``dirs``: its builds' directories; ``variants`` default: one pair per
+    build) and read them all into ``tally``; the directories go
+    afterwards."""
     with variant_dirs(sources) as dirs:
         started = []
-        for variant, moriio_dir in dirs.items():
-            started += start(variant, moriio_dir)
+        for variant in variants if variants is not None else list(dirs):
+            started += start(variant, pair_dirs(variant, dirs))
         collect(started, mark, decoder, tally)
 
 
@@ -334,12 +383,12 @@ def variant_dirs(
 def run_variant_process(
     variant: str,
     files: dict[str, str] | None,
-    start: Callable[[Path], subprocess.Popen[str]],
+    start: Callable[[dict[str, Path]], subprocess.Popen[str]],
     mark: str,
     decoder: msgspec.json.Decoder[Any],
 ) -> list[Any]:
-    """One process on its variant's moriio directory, started by
-    ``start(moriio_dir)``; its results."""
+    """One process of one build (``variant``) on its moriio directory,
+    started by ``start(dirs)``; its results."""
     tally = Tally(1, lambda r: "", None)
     run_processes(
         {variant: (files, "")},

@@ -6,8 +6,10 @@ from typing import Protocol
 
 import msgspec
 
+from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.check import CaseResult
-from vllm_overlay.simulate.procs import ratio
+from vllm_overlay.simulate.faults import FaultReport
+from vllm_overlay.simulate.procs import ratio, table
 from vllm_overlay.text import count
 
 
@@ -37,6 +39,10 @@ class PlanItem(msgspec.Struct):
     hits: str
     whole: bool = False
     """Run every case itself instead of from its small ones (``shrink.py``)."""
+    fault: str | None = None
+    """Run this fault mode's cases (``faults.py``) instead of the sweep's."""
+    pair: BuildPair | None = None
+    """The connector build of each leg; None: the process's one build."""
 
 
 class Progress(msgspec.Struct, tag="progress"):
@@ -73,6 +79,12 @@ class LayoutReport(msgspec.Struct, tag="layout"):
     duplicate_reads: int = 0
     unread: int = 0
     null_reads: int = 0
+    escape_cases: int = 0
+    """Cases whose exception left a leg's ``Scheduler.schedule()`` or
+    ``update_from_output()`` (a server's engine dies; also in
+    ``error_cases``)."""
+    fallback_cases: int = 0
+    """Cases the decoder served by local prefill instead of a transfer."""
     seconds: float = 0.0
     cases_run: int = 0
     """Cases run through the schedulers (fewer than ``cases`` when most
@@ -85,8 +97,10 @@ class LayoutReport(msgspec.Struct, tag="layout"):
     whole or no case could follow from small ones)."""
 
     def add(self, result: CaseResult) -> None:
+        self.escape_cases += result.escaped
         if count_case(self, result.error):
             return
+        self.fallback_cases += result.fallback
         key = f"{result.hit_fraction * 100:g}"
         if result.wrong:
             self.wrong_cases += 1
@@ -113,9 +127,11 @@ class SweepReport(msgspec.Struct):
     """Variant name -> where its moriio files came from."""
     layouts: list[LayoutReport]
     wall_seconds: float
+    faults: list[FaultReport] = []
+    """``--faults``: one row per (pair, layout, fault)."""
 
 
-WorkerLine = Progress | LayoutReport
+WorkerLine = Progress | LayoutReport | FaultReport
 
 
 def _first(ns: list[int], k: int = 6) -> str:
@@ -179,6 +195,14 @@ def format_table(report: SweepReport) -> str:
 def summary_line(report: SweepReport) -> str:
     parts = []
     for variant in report.variants:
+        if report.faults:
+            fs = [r for r in report.faults if r.variant == variant]
+            parts.append(
+                f"{variant}: {sum(r.escapes for r in fs)} escapes in "
+                f"{count(sum(r.cases for r in fs), 'fault case')}, "
+                f"{sum(r.refused_local for r in fs)} served by local prefill"
+            )
+            continue
         rs = [r for r in report.layouts if r.variant == variant]
         refused = sum(r.refused_at_start is not None for r in rs)
         wrong = sum(bool(r.wrong_lengths) for r in rs)
@@ -186,10 +210,37 @@ def summary_line(report: SweepReport) -> str:
             r.refused_at_start is None and r.pages_read > r.min_pages for r in rs
         )
         errors = sum(r.error_cases > 0 for r in rs)
+        escapes = sum(r.escape_cases > 0 for r in rs)
         parts.append(
             f"{variant}: {count(wrong, 'layout')} with wrong KV, {over} reading "
-            f"more than the minimum, {errors} with errors, {refused} refused at start"
+            f"more than the minimum, {errors} with errors ({escapes} with "
+            f"escapes), {refused} refused at start"
         )
-    cases = sum(r.cases for r in report.layouts)
+    cases = sum(r.cases for r in report.layouts) + sum(r.cases for r in report.faults)
     wall = f"; wall {report.wall_seconds:.1f} s"
     return f"{count(cases, 'case')}; " + "; ".join(parts) + wall
+
+
+def format_pairs(report: SweepReport) -> str:
+    """Layout x pair: the cases, those with wrong KV, crashes (errors that
+    did not escape the scheduler), escapes out of the scheduler, and
+    fallbacks to local prefill."""
+    rows: list[tuple[str, ...]] = [
+        ("layout", "pair", "cases", "wrong KV", "crashes", "escapes", "fallbacks")
+    ]
+    for r in report.layouts:
+        if r.refused_at_start is not None:
+            rows.append((r.layout, r.variant, "refused at start", "", "", "", ""))
+            continue
+        rows.append(
+            (
+                r.layout,
+                r.variant,
+                str(r.cases),
+                str(r.wrong_cases),
+                str(r.error_cases - r.escape_cases),
+                str(r.escape_cases),
+                str(r.fallback_cases),
+            )
+        )
+    return table(rows)

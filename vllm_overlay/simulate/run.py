@@ -17,7 +17,9 @@ import msgspec
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.simulate import procs
+from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.eta import SCHEDULER_CPU_PER_CASE
+from vllm_overlay.simulate.faults import FaultReport
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.report import (
     LayoutReport,
@@ -174,17 +176,21 @@ def overlay_files(
 def _split(layouts: list[str], parts: int) -> list[list[str]]:
     buckets: list[list[str]] = [[] for _ in range(parts)]
     loads = [0.0] * parts
-    for name in sorted(layouts, key=lambda n: -_COST.get(n.split("/")[0], 1.0)):
+
+    def cost(name: str) -> float:
+        return _COST.get(name.split()[0].split("/")[0], 1.0)
+
+    for name in sorted(layouts, key=lambda n: -cost(n)):
         i = loads.index(min(loads))
         buckets[i].append(name)
-        loads[i] += _COST.get(name.split("/")[0], 1.0)
+        loads[i] += cost(name)
     return [b for b in buckets if b]
 
 
 def _start_worker(
-    moriio_dir: Path, variant: str, plan: list[PlanItem], port: int
+    dirs: dict[str, Path], variant: str, plan: list[PlanItem], port: int
 ) -> subprocess.Popen[str]:
-    args = [*procs.variant_args(moriio_dir, variant, plan), f"--port={port}"]
+    args = [*procs.variant_args(dirs, variant, plan), f"--port={port}"]
     return procs.start("vllm_overlay.simulate.worker", args)
 
 
@@ -198,7 +204,7 @@ def run_variant(
     return procs.run_variant_process(
         variant,
         files,
-        lambda moriio_dir: _start_worker(moriio_dir, variant, plan, port),
+        lambda dirs: _start_worker(dirs, variant, plan, port),
         MARK,
         _DECODER,
     )
@@ -212,8 +218,13 @@ def run_sweep(
     options: procs.SweepOptions | None = None,
     processes_per_variant: int | None = None,
     whole: bool = False,
+    faults: list[str] | None = None,
 ) -> SweepReport:
-    """``whole``: every case through the schedulers (``shrink.py``)."""
+    """``variants``: pair names (``base``, ``overlay``, ``base->overlay``,
+    ``overlay->base``; ``builds.py``); each pair runs in processes of its
+    own. ``whole``: every case through the schedulers (``shrink.py``).
+    ``faults``: run these fault modes (``faults.py``) instead of the sweep,
+    each on every layout."""
     start = time.monotonic()
     options = options or procs.SweepOptions()
     names = [layout.name for layout in expand(layouts or None)]
@@ -223,47 +234,68 @@ def run_sweep(
     for text in set(per_layout.values()):
         parse_lengths(text)
     parse_hits(hits)
+    pairs = [BuildPair.parse(v) for v in variants]
     sources = options.sources(variants)
-    tally = procs.Tally(
-        len(names) * len(sources), lambda r: str(r.layout), options.progress
-    )
+    modes: list[str | None] = list(faults) if faults else [None]
+    items_per_pair = [
+        PlanItem(name, per_layout[name], hits, whole, fault=fault)
+        for name in names
+        for fault in modes
+    ]
+    tally = procs.Tally(len(items_per_pair) * len(pairs), _key, options.progress)
     if processes_per_variant is None:
-        # Each process pays ~20 s of imports: one per variant when both run.
-        processes_per_variant = max(1, (os.cpu_count() or 2) // len(sources))
-    chunks = _split(names, processes_per_variant)
-    ports = {v: 20000 + 4000 * i for i, v in enumerate(sources)}
-    per_variant = sum(len(parse_lengths(per_layout[n])) for n in names)
-    cases = per_variant * len(parse_hits(hits)) * len(sources)
+        # Each process pays ~20 s of imports: one per pair when several run.
+        processes_per_variant = max(1, (os.cpu_count() or 2) // len(pairs))
+    chunks = _split_items(items_per_pair, processes_per_variant)
+    ports = {p.name: 20000 + 4000 * i for i, p in enumerate(pairs)}
+    per_variant = sum(len(parse_lengths(item.lengths)) for item in items_per_pair)
+    cases = per_variant * len(parse_hits(hits)) * len(pairs)
+    what = "simulate --faults" if faults else "simulate"
     options.expect(
-        "simulate",
+        what,
         f"{count(cases, 'case')}: {count(len(names), 'layout')} x "
-        f"{count(len(sources), 'variant')}",
+        f"{count(len(pairs), 'variant')}"
+        + (f" x {count(len(faults), 'fault')}" if faults else ""),
         cases,
-        SCHEDULER_CPU_PER_CASE,
-        len(chunks) * len(sources),
+        SCHEDULER_CPU_PER_CASE * (2 if faults else 1),
+        len(chunks) * len(pairs),
     )
 
-    def launch(variant: str, moriio_dir: Path) -> list[procs.Started]:
+    def launch(variant: str, dirs: dict[str, Path]) -> list[procs.Started]:
+        pair = BuildPair.parse(variant)
         return [
             (
                 _start_worker(
-                    moriio_dir,
+                    dirs,
                     variant,
-                    [PlanItem(name, per_layout[name], hits, whole) for name in chunk],
+                    [msgspec.structs.replace(item, pair=pair) for item in chunk],
                     ports[variant] + 2000 * i,
                 ),
-                f"simulator worker {variant} {chunk}",
+                f"simulator worker {variant} {[_key(item) for item in chunk]}",
             )
             for i, chunk in enumerate(chunks)
         ]
 
-    procs.run_processes(sources, launch, MARK, _DECODER, tally)
-    order = {name: i for i, name in enumerate(names)}
-    results = tally.ordered(lambda r: order.get(r.layout, 0), list(sources))
+    procs.run_processes(sources, launch, MARK, _DECODER, tally, [p.name for p in pairs])
+    order = {_key(item): i for i, item in enumerate(items_per_pair)}
+    results = tally.ordered(lambda r: order.get(_key(r), 0), [p.name for p in pairs])
     return SweepReport(
         lengths=", ".join(sorted(set(per_layout.values()))),
         hits=[h * 100 for h in parse_hits(hits)],
-        variants=options.where(sources),
-        layouts=results,
+        variants=options.where_pairs(sources, [p.name for p in pairs]),
+        layouts=[r for r in results if isinstance(r, LayoutReport)],
         wall_seconds=time.monotonic() - start,
+        faults=[r for r in results if isinstance(r, FaultReport)],
     )
+
+
+def _key(line: PlanItem | LayoutReport | FaultReport) -> str:
+    """What a plan item or a result is about: its layout (and fault)."""
+    fault = getattr(line, "fault", None)
+    return f"{line.layout} {fault}" if fault else str(line.layout)
+
+
+def _split_items(items: list[PlanItem], parts: int) -> list[list[PlanItem]]:
+    """``items`` over ``parts`` processes, balanced by each layout's cost."""
+    by_name = {_key(item): item for item in items}
+    return [[by_name[k] for k in chunk] for chunk in _split(list(by_name), parts)]

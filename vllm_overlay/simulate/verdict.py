@@ -18,13 +18,15 @@ from typing import Literal
 import msgspec
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.simulate.faults import FaultReport
 from vllm_overlay.simulate.report import LayoutReport, SweepReport
 from vllm_overlay.text import count
 from vllm_overlay.tomlfile import read_toml
 
 GAPS_FILE = Path("docs") / "known-gaps.toml"
 SIMULATE_REPORT = "simulate.json"
-Problem = Literal["wrong KV", "errors", "no cases"]
+JUDGED_PAIRS = ("overlay", "base->overlay", "overlay->base")
+Problem = Literal["wrong KV", "errors", "escapes", "no cases"]
 
 
 class GapsError(OverlayError):
@@ -38,10 +40,13 @@ class KnownGap(msgspec.Struct, forbid_unknown_fields=True):
     tracked_by: str
     """The issue or patch that tracks it (``issue 20``, a pull request URL)."""
     why: str
-    scope: Literal["scheduler", "bytes"] = "scheduler"
-    """Which simulator the gap is for: ``simulate`` or ``simulate --bytes``
+    scope: Literal["scheduler", "bytes", "faults"] = "scheduler"
+    """Which simulator the gap is for: ``simulate``, ``simulate --bytes``
     (``simulate/bytes/verdict.py`` says how a bytes gap names a
-    configuration)."""
+    configuration) or ``simulate --faults`` (a layout, or ``layout fault``)."""
+    pair: str = "overlay"
+    """The pair of builds it is about: ``overlay``, ``base->overlay`` or
+    ``overlay->base`` (``builds.py``); the base alone is never judged."""
 
 
 class KnownGaps(msgspec.Struct, forbid_unknown_fields=True):
@@ -51,7 +56,9 @@ class KnownGaps(msgspec.Struct, forbid_unknown_fields=True):
 def gap_layout(gap: KnownGap) -> str:
     """The layout a gap is about: a bytes gap may name a configuration
     (``glm read 1->2 LBNHC``), whose first word is its layout."""
-    return gap.layout.split()[0] if gap.scope == "bytes" and gap.layout else gap.layout
+    if gap.scope in ("bytes", "faults") and gap.layout:
+        return gap.layout.split()[0]
+    return gap.layout
 
 
 def load_gaps(path: Path) -> list[KnownGap]:
@@ -62,6 +69,10 @@ def load_gaps(path: Path) -> list[KnownGap]:
     for g in gaps:
         if not g.tracked_by.strip() or not g.why.strip():
             raise GapsError(f"{path}: {g.layout}: tracked_by and why are required")
+        if g.pair not in JUDGED_PAIRS:
+            raise GapsError(
+                f"{path}: {g.layout}: pair {g.pair!r}: one of {', '.join(JUDGED_PAIRS)}"
+            )
     return gaps
 
 
@@ -80,9 +91,30 @@ def problems(r: LayoutReport) -> list[tuple[Problem, str]]:
                 "lengths",
             )
         )
-    if r.error_cases:
-        out.append(("errors", f"crashes in {r.error_cases} of {r.cases} cases"))
+    crashes = r.error_cases - r.escape_cases
+    if crashes:
+        out.append(("errors", f"crashes in {crashes} of {r.cases} cases"))
+    if r.escape_cases:
+        out.append(
+            (
+                "escapes",
+                f"an exception escapes the scheduler in {r.escape_cases} of "
+                f"{r.cases} cases",
+            )
+        )
     return out
+
+
+def judged(variant: str) -> bool:
+    """Whether a pair is judged: every pair with an overlaid leg (the base
+    alone is what the series fixes)."""
+    return variant != "base"
+
+
+def shown(layout: str, variant: str) -> str:
+    """A row's name in the verdict: its layout, and its pair unless the
+    overlay."""
+    return layout if variant == "overlay" else f"{layout} ({variant})"
 
 
 @dataclass
@@ -117,13 +149,16 @@ class Verdict:
 
 
 def judge(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
-    """The verdict on the overlay rows of ``report``; with no overlay run, a
-    sweep that ran no case at all still fails."""
+    """The verdict on every pair of ``report`` with an overlaid leg; with
+    none run, a sweep that ran no case at all still fails. ``--faults``
+    rows are judged by ``judge_faults``."""
+    if report.faults:
+        return judge_faults(report, gaps)
     gaps = [g for g in gaps if g.scope == "scheduler"]
-    by_key = {(g.layout, g.problem): g for g in gaps}
+    by_key = {(g.layout, g.problem, g.pair): g for g in gaps}
     verdict = Verdict()
-    rows = [r for r in report.layouts if r.variant == "overlay"]
-    if "overlay" not in report.variants:
+    rows = [r for r in report.layouts if judged(r.variant)]
+    if not any(judged(v) for v in report.variants):
         if not any(r.cases for r in report.layouts):
             verdict.failures.append("the sweep ran no case")
         return verdict
@@ -133,21 +168,72 @@ def judge(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
         verdict.judged += 1
         verdict.refused += r.refused_at_start is not None
         found = problems(r)
+        name = shown(r.layout, r.variant)
         for problem, detail in found:
-            gap = by_key.get((r.layout, problem))
+            gap = by_key.get((r.layout, problem, r.variant))
             if gap is None:
-                verdict.failures.append(f"{r.layout} {detail}")
+                verdict.failures.append(f"{name} {detail}")
             else:
-                verdict.known.append(f"{r.layout} {problem} ({gap.tracked_by})")
-        shown = {p for p, _ in found}
+                verdict.known.append(f"{name} {problem} ({gap.tracked_by})")
+        seen = {p for p, _ in found}
         verdict.passing_gaps += [
-            f"{g.layout} ({g.problem})"
+            f"{shown(g.layout, g.pair)} ({g.problem})"
             for g in gaps
-            if g.layout == r.layout and g.problem not in shown
+            if g.layout == r.layout and g.pair == r.variant and g.problem not in seen
         ]
     if rows and not any(r.cases for r in rows):
         refused = ", ".join(f"{r.layout} by {r.refused_by or '?'}" for r in rows)
         verdict.failures.append(
             f"no case ran: every layout was refused at start ({refused})"
         )
+    return verdict
+
+
+def fault_problems(r: FaultReport) -> list[tuple[Problem, str]]:
+    """What is wrong with one fault row: an exception out of the scheduler,
+    another crash, or a request left with wrong KV (the intact one, or the
+    refused one not served right)."""
+    if r.refused_at_start is not None or not r.cases:
+        return []
+    out: list[tuple[Problem, str]] = []
+    if r.escapes:
+        out.append(
+            (
+                "escapes",
+                f"an exception escapes the scheduler in {r.escapes} of {r.cases} cases",
+            )
+        )
+    if r.crashes:
+        out.append(("errors", f"crashes in {r.crashes} of {r.cases} cases"))
+    unserved = r.cases - r.escapes - r.crashes - r.other_right
+    if unserved or r.refused_wrong:
+        out.append(
+            (
+                "wrong KV",
+                f"the intact request is not served right in {unserved} cases, the "
+                f"refused one holds wrong KV in {r.refused_wrong}",
+            )
+        )
+    return out
+
+
+def judge_faults(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
+    """The verdict on the fault rows of every pair with an overlaid leg. A
+    gap of ``scope = "faults"`` names a layout (every fault) or ``layout
+    fault``."""
+    by_key = {(g.layout, g.problem, g.pair): g for g in gaps if g.scope == "faults"}
+    verdict = Verdict()
+    for r in report.faults:
+        if not judged(r.variant):
+            continue
+        verdict.judged += 1
+        verdict.refused += r.refused_at_start is not None
+        name = shown(f"{r.layout} {r.fault}", r.variant)
+        for problem, detail in fault_problems(r):
+            gap = by_key.get((f"{r.layout} {r.fault}", problem, r.variant))
+            gap = gap or by_key.get((r.layout, problem, r.variant))
+            if gap is None:
+                verdict.failures.append(f"{name} {detail}")
+            else:
+                verdict.known.append(f"{name} {problem} ({gap.tracked_by})")
     return verdict

@@ -15,7 +15,8 @@ from typing import Any
 
 import msgspec
 
-from vllm_overlay.simulate.procs import Emitter, variant_parser
+from vllm_overlay.simulate.faults import FaultReport
+from vllm_overlay.simulate.procs import Emitter, load_variant, variant_parser
 from vllm_overlay.simulate.report import LayoutReport, PlanItem, Progress
 
 MARK = "@@simulate "
@@ -88,24 +89,64 @@ def run_layout(
     return report
 
 
+def run_faults(
+    variant: str,
+    layout_name: str,
+    fault_name: str,
+    lengths: list[int],
+    hits: list[float],
+    port: int,
+) -> FaultReport:
+    """Every (length, hit) case of one fault mode on one layout."""
+    from vllm_overlay.simulate.drive import Pair
+    from vllm_overlay.simulate.faults import FAULTS
+    from vllm_overlay.simulate.layouts import expand
+
+    fault = FAULTS[fault_name]
+    layout = expand([layout_name])[0]
+    report = FaultReport(variant, layout.name, fault.name, fault.covers)
+    start = time.monotonic()
+    try:
+        pair = Pair(layout, max(lengths) + 64, port=port)
+    except Exception as exc:  # the connector or vLLM refuses this layout
+        report.refused_at_start = " ".join(f"{type(exc).__name__}: {exc}".split())
+        report.seconds = time.monotonic() - start
+        return report
+    total = len(lengths) * len(hits)
+    for i, (hit, n) in enumerate((h, n) for h in hits for n in lengths):
+        report.add(pair.run_fault_case(n, hit, fault))
+        emit(Progress(variant, f"{layout.name} {fault.name}", i + 1, total))
+    report.seconds = time.monotonic() - start
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = variant_parser()
     ap.add_argument("--port", type=int, default=40000)
     args = ap.parse_args(argv)
 
     from vllm_overlay.simulate.run import parse_hits, parse_lengths
-    from vllm_overlay.tree.variant import use_moriio_dir
 
-    use_moriio_dir(args.moriio_dir)
+    pair = load_variant(args)
     plan = msgspec.json.decode(args.plan, type=list[PlanItem])
     for i, item in enumerate(plan):
+        if item.pair is not None and item.pair != pair:
+            raise SystemExit(
+                f"plan item {item.layout}: pair {item.pair.name}, "
+                f"this process runs {pair.name}"
+            )
+        port = args.port + 1000 * i
+        lengths, hits = parse_lengths(item.lengths), parse_hits(item.hits)
+        if item.fault is not None:
+            emit(run_faults(args.variant, item.layout, item.fault, lengths, hits, port))
+            continue
         emit(
             run_layout(
                 args.variant,
                 item.layout,
-                parse_lengths(item.lengths),
-                parse_hits(item.hits),
-                port=args.port + 1000 * i,
+                lengths,
+                hits,
+                port=port,
                 whole=item.whole,
             )
         )

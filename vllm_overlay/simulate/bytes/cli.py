@@ -7,9 +7,11 @@ from __future__ import annotations
 import argparse
 
 from vllm_overlay.command import UsageError
+from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.bytes.report import (
     BytesReport,
     findings,
+    format_pairs,
     format_table,
     summary_line,
 )
@@ -139,6 +141,11 @@ def sweep(
 def show(report: BytesReport) -> str:
     """The table, then every configuration with wrong bytes."""
     found = findings(report)
-    return format_table(report) + (
+    text = format_table(report) + (
         "\n\nwrong bytes:\n" + "\n".join(found) if found else ""
     )
+    if any(BuildPair.parse(v).mixed for v in report.variants) or any(
+        r.escape_cases for r in report.configs
+    ):
+        text += "\n\nby pair of builds (prefill->decode):\n" + format_pairs(report)
+    return text

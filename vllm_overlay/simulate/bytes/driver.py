@@ -39,8 +39,10 @@ from vllm_overlay.simulate.bytes.lifetime import (
     stop_signals_blocked,
 )
 from vllm_overlay.simulate.bytes.rank import (
+    ESCAPED,
     READ,
     RankConfig,
+    SchedulerEscape,
     StepResult,
     Verdict,
     Watch,
@@ -103,6 +105,9 @@ class CaseBytes(msgspec.Struct, frozen=True):
     min_bytes: int = 0
     notes: list[str] = []
     error: str | None = None
+    escaped: bool = False
+    """The error left rank 0's ``Scheduler.schedule()`` or
+    ``update_from_output()`` (``rank.SchedulerEscape``)."""
 
 
 class RankError(RuntimeError):
@@ -515,7 +520,14 @@ class Driver:
             # processes go, the next case starts in new ones.
             self.stop()
             self._fresh = True
-            return CaseBytes(n, hit_fraction, wrong=False, error=_first_error(str(exc)))
+            error = _first_error(str(exc))
+            return CaseBytes(
+                n,
+                hit_fraction,
+                wrong=False,
+                error=error,
+                escaped=is_escape(error),
+            )
 
     def _run_case(self, n: int, hit_fraction: float) -> CaseBytes:
         assert self.p is not None and self.d is not None
@@ -609,6 +621,12 @@ class Driver:
         if not any(out[0] == watch.rid and out[1] for out in outs):
             self._until_finished(self.d, watch.rid)
         return verdicts
+
+
+def is_escape(error: str) -> bool:
+    """Whether a case's error (a rank's traceback's last line) is an
+    exception that left rank 0's scheduler (``rank.SchedulerEscape``)."""
+    return f"{SchedulerEscape.__name__}: {ESCAPED} " in error
 
 
 def _first_error(text: str) -> str:

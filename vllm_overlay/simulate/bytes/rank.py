@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_overlay.simulate.builds import use_role
 from vllm_overlay.simulate.bytes.content import (
     POISON,
     attention_bytes,
@@ -473,6 +474,21 @@ class _Gather:
         )
 
 
+class SchedulerEscape(RuntimeError):
+    """An exception out of rank 0's ``Scheduler.schedule()`` or
+    ``update_from_output()``: in a server it reaches ``EngineCoreProc`` and
+    the engine dies. Its text starts with ``ESCAPED`` (the driver counts it
+    from the traceback's last line)."""
+
+    @classmethod
+    def of(cls, role: str, call: str, exc: BaseException) -> SchedulerEscape:
+        leg = "P" if role == "kv_producer" else "D"
+        return cls(f"{ESCAPED} {leg} {call}: {type(exc).__name__}: {exc}")
+
+
+ESCAPED = "escaped"
+
+
 class Rank:
     """One configuration's rank. A rank process builds one per configuration
     (``open``) and closes it (``close``) before the next, so its process is
@@ -485,6 +501,8 @@ class Rank:
 
     def open(self) -> None:
         cfg = self.cfg
+        # The leg's own connector build (a mixed pair: ``simulate/builds.py``).
+        use_role(cfg.role)
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorRole,
@@ -1068,7 +1086,10 @@ class Rank:
 
     def schedule(self, watch: list[str]) -> StepPlan:
         sched = self.scheduler
-        so = sched.schedule()
+        try:
+            so = sched.schedule()
+        except Exception as exc:
+            raise SchedulerEscape.of(self.cfg.role, "schedule()", exc) from exc
         self._so = so
         manager = sched.kv_cache_manager
         computes = []
@@ -1142,7 +1163,12 @@ class Rank:
             sampled_token_ids=sampled,
             kv_connector_output=kv_out,
         )
-        outputs = sched.update_from_output(so, out)
+        try:
+            outputs = sched.update_from_output(so, out)
+        except Exception as exc:
+            raise SchedulerEscape.of(
+                self.cfg.role, "update_from_output()", exc
+            ) from exc
         self._so = None
         outs = [
             (

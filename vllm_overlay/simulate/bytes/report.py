@@ -57,6 +57,9 @@ class ConfigReport(msgspec.Struct, tag="bytes-config"):
     """Every case failed the same way, three times in a row on fresh
     processes; the remaining cases were not run."""
     error_cases: int = 0
+    escape_cases: int = 0
+    """Error cases whose exception left rank 0's ``Scheduler.schedule()`` or
+    ``update_from_output()`` (a server's engine dies)."""
     first_errors: list[str] = []
     wrong_cases: int = 0
     """Cases with a wrong byte the decoder attends to or a stray write."""
@@ -94,7 +97,8 @@ def cell(r: ConfigReport | None) -> str:
         return "refused: " + r.refused.split(": ", 1)[-1][:40]
     text = f"{r.cases} / {r.wrong_cases} / {ratio(r.moved_bytes, r.min_bytes)}"
     if r.error_cases:
-        text += f" ({r.error_cases} errors)"
+        text += f" ({r.error_cases} errors"
+        text += f", {r.escape_cases} escapes)" if r.escape_cases else ")"
     return text
 
 
@@ -142,9 +146,11 @@ def summary_line(report: BytesReport) -> str:
             r.refused is not None or r.refused_at_start is not None for r in rs
         )
         over = sum(r.moved_bytes > r.min_bytes for r in rs)
+        escapes = sum(r.escape_cases > 0 for r in rs)
         parts.append(
             f"{variant}: {count(wrong, 'configuration')} with wrong bytes, "
-            f"{over} moving more than the minimum, {refused} refused"
+            f"{over} moving more than the minimum, {escapes} with escapes, "
+            f"{refused} refused"
         )
     cases = sum(r.cases for r in report.configs)
     return (
@@ -157,3 +163,28 @@ def summary_line(report: BytesReport) -> str:
             else ""
         )
     )
+
+
+def format_pairs(report: BytesReport) -> str:
+    """Configuration x pair: cases, wrong-byte cases, crashes, escapes out
+    of the scheduler (fallbacks to local prefill are not reported by the
+    connector: none)."""
+    rows: list[tuple[str, ...]] = [
+        ("configuration", "pair", "cases", "wrong KV", "crashes", "escapes")
+    ]
+    for r in report.configs:
+        name = config_name(r.item)
+        if r.refused_at_start is not None:
+            rows.append((name, r.variant, "refused at start", "", "", ""))
+            continue
+        rows.append(
+            (
+                name,
+                r.variant,
+                str(r.cases),
+                str(r.wrong_cases),
+                str(r.error_cases - r.escape_cases),
+                str(r.escape_cases),
+            )
+        )
+    return table(rows)

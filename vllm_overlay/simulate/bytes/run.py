@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 
 from vllm_overlay.simulate import procs
+from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.bytes.dispatch import Dispatcher, variant_orders
 from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.ports import port_ranges
@@ -146,6 +147,10 @@ def plan_items(
     return items
 
 
+def _family(item: ConfigItem, families: set[str]) -> bool:
+    return item.layout.partition("/")[0] in families
+
+
 def parse_tp_pairs(text: str) -> list[tuple[int, int]]:
     """``1-1,2-2,1-2,2-1`` (prefill-decode)."""
     pairs = []
@@ -162,7 +167,7 @@ _DECODER = msgspec.json.Decoder(ZygoteLine)
 
 
 def _start_zygote(
-    moriio_dir: Path,
+    dirs: dict[str, Path],
     variant: str,
     plan: list[ConfigItem] | None,
     lengths: str,
@@ -171,7 +176,7 @@ def _start_zygote(
 ) -> subprocess.Popen[str]:
     """``plan`` None: the zygote reads its configurations from stdin."""
     args = [
-        f"--moriio-dir={moriio_dir}",
+        *procs.build_args(dirs),
         f"--variant={variant}",
         "--plan=" + ("-" if plan is None else msgspec.json.encode(plan).decode()),
         f"--lengths={lengths}",
@@ -207,7 +212,7 @@ def run_zygote(
     return procs.run_variant_process(
         variant,
         files,
-        lambda moriio_dir: _start_zygote(moriio_dir, variant, items, lengths, hits),
+        lambda dirs: _start_zygote(dirs, variant, items, lengths, hits),
         MARK,
         _DECODER,
     )
@@ -221,35 +226,48 @@ def run_bytes_sweep(
     options: procs.SweepOptions | None = None,
     zygotes: int = ZYGOTES,
 ) -> BytesReport:
-    """Every item on every variant, ``zygotes`` processes per variant at a
-    time (``dispatch.py``); the report lists the items in plan order
-    whichever process ran them."""
+    """Every item on every pair of builds (``variants``: ``base``,
+    ``overlay``, ``base->overlay``...; a mixed pair runs the mechanism
+    layouts only), ``zygotes`` processes per pair at a time
+    (``dispatch.py``); the report lists the items in plan order whichever
+    process ran them."""
     start = time.monotonic()
     options = options or procs.SweepOptions()
     lengths_list = parse_lengths(lengths)
     hits_list = parse_hits(hits)
     sources = options.sources(variants)
-    tally = procs.Tally(
-        len(items) * len(sources), lambda r: config_name(r.item), options.progress
-    )
     families = {name for name, layout in all_layouts().items() if layout.family}
+    per_pair = {
+        v: [
+            item
+            for item in items
+            if not (BuildPair.parse(v).mixed and _family(item, families))
+        ]
+        for v in variants
+    }
+    tally = procs.Tally(
+        sum(map(len, per_pair.values())),
+        lambda r: config_name(r.item),
+        options.progress,
+    )
     shares = max(1, min(zygotes, len(items)))
-    cases = len(sources) * sum(
+    cases = sum(
         len(
             item.cases(
                 lengths_list if item.lengths is None else parse_lengths(item.lengths),
                 hits_list,
             )
         )
-        for item in items
+        for mine in per_pair.values()
+        for item in mine
     )
-    configs = len(items) * len(sources)
+    configs = sum(map(len, per_pair.values()))
     options.expect(
         "simulate --bytes",
         f"{count(configs, 'configuration')}, {count(cases, 'case')}",
         cases,
         BYTES_CPU_PER_CASE,
-        shares * len(sources),
+        shares * len(variants),
     )
 
     # A zygote stopped by a signal removes its ranks' /dev/shm files; one
@@ -258,12 +276,16 @@ def run_bytes_sweep(
     remove_stale_shm()
     try:
         with procs.variant_dirs(sources) as dirs:
+            orders = {
+                v: variant_orders(per_pair[v], families, list(variants))[v]
+                for v in variants
+            }
             dispatcher = Dispatcher(
-                variant_orders(items, families, list(sources)),
+                orders,
                 lambda variant, ports: _start_zygote(
-                    dirs[variant], variant, None, lengths, hits, ports
+                    procs.pair_dirs(variant, dirs), variant, None, lengths, hits, ports
                 ),
-                port_ranges(len(sources) * shares),
+                port_ranges(len(variants) * shares),
                 shares,
                 tally,
                 MARK,
@@ -273,14 +295,14 @@ def run_bytes_sweep(
     finally:
         remove_stale_shm()
     index = {item: i for i, item in enumerate(items)}
-    results = tally.ordered(lambda r: index.get(r.item, 0), list(sources))
+    results = tally.ordered(lambda r: index.get(r.item, 0), list(variants))
     own = {item.lengths for item in items if item.lengths is not None}
     return BytesReport(
         lengths=lengths_list,
         family_lengths=parse_lengths(own.pop()) if len(own) == 1 else None,
         hits=[h * 100 for h in hits_list],
-        variants=options.where(sources),
+        variants=options.where_pairs(sources, variants),
         configs=results,
         wall_seconds=time.monotonic() - start,
-        zygotes={v: dispatcher.started.count(v) for v in sources},
+        zygotes={v: dispatcher.started.count(v) for v in variants},
     )

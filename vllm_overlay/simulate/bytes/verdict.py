@@ -21,7 +21,7 @@ from vllm_overlay.simulate.bytes.report import (
     ConfigReport,
     config_name,
 )
-from vllm_overlay.simulate.verdict import KnownGap, Problem
+from vllm_overlay.simulate.verdict import KnownGap, Problem, judged, shown
 
 
 def names(item: ConfigItem) -> tuple[str, ...]:
@@ -41,10 +41,19 @@ def problems(r: ConfigReport) -> list[tuple[Problem, str]]:
         out.append(
             ("wrong KV", f"wrong or stray bytes in {r.wrong_cases} of {r.cases} cases")
         )
-    if r.refused is not None:
+    crashes = r.error_cases - r.escape_cases
+    if r.refused is not None and crashes:
         out.append(("errors", f"refused at the first transfer: {r.refused[:120]}"))
-    elif r.error_cases:
-        out.append(("errors", f"crashes in {r.error_cases} of {r.cases} cases"))
+    elif crashes:
+        out.append(("errors", f"crashes in {crashes} of {r.cases} cases"))
+    if r.escape_cases:
+        out.append(
+            (
+                "escapes",
+                f"an exception escapes the scheduler in {r.escape_cases} of "
+                f"{r.cases} cases",
+            )
+        )
     return out
 
 
@@ -80,10 +89,10 @@ class BytesVerdict:
 
 def judge(report: BytesReport, gaps: list[KnownGap]) -> BytesVerdict:
     """The verdict on the overlay configurations of ``report``."""
-    by_key = {(g.layout, g.problem): g for g in gaps if g.scope == "bytes"}
+    by_key = {(g.layout, g.problem, g.pair): g for g in gaps if g.scope == "bytes"}
     verdict = BytesVerdict()
-    rows = [r for r in report.configs if r.variant == "overlay"]
-    if "overlay" not in report.variants:
+    rows = [r for r in report.configs if judged(r.variant)]
+    if not any(judged(v) for v in report.variants):
         return verdict
     for r in rows:
         verdict.judged += 1
@@ -93,16 +102,15 @@ def judge(report: BytesReport, gaps: list[KnownGap]) -> BytesVerdict:
                 (
                     g
                     for name in names(r.item)
-                    if (g := by_key.get((name, problem))) is not None
+                    if (g := by_key.get((name, problem, r.variant))) is not None
                 ),
                 None,
             )
+            name = shown(config_name(r.item), r.variant)
             if gap is None:
-                verdict.failures.append(f"{config_name(r.item)} {detail}")
+                verdict.failures.append(f"{name} {detail}")
             else:
-                verdict.known.append(
-                    f"{config_name(r.item)} {problem} ({gap.tracked_by})"
-                )
+                verdict.known.append(f"{name} {problem} ({gap.tracked_by})")
     if not rows or not any(r.cases for r in rows):
         verdict.failures.append("no case ran: every configuration was refused at start")
     return verdict

@@ -31,7 +31,7 @@ from vllm_overlay.simulate.bytes.lifetime import (
     die_with_parent_from_env,
 )
 from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport, config_name
-from vllm_overlay.simulate.procs import Emitter, variant_parser
+from vllm_overlay.simulate.procs import Emitter, load_variant, variant_parser
 from vllm_overlay.simulate.report import Progress, count_case
 
 MARK = "@@bytes "
@@ -128,6 +128,7 @@ def run_item(
     report.refused = run.refused
     report.refused_at_start = run.refused_at_start
     for case in run.cases:
+        report.escape_cases += case.escaped
         if count_case(report, case.error):
             continue
         report.moved_bytes += case.moved_bytes
@@ -185,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     check_standin()
     from vllm_overlay.simulate.run import parse_hits, parse_lengths
-    from vllm_overlay.tree.variant import use_moriio_dir
 
-    use_moriio_dir(args.moriio_dir)
+    # Its pair's builds: a mixed pair's ranks each pick their leg's.
+    load_variant(args)
     warm_imports()
     if args.ports:
         from vllm_overlay.simulate.bytes import driver

@@ -1,0 +1,105 @@
+"""The verdicts judge every pair of builds with an overlaid leg, and an
+escape out of the scheduler is its own problem (``escapes``), listed in the
+known-gaps file by layout, problem and pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_overlay.simulate.bytes.driver import is_escape
+from vllm_overlay.simulate.bytes.rank import SchedulerEscape
+from vllm_overlay.simulate.bytes.report import BytesReport, ConfigItem, ConfigReport
+from vllm_overlay.simulate.bytes.verdict import judge as judge_bytes
+from vllm_overlay.simulate.faults import FaultReport
+from vllm_overlay.simulate.report import LayoutReport, SweepReport
+from vllm_overlay.simulate.verdict import (
+    GapsError,
+    KnownGap,
+    judge,
+    load_gaps,
+    problems,
+)
+
+PAIRS = {v: "" for v in ("base", "overlay", "base->overlay", "overlay->base")}
+
+
+def _row(variant: str, **kw: object) -> LayoutReport:
+    return LayoutReport(
+        variant=variant, layout="gemma", note="", lengths_tried=4, cases=4, **kw
+    )
+
+
+def _sweep(*rows: LayoutReport, faults: list[FaultReport] | None = None) -> SweepReport:
+    return SweepReport("17", [0.0], PAIRS, list(rows), 1.0, faults=faults or [])
+
+
+def test_a_mixed_pair_with_wrong_kv_fails_unless_listed_for_that_pair():
+    rows = [
+        _row("base", wrong_lengths=[529]),
+        _row("overlay"),
+        _row("base->overlay", wrong_lengths=[529]),
+    ]
+    verdict = judge(_sweep(*rows), [])
+    assert verdict.failures == [
+        "gemma (base->overlay) reads wrong KV at 1 of 4 lengths"
+    ]
+    gap = KnownGap("gemma", "wrong KV", "issue 35", "0008", pair="base->overlay")
+    assert judge(_sweep(*rows), [gap]).exit_code == 0
+    other = KnownGap("gemma", "wrong KV", "issue 35", "0008", pair="overlay->base")
+    assert judge(_sweep(*rows), [other]).exit_code == 1
+
+
+def test_an_escape_is_its_own_problem():
+    row = _row("overlay", error_cases=3, escape_cases=2, first_errors=["x"])
+    assert [p for p, _ in problems(row)] == ["errors", "escapes"]
+    only = _row("overlay", error_cases=2, escape_cases=2)
+    assert [p for p, _ in problems(only)] == ["escapes"]
+    gap = KnownGap("gemma", "escapes", "issue 35", "fail-closed checks raise")
+    assert judge(_sweep(only), [gap]).exit_code == 0
+    assert judge(_sweep(only), []).exit_code == 1
+
+
+def test_fault_rows_fail_on_an_escape_unless_listed():
+    row = FaultReport("overlay", "gemma", "null-window", cases=2, escapes=2)
+    verdict = judge(_sweep(faults=[row]), [])
+    assert verdict.failures == [
+        "gemma null-window an exception escapes the scheduler in 2 of 2 cases"
+    ]
+    for layout in ("gemma", "gemma null-window"):
+        gap = KnownGap(layout, "escapes", "issue 35", "raises", scope="faults")
+        assert judge(_sweep(faults=[row]), [gap]).exit_code == 0
+    served = FaultReport(
+        "overlay", "gemma", "null-window", cases=2, other_right=2, refused_local=2
+    )
+    assert judge(_sweep(faults=[served]), []).exit_code == 0
+    base = FaultReport("base", "gemma", "null-window", cases=2, escapes=2)
+    assert judge(_sweep(faults=[base]), []).exit_code == 0
+
+
+def test_bytes_escapes_are_read_from_the_ranks_error():
+    exc = SchedulerEscape.of("kv_consumer", "schedule()", ValueError("boom"))
+    line = f"vllm_overlay.simulate.bytes.rank.SchedulerEscape: {exc}"
+    assert is_escape(line)
+    assert not is_escape("MoRIIOError: escaped nothing")
+    item = ConfigItem("gemma", "read", 1, 1, "LBNHC")
+    row = ConfigReport("base->overlay", item, cases=4, error_cases=1, escape_cases=1)
+    report = BytesReport([17], [0.0], PAIRS, [row], 1.0)
+    verdict = judge_bytes(report, [])
+    assert verdict.failures == [
+        "gemma read 1->1 LBNHC (base->overlay) an exception escapes the scheduler "
+        "in 1 of 4 cases"
+    ]
+    gap = KnownGap("gemma read", "escapes", "issue 35", "x", "bytes", "base->overlay")
+    assert judge_bytes(report, [gap]).exit_code == 0
+
+
+def test_a_gap_names_a_judged_pair(tmp_path: Path):
+    path = tmp_path / "gaps.toml"
+    path.write_text(
+        '[[gap]]\nlayout = "gemma"\nproblem = "escapes"\ntracked_by = "issue 35"\n'
+        'why = "x"\npair = "base"\n'
+    )
+    with pytest.raises(GapsError, match="pair 'base'"):
+        load_gaps(path)
