@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 
 from vllm_overlay.command import App, Subparsers, add_command
+from vllm_overlay.cpuplatform import cpu_environ
 from vllm_overlay.e2e.config import RunConfig, load_config
 from vllm_overlay.e2e.expect import Expectations, Geometry, prefix_read, sweep_lengths
 from vllm_overlay.e2e.preflight import Preflight, PreflightError
@@ -22,6 +23,10 @@ from vllm_overlay.errors import OverlayError
 from vllm_overlay.text import count
 
 LAUNCHERS = ("ssh", "slurm", "attach")
+NO_PREFLIGHT = (
+    "skipped (--no-preflight): the config's [layout] is taken as "
+    "typed, nothing checked what vLLM builds"
+)
 
 
 def lengths_text(lengths: list[int], limit: int = 400) -> str:
@@ -251,30 +256,38 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         app.err.flush()
         app.say(summary)
         return 0
-    from vllm_overlay.e2e.runner import run
+    from vllm_overlay.e2e.runner import check_prerequisites, run
 
     config = load_config(args.config)
     if args.launcher != "slurm":
         config.check_addresses()
-    # The first step of every real run: nothing starts unless vLLM, on CPU,
-    # builds both legs as the checks need them.
-    checked = run_preflight(args.config)
-    for line in preflight_lines(checked):
-        app.say(line)
-    if not checked.ok:
-        raise OverlayError(
-            f"{config.name}: the preflight refused the config ({checked.findings[0]}); "
-            "nothing was started"
-        )
-    if checked.layout is not None:
-        config = msgspec.structs.replace(config, layout=checked.layout)
+    # What this machine needs for the run (the e2e extra, the secrets), said
+    # before the preflight, which takes a minute.
+    check_prerequisites(config, args.launcher)
+    if args.no_preflight:
+        preflight = NO_PREFLIGHT
+        app.say(f"e2e: preflight {preflight}")
+    else:
+        # The first step of every real run: nothing starts unless vLLM, on
+        # CPU, builds both legs as the checks need them.
+        checked = run_preflight(args.config)
+        for line in preflight_lines(checked):
+            app.say(line)
+        if not checked.ok:
+            raise OverlayError(
+                f"{config.name}: the preflight refused the config "
+                f"({checked.findings[0]}); nothing was started"
+            )
+        if checked.layout is not None:
+            config = msgspec.structs.replace(config, layout=checked.layout)
+        preflight = "passed (the [layout] the checks read is the one vLLM builds)"
     run_dir = (
         args.run_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     found = series_patches(app)
     report = run(
         config, run_dir, found[0] if found else "", say=app.say,
-        launcher_kind=args.launcher,
+        launcher_kind=args.launcher, preflight=preflight,
     )  # fmt: skip
     app.result(report)
     return 0 if report.ok else 1
@@ -298,7 +311,10 @@ def run_preflight(config_path: Path) -> Preflight:
         )
     argv = [python, "-m", "vllm_overlay.cli", "--json", "e2e", "--config",
             str(config_path), "--preflight"]  # fmt: skip
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    # vLLM on the overlay's CPU platform (vllm_overlay/cpuplatform): an
+    # explicit VLLM_TARGET_DEVICE=cpu would take vLLM's own, which 0.34.0
+    # refuses on x86 without triton-cpu.
+    env = {**cpu_environ(), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(argv, capture_output=True, env=env, check=False)
     try:
         return msgspec.json.decode(done.stdout, type=Preflight)
@@ -338,6 +354,12 @@ def register(sub: Subparsers) -> None:
         "ROCm attention backends with vLLM's own code and check them (block "
         "sizes, drafters, layout, check lengths); launch nothing. Every real "
         "run does this first",
+    )
+    p.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="run without the preflight (for a fake engine, or a config whose "
+        "preflight passed elsewhere); the run and its report say it was skipped",
     )
     p.add_argument(
         "--print-serve",
