@@ -12,6 +12,8 @@ import pytest
 
 from tests.e2e.conftest import ALL_EXAMPLES, EXAMPLES, REPO
 from vllm_overlay.cli import main
+from vllm_overlay.e2e import basestarts
+from vllm_overlay.e2e.basestarts import HYBRID_PROBE, RECORDED, BaseStarts
 from vllm_overlay.e2e.config import Checks, load_config
 from vllm_overlay.e2e.expect import (
     HYBRID_GROUPS,
@@ -26,6 +28,7 @@ from vllm_overlay.e2e.expect import (
     sweep_lengths,
 )
 from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.series.pin import PIN_FILE, load_pin
 from vllm_overlay.simulate import procs
 from vllm_overlay.simulate.report import PlanItem
 from vllm_overlay.simulate.run import _DECODER, MARK, base_files, overlay_files
@@ -96,17 +99,43 @@ def test_rules_agree_with_the_simulator(simulated, layout, geo, lengths) -> None
 
 
 def test_refusals_agree_with_the_simulator(simulated) -> None:  # noqa: ANN001
-    glm = load_config(EXAMPLES / "glm-5.3-flash-1p1d.toml")
-    geo = Geometry.of(glm)
-    # The simulator's GLM tail ring is a window spec the series accepts; the
-    # example's refused CircularBufferSpec is the real 0.33.0 grouping's.
-    geo = Geometry(**{**geo.__dict__, "refused_specs": ()})
+    # The start-up verdicts the dry run reads (basestarts.RECORDED) are the
+    # simulator's on the pinned base, and the series starts the layout.
+    said = simulated[("base", HYBRID_PROBE)].refused_at_start or ""
+    now = BaseStarts(load_pin(REPO / PIN_FILE).vllm.version, {HYBRID_PROBE: said})
+    assert now == RECORDED, (
+        "the pinned base's start-up verdicts changed: in vllm_overlay/e2e/"
+        f"basestarts.py set RECORDED = {now!r}"
+    )
+    assert simulated[("overlay", HYBRID_PROBE)].refused_at_start is None
+    glm = Geometry.of(load_config(EXAMPLES / "glm-5.3-flash-1p1d.toml"))
     slugs = [p.name for p in load_series(REPO).patches]
-    refusal = simulated[("base", "glm")].refused_at_start
-    assert refusal is not None
-    assert Expectations(geo, []).refusals[0].summary.split(":")[0] in refusal
-    assert simulated[("overlay", "glm")].refused_at_start is None
-    assert Expectations(geo, slugs).refused_overlaid == []
+    assert bool(Expectations(glm, []).refusals) == bool(said)
+    assert Expectations(glm, slugs).refused_overlaid == []
+
+
+# A base whose connector refuses the probe (vLLM 0.33.0's words).
+REFUSING = BaseStarts(
+    "0.33.0",
+    {
+        HYBRID_PROBE: "ValueError: MoRIIO hybrid READ requires exactly one "
+        "transferable attention group, got 2"
+    },
+)
+
+
+def test_a_base_that_refuses_the_probe_refuses_every_mechanism_it_has() -> None:
+    glm = Geometry.of(load_config(EXAMPLES / "glm-5.3-flash-1p1d.toml"))
+    exp = Expectations(glm, [], REFUSING)
+    ids = [r.id for r in exp.refusals]
+    assert ids == ["hybrid-attention-groups", "hybrid-speculation", "unsupported-spec"]
+    assert all("got 2" in r.summary and "vLLM 0.33.0" in r.summary for r in exp.refusals)
+    slugs = [p.name for p in load_series(REPO).patches]
+    assert Expectations(glm, slugs, REFUSING).refused_overlaid == []
+    # Kimi (one group, DSpark, no ring) has none of the probe's mechanisms.
+    kimi = Geometry.of(load_config(EXAMPLES / "kimi-k3-1p1d.toml"))
+    assert Expectations(kimi, [], REFUSING).refusals == []
+    assert Expectations(glm, [], BaseStarts("x", {HYBRID_PROBE: ""})).refusals == []
 
 
 def test_dsv4_sweep_holds_every_failing_class_and_the_seed_lengths() -> None:
@@ -182,15 +211,28 @@ def test_dsv4_dry_run_names_the_failing_lengths(capsys) -> None:  # noqa: ANN001
     assert "window-start" not in over
 
 
-def test_glm_dry_run_says_the_base_refuses_to_start(capsys) -> None:  # noqa: ANN001
-    out = dry_run(EXAMPLES / "glm-5.3-flash-1p1d.toml", capsys)
-    assert "the servers refuse to start, so every check fails" in out
-    assert "requires exactly one transferable attention group, got 2" in out
-    assert f"method='mtp': refused at start; fixed by {HYBRID_GROUPS}" in out
+def test_glm_dry_run_says_what_the_pinned_base_does_at_start(
+    capsys, monkeypatch  # noqa: ANN001
+) -> None:
+    path = EXAMPLES / "glm-5.3-flash-1p1d.toml"
+    out = dry_run(path, capsys)
+    if RECORDED.refusal(HYBRID_PROBE):
+        assert "the servers refuse to start, so every check fails" in out
+    else:
+        assert "refuse to start" not in out
+        assert "expected on the base image: no length fails" in out
+    # On a base that refuses the probe, the dry run says so in its words.
+    monkeypatch.setattr(basestarts, "RECORDED", REFUSING)
+    out = dry_run(path, capsys)
     assert (
-        f"CircularBufferSpec group; the servers fail closed at start; fixed by {RINGS}"
-        in out
+        "expected on the base image (vLLM 0.33.0 without the series): the "
+        "servers refuse to start, so every check fails" in out
     )
+    assert "requires exactly one transferable attention group, got 2" in out
+    assert "method='mtp' speculative decoding: refused at start (" in out
+    assert f"; fixed by {HYBRID_GROUPS}" in out
+    assert "a CircularBufferSpec group: the servers fail closed at start" in out
+    assert f"fixed by {RINGS}" in out
     over = next(x for x in out.splitlines() if "expected with the overlay" in x)
     assert "still refused" not in over
 

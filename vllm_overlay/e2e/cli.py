@@ -54,15 +54,15 @@ def expectation_lines(
     lines = [f"layout: {geo.describe()}"]
     if base.refusals:
         lines.append(
-            "expected on the base image (vLLM 0.33.0 without the series): the "
-            "servers refuse to start, so every check fails:"
+            f"expected on the base image (vLLM {base.base_version} without the "
+            "series): the servers refuse to start, so every check fails:"
         )
         lines += [f"  {r.id}: {r.summary}; {r.fix_text()}" for r in base.refusals]
     failing = [n for n in lengths if base.verdict(n).base]
     if base.rules and not base.refusals:
         lines.append(
-            "expected on the base image (vLLM 0.33.0 without the series): "
-            f"{len(failing)} of {len(lengths)} lengths read wrong KV:"
+            f"expected on the base image (vLLM {base.base_version} without the "
+            f"series): {len(failing)} of {len(lengths)} lengths read wrong KV:"
         )
         for r in base.rules:
             hit = [n for n in lengths if r.applies(n)]
@@ -234,7 +234,7 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         for line in preflight_lines(result):
             app.say(line)
         app.result(result)
-        return 0 if result.ok else 1
+        return result.exit_status
     if args.print_serve:
         from vllm_overlay.e2e.deploy import serve_text
 
@@ -273,6 +273,11 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         checked = run_preflight(args.config)
         for line in preflight_lines(checked):
             app.say(line)
+        if checked.unchecked:
+            raise OverlayError(
+                f"{config.name}: the preflight could not check the config "
+                f"({checked.unchecked}); nothing was started"
+            )
         if not checked.ok:
             raise OverlayError(
                 f"{config.name}: the preflight refused the config "

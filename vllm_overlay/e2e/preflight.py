@@ -76,6 +76,10 @@ class LegFacts(msgspec.Struct, forbid_unknown_fields=True):
     groups: list[GroupFacts] = msgspec.field(default_factory=list)
     hash_block_size: int = 0
     error: str = ""  # vLLM refused to build it
+    # vLLM cannot import the model's class on this machine (a module the
+    # model code needs is missing), so it cannot build the engine config:
+    # nothing of this leg is known, which is neither a pass nor a defect.
+    not_inspectable: str = ""
     # What could not be checked on CPU (said, never counted as passing).
     notes: list[str] = msgspec.field(default_factory=list)
 
@@ -102,10 +106,23 @@ class Preflight(msgspec.Struct, forbid_unknown_fields=True):
     legs: list[LegFacts]
     layout: Layout | None = None  # derived from the legs
     findings: list[str] = msgspec.field(default_factory=list)
+    # Why nothing could be checked on this machine ("" when it was).
+    unchecked: str = ""
 
     @property
     def ok(self) -> bool:
-        return not self.findings
+        return not self.findings and not self.unchecked
+
+    @property
+    def exit_status(self) -> int:
+        """0 passes, 1 defects, ``NOT_CHECKED`` when vLLM could not build
+        the legs here."""
+        return NOT_CHECKED if self.unchecked else 0 if self.ok else 1
+
+
+# --preflight's exit status when it could check nothing (distinct from a
+# defect, 1, and a bad config, 2).
+NOT_CHECKED = 3
 
 
 def _attention_groups(leg: LegFacts) -> list[GroupFacts]:
@@ -269,6 +286,10 @@ def typed_layout_fields(config_path: Path) -> set[str]:
 def check(config: RunConfig, legs: list[LegFacts], typed: set[str]) -> Preflight:
     """Every finding of one run config's legs."""
     result = Preflight(config.name, legs)
+    blind = [leg.not_inspectable for leg in legs if leg.not_inspectable]
+    if blind:
+        result.unchecked = blind[0]
+        return result
     for leg in legs:
         if leg.error:
             result.findings.append(f"{leg.role}: {leg.error}")
@@ -287,6 +308,8 @@ def check(config: RunConfig, legs: list[LegFacts], typed: set[str]) -> Preflight
 
 
 def text_lines(result: Preflight) -> list[str]:
+    if result.unchecked:
+        return [f"e2e preflight {result.name}: not checked: {result.unchecked}"]
     lines = []
     for leg in result.legs:
         lines.append(f"preflight {leg.describe()}")

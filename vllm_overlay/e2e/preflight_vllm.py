@@ -1,4 +1,4 @@
-"""One server's KV cache as vLLM 0.33.0 would build it on ROCm, worked out on CPU.
+"""One server's KV cache as the pinned vLLM would build it on ROCm, worked out on CPU.
 
 The only module of the harness that imports vLLM (and only when
 ``--preflight`` runs): it needs the shared CPU environment (``nox -s dev``),
@@ -253,8 +253,14 @@ def leg_facts(role: str, argv: list[str], model_dir: Path) -> LegFacts:
     args = parse_serve(argv, model_dir)
     engine = AsyncEngineArgs.from_cli_args(args)
     user_block = int(engine.block_size or 0)
-    with _quiet():
-        vllm_config = engine.create_engine_config()
+    try:
+        with _quiet():
+            vllm_config = engine.create_engine_config()
+    except Exception:
+        missing = import_failure(model_dir)
+        if missing:
+            return LegFacts(role=role, architecture="?", not_inspectable=missing)
+        raise
     arch = vllm_config.model_config.architecture
     spec_cfg = vllm_config.speculative_config
     method = spec_cfg.method if spec_cfg is not None else ""
@@ -301,6 +307,39 @@ def leg_facts(role: str, argv: list[str], model_dir: Path) -> LegFacts:
     _backends(facts, specs, vllm_config, arch)
     _groups(facts, specs, primary, vllm_config)
     return facts
+
+
+def import_failure(model_dir: Path) -> str:
+    """Why vLLM cannot import the class of an architecture the model's
+    ``config.json`` names, or "". vLLM inspects the class (in a child
+    process) before it builds the engine config; a module the model code
+    imports that this environment lacks (no CPU build of it installs here)
+    stops it, and nothing of the leg can be known."""
+    import json
+
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        archs = [str(a) for a in config.get("architectures", [])]
+    except (OSError, ValueError, AttributeError):
+        return ""
+    for arch in archs:
+        model = ModelRegistry.models.get(arch)
+        if model is None:
+            continue
+        try:
+            with _quiet():
+                model.load_model_cls()
+        except ImportError as e:
+            where = getattr(model, "module_name", arch)
+            what = f"module {e.name!r} is not installed" if e.name else str(e)
+            return (
+                f"vLLM cannot import {arch} here ({where}: {what}), so it "
+                "cannot build the engine config; run the preflight where the "
+                "model's modules import, or pass --no-preflight to run unchecked"
+            )
+    return ""
 
 
 def _backends(
