@@ -2,7 +2,7 @@
 
 The checks run on ``LegFacts`` (what ``preflight_vllm`` reads from vLLM);
 the facts below are the ones vLLM gives for the examples (see the
-``test_preflight_vllm.py`` runs and docs/e2e.md)."""
+``--preflight`` results in docs/e2e.md)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ import pytest
 from tests.e2e.conftest import EXAMPLES
 from vllm_overlay.e2e.config import Layout, RunConfig, load_config
 from vllm_overlay.e2e.preflight import (
+    NOT_CHECKED,
     GroupFacts,
     LegFacts,
+    Preflight,
     check,
+    text_lines,
     typed_layout_fields,
 )
 
@@ -214,3 +217,56 @@ def test_derived_layout_replaces_what_the_config_leaves_out(field: str) -> None:
     result = check(config, [dsv4_leg("prefill"), dsv4_leg("decode")], typed)
     assert result.layout is not None
     assert isinstance(result.layout, Layout)
+
+
+def test_a_model_vllm_cannot_import_here_is_not_checked_in_one_line() -> None:
+    config, typed = example("kimi-k3-1p1d")
+    why = "vLLM cannot import KimiK3ForConditionalGeneration here (...)"
+    blind = LegFacts(role="prefill", architecture="?", not_inspectable=why)
+    result = check(config, [blind, msgspec.structs.replace(blind, role="decode")], typed)
+    assert (result.ok, result.findings, result.unchecked) == (False, [], why)
+    assert result.exit_status == NOT_CHECKED != 1
+    assert text_lines(result) == [f"e2e preflight kimi-k3-1p1d: not checked: {why}"]
+    passed = check(config, [kimi_leg("prefill"), kimi_leg("decode")], typed)
+    assert (passed.ok, passed.exit_status) == (True, 0)
+
+
+def test_import_failure_names_the_missing_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = pytest.importorskip("vllm.model_executor.models.registry")
+    from vllm_overlay.e2e.preflight_vllm import import_failure
+
+    arch = "KimiK3ForConditionalGeneration"
+    (tmp_path / "config.json").write_text(f'{{"architectures": ["{arch}"]}}')
+    model = registry.ModelRegistry.models[arch]
+
+    def missing(self: object) -> None:
+        raise ModuleNotFoundError("No module named 'somepkg'", name="somepkg")
+
+    # The registry's entries are frozen: their class's method is replaced.
+    monkeypatch.setattr(type(model), "load_model_cls", missing)
+    text = import_failure(tmp_path)
+    assert text.startswith(
+        f"vLLM cannot import {arch} here (vllm.models.kimi_k3: module 'somepkg' "
+        "is not installed)"
+    )
+    monkeypatch.setattr(type(model), "load_model_cls", lambda self: object)
+    assert import_failure(tmp_path) == ""
+
+
+def test_preflight_exit_status_is_distinct_when_nothing_was_checked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_overlay.cli import main
+    from vllm_overlay.e2e import cli
+
+    config, _ = example("glm-5.3-flash-1p1d")
+    blind = Preflight(config.name, [], unchecked="vLLM cannot import X here")
+    monkeypatch.setattr(cli, "run_preflight", lambda path: blind)
+    path = EXAMPLES / "glm-5.3-flash-1p1d.toml"
+    assert main(["e2e", "--config", str(path), "--preflight"]) == NOT_CHECKED
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [
+        "e2e preflight glm-5.3-flash-1p1d: not checked: vLLM cannot import X here"
+    ]
