@@ -68,6 +68,13 @@ def expectation_lines(
             hit = [n for n in lengths if r.applies(n)]
             lines.append(f"  {r.id} [{r.summary}; {r.fix_text()}]:")
             lines.append(f"    {len(hit)} lengths: {lengths_text(hit)}")
+    elif not base.refusals and geo.hybrid:
+        lines.append(
+            f"expected on the base image: no length fails; vLLM {base.base_version}'s "
+            "connector starts this hybrid READ layout (the simulator's verdict) "
+            "and the rules give no wrong-KV length for hybrid READ: the checks "
+            "show whether the real model agrees"
+        )
     elif not base.refusals:
         lines.append(
             "expected on the base image: no length fails; this layout has none "
