@@ -129,7 +129,8 @@ def test_a_base_that_refuses_the_probe_refuses_every_mechanism_it_has() -> None:
     exp = Expectations(glm, [], REFUSING)
     ids = [r.id for r in exp.refusals]
     assert ids == ["hybrid-attention-groups", "hybrid-speculation", "unsupported-spec"]
-    assert all("got 2" in r.summary and "vLLM 0.33.0" in r.summary for r in exp.refusals)
+    for r in exp.refusals:
+        assert "got 2" in r.summary and "vLLM 0.33.0" in r.summary, r.summary
     slugs = [p.name for p in load_series(REPO).patches]
     assert Expectations(glm, slugs, REFUSING).refused_overlaid == []
     # Kimi (one group, DSpark, no ring) has none of the probe's mechanisms.
@@ -212,7 +213,8 @@ def test_dsv4_dry_run_names_the_failing_lengths(capsys) -> None:  # noqa: ANN001
 
 
 def test_glm_dry_run_says_what_the_pinned_base_does_at_start(
-    capsys, monkeypatch  # noqa: ANN001
+    capsys,
+    monkeypatch,  # noqa: ANN001
 ) -> None:
     path = EXAMPLES / "glm-5.3-flash-1p1d.toml"
     out = dry_run(path, capsys)

@@ -223,7 +223,8 @@ def test_a_model_vllm_cannot_import_here_is_not_checked_in_one_line() -> None:
     config, typed = example("kimi-k3-1p1d")
     why = "vLLM cannot import KimiK3ForConditionalGeneration here (...)"
     blind = LegFacts(role="prefill", architecture="?", not_inspectable=why)
-    result = check(config, [blind, msgspec.structs.replace(blind, role="decode")], typed)
+    other = msgspec.structs.replace(blind, role="decode")
+    result = check(config, [blind, other], typed)
     assert (result.ok, result.findings, result.unchecked) == (False, [], why)
     assert result.exit_status == NOT_CHECKED != 1
     assert text_lines(result) == [f"e2e preflight kimi-k3-1p1d: not checked: {why}"]
