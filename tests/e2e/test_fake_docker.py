@@ -149,3 +149,24 @@ def test_a_run_without_the_preflight_says_so_in_its_report(
     assert "e2e: preflight skipped (--no-preflight)" in out
     md = (run_dir / "report.md").read_text()
     assert "- preflight: skipped (--no-preflight): the config's [layout] is" in md
+
+
+def test_a_run_the_preflight_could_not_check_starts_nothing(
+    fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from vllm_overlay.e2e import cli
+    from vllm_overlay.e2e.preflight import Preflight
+
+    blind = Preflight("loop", [], unchecked="vLLM cannot import X here")
+    monkeypatch.setattr(cli, "run_preflight", lambda path: blind)
+    path = write_config(loopback_config(tokenizer_json), tmp_path / "run.toml")
+    run_dir = tmp_path / "run"
+    assert main(["e2e", "--config", str(path), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: loop: the preflight could not check the config (vLLM cannot "
+        "import X here); nothing was started\n"
+    )
+    assert not run_dir.exists()
+    assert not (fake_docker / "calls.jsonl").exists()
