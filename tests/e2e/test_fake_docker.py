@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.e2e.conftest import SERIES, loopback_config, write_config
+from tests.e2e.conftest import BANNER, SERIES, loopback_config, write_config
 from vllm_overlay.cli import main
 from vllm_overlay.e2e.config import RunConfig
 from vllm_overlay.e2e.report import read_report
@@ -139,8 +139,13 @@ def test_a_run_whose_preflight_cannot_run_starts_nothing(
 
 def test_a_run_without_the_preflight_says_so_in_its_report(
     fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
+    from vllm_overlay.e2e.cli import series_patches
+
+    found = series_patches()  # the stand-ins carry this checkout's series
+    assert found is not None
+    monkeypatch.setenv("STANDIN_BANNER", BANNER.replace(SERIES, found[0]))
     path = write_config(loopback_config(tokenizer_json), tmp_path / "run.toml")
     run_dir = tmp_path / "run"
     argv = ["e2e", "--config", str(path), "--run-dir", str(run_dir), "--no-preflight"]
