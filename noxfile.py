@@ -523,6 +523,10 @@ def image_standin(session: nox.Session) -> None:
     )
 
 
+# Seconds nox waits for the E2E harness to tear down after Ctrl-C.
+E2E_TEARDOWN_S = 600.0
+
+
 @nox.session
 def e2e(session: nox.Session) -> None:
     """MoRIIO READ P/D on real nodes, N prefill x M decode, over ssh or Slurm.
@@ -532,4 +536,13 @@ def e2e(session: nox.Session) -> None:
     image, the harness never imports it.
     """
     install_checkout(session, "[e2e]")
-    session.run("vllm-overlay", "e2e", *session.posargs)
+    # The preflight (and every real run's first step) builds vLLM's engine
+    # config on CPU: it runs in the dev environment (`nox -s dev`).
+    env = {"VLLM_OVERLAY_PREFLIGHT_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
+    # Ctrl-C: nox sends SIGTERM 0.3 s after SIGINT and SIGKILL 0.2 s later;
+    # the harness needs that long to remove every container or cancel its
+    # Slurm job, and ignores further signals while it does.
+    session.run(
+        "vllm-overlay", "e2e", *session.posargs, env=env,
+        interrupt_timeout=E2E_TEARDOWN_S, terminate_timeout=E2E_TEARDOWN_S,
+    )  # fmt: skip
