@@ -46,3 +46,16 @@ def test_the_readme_gives_each_refusal_whole():
     assert refusals
     for text in refusals:
         assert " ".join(text.split()).replace("|", "\\|") in section, text
+
+
+def test_base_is_named_by_its_pin_not_by_a_path():
+    """The README quotes the sweep's base: the pinned version and commit, and
+    whether the files came from a wheel or the installed package, never a
+    directory of the machine that ran it."""
+    from vllm_overlay.checkout import Checkout
+    from vllm_overlay.simulate.run import base_files
+
+    _, where = base_files()
+    vllm = Checkout.find().pin.vllm
+    assert where.startswith(f"vLLM {vllm.version} ({vllm.git_commit}, ")
+    assert "/" not in where

@@ -129,8 +129,13 @@ def base_files(
     """The pinned base moriio files (by file name), checked against the pin,
     and where they came from (see ``BaseSource``)."""
     checkout = checkout or Checkout.find()
-    bases = (source or BaseSource()).load(checkout.pin, checkout.series)
-    return _by_name(bases.texts), bases.source
+    resolved = (source or BaseSource()).resolved()
+    bases = resolved.load(checkout.pin, checkout.series)
+    # Reports name the base by the pin its files were checked against, not
+    # by a path on the machine that ran them (the README quotes them).
+    vllm = checkout.pin.vllm
+    origin = f"wheel {resolved.wheel.name}" if resolved.wheel else "installed package"
+    return _by_name(bases.texts), f"vLLM {vllm.version} ({vllm.git_commit}, {origin})"
 
 
 def overlay_files(
