@@ -1,4 +1,4 @@
-"""The model-family layouts: built like vLLM 0.33.0's model code, grouped by
+"""The model-family layouts: built like the pinned vLLM's model code, grouped by
 vLLM's own planner, covering every spec kind a decoder-only model builds."""
 
 from __future__ import annotations

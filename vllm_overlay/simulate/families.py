@@ -1,4 +1,4 @@
-"""Per-layer KV cache specs of the model families vLLM 0.33.0 ships.
+"""Per-layer KV cache specs of the model families the pinned vLLM ships.
 
 Each builder returns ``{layer name: KVCacheSpec}`` the way that model's own
 layers build their specs in the pinned vLLM (``get_kv_cache_spec`` of its
@@ -731,6 +731,87 @@ def hisparse_dsv32() -> Specs:
     return deepseek_v32()
 
 
+def lfm3() -> Specs:
+    """LFM3 (model_executor/models/lfm3.py, the defaults of
+    transformers_utils/configs/lfm3.py): ``ShortConv.get_kv_cache_spec``
+    (``MambaBase``, model_executor/layers/mamba/short_conv.py; the conv state
+    of ``MambaStateShapeCalculator.short_conv_state_shape``, hidden 2048,
+    ``conv_L_cache`` 7) on the "conv" layers and ``Attention`` via
+    ``Lfm3Attention`` on the others: I % 4 == 2 full attention, I % 4 == 0
+    (I > 0) a 256-token window; 24 layers, 4 KV heads x 128, tensor
+    parallelism 1: a recurrent state beside full and sliding-window groups."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    dtypes = (_torch().bfloat16,)
+    shapes = ((2048, 7 - 1),)
+    attn_1tok = _attention(1, 4, 128).page_size_bytes
+    block = _hybrid_block(attn_1tok, _mamba_page(shapes, dtypes), 16)
+    conv = _mamba(
+        block,
+        shapes,
+        dtypes,
+        0,
+        _attention(block, 4, 128).page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
+    )
+    specs: Specs = {}
+    for i in range(24):
+        if i % 4 == 2:
+            specs[f"model.layers.{i}.self_attn.attn"] = _attention(block, 4, 128)
+        elif i % 4 == 0 and i > 0:
+            specs[f"model.layers.{i}.self_attn.attn"] = _attention(block, 4, 128, 256)
+        else:
+            specs[f"model.layers.{i}.short_conv"] = conv
+    return specs
+
+
+def zaya() -> Specs:
+    """ZAYA (model_executor/models/zaya.py, the defaults of transformers'
+    ``ZayaConfig``): every layer holds ``ZayaCCA``'s state
+    (``MambaBase.get_kv_cache_spec``, ``get_state_shape``: the raw q/k
+    history and the delayed value, replicated on every TP rank) beside its
+    ``Attention`` (full; no ``hybrid_sliding`` layer by default); 40 layers,
+    8 query / 2 KV heads x 128, ``cca_time0`` = ``cca_time1`` = 2."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    bf16 = _torch().bfloat16
+    shapes = (((8 + 2) * 128, 2 + 2 - 2), (2 * 128 // 2,))
+    dtypes = (bf16, bf16)
+    attn_1tok = _attention(1, 2, 128).page_size_bytes
+    block = _hybrid_block(attn_1tok, _mamba_page(shapes, dtypes), 16)
+    attn = _attention(block, 2, 128)
+    cca = _mamba(
+        block,
+        shapes,
+        dtypes,
+        0,
+        attn.page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
+        tp_replicated=True,
+    )
+    specs: Specs = {}
+    for i in range(40):
+        specs[f"model.layers.{i}.self_attn.qkv_proj"] = cca
+        specs[f"model.layers.{i}.self_attn.attn"] = attn
+    return specs
+
+
+def ricursive(eagle3: bool = False) -> Specs:
+    """Ricursive Ripple (model_executor/models/ricursive.py, the defaults of
+    transformers_utils/configs/ricursive.py): ``Attention.get_kv_cache_spec``
+    via ``RicursiveAttention``; 80 layers, every 5th (I % 5 == 4) global,
+    the others a 1024-token window, 8 KV heads x 128, block 16. The EAGLE3
+    drafter (``SupportsEagle3``; llama_eagle3.py) adds one full-attention
+    layer of the same shape: it joins the target's full group."""
+    specs: Specs = {}
+    for i in range(80):
+        window = None if i % 5 == 4 else 1024
+        specs[f"model.layers.{i}.self_attn.attn"] = _attention(16, 8, 128, window)
+    if eagle3:
+        specs["drafter.model.layers.0.self_attn.attn"] = _draft(_attention(16, 8, 128))
+    return specs
+
+
 # -- the matrix -----------------------------------------------------------------
 
 
@@ -827,6 +908,9 @@ def families() -> list[Family]:
         ),
         kv_cache_layouts=BOTH,
     )
+    ricursive_f = Family(
+        "ricursive", "Ricursive Ripple (full + SW 1024, 1:4)", ricursive, 16
+    )
     return [
         Family("llama3", "Llama-3 (full)", llama3, 16, dcp=(1, 2)),
         Family("gemma3", "Gemma-3 (full + SW 1024, 1:5)", gemma3, 16),
@@ -913,6 +997,16 @@ def families() -> list[Family]:
             kv_cache_layouts=BOTH,
         ),
         Family("dots3-note", "dots.llm3 NOTE (MLA + SW-MLA)", dots3_note, 64),
+        Family("lfm3", "LFM3 (ShortConv + full + SW 256)", lfm3, 0),
+        Family("zaya", "ZAYA (CCA state + full, every layer)", zaya, 0),
+        ricursive_f,
+        _drafted(
+            ricursive_f,
+            "eagle3",
+            3,
+            partial(ricursive, eagle3=True),
+            "Ricursive Ripple + EAGLE3 (drafter in the full group)",
+        ),
         Family(
             "deepseek-v3.2-hisparse",
             "DeepSeek-V3.2 + HiSparse (HiSparseHot/ResidentSpec)",
