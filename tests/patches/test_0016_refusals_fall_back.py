@@ -142,9 +142,7 @@ def test_refused_payload_is_prefilled_locally_beside_a_transfer(
         if out.finish_reason is not None:
             finished.add(out.request_id)
     while {ok, bad} & set(pair.decode.requests):
-        finished |= {
-            o.request_id for o in pair._step(pair.decode) if o.finish_reason
-        }
+        finished |= {o.request_id for o in pair._step(pair.decode) if o.finish_reason}
     assert finished == {ok, bad}
     assert counted.fallbacks == 1
     lines = [r.getMessage() for r in caplog.records if bad in r.getMessage()]

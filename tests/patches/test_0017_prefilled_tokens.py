@@ -82,7 +82,9 @@ def _pairing_errors(
     decoder's last token needs that it neither READs nor computes."""
     errors = []
     for g, window in enumerate((None, W)):
-        pairs = list(zip(meta.local_block_ids[g], meta.remote_block_ids[g]))
+        pairs = list(
+            zip(meta.local_block_ids[g], meta.remote_block_ids[g], strict=True)
+        )
         for d_block, p_block in pairs:
             if 0 in (d_block, p_block):
                 errors.append(f"group {g}: {d_block} <- {p_block} is null")
