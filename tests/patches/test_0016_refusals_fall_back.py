@@ -150,6 +150,31 @@ def test_refused_payload_is_prefilled_locally_beside_a_transfer(
     pair._step(pair.prefill, finished_sending={ok, bad})
 
 
+def test_payload_without_a_prefiller_address_is_prefilled_locally(
+    pair: SchedulerPair,
+) -> None:
+    """A payload the workers could not route (no address in the request id
+    nor in kv_transfer_params) used to raise in build_connector_meta, inside
+    schedule(); it is now refused before allocation and prefilled locally."""
+    i = next(pair.counter)
+    ok, bad = f"ok-{i}", f"bad-{i}"
+    tokens = {ok: prompt(2 * i + 1, N), bad: prompt(2 * i + 2, N)}
+    params = {rid: _prefill(pair, rid, toks) for rid, toks in tokens.items()}
+    for key in ("remote_host", "remote_handshake_port", "remote_notify_port"):
+        params[bad].pop(key)
+    counted = _Counted(pair)
+    for rid in (ok, bad):
+        pair.decode.add_request(pair._request(rid, tokens[rid], params[rid]))
+    output = pair.decode.schedule()
+    assert output.num_scheduled_tokens == {ok: 1, bad: N}
+    assert bad not in output.kv_connector_metadata.reqs_to_recv
+    pair._finish_step(pair.decode, output)
+    while {ok, bad} & set(pair.decode.requests):
+        pair._step(pair.decode)
+    assert counted.fallbacks == 1
+    pair._step(pair.prefill, finished_sending={ok, bad})
+
+
 def test_capped_count_after_allocation_is_released_and_counted(
     llama_model_dir: Path,
 ) -> None:
