@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -29,6 +30,7 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_overlay import cpuenv, cpuplatform, noxlog  # noqa: E402  (stdlib only)
+from vllm_overlay.gate.phases import PHASES_FILE, timed  # noqa: E402  (the same)
 from vllm_overlay.text import count  # noqa: E402
 
 noxlog.drop_uv_note(logging.getLogger("nox"))
@@ -248,6 +250,11 @@ def lint(session: nox.Session) -> None:
     ruff on our code and, with vLLM's settings, on the overlaid vLLM files;
     the type check; the series check; hadolint on the Dockerfile.
     """
+    with timed(REPORTS / PHASES_FILE, "lint"):
+        lint_impl(session)
+
+
+def lint_impl(session: nox.Session) -> None:
     typecheck_impl(session)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -294,48 +301,86 @@ def unit(session: nox.Session) -> None:
 
 @nox.session(name="unit-base", venv_backend="none")
 def unit_base(session: nox.Session) -> None:
-    """The suite on the base and overlaid, each patch on the stack below it: the gate.
+    """The suite overlaid, what can differ on the base, each patch below its stack.
 
-    The suite on the pinned base, then with the series, then each patch's
-    named tests on the stack levels in between: the per-patch revert-red
-    table, and a gate that every patch's Tests fail on the stack below it and
-    pass with it, and its Guards pass on both; then the whole export into a
-    temporary directory. The shared environment holds the base only while the
-    base run lasts; the overlay goes back on even when that run fails or is
-    interrupted.
+    The suite with the series, in one pytest process per core, recording
+    which tests read vLLM's installed MoRIIO package (the only files the
+    base and the overlay differ in); then those tests, and a sample of the
+    others whose outcomes must not change, on the pinned base; then each
+    patch's named tests on the stack levels in between (vLLM loaded once,
+    levels side by side): the per-patch revert-red table, and a gate that
+    every patch's Tests fail on the stack below it and pass with it, its
+    Guards pass on both, and the base run left out only tests that read
+    nothing there; then the whole export into a temporary directory. The
+    shared environment holds the base only while the base run lasts; the
+    overlay goes back on even when that run fails or is interrupted.
     """
     python = cpu_python(session)
-    base, overlaid = REPORTS / "outcomes-base.json", REPORTS / "outcomes-overlay.json"
+    phases = REPORTS / PHASES_FILE
+    on_overlay, on_base = REPORTS / "suite-overlay", REPORTS / "suite-base"
     levels = REPORTS / "levels"
-    for stale in (base, overlaid):
-        stale.unlink(missing_ok=True)
-    shutil.rmtree(levels, ignore_errors=True)
-    plugin = ("-p", "vllm_overlay.gate.outcomes", "-q", "--outcomes-json")
+    # The last run's times spread the files over the processes.
+    times = CACHE / "suite-times.json"
+    if (on_overlay / "times.json").is_file():
+        CACHE.mkdir(exist_ok=True)
+        shutil.copyfile(on_overlay / "times.json", times)
+    for stale in (on_overlay, on_base, levels):
+        shutil.rmtree(stale, ignore_errors=True)
+    env = {**wheel_env(session), "VLLM_OVERLAY_TEST_OLD_WHEEL": str(old_wheel(session))}
+    posargs = " ".join(shlex.quote(a) for a in session.posargs)
+    slowest = "--durations=15 --durations-min=2"
     # Below its patch a property test fails on purpose: report the first
     # failing example, do not shrink it (tests/conftest.py).
     no_shrink = "--hypothesis-profile=gate"
+    overlay(session, python, "apply")
+    session.log("running the suite with the overlay (which tests read vLLM's MoRIIO)")
+    args = ("--out", str(on_overlay), f"--pytest-args={slowest} {posargs}")
+    if times.is_file():
+        args += ("--times", str(times))
+    with timed(phases, "overlay"):
+        overlay(session, python, "suite", *args, env=env)
     overlay(session, python, "apply", "--revert")
     try:
-        session.log("running the suite on the pinned base (failures expected)")
-        quiet = ("--no-header", "-rN", "--tb=no", "--continue-on-collection-errors")
-        suite(session, python, *plugin, str(base), *quiet, no_shrink, may_fail=True)
+        session.log("running what can differ on the pinned base (failures expected)")
+        quiet = "--no-header -rN --tb=no --continue-on-collection-errors"
+        selection = on_overlay / "selection.json"
+        args = (
+            "--variant",
+            "base",
+            "--selection",
+            str(selection),
+            "--out",
+            str(on_base),
+        )
+        args += (f"--pytest-args={quiet} {no_shrink} {posargs}",)
+        with timed(phases, "base"):
+            overlay(session, python, "suite", *args, env=env)
     finally:
         overlay(session, python, "apply")
-    session.log("running the suite with the overlay")
-    suite(session, python, *plugin, str(overlaid), may_fail=True)
     session.log("running each patch's named tests on the stack levels in between")
     args = ("--out", str(levels), f"--pytest-args={no_shrink}")
-    overlay(session, python, "levels", *args, env=wheel_env(session))
-    outcomes = ("--base-outcomes", str(base), "--overlay-outcomes", str(overlaid))
-    overlay(session, python, "revert-red", *outcomes, "--levels", str(levels))
+    with timed(phases, "levels"):
+        overlay(session, python, "levels", *args, env=wheel_env(session))
+    outcomes = (
+        "--base-outcomes", str(on_base / "outcomes.json"),
+        "--overlay-outcomes", str(on_overlay / "outcomes.json"),
+        "--touches", str(on_overlay / "touches.json"),
+        "--selection", str(selection),
+    )  # fmt: skip
+    with timed(phases, "revert-red"):
+        overlay(session, python, "revert-red", *outcomes, "--levels", str(levels))
     # The whole export, thrown away: a ported test that fails vLLM's ruff, or
     # mails that do not apply in order, fail the gate, not a later export.
-    with tempfile.TemporaryDirectory(prefix="export-check-") as out:
+    with (
+        tempfile.TemporaryDirectory(prefix="export-check-") as out,
+        timed(phases, "export"),
+    ):
         args = ("--out", out, "--no-signoff")
         overlay(session, python, "export", *args, env=wheel_env(session), silent=True)
     session.log("unit-base: every patch exports (ruff, git am in stack order)")
     session.log("a small byte sweep with the overlay: its verdict gates too")
-    bytes_gate(session, python)
+    with timed(phases, "bytes"):
+        bytes_gate(session, python)
 
 
 # The hybrid and window mechanism layouts, READ at TP 1->1, every hit: real
@@ -478,6 +523,10 @@ def image_standin(session: nox.Session) -> None:
     )
 
 
+# Seconds nox waits for the E2E harness to tear down after Ctrl-C.
+E2E_TEARDOWN_S = 600.0
+
+
 @nox.session
 def e2e(session: nox.Session) -> None:
     """MoRIIO READ P/D on real nodes, N prefill x M decode, over ssh or Slurm.
@@ -487,4 +536,13 @@ def e2e(session: nox.Session) -> None:
     image, the harness never imports it.
     """
     install_checkout(session, "[e2e]")
-    session.run("vllm-overlay", "e2e", *session.posargs)
+    # The preflight (and every real run's first step) builds vLLM's engine
+    # config on CPU: it runs in the dev environment (`nox -s dev`).
+    env = {"VLLM_OVERLAY_PREFLIGHT_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
+    # Ctrl-C: nox sends SIGTERM 0.3 s after SIGINT and SIGKILL 0.2 s later;
+    # the harness needs that long to remove every container or cancel its
+    # Slurm job, and ignores further signals while it does.
+    session.run(
+        "vllm-overlay", "e2e", *session.posargs, env=env,
+        interrupt_timeout=E2E_TEARDOWN_S, terminate_timeout=E2E_TEARDOWN_S,
+    )  # fmt: skip

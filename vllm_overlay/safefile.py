@@ -180,3 +180,20 @@ def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def replace_file(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """``data`` at ``path``, written to a new file beside it and renamed over
+    whatever stood there: a symlink at ``path`` is replaced, never written
+    through, and a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = create_exclusive(tmp, mode)
+    try:
+        try:
+            write_all(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -4,12 +4,16 @@ naming the lengths that fail on the base image and why (defect 1)."""
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import ALL_EXAMPLES, EXAMPLES, REPO
 from vllm_overlay.cli import main
+from vllm_overlay.e2e import basestarts
+from vllm_overlay.e2e.basestarts import HYBRID_PROBE, RECORDED, BaseStarts
 from vllm_overlay.e2e.config import Checks, load_config
 from vllm_overlay.e2e.expect import (
     HYBRID_GROUPS,
@@ -24,10 +28,15 @@ from vllm_overlay.e2e.expect import (
     sweep_lengths,
 )
 from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.series.pin import PIN_FILE, load_pin
+from vllm_overlay.simulate import procs
 from vllm_overlay.simulate.report import PlanItem
-from vllm_overlay.simulate.run import base_files, overlay_files, run_variant
+from vllm_overlay.simulate.run import _DECODER, MARK, base_files, overlay_files
 
+# The example: MTP x9 on both servers, 9 lookahead slots on each leg.
 DSV4 = Geometry.of(load_config(EXAMPLES / "dsv4-pro-1p1d.toml"))
+# The upstream run of vLLM #62165: the 9 slots on the decode server only.
+DSV4_UPSTREAM = dataclasses.replace(DSV4, prefill_lookahead=0)
 GEMMA = Geometry(16, 1, 512, 16, False, 1, 0, 0, ())
 SEED_001 = (251, 377, 384, 440, 447, 636, 832, 895)
 
@@ -44,20 +53,37 @@ def simulated() -> dict[tuple[str, str], object]:
     over, _ = overlay_files(base)
     plan = [
         PlanItem("dsv4", "1-1100", "0"),
+        PlanItem("dsv4-both/dcp1", "1-1100", "0"),
         PlanItem("gemma", "500-660", "0"),
         PlanItem("glm", "100", "0"),
     ]
+
+    def run(variant: str, files: dict[str, str], port: int) -> list[Any]:
+        # The simulator's worker, also knowing the example's dsv4 deployment.
+        return procs.run_variant_process(
+            variant,
+            files,
+            lambda moriio_dir: procs.start(
+                "tests.e2e.simlayouts",
+                [*procs.variant_args(moriio_dir, variant, plan), f"--port={port}"],
+            ),
+            MARK,
+            _DECODER,
+        )
+
     jobs = (("base", base, 46100), ("overlay", over, 46200))
     with ThreadPoolExecutor(len(jobs)) as pool:
-        done = pool.map(
-            lambda job: run_variant(job[0], job[1], plan, port=job[2]), jobs
-        )
+        done = pool.map(lambda job: run(*job), jobs)
         return {(r.variant, r.layout): r for reports in done for r in reports}
 
 
 @pytest.mark.parametrize(
     ("layout", "geo", "lengths"),
-    [("dsv4", DSV4, range(1, 1101)), ("gemma", GEMMA, range(500, 661))],
+    [
+        ("dsv4", DSV4_UPSTREAM, range(1, 1101)),
+        ("dsv4-both", DSV4, range(1, 1101)),
+        ("gemma", GEMMA, range(500, 661)),
+    ],
 )
 def test_rules_agree_with_the_simulator(simulated, layout, geo, lengths) -> None:  # noqa: ANN001
     slugs = [p.name for p in load_series(REPO).patches]
@@ -73,17 +99,44 @@ def test_rules_agree_with_the_simulator(simulated, layout, geo, lengths) -> None
 
 
 def test_refusals_agree_with_the_simulator(simulated) -> None:  # noqa: ANN001
-    glm = load_config(EXAMPLES / "glm-5.3-flash-1p1d.toml")
-    geo = Geometry.of(glm)
-    # The simulator's GLM tail ring is a window spec the series accepts; the
-    # example's refused CircularBufferSpec is the real 0.33.0 grouping's.
-    geo = Geometry(**{**geo.__dict__, "refused_specs": ()})
+    # The start-up verdicts the dry run reads (basestarts.RECORDED) are the
+    # simulator's on the pinned base, and the series starts the layout.
+    said = simulated[("base", HYBRID_PROBE)].refused_at_start or ""
+    now = BaseStarts(load_pin(REPO / PIN_FILE).vllm.version, {HYBRID_PROBE: said})
+    assert now == RECORDED, (
+        "the pinned base's start-up verdicts changed: in vllm_overlay/e2e/"
+        f"basestarts.py set RECORDED = {now!r}"
+    )
+    assert simulated[("overlay", HYBRID_PROBE)].refused_at_start is None
+    glm = Geometry.of(load_config(EXAMPLES / "glm-5.3-flash-1p1d.toml"))
     slugs = [p.name for p in load_series(REPO).patches]
-    refusal = simulated[("base", "glm")].refused_at_start
-    assert refusal is not None
-    assert Expectations(geo, []).refusals[0].summary.split(":")[0] in refusal
-    assert simulated[("overlay", "glm")].refused_at_start is None
-    assert Expectations(geo, slugs).refused_overlaid == []
+    assert bool(Expectations(glm, []).refusals) == bool(said)
+    assert Expectations(glm, slugs).refused_overlaid == []
+
+
+# A base whose connector refuses the probe (vLLM 0.33.0's words).
+REFUSING = BaseStarts(
+    "0.33.0",
+    {
+        HYBRID_PROBE: "ValueError: MoRIIO hybrid READ requires exactly one "
+        "transferable attention group, got 2"
+    },
+)
+
+
+def test_a_base_that_refuses_the_probe_refuses_every_mechanism_it_has() -> None:
+    glm = Geometry.of(load_config(EXAMPLES / "glm-5.3-flash-1p1d.toml"))
+    exp = Expectations(glm, [], REFUSING)
+    ids = [r.id for r in exp.refusals]
+    assert ids == ["hybrid-attention-groups", "hybrid-speculation", "unsupported-spec"]
+    for r in exp.refusals:
+        assert "got 2" in r.summary and "vLLM 0.33.0" in r.summary, r.summary
+    slugs = [p.name for p in load_series(REPO).patches]
+    assert Expectations(glm, slugs, REFUSING).refused_overlaid == []
+    # Kimi (one group, DSpark, no ring) has none of the probe's mechanisms.
+    kimi = Geometry.of(load_config(EXAMPLES / "kimi-k3-1p1d.toml"))
+    assert Expectations(kimi, [], REFUSING).refusals == []
+    assert Expectations(glm, [], BaseStarts("x", {HYBRID_PROBE: ""})).refusals == []
 
 
 def test_dsv4_sweep_holds_every_failing_class_and_the_seed_lengths() -> None:
@@ -159,15 +212,32 @@ def test_dsv4_dry_run_names_the_failing_lengths(capsys) -> None:  # noqa: ANN001
     assert "window-start" not in over
 
 
-def test_glm_dry_run_says_the_base_refuses_to_start(capsys) -> None:  # noqa: ANN001
-    out = dry_run(EXAMPLES / "glm-5.3-flash-1p1d.toml", capsys)
-    assert "the servers refuse to start, so every check fails" in out
-    assert "requires exactly one transferable attention group, got 2" in out
-    assert f"method='mtp': refused at start; fixed by {HYBRID_GROUPS}" in out
+def test_glm_dry_run_says_what_the_pinned_base_does_at_start(
+    capsys,
+    monkeypatch,  # noqa: ANN001
+) -> None:
+    path = EXAMPLES / "glm-5.3-flash-1p1d.toml"
+    out = dry_run(path, capsys)
+    if RECORDED.refusal(HYBRID_PROBE):
+        assert "the servers refuse to start, so every check fails" in out
+    else:
+        assert "refuse to start" not in out
+        assert (
+            "expected on the base image: no length fails; vLLM "
+            f"{RECORDED.vllm}'s connector starts this hybrid READ layout" in out
+        )
+    # On a base that refuses the probe, the dry run says so in its words.
+    monkeypatch.setattr(basestarts, "RECORDED", REFUSING)
+    out = dry_run(path, capsys)
     assert (
-        f"CircularBufferSpec group; the servers fail closed at start; fixed by {RINGS}"
-        in out
+        "expected on the base image (vLLM 0.33.0 without the series): the "
+        "servers refuse to start, so every check fails" in out
     )
+    assert "requires exactly one transferable attention group, got 2" in out
+    assert "method='mtp' speculative decoding: refused at start (" in out
+    assert f"; fixed by {HYBRID_GROUPS}" in out
+    assert "a CircularBufferSpec group: the servers fail closed at start" in out
+    assert f"fixed by {RINGS}" in out
     over = next(x for x in out.splitlines() if "expected with the overlay" in x)
     assert "still refused" not in over
 
@@ -182,3 +252,13 @@ def test_kimi_dry_run_gives_pages_per_prefix_hit(capsys) -> None:  # noqa: ANN00
 def test_llama_is_a_smoke_test(capsys) -> None:  # noqa: ANN001
     out = dry_run(EXAMPLES / "llama-smoke.toml", capsys)
     assert "no length fails; this layout has none of the mechanisms" in out
+
+
+def test_unequal_lookahead_on_the_prefill_side_is_not_modelled() -> None:
+    # The simulator checked none and the same on both legs; a prefill tail
+    # longer or shorter than the decoder's is not guessed at.
+    for prefill in (3, 12):
+        exp = Expectations(dataclasses.replace(DSV4, prefill_lookahead=prefill), [])
+        assert exp.rules == []
+        assert f"{prefill} lookahead slots on the prefill servers" in exp.not_modelled
+    assert Expectations(DSV4, []).not_modelled == ""

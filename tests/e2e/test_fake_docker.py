@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.e2e.conftest import SERIES, loopback_config, write_config
+from tests.e2e.conftest import BANNER, SERIES, loopback_config, write_config
 from vllm_overlay.cli import main
 from vllm_overlay.e2e.config import RunConfig
 from vllm_overlay.e2e.report import read_report
@@ -73,7 +73,8 @@ def test_a_pull_that_hangs_stops_at_its_timeout_with_a_report(
     config = with_timeouts(loopback_config(tokenizer_json), pull_s=2)
     path = write_config(config, tmp_path / "run.toml")
     run_dir = tmp_path / "run"
-    assert main(["e2e", "--config", str(path), "--run-dir", str(run_dir)]) == 1
+    argv = ["e2e", "--config", str(path), "--run-dir", str(run_dir), "--no-preflight"]
+    assert main(argv) == 1
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     report = read_report(run_dir / "report.json")
@@ -118,3 +119,59 @@ def test_a_whole_run_through_containers_and_the_toy_proxy(
     assert front.summary["max_tokens"] == "minus-one"
     assert report.front_end == "toy-proxy"
     assert not list(fake_docker.glob("*.json"))
+
+
+def test_a_run_whose_preflight_cannot_run_starts_nothing(
+    fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # Every real run starts with the preflight: a config with no model
+    # config.json for it is refused before any container, unless the run
+    # says --no-preflight.
+    path = write_config(loopback_config(tokenizer_json), tmp_path / "run.toml")
+    run_dir = tmp_path / "run"
+    assert main(["e2e", "--config", str(path), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: loop: model.preflight_model is not set")
+    assert not run_dir.exists()
+    assert not (fake_docker / "calls.jsonl").exists()
+
+
+def test_a_run_without_the_preflight_says_so_in_its_report(
+    fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from vllm_overlay.e2e.cli import series_patches
+
+    found = series_patches()  # the stand-ins carry this checkout's series
+    assert found is not None
+    monkeypatch.setenv("STANDIN_BANNER", BANNER.replace(SERIES, found[0]))
+    path = write_config(loopback_config(tokenizer_json), tmp_path / "run.toml")
+    run_dir = tmp_path / "run"
+    argv = ["e2e", "--config", str(path), "--run-dir", str(run_dir), "--no-preflight"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "e2e: preflight skipped (--no-preflight)" in out
+    md = (run_dir / "report.md").read_text()
+    assert "- preflight: skipped (--no-preflight): the config's [layout] is" in md
+
+
+def test_a_run_the_preflight_could_not_check_starts_nothing(
+    fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from vllm_overlay.e2e import cli
+    from vllm_overlay.e2e.preflight import Preflight
+
+    blind = Preflight("loop", [], unchecked="vLLM cannot import X here")
+    monkeypatch.setattr(cli, "run_preflight", lambda path: blind)
+    path = write_config(loopback_config(tokenizer_json), tmp_path / "run.toml")
+    run_dir = tmp_path / "run"
+    assert main(["e2e", "--config", str(path), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: loop: the preflight could not check the config (vLLM cannot "
+        "import X here); nothing was started\n"
+    )
+    assert not run_dir.exists()
+    assert not (fake_docker / "calls.jsonl").exists()

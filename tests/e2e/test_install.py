@@ -18,19 +18,54 @@ from tests.e2e.conftest import EXAMPLES, REPO
 E2E = REPO / "vllm_overlay" / "e2e"
 # Imported only by the harness run itself, found with a clear error if missing.
 RUN_ONLY = {"tokenizers"}
+# The preflight's vLLM side: the only module that imports vLLM, only inside
+# its functions; the CLI calls it where vLLM is importable, else runs it in
+# the Python that has vLLM (cli.run_preflight).
+PREFLIGHT_VLLM = E2E / "preflight_vllm.py"
+VLLM = {"vllm", "torch"}
 
 
-def third_party_imports(paths: list[Path]) -> set[str]:
+def _names(nodes: list[ast.AST]) -> set[str]:
     names: set[str] = set()
-    for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names.update(a.name.split(".")[0] for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
     return {
         n for n in names if n not in sys.stdlib_module_names and n != "vllm_overlay"
     }
+
+
+def third_party_imports(paths: list[Path]) -> set[str]:
+    return _names([n for p in paths for n in ast.walk(ast.parse(p.read_text()))])
+
+
+def module_level_nodes(path: Path) -> list[ast.AST]:
+    """The nodes run when ``path`` is imported (not those inside functions)."""
+    tree = ast.parse(path.read_text())
+    inner = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+        for n in ast.walk(f)
+    }
+    return [n for n in ast.walk(tree) if id(n) not in inner]
+
+
+def test_only_the_preflight_imports_vllm_and_only_when_it_runs() -> None:
+    others = [p for p in sorted(E2E.glob("*.py")) if p != PREFLIGHT_VLLM]
+    assert not VLLM & third_party_imports(others)
+    assert third_party_imports([PREFLIGHT_VLLM]) >= VLLM
+    assert not VLLM & _names(module_level_nodes(PREFLIGHT_VLLM))
+    # Nothing imports it at module level either.
+    for path in others:
+        modules = {
+            n.module
+            for n in module_level_nodes(path)
+            if isinstance(n, ast.ImportFrom) and n.module
+        }
+        assert "vllm_overlay.e2e.preflight_vllm" not in modules, path
 
 
 def test_every_e2e_import_is_declared() -> None:
@@ -43,7 +78,7 @@ def test_every_e2e_import_is_declared() -> None:
         d.split(">")[0].split("=")[0].strip().replace("-", "_")
         for d in project["optional-dependencies"]["e2e"]
     }
-    used = third_party_imports(sorted(E2E.glob("*.py")))
+    used = third_party_imports(sorted(E2E.glob("*.py"))) - VLLM
     assert used - RUN_ONLY <= core, used - core
     assert extra >= RUN_ONLY
     assert not {"vllm", "torch"} & (core | extra)

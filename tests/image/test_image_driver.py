@@ -30,8 +30,8 @@ from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import PIN_FILE, load_pin
 
 REPO = Path(__file__).resolve().parents[2]
+BASE = load_pin(REPO / "pin.toml").image.reference
 DIGEST = "sha256:" + "cd" * 32
-BASE = "docker.io/vllm/vllm-openai-rocm:v0.33.0"
 
 
 def only(bin_dir: Path):  # noqa: ANN201 - a `which` over one directory

@@ -75,9 +75,10 @@ def test_pin_pull_ref_by_digest_with_a_registry_port() -> None:
 
 
 def test_pin_refuses_a_malformed_reference(pin_text: str) -> None:
+    reference = decode_pin(pin_text).image.reference
     bad = pin_text.replace(
-        'reference = "docker.io/vllm/vllm-openai-rocm:v0.33.0"',
-        'reference = "docker.io//vllm-openai-rocm:v0.33.0"',
+        f'reference = "{reference}"',
+        f'reference = "{reference.replace("/vllm/", "//")}"',
     )
     assert bad != pin_text
     with pytest.raises(PinError, match="not an image path"):

@@ -17,6 +17,7 @@ import pytest
 
 from tests.overlay.faketree import BASE_TEXTS, COMMON, CONNECTOR, FakeTree, json_of
 from tests.overlay.workspace import REPO, make_diff
+from vllm_overlay import safefile
 from vllm_overlay.cli import main
 from vllm_overlay.safefile import MAX_READ_BYTES
 from vllm_overlay.series.pin import MODULE_DIR, PIN_FILE
@@ -434,3 +435,14 @@ def test_lock_that_cannot_be_written_says_which_and_what(
     )
     assert tree.snapshot() == before
     assert not (tree.module / LOCK_NAME).exists()
+
+
+def test_replace_file_replaces_a_symlink_and_leaves_its_target(tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    target.write_text("keep")
+    link = tmp_path / "report.json"
+    link.symlink_to(target)
+    safefile.replace_file(link, b"{}\n")
+    assert target.read_text() == "keep"
+    assert not link.is_symlink() and link.read_bytes() == b"{}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious", "report.json"]

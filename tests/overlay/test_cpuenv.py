@@ -12,6 +12,7 @@ import pytest
 
 from tests.overlay.workspace import REPO
 from vllm_overlay import cpuenv
+from vllm_overlay.series.pin import load_pin
 
 NO_DEPS = ["vllm", "xgrammar", "apache-tvm-ffi"]
 REQUIREMENTS = [
@@ -137,7 +138,7 @@ def test_a_foreign_venv_is_left_alone(tmp_path: Path) -> None:
 
 def test_vllm_version_works_without_the_device_variable() -> None:
     """`vllm --version` in the environment, with VLLM_TARGET_DEVICE unset:
-    the .pth the sessions write makes vLLM pick its CPU platform."""
+    the .pth the sessions write turns the overlay's CPU platform on."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
     script = Path(sys.executable).parent / "vllm"
     run = subprocess.run(
@@ -147,4 +148,5 @@ def test_vllm_version_works_without_the_device_variable() -> None:
         env=env,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == "0.33.0"
+    version = load_pin(REPO / "pin.toml").vllm.version
+    assert run.stdout.strip().splitlines()[-1] == version

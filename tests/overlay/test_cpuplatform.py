@@ -165,12 +165,16 @@ def test_vllms_own_cpu_platform_refuses_without_triton() -> None:
         assert "requires Triton" in result["llama"]["error"]
 
 
-def test_the_device_pth_leaves_the_target_unset_when_the_plugin_is_on() -> None:
-    """The CPU environment's .pth sets VLLM_TARGET_DEVICE=cpu unless it is
-    set or the plugin is on (vLLM would then skip the plugin)."""
+def test_the_device_pth_turns_the_platform_on_unless_told_otherwise() -> None:
+    """The CPU environment's .pth turns the overlay's platform on unless the
+    switch is set, and never sets VLLM_TARGET_DEVICE (vLLM would then skip
+    the plugin)."""
 
     def target(env: dict[str, str]) -> str:
-        show = "print(os.environ.get('VLLM_TARGET_DEVICE', '-'))"
+        show = (
+            "print(os.environ.get('VLLM_TARGET_DEVICE', '-'), "
+            f"os.environ.get('{cpuplatform.ENV}', '-'))"
+        )
         code = f"{cpuenv.DEVICE_PTH_TEXT.strip()}; {show}"
         base = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
         base.pop(cpuplatform.ENV, None)
@@ -183,7 +187,14 @@ def test_the_device_pth_leaves_the_target_unset_when_the_plugin_is_on() -> None:
         assert run.returncode == 0, run.stderr
         return run.stdout.strip()
 
-    assert target({}) == "cpu"
-    assert target({cpuplatform.ENV: "0"}) == "cpu"
-    assert target({"VLLM_TARGET_DEVICE": "cuda"}) == "cuda"
-    assert target({cpuplatform.ENV: "1"}) == "-"
+    assert target({}) == "- 1"
+    assert target({cpuplatform.ENV: "0"}) == "- 0"
+    assert target({"VLLM_TARGET_DEVICE": "cuda"}) == "cuda 1"
+    assert target({cpuplatform.ENV: "1"}) == "- 1"
+
+
+def test_cpu_environ_turns_the_platform_on_and_drops_a_cpu_target() -> None:
+    env = cpuplatform.cpu_environ({"VLLM_TARGET_DEVICE": "cpu", "A": "b"})
+    assert env == {"A": "b", cpuplatform.ENV: "1"}
+    kept = cpuplatform.cpu_environ({"VLLM_TARGET_DEVICE": "cuda"})
+    assert kept == {"VLLM_TARGET_DEVICE": "cuda", cpuplatform.ENV: "1"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,15 @@ from vllm_overlay.series.pin import PinError, decode_pin, encode_pin, load_pin
 from vllm_overlay.tree.materialize import MaterializeError, base_from_wheel
 
 PIN_TEXT = (REPO / "pin.toml").read_text()
+VERSION = load_pin(REPO / "pin.toml").vllm.version
+GIT_COMMIT = load_pin(REPO / "pin.toml").vllm.git_commit
 
 
 def test_repo_pin_round_trips() -> None:
     pin = load_pin(REPO / "pin.toml")
-    assert pin.vllm.version == "0.33.0"
-    assert pin.vllm.git_commit == "4ba787ec9"
+    assert pin.vllm.wheel.startswith(f"vllm-{pin.vllm.version}-")
+    assert re.fullmatch(r"[0-9a-f]{7,40}", pin.vllm.git_commit)
+    assert pin.image.reference.endswith(f":v{pin.vllm.version}")
     assert all(p.startswith(pin.module + "/") for p in pin.files)
     assert decode_pin(encode_pin(pin)) == pin
 
@@ -26,10 +30,10 @@ def test_repo_pin_round_trips() -> None:
     ("edit", "field"),
     [
         (
-            lambda t: t.replace('git_commit = "4ba787ec9"', 'git_commit = "xyz"'),
+            lambda t: t.replace(f'git_commit = "{GIT_COMMIT}"', 'git_commit = "xyz"'),
             "$.vllm.git_commit",
         ),
-        (lambda t: t.replace('version = "0.33.0"\n', ""), "version"),
+        (lambda t: t.replace(f'version = "{VERSION}"\n', ""), "version"),
         (lambda t: t.replace("[image]", "[imaje]"), "imaje"),
         (lambda t: t.replace('= "e3b0c442', '= "E3B0C442'), "$.files"),
         (

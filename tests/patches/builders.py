@@ -15,14 +15,9 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-from vllm_overlay import cpuplatform
-
-cpuplatform.use_in_this_process()
 
 import torch  # noqa: E402
 from vllm.config import (  # noqa: E402

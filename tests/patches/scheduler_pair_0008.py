@@ -12,6 +12,7 @@ each request whose prompt is complete.
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheSpec
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -33,7 +34,6 @@ from tests.patches.builders import (
     make_vllm_config,
     moriio_kv_transfer_config,
 )
-from vllm_overlay.simulate.outputs import model_runner_output
 
 _SAMPLED_TOKEN = 7
 
@@ -64,10 +64,25 @@ def build_scheduler(
         )
 
 
+_SEED_STRIDE = 50_021
+
+
+def model_runner_output(req_ids: list[str], **fields: Any) -> ModelRunnerOutput:
+    """The runner's output for ``req_ids`` in row order; ``req_id_to_index``
+    only where ``ModelRunnerOutput`` still takes it (vLLM 0.33.0 did)."""
+    if "req_id_to_index" in inspect.signature(ModelRunnerOutput).parameters:
+        fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **fields)
+
+
 def prompt(seed: int, num_tokens: int) -> list[int]:
     """Tokens no other seed shares (its first one already differs), so only a
-    deliberate prefix is a hit."""
-    return [seed * 100_003 + i for i in range(num_tokens)]
+    deliberate prefix is a hit. Token ids stay below 2**31: vLLM keeps a
+    request's tokens as int32."""
+    assert num_tokens < _SEED_STRIDE
+    tokens = [seed * _SEED_STRIDE + i for i in range(num_tokens)]
+    assert tokens[-1] < 2**31
+    return tokens
 
 
 @dataclass

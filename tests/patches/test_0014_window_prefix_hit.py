@@ -52,9 +52,7 @@ def scheduler_pairs(llama_model_dir: Path) -> Callable[[int, int], SchedulerPair
 def _pages(read: Read, group: int) -> list[int]:
     """The page indices READ pairs in ``group``: the same on both legs."""
     local = [read.decode_tables[group].index(b) for b in read.local_block_ids[group]]
-    remote = [
-        read.prefill_tables[group].index(b) for b in read.remote_block_ids[group]
-    ]
+    remote = [read.prefill_tables[group].index(b) for b in read.remote_block_ids[group]]
     assert local == remote
     return local
 

@@ -35,13 +35,14 @@ from vllm_overlay.gate.reports import (
     unit_base_report_path,
 )
 from vllm_overlay.series.patch_series import load_series
-from vllm_overlay.series.pin import Pin
+from vllm_overlay.series.pin import Pin, load_pin
 from vllm_overlay.tree.materialize import BaseSource
 from vllm_overlay.upstream.export import ExportError, export, find_ruff, load_context
 from vllm_overlay.upstream.gitmail import Identity
 from vllm_overlay.upstream.testport import SPDX_HEADER
 
 CONFIG = Path(__file__).resolve().parents[2] / "ci" / "ruff-vllm.toml"
+PIN = load_pin(Path(__file__).resolve().parents[2] / "pin.toml")
 SPDX = "# SPDX-License-Identifier: Apache-2.0\n"
 ANCHOR = "def get_port_offset(dp_rank: int, tp_rank: int, tp_size: int = 1) -> int:\n"
 
@@ -185,7 +186,11 @@ def _report(
         *extra,
     ]
     report = RevertRedReport(
-        "0.33.0", series_id or series.series_id, "2026-11-29T13:00:00Z", rows, stack
+        PIN.vllm.version,
+        series_id or series.series_id,
+        "2026-11-29T13:00:00Z",
+        rows,
+        stack,
     )
     path = unit_base_report_path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -353,7 +358,8 @@ def test_dependent_patch_is_stacked_on_its_predecessor(
     assert "[ok] the mail is made against the stack below: base + 0001" in log
     body = (d / "PR.md").read_text()
     assert "This change applies on top of: 0001-port-offsets.patch" in body
-    assert "| Test | vLLM 0.33.0 (4ba787ec9) + 0001 | With this change |" in body
+    base = f"vLLM {PIN.vllm.version} ({PIN.vllm.git_commit})"
+    assert f"| Test | {base} + 0001 | With this change |" in body
     assert "| `test_offsets_stable` | failed | passed |" in body
     assert "regression guards):\n- `test_offsets_start_at_zero`\n" in body
     assert "| `test_offsets_start_at_zero` | passed | passed |" in body
@@ -538,7 +544,7 @@ def test_identity_and_ruff_version(tmp_path: Path) -> None:
 
 
 def test_pin_fixture_is_the_real_pin(pin: Pin) -> None:
-    assert pin.vllm.version == "0.33.0"
+    assert pin == PIN
 
 
 def _no_git_identity(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
@@ -585,7 +591,7 @@ def _run_hint(log: str, git: Path, run: Callable[..., str]) -> None:
     )
     hint = lines[start + 1 :]
     assert hint[0].startswith("git checkout -b moriio/") and hint[0].endswith(
-        " 4ba787ec9"
+        f" {PIN.vllm.git_commit}"
     )
     assert hint[-2].startswith("git push -u <your-fork> moriio/")
     assert hint[-1].startswith("gh pr create --repo vllm-project/vllm --title ")

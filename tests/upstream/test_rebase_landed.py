@@ -36,6 +36,7 @@ from vllm_overlay.series.patch_series import (
     Series,
     check_series,
     load_series,
+    set_header_field,
     split_header,
 )
 from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
@@ -47,7 +48,9 @@ from vllm_overlay.tree.manifest import (
     encode_manifest,
 )
 
-WHEEL = "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+# A release newer than any pin this series will see.
+NEWER = "0.99.0"
+WHEEL = f"vllm-{NEWER}-cp38-abi3-manylinux_2_28_x86_64.whl"
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,7 @@ def _rebase(
 
 def _wheel(tmp_path: Path, base: dict[str, str], connector: str) -> Path:
     files = {**base, CONNECTOR: connector}
-    return write_wheel(tmp_path / WHEEL, files, "0.34.0", "62d4bc3c7")
+    return write_wheel(tmp_path / WHEEL, files, NEWER, "0a1b2c3d4")
 
 
 def _newer_tree(tmp_path: Path, base: dict[str, str], connector: str) -> Path:
@@ -143,17 +146,15 @@ def test_a_base_holding_0001_drops_it_records_it_and_rebases_the_rest(
     assert "moriio_connector.py: hunk #1 landed: its post-image is at lines" in out
     rest = len(series.patches) - 1
     assert out.splitlines()[-1] == (
-        f"rebase: {rest} offset, 1 upstream: the series is on vLLM 0.34.0"
+        f"rebase: {rest} offset, 1 upstream: the series is on vLLM {NEWER}"
     )
     # 0001 left the series; its header is kept, with the release that has it.
     assert not (root / "patches" / first.name).exists()
     assert load_series(root).names == series.names[1:]
     record = root / "patches" / "dropped" / f"{first.slug}.dep3"
     head, _ = split_header(first.text, first.name)
-    assert "Applied-Upstream:\n" in head
-    assert record.read_text() == head.replace(
-        "Applied-Upstream:\n", "Applied-Upstream: 0.34.0\n"
-    )
+    assert record.read_text() == set_header_field(head, "Applied-Upstream", NEWER)
+    assert f"\nApplied-Upstream: {NEWER}\n" in record.read_text()
     # The rest applies exactly to the new base and gives what the series
     # gave on the pinned one, below the lines upstream added.
     assert _apply_all(new, load_series(root)) == edit(
@@ -198,14 +199,14 @@ def test_a_base_holding_some_hunks_of_0001_carries_the_remainder(
     after = load_series(root)
     assert after.names == series.names
     refreshed = after.patches[0]
-    assert "Applied-Upstream: 0.34.0 (in part)\n" in refreshed.text
+    assert f"Applied-Upstream: {NEWER} (in part)\n" in refreshed.text
     (rfp,) = refreshed.files
     assert [h.lines for h in rfp.hunks] == [fp.hunks[k].lines for k in rest]
     assert not (root / "patches" / "dropped").exists()
     assert _apply_all(new, after) == edit(
         _overlaid(base_texts, series), SPDX, SPDX + INSERTED
     )
-    assert load_pin(root / PIN_FILE).vllm.version == "0.34.0" != pin.vllm.version
+    assert load_pin(root / PIN_FILE).vllm.version == NEWER != pin.vllm.version
     assert check_series(root, load_pin(root / PIN_FILE), tests=False) == []
 
 

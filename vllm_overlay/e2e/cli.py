@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
+import msgspec
+
 from vllm_overlay.command import App, Subparsers, add_command
+from vllm_overlay.cpuplatform import cpu_environ
 from vllm_overlay.e2e.config import RunConfig, load_config
 from vllm_overlay.e2e.expect import Expectations, Geometry, prefix_read, sweep_lengths
+from vllm_overlay.e2e.preflight import Preflight, PreflightError
+from vllm_overlay.e2e.preflight import text_lines as preflight_lines
 from vllm_overlay.e2e.servers import servers
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.text import count
 
 LAUNCHERS = ("ssh", "slurm", "attach")
+NO_PREFLIGHT = (
+    "skipped (--no-preflight): the config's [layout] is taken as "
+    "typed, nothing checked what vLLM builds"
+)
 
 
 def lengths_text(lengths: list[int], limit: int = 400) -> str:
@@ -42,20 +54,27 @@ def expectation_lines(
     lines = [f"layout: {geo.describe()}"]
     if base.refusals:
         lines.append(
-            "expected on the base image (vLLM 0.33.0 without the series): the "
-            "servers refuse to start, so every check fails:"
+            f"expected on the base image (vLLM {base.base_version} without the "
+            "series): the servers refuse to start, so every check fails:"
         )
         lines += [f"  {r.id}: {r.summary}; {r.fix_text()}" for r in base.refusals]
     failing = [n for n in lengths if base.verdict(n).base]
     if base.rules and not base.refusals:
         lines.append(
-            "expected on the base image (vLLM 0.33.0 without the series): "
-            f"{len(failing)} of {len(lengths)} lengths read wrong KV:"
+            f"expected on the base image (vLLM {base.base_version} without the "
+            f"series): {len(failing)} of {len(lengths)} lengths read wrong KV:"
         )
         for r in base.rules:
             hit = [n for n in lengths if r.applies(n)]
             lines.append(f"  {r.id} [{r.summary}; {r.fix_text()}]:")
             lines.append(f"    {len(hit)} lengths: {lengths_text(hit)}")
+    elif not base.refusals and geo.hybrid:
+        lines.append(
+            f"expected on the base image: no length fails; vLLM {base.base_version}'s "
+            "connector starts this hybrid READ layout (the simulator's verdict) "
+            "and the rules give no wrong-KV length for hybrid READ: the checks "
+            "show whether the real model agrees"
+        )
     elif not base.refusals:
         lines.append(
             "expected on the base image: no length fails; this layout has none "
@@ -217,6 +236,12 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
     every command and the prompt lengths expected to fail on the base image,
     and why.
     """
+    if args.preflight:
+        result = run_preflight(args.config)
+        for line in preflight_lines(result):
+            app.say(line)
+        app.result(result)
+        return result.exit_status
     if args.print_serve:
         from vllm_overlay.e2e.deploy import serve_text
 
@@ -238,21 +263,79 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         app.err.flush()
         app.say(summary)
         return 0
-    from vllm_overlay.e2e.runner import run
+    from vllm_overlay.e2e.runner import check_prerequisites, run
 
     config = load_config(args.config)
     if args.launcher != "slurm":
         config.check_addresses()
+    # What this machine needs for the run (the e2e extra, the secrets), said
+    # before the preflight, which takes a minute.
+    check_prerequisites(config, args.launcher)
+    if args.no_preflight:
+        preflight = NO_PREFLIGHT
+        app.say(f"e2e: preflight {preflight}")
+    else:
+        # The first step of every real run: nothing starts unless vLLM, on
+        # CPU, builds both legs as the checks need them.
+        checked = run_preflight(args.config)
+        for line in preflight_lines(checked):
+            app.say(line)
+        if checked.unchecked:
+            raise OverlayError(
+                f"{config.name}: the preflight could not check the config "
+                f"({checked.unchecked}); nothing was started"
+            )
+        if not checked.ok:
+            raise OverlayError(
+                f"{config.name}: the preflight refused the config "
+                f"({checked.findings[0]}); nothing was started"
+            )
+        if checked.layout is not None:
+            config = msgspec.structs.replace(config, layout=checked.layout)
+        preflight = "passed (the [layout] the checks read is the one vLLM builds)"
     run_dir = (
         args.run_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     found = series_patches(app)
     report = run(
         config, run_dir, found[0] if found else "", say=app.say,
-        launcher_kind=args.launcher,
+        launcher_kind=args.launcher, preflight=preflight,
     )  # fmt: skip
     app.result(report)
     return 0 if report.ok else 1
+
+
+def run_preflight(config_path: Path) -> Preflight:
+    """The CPU preflight (preflight_vllm.py): here when this Python has vLLM,
+    else in the Python ``$VLLM_OVERLAY_PREFLIGHT_PYTHON`` names or the
+    checkout's ``.venv`` (``nox -s dev``), whose JSON result is read back."""
+    if importlib.util.find_spec("vllm") is not None:
+        from vllm_overlay.e2e.preflight_vllm import preflight
+
+        return preflight(config_path)
+    python = os.environ.get("VLLM_OVERLAY_PREFLIGHT_PYTHON") or str(
+        Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
+    )
+    if not Path(python).is_file():
+        raise PreflightError(
+            f"the preflight needs vLLM (CPU): {python} does not exist; run "
+            "`nox -s dev` or set VLLM_OVERLAY_PREFLIGHT_PYTHON"
+        )
+    argv = [python, "-m", "vllm_overlay.cli", "--json", "e2e", "--config",
+            str(config_path), "--preflight"]  # fmt: skip
+    # vLLM on the overlay's CPU platform (vllm_overlay/cpuplatform): an
+    # explicit VLLM_TARGET_DEVICE=cpu would take vLLM's own, which 0.34.0
+    # refuses on x86 without triton-cpu.
+    env = {**cpu_environ(), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(argv, capture_output=True, env=env, check=False)
+    try:
+        return msgspec.json.decode(done.stdout, type=Preflight)
+    except msgspec.DecodeError:
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
+        raise PreflightError(
+            f"the preflight in {python} failed (exit {done.returncode}): "
+            f"{tail[0] if tail else 'no output'}"
+        ) from None
 
 
 def register(sub: Subparsers) -> None:
@@ -275,6 +358,20 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--dry-run", action="store_true", help="print every command, launch nothing"
+    )
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="on CPU, build each server's engine config, KV cache groups and "
+        "ROCm attention backends with vLLM's own code and check them (block "
+        "sizes, drafters, layout, check lengths); launch nothing. Every real "
+        "run does this first",
+    )
+    p.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="run without the preflight (for a fake engine, or a config whose "
+        "preflight passed elsewhere); the run and its report say it was skipped",
     )
     p.add_argument(
         "--print-serve",

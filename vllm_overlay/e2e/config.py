@@ -399,6 +399,10 @@ class Model(msgspec.Struct, forbid_unknown_fields=True):
     # the report then gives transferred tokens only.
     kv_bytes_per_token: NonNegative = 0
     extra_args: list[str] = msgspec.field(default_factory=list)
+    # A folder holding the model's config.json only (no weights), relative
+    # to the config file: the CPU preflight builds vLLM's engine config
+    # from it (e.g. examples/models/llama-3.1-70b).
+    preflight_model: str = ""
 
 
 class Layout(msgspec.Struct, forbid_unknown_fields=True):
@@ -418,9 +422,10 @@ class Layout(msgspec.Struct, forbid_unknown_fields=True):
     # KV bytes per attention page of one rank, for page-count reports; 0:
     # derived from model.kv_bytes_per_token.
     page_bytes: NonNegative = 0
-    # KV cache spec kinds of this model that the pinned base connector
-    # refuses at start (e.g. GLM-5.3-Flash's CircularBufferSpec tail ring on
-    # vLLM 0.33.0); expect.SPEC_FIXES names the patch that accepts each.
+    # Ring KV cache spec kinds of this model (GLM-5.3-Flash's
+    # CircularBufferSpec tail ring): refused at start when the simulator
+    # found the pinned base refusing its ring layout (basestarts.py);
+    # expect.SPEC_FIXES names the patch that accepts each.
     refused_specs: list[NonEmpty] = msgspec.field(default_factory=list)
 
 

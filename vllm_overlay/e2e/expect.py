@@ -7,7 +7,8 @@ scheduler reserves past the prompt (speculative decoding), and whether the
 model takes MoRIIO's hybrid (KDA/Mamba) READ path. From those numbers this
 module gives, without vLLM:
 
-- the start-up refusals of the base connector;
+- the start-up refusals of the base connector (as the simulator recorded
+  them for the pinned base: ``basestarts.py``);
 - for every prompt length N, the rules under which the decoder reads wrong KV;
 - the prompt lengths worth sending: every residue class a rule depends on,
   the page boundaries, and lengths next to them that must pass;
@@ -24,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from vllm_overlay.e2e import basestarts
+from vllm_overlay.e2e.basestarts import HYBRID_PROBE, BaseStarts
 from vllm_overlay.e2e.config import Checks, RunConfig
 from vllm_overlay.text import count
 
@@ -135,15 +138,23 @@ def spread(values: Sequence[int], count: int) -> list[int]:
     return sorted({values[round(i * step)] for i in range(count)})
 
 
-def refusals(geo: Geometry) -> list[Rule]:
-    """Why the base connector refuses to start with this layout."""
+def refusals(geo: Geometry, starts: BaseStarts | None = None) -> list[Rule]:
+    """Why the base connector refuses to start with this layout: each
+    mechanism a simulator layout has (``basestarts.HYBRID_PROBE``) is refused
+    when the simulator found the pinned base refusing that layout, in the
+    simulator's words; a base that starts it refuses none of them."""
+    starts = starts or basestarts.RECORDED
+    said = starts.refusal(HYBRID_PROBE)
+    if not said:
+        return []
+    where = f"the simulator's {HYBRID_PROBE} layout on vLLM {starts.vllm}: {said}"
     out: list[Rule] = []
     if geo.hybrid and geo.attention_groups > 1:
         out.append(
             Rule(
                 "hybrid-attention-groups",
-                "MoRIIO hybrid READ requires exactly one transferable attention "
-                f"group, got {geo.attention_groups}: refused at start",
+                f"hybrid READ with {geo.attention_groups} attention groups: "
+                f"refused at start ({where})",
                 fixed_by=HYBRID_GROUPS,
             )
         )
@@ -152,8 +163,8 @@ def refusals(geo: Geometry) -> list[Rule]:
         out.append(
             Rule(
                 "hybrid-speculation",
-                "hybrid READ supports DSpark speculative decoding only, got "
-                f"method={other[0]!r}: refused at start",
+                f"hybrid READ with method={other[0]!r} speculative decoding: "
+                f"refused at start ({where})",
                 fixed_by=HYBRID_GROUPS,
             )
         )
@@ -162,8 +173,7 @@ def refusals(geo: Geometry) -> list[Rule]:
         out.append(
             Rule(
                 "unsupported-spec",
-                f"the base connector accepts no {kind} group; the servers fail "
-                "closed at start",
+                f"a {kind} group: the servers fail closed at start ({where})",
                 fixed_by=fix,
                 open_issue="" if fix else "the connector has no path for this spec",
             )
@@ -179,11 +189,16 @@ def wrong_kv_rules(geo: Geometry) -> tuple[list[Rule], str]:
         # full attention alone pairs by position (the simulator finds no
         # wrong length for these layouts on the base).
         return [], ""
-    if geo.prefill_lookahead:
+    if geo.prefill_lookahead not in (0, geo.decode_lookahead):
+        # The simulator finds the prefiller's lookahead tail changes nothing
+        # when it is none or the decoder's (the same lengths fail: tests/e2e/
+        # test_expect.py runs both); other pairs are not checked.
         return [], (
-            "a sliding window with prefill-side lookahead slots (speculative "
-            "decoding on the prefill servers) is outside these rules: run "
-            "`vllm-overlay simulate` with a matching layout"
+            f"a sliding window with {geo.prefill_lookahead} lookahead slots on "
+            f"the prefill servers and {geo.decode_lookahead} on the decode "
+            "servers is outside these rules (they hold for none on the prefill "
+            "side or the same on both): run `vllm-overlay simulate` with a "
+            "matching layout"
         )
     w, b, la = geo.window, geo.window_block, geo.decode_lookahead
     per_window = cdiv(w, b) + 1
@@ -258,12 +273,19 @@ class Verdict:
 class Expectations:
     """Every rule for one deployment, and the verdict per length."""
 
-    def __init__(self, geo: Geometry, series: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        geo: Geometry,
+        series: Sequence[str] | None = None,
+        starts: BaseStarts | None = None,
+    ) -> None:
         self.geo = geo
         # Slugs of the series the overlay carries; None: unknown (the
         # rules' own fixed_by is trusted).
         self.series = None if series is None else [patch_slug(s) for s in series]
-        self.refusals = refusals(geo)
+        starts = starts or basestarts.RECORDED
+        self.base_version = starts.vllm
+        self.refusals = refusals(geo, starts)
         self.rules, self.not_modelled = wrong_kv_rules(geo)
 
     def fixed(self, rule: Rule) -> bool:

@@ -214,6 +214,31 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def signals_deferred(say: Callable[[str], None]) -> Iterator[list[int]]:
+    """Within the block (the teardown), SIGINT and SIGTERM interrupt
+    nothing: nox sends SIGTERM 0.3 s after Ctrl-C's SIGINT, and a second
+    Ctrl-C is common; either would leave containers or a Slurm job behind.
+    Each one received is said once and listed."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        say(f"e2e: signal {signum} during teardown: finishing the teardown first")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {
+        sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def last_lines(text: str, n: int = LAST_LINES) -> list[str]:
     return [line for line in text.splitlines() if line.strip()][-n:]
 
@@ -224,6 +249,9 @@ class ClosedOnExit:
 
     say: Callable[[str], None]
     closing = "tearing down"
+    # Ctrl-C or SIGTERM ended the run: remove what runs before anything
+    # slower (log collection).
+    interrupted = False
 
     def close(self) -> None:
         raise NotImplementedError
@@ -236,7 +264,9 @@ class ClosedOnExit:
     ) -> None:
         if exc_type is not None:
             self.say(f"e2e: {exc_type.__name__}: {exc}; {self.closing}")
-        self.close()
+            self.interrupted = issubclass(exc_type, Terminated | KeyboardInterrupt)
+        with signals_deferred(self.say):
+            self.close()
 
 
 class Launcher(ClosedOnExit):
@@ -412,7 +442,16 @@ class Launcher(ClosedOnExit):
             return
         self._closed = True
         started = {s.what for s in self.started}
-        for step in [*self.plan.collect, *self.plan.teardown]:
+        steps = [*self.plan.collect, *self.plan.teardown]
+        if self.interrupted:
+            # Interrupted: every container is removed first; the logs of the
+            # removed containers are gone, the processes' log files stay.
+            steps = list(self.plan.teardown)
+            self.say(
+                "e2e: interrupted: removing every container first; container "
+                "logs are not collected"
+            )
+        for step in steps:
             if step.action == "collect" and step.what not in started:
                 continue
             try:

@@ -24,6 +24,8 @@ class Report(msgspec.Struct, forbid_unknown_fields=True):
     front_end: str = ""
     # What the rules (expect.py) predict for the image that ran.
     notes: list[str] = msgspec.field(default_factory=list)
+    # How the CLI's preflight ended ("" when run() was called directly).
+    preflight: str = ""
 
     @property
     def ok(self) -> bool:
@@ -40,6 +42,8 @@ def markdown(report: Report) -> str:
         f"- run: `{report.config.get('name', '')}`, launcher {report.launcher}, "
         f"front end {report.front_end or 'unknown'}",
     ]
+    if report.preflight:
+        lines.append(f"- preflight: {report.preflight}")
     if report.error:
         lines.append(f"- stopped early: {report.error}")
     lines += [f"- {note}" for note in report.notes]

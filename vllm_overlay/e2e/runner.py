@@ -249,6 +249,14 @@ def read_logs(log_dir: Path, names: list[str]) -> dict[str, str]:
     }
 
 
+def check_prerequisites(config: RunConfig, kind: LauncherKind) -> None:
+    """What a run needs on this machine, each missing one a ``ConfigError``
+    or ``SecretError``: the tokenizer (and the e2e extra that loads it), the
+    value of every secret the run hands a container."""
+    load_tokenizer(config.model.tokenizer)
+    secret_values(config, kind)
+
+
 def run(
     config: RunConfig,
     run_dir: Path,
@@ -256,8 +264,10 @@ def run(
     say: Callable[[str], None] = print,
     plan: Plan | None = None,
     launcher_kind: LauncherKind = "ssh",
+    preflight: str = "",
 ) -> Report:
-    """Run every check; ``plan`` (ssh launcher) defaults to the config's."""
+    """Run every check; ``plan`` (ssh launcher) defaults to the config's;
+    ``preflight`` says how the CLI's preflight ended (for the report)."""
     hidden = secret_values(config, launcher_kind)
     say = masking(say, hidden)
     c = config.checks
@@ -365,6 +375,7 @@ def run(
     report = Report(
         config.container.image, series, encode_config(config), sections, error,
         launcher=launcher_kind, front_end=config.router.kind, notes=notes,
+        preflight=preflight,
     )  # fmt: skip
     js, md = write_report(report, run_dir, hidden)
     say(f"e2e: {'PASS' if report.ok else 'FAIL'}; report {md} and {js}")

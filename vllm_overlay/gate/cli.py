@@ -4,6 +4,7 @@ patch's tests need it, on the stack below it."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from pathlib import Path
 
@@ -15,16 +16,33 @@ from vllm_overlay.command import (
     base_source,
 )
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.gate.evidence import (
+    Selection,
+    encode,
+    load_selection,
+    load_touches,
+    select,
+)
 from vllm_overlay.gate.outcomes import load_outcomes
 from vllm_overlay.gate.reports import TestOutcome, encode_report
 from vllm_overlay.gate.revert_red import (
     build_report,
+    evidence_problems,
     format_table,
     gate,
     series_level_note,
 )
+from vllm_overlay.gate.shards import (
+    IDS,
+    TIMES,
+    load_times,
+    plan,
+    run_shards,
+    test_files,
+)
 from vllm_overlay.gate.stack import LEVEL_OUTCOMES, level_plan, run_levels
 from vllm_overlay.series.patch_series import Series
+from vllm_overlay.text import count
 
 
 def cmd_levels(app: App, args: argparse.Namespace) -> int:
@@ -52,10 +70,100 @@ def cmd_levels(app: App, args: argparse.Namespace) -> int:
         args.out,
         pytest_args=shlex.split(args.pytest_args),
         progress=app.say,
+        jobs=args.jobs,
     )
     app.say(f"levels: {len(written)} levels run; outcomes in {args.out}")
     app.result({k: str(path) for k, path in written.items()})
     return 0
+
+
+SELECTION = "selection.json"
+# Untouched tests run on the base too, as a check of the evidence: cheap ones.
+SAMPLE = 16
+SAMPLE_MAX_SECONDS = 2.0
+
+
+def _reasons(tests: dict[str, list[str]]) -> str:
+    kinds: dict[str, int] = {}
+    for why in tests.values():
+        for kind in dict.fromkeys(w.split(" ", 1)[0] for w in why):
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+
+
+def cmd_suite(app: App, args: argparse.Namespace) -> int:
+    """Run the suite in parallel pytest processes: with the overlay, or the
+    selected tests on the base.
+
+    ``--variant overlay``: every test under PATHS, one process per job, each
+    recording which tests read vLLM's installed MoRIIO package; writes
+    OUT/outcomes.json, OUT/touches.json and OUT/selection.json (the tests
+    that read it, and a small sample of those that do not). ``--variant
+    base --selection JSON``: only the selected tests (on the tree as it is:
+    unit-base reverts it first).
+    """
+    root = app.checkout.root
+    out: Path = args.out
+    jobs = args.jobs or os.cpu_count() or 1
+    times = load_times(args.times) if args.times else None
+    only = None
+    if args.variant == "base":
+        if args.selection is None:
+            raise SuiteError("suite --variant base needs --selection JSON")
+        chosen = load_selection(args.selection)
+        out.mkdir(parents=True, exist_ok=True)
+        only = out / IDS
+        only.write_text("".join(f"{t}\n" for t in chosen.ids))
+        files = test_files(root, sorted({t.split("::", 1)[0] for t in chosen.ids}))
+        app.say(
+            f"suite: {count(len(chosen.touched), 'test')} that read vLLM's MoRIIO "
+            f"package with the overlay and a sample of {len(chosen.sample)} that "
+            f"do not, from {count(len(files), 'file')}, on the tree as installed"
+        )
+    else:
+        files = test_files(root, args.paths or ["tests"])
+        app.say(f"suite: {count(len(files), 'test file')} with the overlay")
+    shards = plan(root, files, jobs, times) if files else []
+    app.say(f"suite: {count(len(shards), 'pytest process', 'pytest processes')}")
+    outcomes, touches = run_shards(
+        root,
+        out,
+        shards,
+        pytest_args=shlex.split(args.pytest_args),
+        touch=args.variant == "overlay",
+        only=only,
+        progress=app.say,
+    )
+    failed = sum(o in ("failed", "error") for o in outcomes.values())
+    summary = f"suite ({args.variant}): {count(len(outcomes), 'test')}, {failed} failed"
+    result: dict[str, object] = {"outcomes": str(out / "outcomes.json")}
+    if touches is not None:
+        now = load_times(out / TIMES)
+        cheap = {
+            t
+            for t, s in (now.seconds if now else {}).items()
+            if s <= SAMPLE_MAX_SECONDS
+        }
+        pool = {t: w for t, w in touches.tests.items() if w or t in cheap or not now}
+        sel = select(
+            type(touches)(touches.dirs, pool), SAMPLE, app.checkout.series.series_id
+        )
+        sel = Selection(sorted(t for t, w in touches.tests.items() if w), sel.sample)
+        (out / SELECTION).write_bytes(encode(sel))
+        touched = {t: w for t, w in touches.tests.items() if w}
+        app.say(
+            f"suite: {count(len(touched), 'test')} may read vLLM's MoRIIO package "
+            f"({_reasons(touched)}); {len(touches.tests) - len(touched)} cannot"
+        )
+        summary += f"; base run: {len(sel.touched)} + a sample of {len(sel.sample)}"
+        result["selection"] = str(out / SELECTION)
+    app.say(summary)
+    app.result(result)
+    return 0
+
+
+class SuiteError(OverlayError):
+    """The suite command was given inconsistent options."""
 
 
 class LevelsError(OverlayError):
@@ -89,12 +197,25 @@ def cmd_revert_red(app: App, args: argparse.Namespace) -> int:
     checkout = app.checkout
     series = checkout.series
     levels = _level_outcomes(series, args.levels) if args.levels else None
+    evidence: list[str] = []
+    not_run: frozenset[str] = frozenset()
+    if args.touches or args.selection:
+        if not (args.touches and args.selection):
+            raise LevelsError("revert-red: --touches and --selection go together")
+        evidence = evidence_problems(
+            load_touches(args.touches),
+            load_selection(args.selection),
+            base=load_outcomes(args.base_outcomes),
+            overlay=load_outcomes(args.overlay_outcomes),
+        )
+        not_run = frozenset(load_touches(args.touches).tests)
     report = build_report(
         series,
         checkout.pin.vllm.version,
         base=load_outcomes(args.base_outcomes),
         overlay=load_outcomes(args.overlay_outcomes),
         levels=levels,
+        not_run=not_run,
     )
     out = args.out or checkout.unit_base_report
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +224,7 @@ def cmd_revert_red(app: App, args: argparse.Namespace) -> int:
     note = series_level_note(report)
     if note:
         app.say(note)
-    problems = gate(report, series)
+    problems = [*gate(report, series), *evidence]
     for problem in problems:
         app.say(f"gate: {problem}")
     tests = [r for r in report.stack if r.role == "test"]
@@ -120,6 +241,16 @@ def cmd_revert_red(app: App, args: argparse.Namespace) -> int:
 
 
 def register(sub: Subparsers) -> None:
+    su = add_command(sub, "suite", cmd_suite)
+    su.add_argument("--out", type=Path, required=True, metavar="DIR")
+    su.add_argument("--variant", choices=("overlay", "base"), default="overlay")
+    su.add_argument("--selection", type=Path, metavar="JSON", help="base: the tests")
+    su.add_argument("--jobs", type=int, default=0, help="processes (default: cores)")
+    su.add_argument(
+        "--times", type=Path, metavar="JSON", help="the last run's times.json"
+    )
+    su.add_argument("--pytest-args", default="", metavar="ARGS")
+    su.add_argument("paths", nargs="*", metavar="PATH", help="default: tests")
     lv = add_command(sub, "levels", cmd_levels)
     lv.add_argument("--out", type=Path, required=True, metavar="DIR", help="outcomes")
     lv.add_argument(
@@ -128,6 +259,7 @@ def register(sub: Subparsers) -> None:
         metavar="ARGS",
         help="more pytest arguments for every level",
     )
+    lv.add_argument("--jobs", type=int, default=0, help="levels at a time (cores)")
     add_base_options(lv, "the pinned base files")
     rr = add_command(sub, "revert-red", cmd_revert_red)
     rr.add_argument("--base-outcomes", type=Path, required=True, metavar="JSON")
@@ -137,6 +269,18 @@ def register(sub: Subparsers) -> None:
         type=Path,
         metavar="DIR",
         help="outcomes of the stack levels in between (`vllm-overlay levels`)",
+    )
+    rr.add_argument(
+        "--touches",
+        type=Path,
+        metavar="JSON",
+        help="which tests read vLLM's MoRIIO package (`vllm-overlay suite`)",
+    )
+    rr.add_argument(
+        "--selection",
+        type=Path,
+        metavar="JSON",
+        help="the tests the base run was given (`vllm-overlay suite`)",
     )
     rr.add_argument(
         "--out",

@@ -12,6 +12,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import TypeAlias
 
+from vllm_overlay.gate.evidence import Selection, Touches
 from vllm_overlay.gate.reports import (
     RevertRedReport,
     RevertRedRow,
@@ -63,15 +64,18 @@ def build_report(
     base: Outcomes,
     overlay: Outcomes,
     levels: Mapping[int, Outcomes] | None = None,
+    not_run: frozenset[str] = frozenset(),
 ) -> RevertRedReport:
-    """``base`` and ``overlay``: the whole suite on the pinned base and with
-    the whole series; ``levels``: the named tests on each intermediate stack
-    level K (patches 1..K applied)."""
+    """``base`` and ``overlay``: the suite on the pinned base and with the
+    whole series; ``levels``: the named tests on each intermediate stack
+    level K (patches 1..K applied); ``not_run``: the tests the base run left
+    out on the evidence (`evidence_problems`), "not run" there, where
+    another missing outcome is an error."""
     rows = [
         RevertRedRow(
             test_id=test_id,
             patch=_named_by(series, test_id),
-            base=base.get(test_id, "error"),
+            base=base.get(test_id, NOT_RUN if test_id in not_run else "error"),
             overlay=overlay.get(test_id, "error"),
         )
         for test_id in sorted(set(base) | set(overlay))
@@ -120,6 +124,43 @@ def gate(report: RevertRedReport, series: Series) -> list[str]:
     return problems
 
 
+def evidence_problems(
+    touches: Touches, selection: Selection, *, base: Outcomes, overlay: Outcomes
+) -> list[str]:
+    """Every way the base run's selection falls short of its evidence, one
+    line each: a test with the overlay without evidence, a test that may read
+    vLLM's MoRIIO package without a base outcome, or a sampled test that reads
+    nothing there yet changes outcome between base and overlay."""
+    problems = [
+        f"{t} ran with the overlay but has no evidence of what it reads"
+        for t in sorted(set(overlay) - set(touches.tests))
+    ]
+    touched = sorted(t for t, why in touches.tests.items() if why)
+    if sorted(selection.touched) != touched:
+        missing = sorted(set(touched) - set(selection.touched))
+        problems.append(
+            f"the selection leaves out {count(len(missing), 'test')} that may "
+            f"read vLLM's MoRIIO package: {', '.join(missing[:5])}"
+        )
+    problems.extend(
+        f"{t} may read vLLM's MoRIIO package ({'; '.join(touches.tests[t][:2])}) "
+        "but did not run on the base"
+        for t in touched
+        if t not in base
+    )
+    for t in selection.sample:
+        if touches.tests.get(t):
+            problems.append(f"sample {t} reads vLLM's MoRIIO package")
+        elif base.get(t, NOT_RUN) != overlay.get(t, NOT_RUN):
+            problems.append(
+                f"{t} reads nothing of vLLM's MoRIIO package with the overlay, "
+                f"yet is {base.get(t, NOT_RUN)} on the base and "
+                f"{overlay.get(t, NOT_RUN)} with the overlay: the evidence "
+                "missed a dependence"
+            )
+    return problems
+
+
 def series_level_note(report: RevertRedReport) -> str:
     """One line for the tests no patch names that fail on the base and pass
     with the series (checks of the whole series, such as the simulator's on
@@ -128,7 +169,7 @@ def series_level_note(report: RevertRedReport) -> str:
     rows = [
         r
         for r in report.rows
-        if not r.patch and r.base != "passed" and r.overlay == "passed"
+        if not r.patch and r.base in ("failed", "error") and r.overlay == "passed"
     ]
     if not rows:
         return ""

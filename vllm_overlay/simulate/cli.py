@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 
+from vllm_overlay import safefile
 from vllm_overlay.command import (
     App,
     Subparsers,
@@ -337,7 +338,7 @@ def _run(app: App, args: argparse.Namespace) -> int:
         app.say(f"model families: lengths {report.family_lengths}")
     app.say(text)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+    safefile.replace_file(out, msgspec.json.format(msgspec.json.encode(report)) + b"\n")
     if args.report or not chosen:
         app.say(f"report: {out}")
     else:
@@ -345,8 +346,8 @@ def _run(app: App, args: argparse.Namespace) -> int:
     if args.update_readme:
         assert isinstance(report, SweepReport)
         root = app.checkout.root
-        (root / MATRIX_JSON).write_bytes(
-            msgspec.json.format(msgspec.json.encode(report)) + b"\n"
+        safefile.replace_file(
+            root / MATRIX_JSON, msgspec.json.format(msgspec.json.encode(report)) + b"\n"
         )
         readme = root / "README.md"
         readme.write_text(replace_section(readme.read_text(), readme_section(report)))

@@ -647,21 +647,7 @@ class Pair:
         ):
             # No transfer: the decoder computes the prompt itself
             # (``judge_fallback`` judges it after the forward).
-            return CaseResult(
-                n=n,
-                hit_fraction=hit_fraction,
-                local_hit_tokens=local_hit,
-                wrong=False,
-                wrong_groups=[],
-                pages_read=0,
-                min_pages=0,
-                bytes_read=0,
-                min_bytes=0,
-                extra_reads=0,
-                duplicate_reads=0,
-                unread=0,
-                fallback=True,
-            )
+            return _nothing_read(n, hit_fraction, local_hit, fallback=True)
         # vLLM's model runner starts a step's load before the forward only
         # when the step has a synchronous load (a request with external
         # tokens); any other READ lands after the forward.
@@ -749,13 +735,14 @@ def error_text(exc: BaseException, cause: BaseException | None = None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _error_result(
-    n: int, hit_fraction: float, exc: BaseException, cause: BaseException | None = None
+def _nothing_read(
+    n: int, hit_fraction: float, local_hit_tokens: int, **fields: Any
 ) -> CaseResult:
+    """A case in which the decoder read nothing: ``fields`` say why."""
     return CaseResult(
         n=n,
         hit_fraction=hit_fraction,
-        local_hit_tokens=0,
+        local_hit_tokens=local_hit_tokens,
         wrong=False,
         wrong_groups=[],
         pages_read=0,
@@ -765,6 +752,17 @@ def _error_result(
         extra_reads=0,
         duplicate_reads=0,
         unread=0,
+        **fields,
+    )
+
+
+def _error_result(
+    n: int, hit_fraction: float, exc: BaseException, cause: BaseException | None = None
+) -> CaseResult:
+    return _nothing_read(
+        n,
+        hit_fraction,
+        0,
         error=error_text(exc, cause)[:300],
         escaped=isinstance(exc, Escaped),
     )

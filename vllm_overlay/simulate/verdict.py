@@ -94,14 +94,7 @@ def problems(r: LayoutReport) -> list[tuple[Problem, str]]:
     crashes = r.error_cases - r.escape_cases
     if crashes:
         out.append(("errors", f"crashes in {crashes} of {r.cases} cases"))
-    if r.escape_cases:
-        out.append(
-            (
-                "escapes",
-                f"an exception escapes the scheduler in {r.escape_cases} of "
-                f"{r.cases} cases",
-            )
-        )
+    out.extend(escape_problems(r.escape_cases, r.cases))
     return out
 
 
@@ -237,3 +230,11 @@ def judge_faults(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
             else:
                 verdict.known.append(f"{name} {problem} ({gap.tracked_by})")
     return verdict
+
+
+def escape_problems(escape_cases: int, cases: int) -> list[tuple[Problem, str]]:
+    """The escapes of a configuration's cases, as a problem (none if none)."""
+    if not escape_cases:
+        return []
+    text = f"an exception escapes the scheduler in {escape_cases} of {cases} cases"
+    return [("escapes", text)]

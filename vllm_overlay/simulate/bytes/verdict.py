@@ -21,7 +21,13 @@ from vllm_overlay.simulate.bytes.report import (
     ConfigReport,
     config_name,
 )
-from vllm_overlay.simulate.verdict import KnownGap, Problem, judged, shown
+from vllm_overlay.simulate.verdict import (
+    KnownGap,
+    Problem,
+    escape_problems,
+    judged,
+    shown,
+)
 
 
 def names(item: ConfigItem) -> tuple[str, ...]:
@@ -46,14 +52,7 @@ def problems(r: ConfigReport) -> list[tuple[Problem, str]]:
         out.append(("errors", f"refused at the first transfer: {r.refused[:120]}"))
     elif crashes:
         out.append(("errors", f"crashes in {crashes} of {r.cases} cases"))
-    if r.escape_cases:
-        out.append(
-            (
-                "escapes",
-                f"an exception escapes the scheduler in {r.escape_cases} of "
-                f"{r.cases} cases",
-            )
-        )
+    out.extend(escape_problems(r.escape_cases, r.cases))
     return out
 
 

@@ -1,0 +1,92 @@
+"""Where the gate's time goes: `nox -s lint unit-base`'s phases and its
+slowest tests, from the last run's records. A figure, not a test: nothing is
+asserted.
+
+The phases (``.nox-reports/gate-phases.json``, written by the noxfile): lint,
+the suite with the overlay, what can differ on the base, the stack levels,
+revert-red, the export and the byte sweep. The slowest tests: from the JUnit
+XML of the overlay and base runs (``.nox-reports/suite-*/times.json``), setup,
+call and teardown together, so a slow session fixture shows on the test that
+set it up. Without a record of a gate run it says so (exit status 0).
+
+Usage: python benchmarks/suite.py [--top N] [--reports DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vllm_overlay.gate.phases import PHASES_FILE  # noqa: E402
+from vllm_overlay.gate.shards import TIMES, Times, load_times  # noqa: E402
+
+ORDER = ("lint", "overlay", "base", "levels", "revert-red", "export", "bytes")
+RUNS = {"suite-overlay": "overlay", "suite-base": "base"}
+
+
+class Phases(msgspec.Struct):
+    phases: dict[str, float]
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {seconds % 60:4.1f} s"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--reports", type=Path, default=ROOT / ".nox-reports")
+    args = parser.parse_args(argv)
+    path = args.reports / PHASES_FILE
+    try:
+        phases = msgspec.json.decode(path.read_bytes(), type=Phases).phases
+    except FileNotFoundError:
+        print(f"suite: {path}: no gate run recorded; run `nox -s lint unit-base`")
+        return 0
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        print(f"suite: {path}: unreadable ({e})")
+        return 1
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    print(f"gate phases ({shown}):")
+    names = [*(n for n in ORDER if n in phases), *sorted(set(phases) - set(ORDER))]
+    for name in names:
+        print(f"  {name:<11} {phases[name]:7.1f} s")
+    total = sum(phases.values())
+    print(f"  {'total':<11} {total:7.1f} s ({_minutes(total)})")
+    runs: dict[str, Times] = {}
+    for directory, label in RUNS.items():
+        times = load_times(args.reports / directory / TIMES)
+        if times is not None:
+            runs[label] = times
+            print(
+                f"{label} run: {len(times.seconds)} tests, "
+                f"{sum(times.seconds.values()):.0f} s of test time in "
+                f"{times.wall:.0f} s wall"
+            )
+    ranked = sorted(
+        (
+            (s, label, t)
+            for label, times in runs.items()
+            for t, s in times.seconds.items()
+        ),
+        reverse=True,
+    )[: args.top]
+    if ranked:
+        print(f"the {len(ranked)} slowest tests (setup + call + teardown):")
+        for seconds, label, test in ranked:
+            print(f"  {seconds:7.1f} s  {label:<7}  {test}")
+    print(
+        f"suite: {len(names)} phases, {_minutes(total)} in all; "
+        f"{len(ranked)} slowest tests listed"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,158 @@
+"""The base run's selection: the evidence of which tests read vLLM's
+installed MoRIIO package, the import analysis that keeps the files loading
+it apart, and the gate's check of the selection against the outcomes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from vllm_overlay.gate.evidence import Selection, Touches, select
+from vllm_overlay.gate.imports import imports_package
+from vllm_overlay.gate.revert_red import evidence_problems
+from vllm_overlay.gate.shards import pack
+
+REPO = Path(__file__).resolve().parents[2]
+PKG = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
+
+
+def _touches() -> Touches:
+    return Touches(
+        ["/x"],
+        {"t.py::a": ["read"], "t.py::b": [], "u.py::c": [], "u.py::d": ["loaded"]},
+    )
+
+
+def test_select_keeps_every_touched_test_and_samples_the_others() -> None:
+    sel = select(_touches(), 1, "seed")
+    assert sel.touched == ["t.py::a", "u.py::d"]
+    assert len(sel.sample) == 1 and sel.sample[0] in ("t.py::b", "u.py::c")
+    assert select(_touches(), 1, "seed") == sel  # the same seed, the same sample
+    assert sorted(select(_touches(), 5, "seed").sample) == ["t.py::b", "u.py::c"]
+
+
+def test_evidence_holds_when_the_base_ran_what_it_must() -> None:
+    sel = Selection(["t.py::a", "u.py::d"], ["u.py::c"])
+    base = {"t.py::a": "failed", "u.py::d": "passed", "u.py::c": "passed"}
+    overlay = dict.fromkeys(["t.py::a", "t.py::b", "u.py::c", "u.py::d"], "passed")
+    assert evidence_problems(_touches(), sel, base=base, overlay=overlay) == []
+
+
+def test_a_touched_test_missing_on_the_base_fails_the_gate() -> None:
+    sel = Selection(["t.py::a", "u.py::d"], [])
+    base = {"t.py::a": "failed"}
+    problems = evidence_problems(_touches(), sel, base=base, overlay={})
+    assert problems == [
+        "u.py::d may read vLLM's MoRIIO package (loaded) but did not run on the base"
+    ]
+
+
+def test_a_selection_leaving_out_a_touched_test_fails_the_gate() -> None:
+    sel = Selection(["t.py::a"], [])
+    base = {"t.py::a": "failed", "u.py::d": "passed"}
+    problems = evidence_problems(_touches(), sel, base=base, overlay={})
+    assert problems[0].startswith("the selection leaves out 1 test that may read")
+
+
+def test_a_sampled_test_that_changes_outcome_fails_the_gate() -> None:
+    sel = Selection(["t.py::a", "u.py::d"], ["u.py::c"])
+    base = {"t.py::a": "failed", "u.py::d": "passed", "u.py::c": "failed"}
+    overlay = {"t.py::a": "passed", "u.py::d": "passed", "u.py::c": "passed"}
+    problems = evidence_problems(_touches(), sel, base=base, overlay=overlay)
+    assert problems == [
+        "u.py::c reads nothing of vLLM's MoRIIO package with the overlay, yet is "
+        "failed on the base and passed with the overlay: the evidence missed a "
+        "dependence"
+    ]
+
+
+def test_a_test_without_evidence_fails_the_gate() -> None:
+    sel = Selection(["t.py::a", "u.py::d"], [])
+    base = {"t.py::a": "failed", "u.py::d": "passed"}
+    overlay = {"t.py::a": "passed", "new.py::e": "passed"}
+    problems = evidence_problems(_touches(), sel, base=base, overlay=overlay)
+    assert problems == [
+        "new.py::e ran with the overlay but has no evidence of what it reads"
+    ]
+
+
+def test_imports_package_follows_module_level_imports_only(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "__init__.py").write_text("")
+    (tmp_path / "tests" / "helper.py").write_text(
+        f"from {PKG}.moriio_connector import X\n"
+    )
+    (tmp_path / "tests" / "test_via_helper.py").write_text(
+        "from tests.helper import X\n"
+    )
+    (tmp_path / "tests" / "test_lazy.py").write_text(
+        f"def test_x():\n    from {PKG} import moriio_common\n"
+    )
+    (tmp_path / "tests" / "test_typing.py").write_text(
+        f"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import {PKG}\n"
+    )
+    tests = tmp_path / "tests"
+    assert imports_package(tests / "test_via_helper.py", tmp_path, PKG)
+    assert not imports_package(tests / "test_lazy.py", tmp_path, PKG)
+    assert not imports_package(tests / "test_typing.py", tmp_path, PKG)
+    sub = tests / "sub"
+    sub.mkdir()
+    (sub / "conftest.py").write_text(f"import {PKG}\n")
+    (sub / "test_plain.py").write_text("def test_x():\n    pass\n")
+    assert imports_package(sub / "test_plain.py", tmp_path, PKG)  # its conftest
+
+
+def test_pack_spreads_the_weight() -> None:
+    files = {Path(f"f{i}"): w for i, w in enumerate([8.0, 5.0, 4.0, 3.0])}
+    shards = pack(files, 2)
+    weights = sorted(sum(files[f] for f in s) for s in shards)
+    assert weights == [9.0, 11.0]
+
+
+def test_the_plugin_sees_reads_in_the_test_and_in_a_child(tmp_path: Path) -> None:
+    """The real plugin in a real pytest: a test opening a file of the
+    installed package, one whose child Python does, one that does neither,
+    one whose child drops the hook from its environment."""
+    (tmp_path / "test_probe.py").write_text(
+        textwrap.dedent(
+            """
+            import os, subprocess, sys
+            from vllm_overlay.tree.variant import installed_moriio_dir
+
+            INIT = str(installed_moriio_dir() / "__init__.py")
+
+            def test_reads():
+                open(INIT).close()
+
+            def test_child_reads():
+                subprocess.run([sys.executable, "-c", f"open({INIT!r}).close()"],
+                               check=True)
+
+            def test_nothing():
+                subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+            def test_hidden_child():
+                env = {"PATH": os.environ["PATH"]}
+                subprocess.run([sys.executable, "-c", "pass"], check=True, env=env)
+            """
+        )
+    )
+    out = tmp_path / "touches.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "--rootdir", str(tmp_path), "-p", "vllm_overlay.gate.touch",
+         "--touch-json", str(out), "test_probe.py"],
+        cwd=tmp_path, capture_output=True, text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    tests = json.loads(out.read_text())["tests"]
+    assert tests == {
+        "test_probe.py::test_reads": ["read"],
+        "test_probe.py::test_child_reads": ["read"],
+        "test_probe.py::test_nothing": [],
+        "test_probe.py::test_hidden_child": ["untracked child"],
+    }

@@ -1,0 +1,97 @@
+"""Which tests may read vLLM's installed MoRIIO package: the evidence the
+pytest plugin `vllm_overlay.gate.touch` writes, and the selection of the base
+run `nox -s unit-base` makes from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+
+from vllm_overlay.errors import OverlayError
+
+_T = TypeVar("_T")
+
+
+class Touches(msgspec.Struct, forbid_unknown_fields=True):
+    """Per test id, why it may read the installed package (empty: it cannot);
+    ``dirs``: the package's directory as watched."""
+
+    dirs: list[str]
+    tests: dict[str, list[str]]
+
+
+class Selection(msgspec.Struct, forbid_unknown_fields=True):
+    """The test ids to run on the base: the touched ones, and a sample of the
+    untouched ones whose outcomes must match the overlay's."""
+
+    touched: list[str]
+    sample: list[str]
+
+    @property
+    def ids(self) -> list[str]:
+        return [*self.touched, *self.sample]
+
+
+class EvidenceError(OverlayError):
+    """A touches or selection file is missing, unreadable or inconsistent."""
+
+
+def encode(value: Touches | Selection) -> bytes:
+    return msgspec.json.encode(value)
+
+
+def _load(path: Path, kind: type[_T], what: str) -> _T:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise EvidenceError(f"{path}: cannot read the {what}: {e.strerror}") from None
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise EvidenceError(f"{path}: not a {what} file ({e})") from None
+
+
+def load_touches(path: Path) -> Touches:
+    return _load(path, Touches, "touches")
+
+
+def load_selection(path: Path) -> Selection:
+    return _load(path, Selection, "selection")
+
+
+def merge(parts: list[Touches]) -> Touches:
+    dirs: dict[str, None] = {}
+    tests: dict[str, list[str]] = {}
+    for part in parts:
+        dirs.update(dict.fromkeys(part.dirs))
+        for test, why in part.tests.items():
+            tests.setdefault(test, []).extend(why)
+    return Touches(list(dirs), tests)
+
+
+def _fnv(text: str) -> int:
+    h = 0xCBF29CE484222325
+    for byte in text.encode():
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def select(touches: Touches, sample_size: int, seed: str) -> Selection:
+    """Every touched test, and ``sample_size`` untouched ones picked by
+    ``seed`` (the series id: another series, another sample), preferring one
+    per test file."""
+    touched = sorted(t for t, why in touches.tests.items() if why)
+    untouched = sorted(t for t, why in touches.tests.items() if not why)
+    ranked = sorted(untouched, key=lambda t: _fnv(f"{seed}\0{t}"))
+    sample: list[str] = []
+    files: set[str] = set()
+    for t in ranked:  # first one per file, then the rest in rank order
+        if len(sample) < sample_size and t.split("::", 1)[0] not in files:
+            sample.append(t)
+            files.add(t.split("::", 1)[0])
+    for t in ranked:
+        if len(sample) < sample_size and t not in sample:
+            sample.append(t)
+    return Selection(touched, sorted(sample))

@@ -1,0 +1,39 @@
+"""The gate's phases and their seconds, for `nox -s bench -- suite`.
+
+Standard library only when writing: the noxfile records each phase of
+`nox -s lint unit-base` (lint, overlay, base, levels, revert-red, export,
+bytes) in ``.nox-reports/gate-phases.json``; the benchmark reads it back
+(`load_phases`, validated).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PHASES_FILE = "gate-phases.json"
+
+
+def record(path: Path, name: str, seconds: float) -> None:
+    """Set phase ``name``'s seconds in ``path`` (the others kept)."""
+    try:
+        data = json.loads(path.read_text())
+        phases = data["phases"] if isinstance(data.get("phases"), dict) else {}
+    except (OSError, ValueError, AttributeError):
+        phases = {}
+    phases[name] = round(seconds, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"phases": phases}, indent=2) + "\n")
+
+
+@contextmanager
+def timed(path: Path, name: str) -> Iterator[None]:
+    """Record the seconds of the block as phase ``name``, even if it fails."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        record(path, name, time.monotonic() - started)
