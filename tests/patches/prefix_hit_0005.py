@@ -251,14 +251,20 @@ def transfer_plan(
         model_dir, groups, dcp, request_id, num_prompt_tokens, prefill_tail_pages
     )
     consumer = connector(model_dir, groups, dcp, "kv_consumer")
+    # The connector's own hooks (its fail-closed checks raise there; the
+    # MoRIIOConnector hooks turn a refusal into a fallback since 0016).
+    scheduler = consumer.connector_scheduler
+    assert scheduler is not None
     decode = make_request(request_id, num_prompt_tokens, params)
-    reported, load_async = consumer.get_num_new_matched_tokens(decode, local_hit_tokens)
+    reported, load_async = scheduler.get_num_new_matched_tokens(
+        decode, local_hit_tokens
+    )
     assert not load_async
     external = reported if final_external_tokens is None else final_external_tokens
     tables = decode_tables(groups, num_prompt_tokens + decode_tail_tokens, dcp)
     if short_local_group is not None:
         tables[short_local_group] = tables[short_local_group][:-1]
-    consumer.update_state_after_alloc(decode, make_kv_cache_blocks(tables), external)
+    scheduler.update_state_after_alloc(decode, make_kv_cache_blocks(tables), external)
     return read_plan(consumer, groups, request_id)
 
 

@@ -204,7 +204,7 @@ def test_group_count_mismatch_fails_closed(mtp_vllm_configs) -> None:
     num_external = n - 1 - B
     req = make_request(f"mismatch-{num_external}", n, params)
     with pytest.raises(MoRIIOError, match="count mismatch"):
-        d_conn.update_state_after_alloc(
+        d_conn.connector_scheduler.update_state_after_alloc(
             req, make_kv_cache_blocks(d.tables), num_external
         )
 

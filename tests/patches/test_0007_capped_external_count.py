@@ -59,7 +59,7 @@ def test_capped_external_count_fails_closed(
     consumer.get_num_new_matched_tokens(decode, hit_tokens)
     tables = decode_tables(groups, num_prompt_tokens + 1, 1)
     with pytest.raises(MoRIIOError, match="capped external token count"):
-        consumer.update_state_after_alloc(
+        scheduler.update_state_after_alloc(
             decode, make_kv_cache_blocks(tables), external
         )
     assert scheduler._reqs_need_recv == {}

@@ -214,10 +214,11 @@ def test_read_without_the_window_start_fails_closed(
         list(range(101, 107)),
         remote_window,
     ]
-    external, _ = consumer.get_num_new_matched_tokens(request, 0)
+    scheduler = consumer.connector_scheduler
+    external, _ = scheduler.get_num_new_matched_tokens(request, 0)
     decode_tables = [list(range(201, 207)), [0, 302, 303, 304, 305, 306]]
     with pytest.raises(MoRIIOError, match="cannot guarantee the sliding window"):
-        consumer.update_state_after_alloc(
+        scheduler.update_state_after_alloc(
             request, make_kv_cache_blocks(decode_tables), external
         )
 

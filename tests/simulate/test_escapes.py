@@ -90,3 +90,32 @@ def test_fault_names():
     assert parse_faults("hook-raises,all")[0] == "hook-raises"
     with pytest.raises(ValueError, match="unknown fault"):
         parse_faults("nope")
+
+
+@pytest.fixture(scope="module")
+def kimi_pair():
+    from vllm_overlay.simulate.drive import Pair
+    from vllm_overlay.simulate.layouts import expand
+
+    return Pair(expand(["kimi"])[0], max_model_len=1024, port=47200)
+
+
+def test_a_hybrid_request_prefilled_locally_holds_its_whole_prompt(
+    kimi_pair, monkeypatch
+):
+    """A request the decoder's connector serves by local prefill (no external
+    token) is judged once its forward computed the prompt: its state groups
+    then hold the state after all n tokens, not after n - 1."""
+    connector = kimi_pair.d.scheduler.connector
+    count = connector.get_num_new_matched_tokens
+
+    def local_for_the_faulty_one(request, num_computed_tokens):
+        got = count(request, num_computed_tokens)
+        return (0, False) if request.request_id.startswith("f") else got
+
+    monkeypatch.setattr(
+        connector, "get_num_new_matched_tokens", local_for_the_faulty_one
+    )
+    case = kimi_pair.run_fault_case(100, 0.0, FAULTS["capped-count"])
+    assert case.injected and not case.escaped and case.error is None
+    assert case.other_right and not case.refused_wrong

@@ -607,6 +607,11 @@ class Pair:
         judged by the pages' contents alone."""
         tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
         check = ReadCheck(self.groups, tables, self.d_store, n, uid, None)
+        # The forward computed the last prompt token too: a state group holds
+        # the state after all n tokens (in the block of position n - 1).
+        check.needs = [
+            need._replace(lo=n) if need.hi == 0 else need for need in check.needs
+        ]
         held = check.judge(self.d_store, [], got.hit_fraction, got.local_hit_tokens)
         return msgspec.structs.replace(
             got, wrong=held.wrong, wrong_groups=held.wrong_groups
