@@ -433,3 +433,33 @@ def test_series_ref_reads_the_series_of_a_ref_from_a_fresh_clone(
         "assessed here; check that ref out to rebase it\n"
     )
     assert _git(clone, "status", "--porcelain") == ""
+
+
+def test_a_refreshed_remainder_that_does_not_apply_is_a_conflict(
+    tmp_path: Path, make_repo: MakeRepo, pin: Pin
+) -> None:
+    """A remainder made for the wrong base (here the pinned one): a conflict
+    that says so; the patches above are blocked; nothing is written."""
+    root = make_repo(_series(), _pin(pin))
+    before = _snapshot(root)
+    given = tmp_path / "0001-upstream-change.patch"
+    text = patch_text("upstream change", [diff(CONNECTOR, OLD, OURS)])
+    given.write_text(set_header_field(text, "Applied-Upstream", f"{NEWER} (in part)"))
+    rc, report = _rebase(root, tmp_path, FORM, "--refreshed", str(given), "--write")
+    assert rc == 1
+    assert _labels(report) == [
+        ("0001", "conflict", []),
+        ("0002", "blocked", []),
+        ("0003", "blocked", []),
+    ]
+    row = report["rows"][0]
+    assert row["refreshed"] == str(given) and row["hand"] == ""
+    assert row["detail"].startswith(
+        f"its hand-refreshed remainder {given} does not apply to the new base "
+        "("
+        + "; ".join(
+            f"moriio_connector.py hunk #{k}: context not found" for k in (1, 2, 3, 5)
+        )
+        + "); landed in another form as upstream #12345"
+    )
+    assert _snapshot(root) == before
