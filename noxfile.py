@@ -480,9 +480,16 @@ def export(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def rebase(session: nox.Session) -> None:
-    """Move the series to another vLLM: `-- --to VERSION|WHEEL|DIR [--write]`."""
-    wheels = ("--wheel", str(pinned_wheel(session)), "--cache", str(CACHE / "wheels"))
-    overlay(session, cpu_python(session), "rebase", *wheels, *session.posargs)
+    """Move the series to another vLLM: `-- --to VERSION|WHEEL|DIR [--write]`.
+
+    `-- --series-ref series-0.33.0 --to 0.34.0`: the series of a git ref
+    (its own pinned wheel comes from the cache, fetched when missing).
+    """
+    wheel = pinned_wheel(session)  # also the cached wheel `--to <pinned>` finds
+    from_ref = any(a.split("=", 1)[0] == "--series-ref" for a in session.posargs)
+    base = () if from_ref else ("--wheel", str(wheel))
+    args = ("rebase", *base, "--cache", str(CACHE / "wheels"), *session.posargs)
+    overlay(session, cpu_python(session), *args)
 
 
 @nox.session

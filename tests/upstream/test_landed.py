@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from vllm_overlay.series.diff import parse_patch, unified_diff
-from vllm_overlay.upstream.rebase.landed import SLACK, check_hunks, is_trivial
+from vllm_overlay.upstream.rebase.landed import (
+    SLACK,
+    check_hunks,
+    is_trivial,
+    names_in,
+)
 
 # A made-up module: 40 numbered filler lines around one small function.
 FILLER = [f"value_{i} = compute({i})\n" for i in range(40)]
@@ -135,3 +140,33 @@ def test_an_insertion_is_looked_for_where_its_insertion_point_went() -> None:
         OLD, new.replace(FILLER[30], FILLER[30] + "extra = special()\n"), fp
     )
     assert c.landed and c.exact and c.evidence() == ["40: extra = special()"]
+
+
+def test_names_are_identifiers_in_code_not_words() -> None:
+    lines = [
+        "    spec = KVCacheSpec(block_size)  # Sliding window_size here\n",
+        '    i_j = get_kv_cache_spec_sliding_window(spec, "a_string")\n',
+        "    Sliding = ring\n",
+    ]
+    assert names_in(lines) == [
+        "KVCacheSpec",
+        "block_size",
+        "get_kv_cache_spec_sliding_window",
+        "a_string",
+    ]
+
+
+def test_a_hunk_upstream_rewrote_with_a_new_name_of_ours_is_in_another_form() -> None:
+    """The line it removes is gone; none of its lines is there, but the new
+    name it adds is (elsewhere in the file): changed in another form."""
+    ours = OLD.replace("    first = groups[0]\n", "    first = pick_first(groups)\n")
+    theirs = OLD.replace("    first = groups[0]\n", "    first = groups.head()\n")
+    theirs += "def pick_first(groups):\n    return groups[0]\n"
+    (check,) = _checks(theirs, ours=ours)
+    assert check.changed_upstream and check.in_another_form
+    assert check.names == check.names_found == ["pick_first"]
+    assert check.problem().endswith("its new name(s) there: pick_first")
+    # Without our name there: changed upstream, nothing of ours.
+    bare = OLD.replace("    first = groups[0]\n", "    first = groups.head()\n")
+    (check,) = _checks(bare, ours=ours)
+    assert check.changed_upstream and not check.in_another_form

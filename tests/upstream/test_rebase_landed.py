@@ -229,8 +229,10 @@ def test_0001_merged_in_another_form_is_partly_upstream_and_names_the_rest(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Upstream merged 0001, but wrote one of its lines its own way: that
-    hunk neither applies nor landed (the lines it removes are gone), every
-    other hunk landed; nothing is dropped or written."""
+    hunk neither applies nor landed (the lines it removes are gone, nothing
+    of ours there), every other hunk landed. 0001 landed in another form:
+    partly upstream, to refresh by hand; the patches above are assessed with
+    it set aside; nothing is dropped or written."""
     root = _repo(make_repo, series)
     (fp,) = series.patches[0].files
     merged = apply_file_patch(base_texts[CONNECTOR], fp).text
@@ -242,24 +244,30 @@ def test_0001_merged_in_another_form_is_partly_upstream_and_names_the_rest(
         root, tmp_path, base_texts, _wheel(tmp_path, base_texts, new), "--write"
     )
     assert rc == 1
-    assert _results(report) == ["conflict"] + ["blocked"] * (len(series.patches) - 1)
+    rest = len(series.patches) - 1
+    assert _results(report) == ["partly upstream"] + ["clean"] * rest
     row = report["rows"][0]
     others = " ".join(f"#{j + 1}" for j in range(len(fp.hunks)) if j != k)
-    assert row["detail"].startswith(
-        f"moriio_connector.py: partly upstream: hunk(s) {others} landed; the rest: "
+    assert row["detail"] == (
+        "landed in another form as upstream #60867 "
+        "(https://github.com/vllm-project/vllm/pull/60867): moriio_connector.py: "
+        f"{others} landed; #{k + 1} conflicting"
     )
-    assert row["detail"].endswith("1 hunk does not apply (1 changed upstream)")
+    assert row["hand"].startswith(f"{series.patches[0].name} cannot be refreshed")
+    assert all(r["set_aside"] == [series.patches[0].name] for r in report["rows"][1:])
     (failed,) = [h for h in row["hunks"] if h["problem"]]
-    assert failed["hunk"] == k + 1
+    assert failed["hunk"] == k + 1 and failed["state"] == "conflicting"
     assert "changed upstream: the" in failed["problem"]
     assert failed["problem"].endswith("0 of its 1 new line(s) there")
     out = capsys.readouterr().out
     assert (
-        f"moriio_connector.py: hunk #{k + 1} does not apply: context not found" in out
+        f"moriio_connector.py: hunk #{k + 1} conflicting: nothing of ours there: "
+        "changed upstream: the" in out
     )
     assert out.splitlines()[-1] == (
-        f"rebase: 1 conflict, {len(series.patches) - 1} blocked: not every patch "
-        "applies; nothing in the repository changed"
+        f"rebase: {rest} clean, 1 partly upstream: 0001 landed upstream in "
+        "another form and needs a hand-refreshed remainder (--refreshed); "
+        "nothing in the repository changed"
     )
     assert load_series(root).names == series.names
     assert not (root / "patches" / "dropped").exists()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
+from vllm_overlay.checkout import Checkout
 from vllm_overlay.command import (
     App,
     Subparsers,
@@ -12,7 +14,9 @@ from vllm_overlay.command import (
     add_command,
     base_source,
 )
+from vllm_overlay.series.pin import Pin
 from vllm_overlay.text import count
+from vllm_overlay.tree.materialize import BaseSource
 from vllm_overlay.upstream.export import (
     DEFAULT_OUT,
     RUFF_VERSION,
@@ -21,17 +25,21 @@ from vllm_overlay.upstream.export import (
     load_context,
 )
 from vllm_overlay.upstream.gitmail import Identity, user_identity
+from vllm_overlay.upstream.rebase import seriesref
 from vllm_overlay.upstream.rebase.newbase import (
     DEFAULT_CACHE,
+    fetch_version,
     is_downgrade,
     resolve_new_base,
 )
 from vllm_overlay.upstream.rebase.plan import (
     DEFAULT_WORKDIR,
+    applied_version,
     carries_series,
     rebase_plan,
     write_plan,
 )
+from vllm_overlay.upstream.rebase.refreshed import load_refreshed
 from vllm_overlay.upstream.rebase.report import (
     RebaseError,
     RebaseReport,
@@ -87,13 +95,45 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
 
     Classify every patch against a newer vLLM (clean, offset, upstream,
     partly upstream, conflict, blocked); with --write and no conflict, write
-    the new pin, the refreshed patches and the records of dropped ones.
+    the new pin, the refreshed patches and the records of dropped ones. A
+    patch that landed upstream in another form is set aside (the patches
+    above are assessed without it) until its hand-refreshed remainder is
+    given with --refreshed. --series-ref reads the series from a git ref
+    (the 0.33.0 series: series-0.33.0).
     """
-    checkout = app.checkout
+    if not args.series_ref:
+        return _rebase(app, args, app.checkout, "")
+    if args.write:
+        raise RebaseError(
+            f"--series-ref {args.series_ref} with --write: the series of a ref is "
+            "only assessed here; check that ref out to rebase it"
+        )
+    root = app.checkout.root
+    with tempfile.TemporaryDirectory(prefix="vllm-overlay-series-") as tmp:
+        commit = seriesref.export_series(root, args.series_ref, Path(tmp))
+        ref = f"{args.series_ref} ({commit[:9]})"
+        return _rebase(app, args, Checkout(Path(tmp)), ref)
+
+
+def _old_base(args: argparse.Namespace, pin: Pin, from_ref: bool) -> BaseSource:
+    """--wheel / --from; for a series read from a ref without them, its
+    pinned wheel from --cache (fetched with pip when missing)."""
+    source = base_source(args)
+    if not from_ref or source.wheel is not None or source.tree is not None:
+        return source
+    cached = args.cache / pin.vllm.wheel
+    wheel = cached if cached.is_file() else fetch_version(pin.vllm.version, args.cache)
+    return BaseSource(wheel=wheel)
+
+
+def _rebase(
+    app: App, args: argparse.Namespace, checkout: Checkout, series_ref: str
+) -> int:
     pin, series = checkout.pin, checkout.series
-    old_bases = base_source(args).load(pin, series).texts
+    old_bases = _old_base(args, pin, bool(series_ref)).load(pin, series).texts
     new = resolve_new_base(args.to, pin.module, args.cache, pin.vllm.version)
-    workdir = checkout.path(args.workdir) / new.version
+    given = load_refreshed(args.refreshed, series, applied_version(new))
+    workdir = app.checkout.path(args.workdir) / new.version
     report_path = args.report or workdir / "rebase.json"
     if carries_series(old_bases, series, new):
         report = RebaseReport(
@@ -104,6 +144,7 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
             workdir=str(workdir),
             rows=[],
             carries_series=True,
+            series_ref=series_ref,
         )
         _write_report(report_path, report)
         app.result(report)
@@ -120,9 +161,10 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
             "wheel, or the tree after `vllm-overlay apply --revert`)"
         )
     report, plan = rebase_plan(
-        pin, series, old_bases, new, workdir, git_commit=args.git_commit
+        pin, series, old_bases, new, workdir, git_commit=args.git_commit, given=given
     )
     report.downgrade = is_downgrade(pin.vllm.version, new.version)
+    report.series_ref = series_ref
     if plan is not None and args.write:
         for path in write_plan(checkout.root, plan):
             app.say(f"  wrote {path}" if path.exists() else f"  removed {path}")
@@ -134,8 +176,7 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
     counts = result_counts(report)
     if plan is None:
         app.say(
-            f"rebase: {counts}: not every patch applies; nothing in the "
-            "repository changed"
+            f"rebase: {counts}: {_why_not(report)}; nothing in the repository changed"
         )
         return 1
     if args.write:
@@ -146,6 +187,22 @@ def cmd_rebase(app: App, args: argparse.Namespace) -> int:
             "updates the pin"
         )
     return 0
+
+
+def _why_not(report: RebaseReport) -> str:
+    """Why the series cannot move: what conflicts, what needs a hand."""
+    why = []
+    if any(r.result in ("conflict", "blocked") for r in report.rows):
+        why.append("not every patch applies")
+    hand = [r.patch.split("-", 1)[0] for r in report.by_hand]
+    if hand:
+        said = ", ".join(hand)
+        verb = "needs" if len(hand) == 1 else "need"
+        why.append(
+            f"{said} landed upstream in another form and {verb} a hand-refreshed "
+            "remainder (--refreshed)"
+        )
+    return "; ".join(why)
 
 
 def _write_report(path: Path, report: RebaseReport) -> None:
@@ -222,4 +279,22 @@ def register(sub: Subparsers) -> None:
         "--write",
         action="store_true",
         help="write the new pin and refreshed patches (only if all apply)",
+    )
+    p.add_argument(
+        "--refreshed",
+        nargs="+",
+        default=[],
+        type=Path,
+        metavar="PATCH",
+        help="a hand-refreshed remainder of a patch that landed upstream in "
+        "another form, named as that patch, its Applied-Upstream '<version> "
+        "(in part)': used in its place on the new base",
+    )
+    p.add_argument(
+        "--series-ref",
+        default="",
+        metavar="REF",
+        help="read pin.toml and patches/ from this git ref of the checkout "
+        "(series-0.33.0, origin/release/0.33); its pinned wheel comes from "
+        "--cache unless --wheel/--from; no --write",
     )

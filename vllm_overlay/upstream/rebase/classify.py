@@ -1,6 +1,7 @@
 """One patch's files against the new base: clean, offset, upstream, partly
 upstream (some hunks landed, the rest carried) or conflict (a 3-way merge
-written out for review)."""
+written out for review). Each hunk also gets its state (landed, changed
+upstream, still to carry, conflicting), which ``anotherform`` weighs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from vllm_overlay.series.diff import FilePatch, Hunk, HunkError, apply_file_patc
 from vllm_overlay.series.patch_series import SeriesPatch
 from vllm_overlay.text import count, verb
 from vllm_overlay.upstream.rebase.landed import HunkCheck, check_hunks
-from vllm_overlay.upstream.rebase.report import HunkNote, RebaseError, Result
+from vllm_overlay.upstream.rebase.report import (
+    HunkNote,
+    HunkState,
+    RebaseError,
+    Result,
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,8 @@ class FileOutcome:
     offsets: list[int] = field(default_factory=list)
     merged: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    # Each hunk's state (0-based index); empty for a blocked file.
+    states: dict[int, HunkState] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,8 @@ def classify_patch(
             outcomes[i] = FileOutcome("blocked", why)
         elif inp.new_pre is None:
             missing = f"{inp.fp.path} is not in the new base"
-            outcomes[i] = FileOutcome("conflict", missing)
+            states = _every(inp.fp, "conflicting")
+            outcomes[i] = FileOutcome("conflict", missing, states=states)
         else:
             try:
                 done = apply_file_patch(inp.new_pre, inp.fp)
@@ -104,7 +113,12 @@ def classify_patch(
                 continue
             every = list(range(len(inp.fp.hunks)))
             outcomes[i] = FileOutcome(
-                "clean", "", done.text, kept=every, offsets=[0] * len(every)
+                "clean",
+                "",
+                done.text,
+                kept=every,
+                offsets=[0] * len(every),
+                states=_every(inp.fp, "still to carry"),
             )
     evidence = any(c.landed for cs in checks.values() for c in cs)
     for i, cs in checks.items():
@@ -117,6 +131,10 @@ def classify_patch(
         }
         outcomes[i] = _classify_file(patch, inputs[i], cs, landed, labels, workdir)
     return [outcomes[i] for i in range(len(inputs))]
+
+
+def _every(fp: FilePatch, state: HunkState) -> dict[int, HunkState]:
+    return dict.fromkeys(range(len(fp.hunks)), state)
 
 
 def _classify_file(
@@ -137,14 +155,19 @@ def _classify_file(
             _describe(c.hunk),
             landed=landed[c.index],
             evidence=c.evidence(),
+            state="landed",
         )
         for c in checks
         if c.index in landed
     ]
     kept = [k for k in range(len(fp.hunks)) if k not in landed]
+    states: dict[int, HunkState] = dict.fromkeys(landed, "landed")
     if not kept:
         return FileOutcome(
-            "upstream", f"{name}: every hunk landed ({len(fp.hunks)})", hunks=notes
+            "upstream",
+            f"{name}: every hunk landed ({len(fp.hunks)})",
+            hunks=notes,
+            states=states,
         )
     rest = FilePatch(fp.old_path, fp.new_path, tuple(fp.hunks[k] for k in kept))
     try:
@@ -159,13 +182,18 @@ def _classify_file(
             if off
         ]
         notes.sort(key=lambda n: n.hunk)
+        states.update(dict.fromkeys(kept, "still to carry"))
         if not landed:
-            return FileOutcome("offset", "", done.text, notes, kept, offsets)
+            return FileOutcome(
+                "offset", "", done.text, notes, kept, offsets, states=states
+            )
         detail = (
             f"{name}: hunk(s) {_numbers(sorted(landed))} landed; "
             f"{_numbers(kept)} carried (the remainder)"
         )
-        return FileOutcome("partly upstream", detail, done.text, notes, kept, offsets)
+        return FileOutcome(
+            "partly upstream", detail, done.text, notes, kept, offsets, states=states
+        )
     # The review merge leaves out what landed: new base, old base, and the
     # old base with the hunks that did not.
     theirs = apply_file_patch(inp.old_pre, rest).text
@@ -175,10 +203,26 @@ def _classify_file(
         workdir / patch.slug, name, merge.text, (new_pre, inp.old_pre, theirs)
     )
     by_index = {c.index: c for c in checks}
-    failed = [
-        HunkNote(fp.path, k + 1, _describe(fp.hunks[k]), problem=by_index[k].problem())
+    failed = []
+    for k in kept:
+        if _applies_alone(new_pre, fp, k):
+            states[k] = "still to carry"
+            continue
+        check = by_index[k]
+        states[k] = "changed upstream" if check.in_another_form else "conflicting"
+        failed.append(
+            HunkNote(
+                fp.path,
+                k + 1,
+                _describe(fp.hunks[k]),
+                problem=check.problem(),
+                state=states[k],
+            )
+        )
+    carried = [
+        HunkNote(fp.path, k + 1, _describe(fp.hunks[k]), state="still to carry")
         for k in kept
-        if not _applies_alone(new_pre, fp, k)
+        if states[k] == "still to carry"
     ]
     markers = [
         f"{merged}:{i}"
@@ -189,9 +233,10 @@ def _classify_file(
     return FileOutcome(
         "conflict",
         detail,
-        hunks=sorted(notes + failed, key=lambda n: n.hunk),
+        hunks=sorted(notes + failed + carried, key=lambda n: n.hunk),
         merged=[merged],
         conflicts=markers,
+        states=states,
     )
 
 

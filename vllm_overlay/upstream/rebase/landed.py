@@ -21,11 +21,21 @@ removes is left there, and every other non-trivial line it adds is there too.
 A hunk without evidence (whitespace, punctuation, lines that existed
 already) never counts as landed by itself; ``classify`` lets it follow the
 rest of its patch when its post-image is verbatim in place.
+
+A hunk that has not landed is *changed upstream in another form* when
+upstream rewrote the very lines it changes (every evidence line it removes
+is gone from the region) and something of ours is there: some of its
+evidence lines in the region, or some of the *new names* it adds anywhere in
+the new base. A new name is an identifier (``snake_case`` with an
+underscore, or ``CamelCase`` with an inner capital, at least ``MIN_NAME``
+characters) in the code of a line it adds (before any ``#``) that stands
+nowhere in the text the hunk was made for. ``anotherform`` weighs these.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +45,10 @@ from vllm_overlay.series.diff import FilePatch, Hunk
 # How far (in lines) either side of its mapped position a hunk's lines are
 # looked for.
 SLACK = 10
+# The shortest identifier that counts as a new name (shorter ones, such as
+# ``i_j``, are too common to show anything).
+MIN_NAME = 4
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Lines that carry no evidence although they hold a word.
 _TRIVIAL = frozenset(
     {
@@ -67,6 +81,26 @@ def _key(line: str) -> str:
     return line.rstrip()
 
 
+def _looks_like_name(word: str) -> bool:
+    """``snake_case`` or ``CamelCase``: a name someone chose, not a word of
+    prose (a comment or docstring word such as ``Sliding`` is not one)."""
+    inner_capital = any(c.isupper() for c in word[1:]) and any(
+        c.islower() for c in word
+    )
+    return len(word) >= MIN_NAME and ("_" in word.strip("_") or inner_capital)
+
+
+def names_in(lines: Sequence[str]) -> list[str]:
+    """The names in the code of ``lines`` (before any ``#``), in order, once."""
+    seen: dict[str, None] = {}
+    for line in lines:
+        code = line.split("#", 1)[0]
+        for word in _NAME_RE.findall(code):
+            if _looks_like_name(word):
+                seen.setdefault(word, None)
+    return list(seen)
+
+
 @dataclass
 class HunkCheck:
     """What the new base holds of one hunk (line numbers are 1-based lines
@@ -81,6 +115,8 @@ class HunkCheck:
     still: list[tuple[int, str]] = field(default_factory=list)  # ... left there
     others_missing: list[str] = field(default_factory=list)  # other added lines
     post_at: int | None = None  # where its post-image is, verbatim
+    names: list[str] = field(default_factory=list)  # new names it adds
+    names_found: list[str] = field(default_factory=list)  # ... in the new base
 
     @property
     def has_evidence(self) -> bool:
@@ -109,6 +145,12 @@ class HunkCheck:
         """Not landed, but every evidence line it removes is gone: upstream
         changed the very lines this hunk changes."""
         return not self.landed and bool(self.removed) and not self.still
+
+    @property
+    def in_another_form(self) -> bool:
+        """Changed upstream, and something of ours is there: some of its
+        evidence lines in the region or some of its new names in the file."""
+        return self.changed_upstream and bool(self.found or self.names_found)
 
     def evidence(self) -> list[str]:
         """The new base's lines that show the hunk landed, ``LINE: text``."""
@@ -155,6 +197,8 @@ class HunkCheck:
         if self.added:
             found, added = len(self.found), len(self.added)
             parts.append(f"{found} of its {added} new line(s) there")
+        if self.names_found:
+            parts.append(f"its new name(s) there: {', '.join(self.names_found)}")
         return "; ".join(parts)
 
 
@@ -215,6 +259,9 @@ def check_hunks(old_pre: str, new_pre: str, fp: FilePatch) -> list[HunkCheck]:
     old = [_key(x) for x in old_pre.splitlines()]
     new = [_key(x) for x in new_pre.splitlines()]
     old_set = set(old)
+    # Any occurrence (code, comment, string) makes a word not new / there.
+    old_names = set(_NAME_RE.findall(old_pre))
+    new_names = set(_NAME_RE.findall(new_pre))
     opcodes = difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes()
     checks = []
     for index, hunk in enumerate(fp.hunks):
@@ -231,6 +278,8 @@ def check_hunks(old_pre: str, new_pre: str, fp: FilePatch) -> list[HunkCheck]:
         removed = [x for x in minus if not is_trivial(x) and x not in plus]
         check = HunkCheck(index, hunk, (lo + 1, hi), added=added, removed=removed)
         check.found = _in_order(added, window, lo)
+        check.names = [x for x in names_in(plus) if x not in old_names]
+        check.names_found = [x for x in check.names if x in new_names]
         check.others_missing = [x for x in others if x not in window]
         left = Counter(window)
         before = Counter(old_window)

@@ -1,5 +1,10 @@
 """The series walked patch by patch over the old and the new base, and what
-``--write`` writes: the new pin, the refreshed patches, the series."""
+``--write`` writes: the new pin, the refreshed patches, the series.
+
+A patch that landed upstream in another form (``anotherform``) is set aside
+on the new base (its hand-refreshed remainder is carried instead when one is
+given), so the patches above are still assessed, each saying what it was
+assessed without."""
 
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from vllm_overlay.series.pin import (
 )
 from vllm_overlay.transaction import Change, Transaction, lock
 from vllm_overlay.tree.apply import ApplyError, overlay_texts
+from vllm_overlay.upstream.rebase import anotherform
 from vllm_overlay.upstream.rebase.classify import (
     FileInput,
     FileOutcome,
@@ -47,7 +53,12 @@ from vllm_overlay.upstream.rebase.classify import (
     combine,
 )
 from vllm_overlay.upstream.rebase.newbase import NewBase
-from vllm_overlay.upstream.rebase.report import RebaseError, RebaseReport, RebaseRow
+from vllm_overlay.upstream.rebase.refreshed import Carried, carry
+from vllm_overlay.upstream.rebase.report import (
+    RebaseError,
+    RebaseReport,
+    RebaseRow,
+)
 
 DEFAULT_WORKDIR = Path("dist/rebase")
 
@@ -94,6 +105,16 @@ class _Walk:
     blocked: dict[str, str] = field(default_factory=dict)  # path -> patch
     refreshed: dict[str, str | None] = field(default_factory=dict)  # None: drop
     dropped: dict[str, str] = field(default_factory=dict)  # record -> text
+    # Hand-refreshed versions to use in a patch's place (--refreshed).
+    given: dict[str, SeriesPatch] = field(default_factory=dict)
+    # Patches landed in another form, left out of the new chain: their paths.
+    set_aside: dict[str, set[str]] = field(default_factory=dict)
+
+
+def applied_version(new: NewBase) -> str:
+    """What Applied-Upstream names for this new base: its version, else its
+    git commit, else where it came from."""
+    return new.version or (f"git {new.git_commit}" if new.git_commit else new.source)
 
 
 def carries_series(old_bases: dict[str, str], series: Series, new: NewBase) -> bool:
@@ -117,15 +138,18 @@ def rebase_plan(
     workdir: Path,
     *,
     git_commit: str = "",
+    given: dict[str, SeriesPatch] | None = None,
 ) -> tuple[RebaseReport, Plan | None]:
-    """Classify every patch; the plan is None unless all apply or are upstream."""
+    """Classify every patch; the plan is None unless all apply or are
+    upstream (a patch landed in another form counts only with its
+    hand-refreshed remainder in ``given``)."""
     walk = _Walk(
         old=dict(old_bases),
         new={p: d.decode() for p, d in new.files.items()},
         labels=(f"new base {new.version}", f"old base {pin.vllm.version}"),
         workdir=workdir,
-        version=new.version
-        or (f"git {new.git_commit}" if new.git_commit else new.source),
+        version=applied_version(new),
+        given=dict(given or {}),
     )
     report = RebaseReport(
         from_version=pin.vllm.version,
@@ -141,11 +165,57 @@ def rebase_plan(
 
 
 def _step(walk: _Walk, patch: SeriesPatch) -> RebaseRow:
-    """Classify one patch and carry it (or what did not land) forward on the
-    new base."""
+    """Classify one patch and carry it (or what did not land, or its
+    hand-refreshed version) forward on the new base."""
+    row = _classify_step(walk, patch)
+    paths = {fp.path for fp in patch.files}
+    row.set_aside = [
+        n for n, ps in walk.set_aside.items() if ps & paths and n != patch.name
+    ]
+    return row
+
+
+def _classify_step(walk: _Walk, patch: SeriesPatch) -> RebaseRow:
     outcomes = _assess(walk, patch)
     result, detail = combine(outcomes)
     hunks = [h for o in outcomes for h in o.hunks]
+    merged = [m for o in outcomes for m in o.merged]
+    conflicts = [c for o in outcomes for c in o.conflicts]
+    given = walk.given.get(patch.name)
+    if result == "conflict" and anotherform.landed_in_another_form(
+        s for o in outcomes for s in o.states.values()
+    ):
+        landed_as = anotherform.upstream_change(patch.header)
+        per_file = {
+            fp.path.rsplit("/", 1)[-1]: o.states
+            for fp, o in zip(patch.files, outcomes, strict=True)
+        }
+        detail = (
+            "landed in another form"
+            + (f" as upstream {landed_as}" if landed_as else "")
+            + ": "
+            + anotherform.evidence(per_file)
+        )
+        row = RebaseRow(
+            patch.name,
+            "partly upstream",
+            detail,
+            hunks,
+            merged,
+            conflicts,
+            landed_as=landed_as,
+        )
+        if given is None:
+            walk.set_aside[patch.name] = {fp.path for fp in patch.files}
+            row.hand = anotherform.hand_line(patch.name, walk.version)
+            return row
+        return _carry_given(walk, given, row)
+    if given is not None and result != "blocked":
+        raise RebaseError(
+            f"--refreshed {given.path}: {patch.name} did not land upstream in "
+            f"another form on this base (it is {result}); a hand-refreshed "
+            "version replaces only such a patch"
+        )
     if result == "offset":
         detail = "; ".join(
             f"{h.file.rsplit('/', 1)[-1]} hunk #{h.hunk} "
@@ -169,9 +239,51 @@ def _step(walk: _Walk, patch: SeriesPatch) -> RebaseRow:
         for fp, o in zip(patch.files, outcomes, strict=True):
             if o.new_post is not None:
                 walk.new[fp.path] = o.new_post
-    merged = [m for o in outcomes for m in o.merged]
-    conflicts = [c for o in outcomes for c in o.conflicts]
     return RebaseRow(patch.name, result, detail, hunks, merged, conflicts)
+
+
+def _carry_given(walk: _Walk, given: SeriesPatch, row: RebaseRow) -> RebaseRow:
+    """A patch landed in another form, carried as its hand-refreshed
+    remainder: refreshed for the new chain when it applies there; else a
+    conflict in the files it touches."""
+    done = carry(given, walk.new)
+    row.refreshed = str(given.path)
+    if done.result == "conflict":
+        for fp in given.files:
+            walk.blocked.setdefault(fp.path, row.patch)
+        failed = "; ".join(
+            f"{n.file.rsplit('/', 1)[-1]} hunk #{n.hunk}: {n.problem}"
+            for n in done.failed
+        )
+        row.result = "conflict"
+        row.detail = (
+            f"its hand-refreshed remainder {given.path} does not apply to the new "
+            f"base ({failed}); {row.detail}"
+        )
+        return row
+    head, _ = split_header(given.text, given.name)
+    walk.refreshed[row.patch] = _refresh(
+        given, head, _carried_outcomes(given, done), walk.new
+    )
+    walk.new.update(done.posts)
+    how = "applies" if done.result == "clean" else "applies with offsets"
+    row.detail = (
+        f"carried as its hand-refreshed remainder {given.path} ({how}); " + row.detail
+    )
+    return row
+
+
+def _carried_outcomes(given: SeriesPatch, done: Carried) -> list[FileOutcome]:
+    return [
+        FileOutcome(
+            done.result,
+            "",
+            done.posts[fp.path],
+            kept=list(range(len(fp.hunks))),
+            offsets=done.offsets[fp.path],
+        )
+        for fp in given.files
+    ]
 
 
 def _assess(walk: _Walk, patch: SeriesPatch) -> list[FileOutcome]:

@@ -12,7 +12,13 @@ from vllm_overlay.errors import OverlayError
 Result = Literal[
     "clean", "offset", "upstream", "partly upstream", "conflict", "blocked"
 ]
-# The results that let the series move: the rest need a person.
+# What the new base holds of one hunk of a patch that did not move as it
+# was (``anotherform`` weighs them): the hunk landed; upstream changed its
+# lines in its own form with something of ours there; it applies on its own
+# (still to carry); none of these.
+HunkState = Literal["", "landed", "changed upstream", "still to carry", "conflicting"]
+# The results that let the series move: the rest need a person (and so
+# does a row with ``hand`` set).
 MOVES: tuple[Result, ...] = ("clean", "offset", "upstream", "partly upstream")
 # Evidence lines shown per landed hunk in the table (the report has all).
 SHOWN_EVIDENCE = 3
@@ -32,6 +38,7 @@ class HunkNote(msgspec.Struct, forbid_unknown_fields=True):
     # and the new base's lines that show it (``LINE: text``).
     landed: str = ""
     evidence: list[str] = []
+    state: HunkState = ""
 
 
 class RebaseRow(msgspec.Struct, forbid_unknown_fields=True):
@@ -44,6 +51,25 @@ class RebaseRow(msgspec.Struct, forbid_unknown_fields=True):
     # Each conflict as ``path:line`` of its ``.merged`` file (the line of its
     # ``<<<<<<<`` marker), as compilers and grep print places.
     conflicts: list[str] = []
+    # A patch that landed upstream in another form (``partly upstream``)
+    # without a hand-refreshed remainder: what to do, in one line. The
+    # series cannot move while any row has one.
+    hand: str = ""
+    # The upstream change the header names (Forwarded, Origin, Bug).
+    landed_as: str = ""
+    # The hand-refreshed version used in the patch's place (--refreshed).
+    refreshed: str = ""
+    # Patches below, landed in another form, left out of the new base's
+    # chain in the files this one touches: it was assessed without them.
+    set_aside: list[str] = []
+
+    @property
+    def label(self) -> str:
+        """The result as the table shows it: ``clean (0001 set aside)``."""
+        if not self.set_aside:
+            return self.result
+        numbers = ", ".join(name.split("-", 1)[0] for name in self.set_aside)
+        return f"{self.result} ({numbers} set aside)"
 
 
 class RebaseReport(msgspec.Struct, forbid_unknown_fields=True):
@@ -59,10 +85,17 @@ class RebaseReport(msgspec.Struct, forbid_unknown_fields=True):
     # The new base is the pinned base with this very series applied (an
     # overlaid install): nothing to do, and no rows.
     carries_series: bool = False
+    # The git ref the series was read from (--series-ref), "" for the
+    # checkout's own patches/.
+    series_ref: str = ""
 
     @property
     def ok(self) -> bool:
-        return all(r.result in MOVES for r in self.rows)
+        return all(r.result in MOVES and not r.hand for r in self.rows)
+
+    @property
+    def by_hand(self) -> list[RebaseRow]:
+        return [r for r in self.rows if r.hand]
 
 
 def format_table(report: RebaseReport) -> str:
@@ -71,13 +104,15 @@ def format_table(report: RebaseReport) -> str:
     ``.merged`` file and line), per hunk that does not apply, and per merge
     to review."""
     rows = [("patch", "result", "detail")] + [
-        (r.patch, r.result, r.detail or "-") for r in report.rows
+        (r.patch, r.label, r.detail or "-") for r in report.rows
     ]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [
         f"rebase: {report.from_version} -> {report.to_version} ({report.to_source})"
     ]
+    if report.series_ref:
+        lines.append(f"rebase: the series of {report.series_ref}")
     if report.downgrade:
         lines.append(
             f"rebase: warning: {report.to_version} is older than the pinned "
@@ -87,18 +122,39 @@ def format_table(report: RebaseReport) -> str:
     for r, (a, b, c) in zip(report.rows, rows[1:], strict=True):
         lines.append(f"  {a:<{w0}}  {b:<{w1}}  {c}")
         lines += _landed_lines(r)
-        if r.result != "conflict":
+        if r.hand:
+            lines += _state_lines(r)
+        elif r.result != "conflict":
             continue
+        else:
+            lines += [
+                f"      {h.file.rsplit('/', 1)[-1]}: hunk #{h.hunk} does not apply: "
+                f"{h.problem} ({h.header})"
+                for h in r.hunks
+                if h.problem
+            ]
         lines += [f"      {place}: conflict" for place in r.conflicts]
-        lines += [
-            f"      {h.file.rsplit('/', 1)[-1]}: hunk #{h.hunk} does not apply: "
-            f"{h.problem} ({h.header})"
-            for h in r.hunks
-            if h.problem
-        ]
         marked = {place.rsplit(":", 1)[0] for place in r.conflicts}
         lines += [f"      {m}: review" for m in r.merged if m not in marked]
+        if r.hand:
+            lines.append(f"      by hand: {r.hand}")
     return "\n".join(lines)
+
+
+def _state_lines(row: RebaseRow) -> list[str]:
+    """A patch landed in another form: each hunk that did not land, with
+    its state (changed upstream, still to carry, conflicting) and why."""
+    out = []
+    for h in row.hunks:
+        if h.state in ("", "landed"):
+            continue
+        why = h.problem.removeprefix("context not found; ")
+        why = why.removeprefix(f"{h.state}: ") or "applies to the new base"
+        if h.state == "conflicting" and why.startswith("changed upstream: "):
+            why = "nothing of ours there: " + why
+        name = h.file.rsplit("/", 1)[-1]
+        out.append(f"      {name}: hunk #{h.hunk} {h.state}: {why} ({h.header})")
+    return out
 
 
 def _landed_lines(row: RebaseRow) -> list[str]:
