@@ -1,6 +1,6 @@
 """Drive a READ transfer with a decoder prefix hit through the real
 scheduler-side MoRIIO connector, and read back the pages it pairs
-(patches 0005-0007 and 0011-0013).
+(patches 0005, 0006, 0012 and 0013).
 
 A producer finishes the prefill (``request_finished_all_groups``), a consumer
 admits the same prompt (``get_num_new_matched_tokens``,

@@ -175,14 +175,13 @@ def test_payload_without_a_prefiller_address_is_prefilled_locally(
     pair._step(pair.prefill, finished_sending={ok, bad})
 
 
-def test_capped_count_after_allocation_is_released_and_counted(
-    llama_model_dir: Path,
+def test_refusal_after_allocation_with_several_groups_is_released_and_counted(
+    llama_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """0007's refusal after allocation (a hybrid model, L + E < N - 1) no
-    longer leaves the hook: nothing is read, the prefiller is released, the
-    fallback counted."""
+    """A refusal after allocation on a hybrid model (several KV cache groups,
+    no load-failure path in vLLM 0.34.0) no longer leaves the hook: nothing
+    is read, the prefiller is released, the fallback counted."""
     num_prompt_tokens, hit_tokens = 128 * 8 + 7, 128 * 2
-    external = 128 * 3
     groups = [Group("target", 128), Group("kda")]
     request_id = next_request_id()
     params = finish_prefill(llama_model_dir, groups, 1, request_id, num_prompt_tokens)
@@ -190,7 +189,9 @@ def test_capped_count_after_allocation_is_released_and_counted(
     scheduler = consumer.connector_scheduler
     assert scheduler is not None
     decode = make_request(request_id, num_prompt_tokens, params)
-    consumer.get_num_new_matched_tokens(decode, hit_tokens)
+    external, _ = consumer.get_num_new_matched_tokens(decode, hit_tokens)
+    assert external == num_prompt_tokens - 1 - hit_tokens
+    _refuse_for(scheduler, request_id, monkeypatch)
     tables = decode_tables(groups, num_prompt_tokens + 1, 1)
     consumer.update_state_after_alloc(decode, make_kv_cache_blocks(tables), external)
     _, local = scheduler._reqs_need_recv[request_id]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 
 from tests.patches.builders import full_attention_spec, sliding_window_spec
 from tests.patches.scheduler_pair_0008 import (
@@ -111,7 +112,7 @@ def test_prefiller_states_what_it_computed(
     n = 95
     params, _, computed = _prefill(pair, "stated", prompt(1, n))
     assert computed == n - dropped
-    assert params["moriio_protocol"] == 1
+    assert params["moriio_protocol"] == moriio_connector.MORIIO_PROTOCOL_VERSION
     assert params["prefilled_tokens"] == n - dropped
     pair._step(pair.prefill, finished_sending={"stated"})
 

@@ -10,12 +10,17 @@ import pytest
 from vllm_overlay.simulate.check import FULL, WINDOW
 from vllm_overlay.simulate.faults import (
     FAULTS,
+    Fault,
     FaultContext,
     FaultReport,
     apply_payload,
     parse_faults,
 )
 from vllm_overlay.simulate.report import LayoutReport
+
+# A fault case whose "faulty" payload is the prefiller's own: the harness
+# runs, nothing is refused.
+UNCHANGED = Fault("unchanged", "nothing", payload=lambda lists, ctx: lists)
 
 
 def test_an_exception_in_a_hook_is_counted_as_an_escape(llama_pair, monkeypatch):
@@ -58,7 +63,7 @@ def test_a_fault_case_counts_the_escape_and_the_request_in_flight(llama_pair):
 def test_a_fault_case_without_the_fault_serves_both_requests(llama_pair):
     """The same two requests with nothing refused: both read, the intact
     one right: the check can pass."""
-    case = llama_pair.run_fault_case(40, 0.5, FAULTS["capped-count"])
+    case = llama_pair.run_fault_case(40, 0.5, UNCHANGED)
     assert case.injected and not case.escaped and case.error is None
     assert case.other_right and not case.refused_wrong
 
@@ -84,7 +89,6 @@ def test_fault_names():
     assert parse_faults("all") == [
         "group-count",
         "short-table",
-        "capped-count",
         "null-window",
     ]
     assert parse_faults("hook-raises,all")[0] == "hook-raises"
@@ -116,6 +120,6 @@ def test_a_hybrid_request_prefilled_locally_holds_its_whole_prompt(
     monkeypatch.setattr(
         connector, "get_num_new_matched_tokens", local_for_the_faulty_one
     )
-    case = kimi_pair.run_fault_case(100, 0.0, FAULTS["capped-count"])
+    case = kimi_pair.run_fault_case(100, 0.0, UNCHANGED)
     assert case.injected and not case.escaped and case.error is None
     assert case.other_right and not case.refused_wrong

@@ -246,9 +246,8 @@ class Pair:
             return update(request, blocks, num_external_tokens)
 
         connector.update_state_after_alloc = spy
-        # Fault mode (``faults.py``): the decoder's count for a request cut
-        # by some tokens, or raising.
-        self._caps: dict[str, int] = {}
+        # Fault mode (``faults.py``): the decoder's count for a request
+        # raising.
         self._raises: set[str] = set()
         count = connector.get_num_new_matched_tokens
 
@@ -258,11 +257,7 @@ class Pair:
                 raise RuntimeError(
                     f"injected: get_num_new_matched_tokens({rid}) raises"
                 )
-            got, load_async = count(request, num_computed_tokens)
-            cap = self._caps.pop(rid, 0)
-            if cap and got is not None and got > 1:
-                got = max(got - cap, 1)
-            return got, load_async
+            return count(request, num_computed_tokens)
 
         connector.get_num_new_matched_tokens = count_spy
 
@@ -532,9 +527,6 @@ class Pair:
             self._step(self.p, self.p_store, {}, finished_sending=set(rids.values()))
             return FaultCase(n, hit_fraction, injected=False)
         rid_ok, rid_bad = rids["ok"], rids["bad"]
-        if fault.cap_pages:
-            block = self.groups[self.payload_groups[0]].block_tokens
-            self._caps[rid_bad] = fault.cap_pages * block
         if fault.raises:
             self._raises.add(rid_bad)
         for k in ("ok", "bad"):

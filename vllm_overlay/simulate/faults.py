@@ -19,16 +19,15 @@ The faults (the series patch whose check each one meets in the overlay):
   hybrid group-count check; a zip over the groups elsewhere);
 - ``short-table``: a full-attention group's prefill list cut to half
   (0005/0012: incomplete full-attention tables);
-- ``capped-count``: the decoder's external token count one page short of
-  what the connector asked, as a scheduler that capped it would give it
-  (0007: a capped count on a hybrid model);
 - ``null-window``: the null block as a sliding-window group's last
   prefill page (0008/0014: a freed page in the window);
 - ``hook-raises`` (a self-test, only when named): the connector's
   ``get_num_new_matched_tokens`` raises for the request.
 
 A fault whose payload rewrite changes nothing in a layout (no window group,
-one group) is counted as not applicable there, not run.
+one group) is counted as not applicable there, not run. A capped external
+count is not a fault: vLLM 0.34.0's scheduler gives MoRIIO its whole count
+or none (patches/dropped/0007-*.dep3).
 """
 
 from __future__ import annotations
@@ -80,8 +79,6 @@ class Fault(NamedTuple):
     """The series' check (and patch) this fault meets in the overlay."""
     payload: Callable[[Lists, FaultContext], Lists | None] | None = None
     """Rewrite of the payload's ``remote_block_ids`` (None: not applicable)."""
-    cap_pages: int = 0
-    """Pages taken off the decoder's external token count."""
     raises: bool = False
     """``get_num_new_matched_tokens`` raises (a self-test)."""
 
@@ -91,12 +88,11 @@ FAULTS: dict[str, Fault] = {
     for f in (
         Fault("group-count", "0001 group-count mismatch", payload=_drop_last_group),
         Fault("short-table", "0005/0012 incomplete tables", payload=_halve_full_group),
-        Fault("capped-count", "0007 capped external count", cap_pages=1),
         Fault("null-window", "0008/0014 null window page", payload=_null_window_page),
         Fault("hook-raises", "self-test: a hook raises", raises=True),
     )
 }
-DEFAULT_FAULTS = ("group-count", "short-table", "capped-count", "null-window")
+DEFAULT_FAULTS = ("group-count", "short-table", "null-window")
 """``--faults`` without a list: every refusal path of the connector."""
 DEFAULT_FAULT_LENGTHS = "17,50,100,529,545,600"
 """Several pages at block 16 and 64, past the 512 window, N = 1 mod 16."""
@@ -238,7 +234,7 @@ def apply_payload(fault: Fault, params: dict[str, Any], ctx: FaultContext) -> bo
     """Rewrite ``params``' ``remote_block_ids`` in place; False when the
     fault changes nothing here."""
     if fault.payload is None:
-        return fault.cap_pages > 0 or fault.raises
+        return fault.raises
     lists = params.get("remote_block_ids")
     if not isinstance(lists, list) or not all(isinstance(x, list) for x in lists):
         return False
