@@ -187,8 +187,10 @@ def fake_docker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     docker = bin_dir / "docker"
+    # -S: no site-packages (the fake needs the standard library only), so
+    # it starts in milliseconds even on a loaded machine.
     docker.write_text(
-        f'#!/bin/sh\nexec {sys.executable} {HERE / "fakedocker.py"} "$@"\n'
+        f'#!/bin/sh\nexec {sys.executable} -S {HERE / "fakedocker.py"} "$@"\n'
     )
     docker.chmod(0o755)
     state = tmp_path / "docker-state"

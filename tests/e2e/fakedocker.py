@@ -7,8 +7,12 @@ this environment, `python3 .../moriio_toy_proxy_server.py` ->
 tests/e2e/frontend.py. State lives in $FAKE_DOCKER_STATE. Behaviour knobs:
 - FAKE_DOCKER_DIE: comma list; a container whose name contains one prints a
   start-up failure and exits with 3 (a MoRI assert, an OOM ...);
+- FAKE_DOCKER_LOADING: comma list; such a container runs but never serves
+  (a server still loading its weights);
 - FAKE_DOCKER_PULL: ok (default, prints progress), hang, fail;
 - FAKE_DOCKER_HAVE_IMAGE=1: `image inspect` finds the image.
+Labels (`--label`) are kept per container; `ps --all --filter label=K=V
+--format {{.Names}}` lists the containers that carry every label asked.
 Every call's argv is appended to calls.jsonl in the state directory (what
 `ps` shows on a node); every container's env, as sha256 per name, to
 env/<name>.json (what reached the container, and no value).
@@ -31,8 +35,10 @@ REPO = HERE.parents[1]
 VALUE_FLAGS = {
     "--name", "--network", "--ipc", "--device", "--group-add", "--cap-add",
     "--security-opt", "--ulimit", "--shm-size", "--volume", "-v", "--env", "-e",
-    "--entrypoint", "--user", "--format", "--tail", "--env-file",
+    "--entrypoint", "--user", "--format", "--tail", "--env-file", "--label",
+    "--filter",
 }  # fmt: skip
+SUFFIXES = (".json", ".exit", ".cmd", ".log", ".labels")
 DIE_LINES = (
     "INFO 11-30 12:00:00 api_server.py:1] vLLM API server version 0.33.0",
     "INFO 11-30 12:00:05 core.py:1] Initializing MoRIIO worker",
@@ -72,6 +78,12 @@ def command_for(name: str, entrypoint: str, args: list[str]) -> list[str]:
             "-c",
             f"print({text!r}, flush=True); raise SystemExit(3)",
         ]
+    loading = [d for d in os.environ.get("FAKE_DOCKER_LOADING", "").split(",") if d]
+    if any(d in name for d in loading):
+        # Still loading its weights: runs, never serves (the health wait
+        # goes on until a timeout or an interruption).
+        script = "import time; print('Loading weights', flush=True); time.sleep(3600)"
+        return [sys.executable, "-c", script]
     if entrypoint == "vllm":
         return [sys.executable, str(HERE / "standin.py"), *args]
     if entrypoint == "vllm-router":
@@ -149,6 +161,8 @@ def cmd_run(args: list[str]) -> int:
         )
         return 125
     argv = command_for(name, entrypoint, inner)
+    labels = dict(x.partition("=")[::2] for x in flags.get("--label", []))
+    (state() / f"{name}.labels").write_text(json.dumps(labels))
     env = child_env(name, flags)
     log = state() / f"{name}.log"
     log.write_bytes(b"")
@@ -175,7 +189,7 @@ def cmd_run(args: list[str]) -> int:
         return supervise(name, argv, env, None)
     finally:
         if "--rm" in flags:
-            for suffix in (".json", ".exit", ".cmd", ".log"):
+            for suffix in SUFFIXES:
                 (state() / f"{name}{suffix}").unlink(missing_ok=True)
 
 
@@ -239,9 +253,24 @@ def cmd_rm(args: list[str]) -> int:
     deadline = time.monotonic() + 10
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for suffix in (".json", ".exit", ".cmd", ".log"):
+    for suffix in SUFFIXES:
         (state() / f"{name}{suffix}").unlink(missing_ok=True)
     print(name)
+    return 0
+
+
+def cmd_ps(args: list[str]) -> int:
+    flags, _ = parse(args)
+    assert "--all" in flags and flags.get("--format") == ["{{.Names}}"], args
+    filters = flags.get("--filter", [])
+    assert all(f.startswith("label=") for f in filters), filters
+    wanted = [f.removeprefix("label=") for f in filters]
+    for info in sorted(state().glob("*.json")):
+        labels_file = info.with_suffix(".labels")
+        labels = json.loads(labels_file.read_text()) if labels_file.exists() else {}
+        pairs = {f"{k}={v}" for k, v in labels.items()}
+        if all(w in pairs for w in wanted):
+            print(info.stem)
     return 0
 
 
@@ -277,7 +306,7 @@ def main(argv: list[str]) -> int:
         return 0 if os.environ.get("FAKE_DOCKER_HAVE_IMAGE") == "1" else 1
     handlers = {
         "run": cmd_run, "inspect": cmd_inspect, "logs": cmd_logs, "rm": cmd_rm,
-        "pull": cmd_pull,
+        "pull": cmd_pull, "ps": cmd_ps,
     }  # fmt: skip
     if cmd not in handlers:
         print(f"fake docker: unknown command {cmd}", file=sys.stderr)

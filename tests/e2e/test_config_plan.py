@@ -24,6 +24,7 @@ from vllm_overlay.e2e.config import (
     load_config,
 )
 from vllm_overlay.e2e.plan import Plan, Step, build_plan
+from vllm_overlay.e2e.runid import owner
 from vllm_overlay.e2e.servers import router_command, serve_command, servers
 
 UPSTREAM_FLAGS = (
@@ -47,12 +48,15 @@ def starts(plan: Plan) -> dict[str, Step]:
 
 
 def test_dry_run_matches_the_reviewed_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["e2e", "--config", str(EXAMPLE), "--dry-run"]) == 0
-    # The reviewed plan names the series id of this checkout.
+    argv = ["e2e", "--config", str(EXAMPLE), "--dry-run", "--run-id", "r0test"]
+    assert main(argv) == 0
+    # The reviewed plan names the series id of this checkout and who runs it
+    # (the owner label of every container).
     series = series_patches()
     assert series is not None
     expected = (FIXTURES / "llama-smoke.plan.txt").read_text()
-    assert capsys.readouterr().out == expected.replace("{series}", series[0])
+    expected = expected.replace("{series}", series[0]).replace("{owner}", owner())
+    assert capsys.readouterr().out == expected
 
 
 def test_plan_order() -> None:

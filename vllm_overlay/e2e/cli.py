@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -18,11 +19,13 @@ from vllm_overlay.e2e.config import RunConfig, load_config
 from vllm_overlay.e2e.expect import Expectations, Geometry, prefix_read, sweep_lengths
 from vllm_overlay.e2e.preflight import Preflight, PreflightError
 from vllm_overlay.e2e.preflight import text_lines as preflight_lines
+from vllm_overlay.e2e.runid import with_run_id
 from vllm_overlay.e2e.servers import servers
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.text import count
 
 LAUNCHERS = ("ssh", "slurm", "attach")
+RUN_ID = re.compile(r"[a-z0-9]{1,16}")
 NO_PREFLIGHT = (
     "skipped (--no-preflight): the config's [layout] is taken as "
     "typed, nothing checked what vLLM builds"
@@ -188,10 +191,11 @@ def dry_run_text(
     launcher: str = "ssh",
     run_dir: Path | None = None,
     app: App | None = None,
+    run_id: str = "",
 ) -> str:
     """Every command in order, what the checks send, the lengths expected to
     fail on the base image and with this checkout's series; a summary."""
-    config = load_config(config_path)
+    config = with_run_id(load_config(config_path), run_id)
     found = series_patches(app)
     plan = plan_text(config, launcher, run_dir, found)
     return plan + summary_line(config, launcher, found) + "\n"
@@ -242,6 +246,8 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
             app.say(line)
         app.result(result)
         return result.exit_status
+    if args.reap:
+        return reap(app, load_config(args.config), args.launcher)
     if args.print_serve:
         from vllm_overlay.e2e.deploy import serve_text
 
@@ -253,7 +259,9 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         app.say(json.dumps(manifest(load_config(args.config)), indent=2))
         return 0
     if args.dry_run:
-        text = dry_run_text(args.config, args.launcher, args.run_dir, app)
+        text = dry_run_text(
+            args.config, args.launcher, args.run_dir, app, args.run_id or ""
+        )
         plan, summary = text.rstrip("\n").rsplit("\n", 1)
         app.say(plan)
         # Warnings before the summary, which stays the last line.
@@ -265,7 +273,7 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         return 0
     from vllm_overlay.e2e.runner import check_prerequisites, run
 
-    config = load_config(args.config)
+    config = with_run_id(load_config(args.config), args.run_id or "")
     if args.launcher != "slurm":
         config.check_addresses()
     # What this machine needs for the run (the e2e extra, the secrets), said
@@ -303,6 +311,39 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
     )  # fmt: skip
     app.result(report)
     return 0 if report.ok else 1
+
+
+def reap(app: App, config: RunConfig, launcher: str) -> int:
+    """Remove the stale containers (Slurm: cancel the jobs) of this user's
+    earlier runs of ``config``; exit 1 when a host could not be asked."""
+    from vllm_overlay.e2e.reap import reap_containers, reap_jobs
+    from vllm_overlay.e2e.runid import owner, run_prefix
+
+    if launcher == "attach":
+        raise OverlayError("--reap: the attach launcher starts nothing to reap")
+    t = config.timeouts.command_s
+    done = (
+        reap_jobs(config, app.say, t)
+        if launcher == "slurm"
+        else reap_containers(config, app.say, t)
+    )
+    for line in done.failed:
+        app.say(f"e2e reap: could not reap on {line}")
+    what = "Slurm job" if launcher == "slurm" else "stale container"
+    app.say(
+        f"e2e reap {config.name}: {count(len(done.removed), what)} of {owner()}'s "
+        f"runs ({run_prefix(config)}-*) removed"
+        + (f"; {count(len(done.failed), 'failure')}" if done.failed else "")
+    )
+    return 1 if done.failed else 0
+
+
+def run_id_arg(value: str) -> str:
+    if not RUN_ID.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: a run id is 1 to 16 lower-case letters and digits"
+        )
+    return value
 
 
 def run_preflight(config_path: Path) -> Preflight:
@@ -379,6 +420,21 @@ def register(sub: Subparsers) -> None:
         help="print the commands that start the front end and every server "
         "(the container flags, RDMA env and `vllm serve` lines of the run), "
         "launch nothing",
+    )
+    p.add_argument(
+        "--run-id",
+        type=run_id_arg,
+        metavar="ID",
+        help="the run's id in its container names and labels (default: a "
+        "fresh one per run)",
+    )
+    p.add_argument(
+        "--reap",
+        action="store_true",
+        help="remove the containers of your earlier runs of this config left "
+        "on its nodes (found by label: your user and the config's name; with "
+        "--launcher slurm, cancel your jobs of it); a run never does this by "
+        "itself",
     )
     p.add_argument(
         "--run-dir",

@@ -29,6 +29,8 @@ Address = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9.\-:\[\]]+$")]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Name = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9][\w.-]*$")]
 EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+# A run's id in its containers' names and labels (lower case letters, digits).
+RunId = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]{0,16}$")]
 Env = dict[EnvName, str]
 
 Role = Literal["prefill", "decode"]
@@ -384,6 +386,11 @@ class Container(msgspec.Struct, forbid_unknown_fields=True):
     # Triton and AITER JIT caches survive between runs. Empty: none.
     cache_dir: str = "/var/cache/vllm-moriio-e2e"
     name_prefix: Name = "moriio-e2e"
+    # The run's id, in every container's name and labels (runid.py): a
+    # fresh one per run (`--run-id` picks one), so a colleague's run of the
+    # same config on shared nodes never shares a name with this one. "":
+    # none (a pair deployed by hand, `--print-serve`).
+    run_id: RunId = ""
 
 
 class Model(msgspec.Struct, forbid_unknown_fields=True):

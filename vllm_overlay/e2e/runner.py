@@ -62,6 +62,7 @@ from vllm_overlay.e2e.prompts import (
     sweep_prompts,
 )
 from vllm_overlay.e2e.report import Report, write_report
+from vllm_overlay.e2e.runid import run_name, with_run_id
 from vllm_overlay.e2e.secret import all_values, masking, scrub
 from vllm_overlay.e2e.servers import leg_secrets, node_secrets, servers
 
@@ -270,6 +271,10 @@ def run(
     ``preflight`` says how the CLI's preflight ended (for the report)."""
     hidden = secret_values(config, launcher_kind)
     say = masking(say, hidden)
+    # Every container of the run carries its id (name and label).
+    config = with_run_id(config)
+    if launcher_kind != "attach":
+        say(f"e2e: run {config.container.run_id}: containers {run_name(config)}-*")
     c = config.checks
     tok = load_tokenizer(config.model.tokenizer)
     geo = Geometry.of(config)
