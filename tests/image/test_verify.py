@@ -172,3 +172,17 @@ def test_cli_text_ends_with_the_verdict(pin: Pin) -> None:
     out = _verify_cli()
     verdict = "verify: ok" if out.returncode == 0 else "verify: FAILED"
     assert out.stdout.rstrip().splitlines()[-1].startswith(verdict)
+
+
+def test_verify_without_the_series_requires_the_base_files(
+    site: Path, pin: Pin
+) -> None:
+    from vllm_overlay.image.verify import check_base
+
+    ok = check_base(site / "vllm", pin, SERIES)
+    assert ok.ok and ok.detail == (
+        f"no series: {len(pin.files)} pinned files are the base's"
+    )
+    apply_series(detect_target(site / "vllm"), pin, SERIES)
+    overlaid = check_base(site / "vllm", pin, SERIES)
+    assert not overlaid.ok and overlaid.detail.startswith("status overlaid")

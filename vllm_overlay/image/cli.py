@@ -19,7 +19,11 @@ from vllm_overlay.command import (
 from vllm_overlay.image.build import ImageError, build_image, default_tag
 from vllm_overlay.image.engine import ENGINES, choose_engine
 from vllm_overlay.image.standin import build_standin
-from vllm_overlay.image.verify import format_verification, verify_install
+from vllm_overlay.image.verify import (
+    SERIES_MODES,
+    format_verification,
+    verify_install,
+)
 from vllm_overlay.tree.materialize import WHEEL_ENV
 from vllm_overlay.tree.target import detect_target
 
@@ -39,7 +43,10 @@ def cmd_build(app: App, args: argparse.Namespace) -> int:
             raise ImageError("--standin builds the stand-in first: no --dry-run")
         standin = make_standin(app, args)
         base, engine = standin.tag, standin.engine
-        tag = tag or f"localhost/{default_tag(checkout.pin, checkout.series)}-standin"
+        tag = tag or (
+            f"localhost/{default_tag(checkout.pin, checkout.series, args.series)}"
+            "-standin"
+        )
     report = build_image(
         checkout.root,
         tag=tag,
@@ -51,6 +58,7 @@ def cmd_build(app: App, args: argparse.Namespace) -> int:
         record=args.record_digest,
         report_path=checkout.path(args.report) if args.report else None,
         say=app.say,
+        mode=args.series,
     )
     if report is not None:
         app.result(report)
@@ -68,7 +76,7 @@ def cmd_verify(app: App, args: argparse.Namespace) -> int:
     checkout = app.checkout
     vllm_dir = detect_target(args.target).root / "vllm" if args.target else None
     verification = verify_install(
-        checkout.root, checkout.pin, checkout.series, vllm_dir
+        checkout.root, checkout.pin, checkout.series, vllm_dir, args.series
     )
     app.say(format_verification(verification))
     app.result(verification)
@@ -140,6 +148,17 @@ def add_standin_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_series_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--series",
+        choices=SERIES_MODES,
+        default="apply",
+        help="apply: the series overlaid (default); none: the same image with "
+        "the banner plugin and the base's MoRIIO files, unpatched (the base of "
+        "`e2e --ab`, tagged v<vLLM>-base)",
+    )
+
+
 def add_engine_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine",
@@ -181,6 +200,7 @@ def register(sub: Subparsers) -> None:
     p.add_argument(
         "--push", action="store_true", help="push the tags when all checks pass"
     )
+    add_series_option(p)
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -203,6 +223,7 @@ def register(sub: Subparsers) -> None:
     add_standin_options(p)
     v = add_command(image_sub, "verify", cmd_verify)
     add_target_option(v)
+    add_series_option(v)
     s = add_command(image_sub, "standin", cmd_standin)
     add_engine_option(s)
     add_standin_options(s)

@@ -16,6 +16,10 @@ reads the installed packages themselves, never a record of the build:
 - ``vllm-router``: the pinned router is installed, its command on PATH,
   and every package it requires is installed (the Dockerfile installs it
   --no-deps: they are vLLM's own).
+
+With ``--series none`` (the A/B base image, `image build --series none`)
+the ``base`` check replaces ``overlay``: every pinned MoRIIO file is the
+pin's base file, untouched; the banner plugin must then log the base line.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import sys
 import sysconfig
 import traceback
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -43,6 +48,9 @@ REQUIREMENTS = "docker/requirements-image.txt"
 BANNER_ENTRY_POINT = "vllm_overlay.tree.banner:log_overlay"
 PLUGIN_GROUP = "vllm.general_plugins"
 CONNECTOR_CLASS = "MoRIIOConnector"
+# What the image carries: the series applied, or none (the A/B base).
+SeriesMode = Literal["apply", "none"]
+SERIES_MODES: tuple[SeriesMode, ...] = ("apply", "none")
 
 
 class Check(msgspec.Struct):
@@ -95,6 +103,17 @@ def check_overlay(vllm_dir: Path, pin: Pin, series: Series) -> Check:
     )
 
 
+def check_base(vllm_dir: Path, pin: Pin, series: Series) -> Check:
+    """Every pinned MoRIIO file is the pin's base file (no series applied)."""
+    report, _ = tree_status(detect_target(vllm_dir), pin, series)
+    if report.state != "base":
+        odd = [f"{f.path.rsplit('/', 1)[-1]}: {f.state}" for f in report.files]
+        return Check("base", False, f"status {report.state} ({'; '.join(odd)})")
+    return Check(
+        "base", True, f"no series: {len(report.files)} pinned files are the base's"
+    )
+
+
 def same_release(found: str, pinned: str) -> bool:
     """``found`` is the pinned release, or that release with a local build
     label (`0.33.0+rocm721`: PEP 440's local segment names a build variant,
@@ -144,7 +163,7 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def check_banner(vllm_dir: Path, series: Series) -> Check:
+def check_banner(vllm_dir: Path, series: Series, mode: SeriesMode = "apply") -> Check:
     eps = [
         ep
         for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP)
@@ -180,7 +199,8 @@ def check_banner(vllm_dir: Path, series: Series) -> Check:
     if expected not in capture.lines:
         said = capture.lines[-1] if capture.lines else "nothing"
         return Check("banner-plugin", False, f"the plugin logged {said!r}")
-    if f"series {series.series_id} " not in expected:
+    wanted = f"series {series.series_id} " if mode == "apply" else "(base)"
+    if wanted not in expected:
         return Check("banner-plugin", False, expected)
     return Check("banner-plugin", True, f"{eps[0].name} logs: {expected}")
 
@@ -232,18 +252,21 @@ def verify_install(
     pin: Pin,
     series: Series,
     vllm_dir: Path | None = None,
+    mode: SeriesMode = "apply",
 ) -> Verification:
     """Every check, in order; a failed check does not stop the others."""
     vllm_dir = vllm_dir or installed_vllm()
+    files = (check_overlay if mode == "apply" else check_base)(vllm_dir, pin, series)
     checks = [
-        check_overlay(vllm_dir, pin, series),
+        files,
         check_version(pin),
         check_connector(vllm_dir, pin),
-        check_banner(vllm_dir, series),
+        check_banner(vllm_dir, series, mode),
         check_router(router_pin(repo)),
     ]
     python = f"{sys.executable} {sys.version.split()[0]}"
-    return Verification(python, str(vllm_dir), series.series_id, checks)
+    series_id = series.series_id if mode == "apply" else "none"
+    return Verification(python, str(vllm_dir), series_id, checks)
 
 
 def format_verification(v: Verification) -> str:
