@@ -115,7 +115,7 @@ def given_env(flags: dict[str, list[str]]) -> dict[str, str]:
     return env
 
 
-def child_env(name: str, flags: dict[str, list[str]]) -> dict[str, str]:
+def child_env(name: str, flags: dict[str, list[str]], image: str) -> dict[str, str]:
     given = given_env(flags)
     record = state() / "env"
     record.mkdir(exist_ok=True)
@@ -123,6 +123,7 @@ def child_env(name: str, flags: dict[str, list[str]]) -> dict[str, str]:
     (record / f"{name}.json").write_text(json.dumps(digests))
     env = {**os.environ, **given}
     env["PYTHONPATH"] = str(REPO)
+    env["STANDIN_IMAGE"] = image
     return env
 
 
@@ -163,7 +164,7 @@ def cmd_run(args: list[str]) -> int:
     argv = command_for(name, entrypoint, inner)
     labels = dict(x.partition("=")[::2] for x in flags.get("--label", []))
     (state() / f"{name}.labels").write_text(json.dumps(labels))
-    env = child_env(name, flags)
+    env = child_env(name, flags, image)
     log = state() / f"{name}.log"
     log.write_bytes(b"")
     (state() / f"{name}.exit").unlink(missing_ok=True)

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,16 @@ from typing import Any
 # (prompt ids, max_tokens) -> the answer's ids; a real server with
 # ignore_eos answers exactly max_tokens.
 Model = Callable[[list[int], int], list[int]]
+# What the banner plugin logs in the A/B base image (vllm_overlay/tree/banner.py).
+PIN_VERSION = tomllib.loads(
+    (Path(__file__).resolve().parents[2] / "pin.toml").read_text()
+)["vllm"]["version"]
+BASE_LINE = (
+    "INFO 12-03 03:00:00 [banner.py:60] vllm-moriio-overlay: no overlay manifest "
+    "at /usr/local/lib/python3.12/dist-packages/vllm/distributed/kv_transfer/"
+    f"kv_connector/v1/moriio/.overlay-manifest.json; the MoRIIO files are vLLM "
+    f"{PIN_VERSION}'s own (base) or unknown"
+)
 HEARTBEAT_REL = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_heartbeat.py"
 
 
@@ -70,9 +81,18 @@ class Heartbeat:
 class StandIn(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, role: str, model: Model = greedy, port: int = 0) -> None:
+    def __init__(
+        self,
+        role: str,
+        model: Model = greedy,
+        port: int = 0,
+        wrong: frozenset[int] = frozenset(),
+    ) -> None:
         super().__init__(("127.0.0.1", port), Handler)
         self.role = role  # "P" or "D"
+        # Prompt lengths whose KV this decoder reads wrong through P/D (the
+        # base image's bugs): its answer then differs from the prefill's.
+        self.wrong = wrong
         self.model = model
         self.seen: set[tuple[int, ...]] = set()
         self.external = 0.0
@@ -124,6 +144,12 @@ class StandIn(http.server.ThreadingHTTPServer):
             f"max_tokens={body.get('max_tokens')} kv={','.join(sorted(params))}"
         )
         tokens = self.model(prompt, int(body.get("max_tokens", 16)))
+        if (
+            self.role == "D"
+            and "remote_block_ids" in params
+            and len(prompt) in self.wrong
+        ):
+            tokens = [(t + 1) % 97 for t in tokens]
         out: dict[str, Any] = {
             "id": "cmpl-standin",
             "object": "text_completion",
@@ -213,12 +239,22 @@ def serve_main(argv: list[str]) -> int:
     )
     role = "P" if kv["kv_role"] == "kv_producer" else "D"
     banner = os.environ.get("STANDIN_BANNER", "")
+    # The A/B base image (its name in $STANDIN_BASE_IMAGE): the banner's
+    # base line, and wrong KV at the lengths of $STANDIN_BASE_WRONG.
+    base = os.environ.get("STANDIN_IMAGE", "") == os.environ.get(
+        "STANDIN_BASE_IMAGE", "\0"
+    )
+    wrong: frozenset[int] = frozenset()
+    if base:
+        banner = BASE_LINE
+        given = os.environ.get("STANDIN_BASE_WRONG", "")
+        wrong = frozenset(int(x) for x in given.split(",") if x)
     if banner:
         print(banner, flush=True)
     leak = os.environ.get("STANDIN_LEAK", "")
     if leak:
         print(f"{leak}={os.environ.get(leak, '')}", flush=True)
-    server = StandIn(role, port=port)
+    server = StandIn(role, port=port, wrong=wrong)
     server.log = lambda line: print(line, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

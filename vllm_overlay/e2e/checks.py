@@ -301,8 +301,14 @@ def transfer_section(exchanges: Sequence[Exchange]) -> Section:
     return Section("transfer per request", section_status(cases), cases, summary)
 
 
+# The series id an A/B base image (`image build --series none`) must show:
+# the banner's base line on every server.
+NO_SERIES = "none"
+
+
 def overlay_section(logs: Mapping[str, str], expected_series: str = "") -> Section:
-    """Which overlay ran: the banner each server logged at start."""
+    """Which overlay ran: the banner each server logged at start
+    (``expected_series`` NO_SERIES: the base line of an A/B base image)."""
     if not logs:
         why = "no server logs collected (servers started outside the harness)"
         return Section("overlay", "skip", [Case("logs", "skip", why)])
@@ -310,6 +316,15 @@ def overlay_section(logs: Mapping[str, str], expected_series: str = "") -> Secti
     seen = set()
     for role, text in sorted(logs.items()):
         m = BANNER.search(text)
+        if expected_series == NO_SERIES:
+            base = BASE_BANNER.search(text)
+            if base is not None and m is None:
+                seen.add(NO_SERIES)
+                cases.append(Case(role, "pass", "the base's MoRIIO files (no series)"))
+            else:
+                found = m.group(0) if m else "no overlay banner in the log"
+                cases.append(Case(role, "fail", f"{found}; expected the base"))
+            continue
         if m is None:
             cases.append(Case(role, "fail", "no overlay banner in the log"))
             continue

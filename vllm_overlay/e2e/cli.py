@@ -201,6 +201,107 @@ def dry_run_text(
     return plan + summary_line(config, launcher, found) + "\n"
 
 
+def ab_dry_run_text(
+    config_path: Path,
+    launcher: str = "ssh",
+    run_dir: Path | None = None,
+    app: App | None = None,
+    run_id: str = "",
+) -> str:
+    """`--dry-run --ab`: the base's plan, the overlay's plan, what differs
+    between them, and a summary of both images' expected failures."""
+    from vllm_overlay.e2e.ab import side_configs
+
+    config = load_config(config_path)
+    found = series_patches(app)
+    sides = side_configs(config, run_id)
+    out: list[str] = []
+    for side, cfg in sides.items():
+        out.append(f"# ===== A/B, the {side} image: {cfg.container.image} =====")
+        where = run_dir / side if run_dir else None
+        out.append(plan_text(cfg, launcher, where, found).rstrip("\n"))
+    out += ab_difference_lines(sides, found)
+    geo = Geometry.of(config)
+    lengths = sweep_lengths(geo, config.checks)
+    counts = ab_expected(config, found)
+    base, over = sides["base"].container.image, sides["overlay"].container.image
+    out.append(
+        f"e2e dry run {config.name} --ab: {config.prefill.count} prefill x "
+        f"{config.decode.count} decode, launcher {launcher}, {len(lengths)} sweep "
+        f"lengths on both images, one after the other; base {base}: "
+        f"{counts['base']}; overlay {over}: {counts['overlay']}"
+    )
+    return "\n".join(out) + "\n"
+
+
+def ab_expected(
+    config: RunConfig, found: tuple[str, list[str]] | None
+) -> dict[str, str]:
+    """Each image's expected failures, in a few words."""
+    geo = Geometry.of(config)
+    lengths = sweep_lengths(geo, config.checks)
+    out: dict[str, str] = {}
+    for side, patches in (
+        ("base", []),
+        ("overlay", None if found is None else found[1]),
+    ):
+        exp = Expectations(geo, patches)
+        refused = exp.refusals if side == "base" else exp.refused_overlaid
+        field = "base" if side == "base" else "overlay"
+        failing = [n for n in lengths if getattr(exp.verdict(n), field)]
+        out[side] = (
+            "refused at start" if refused else f"{len(failing)} expected to fail"
+        )
+    return out
+
+
+def ab_difference_lines(
+    sides: dict[str, RunConfig], found: tuple[str, list[str]] | None
+) -> list[str]:
+    """What differs between the two runs of `--ab`, and why."""
+    from vllm_overlay.e2e.runid import run_name
+
+    base, over = sides["base"], sides["overlay"]
+    geo = Geometry.of(over)
+    lengths = sweep_lengths(geo, over.checks)
+    b = Expectations(geo, [])
+    o = Expectations(geo, None if found is None else found[1])
+    wrong_b = [n for n in lengths if b.verdict(n).base]
+    wrong_o = [n for n in lengths if o.verdict(n).overlay]
+    series = found[0] if found else "unknown"
+    lines = [
+        "# ===== A/B: what differs (same nodes, config and checks; base first) =====",
+        f"- image: base {base.container.image} (`image build --series none`), "
+        f"overlay {over.container.image}",
+        f"- containers: base {run_name(base)}-*, overlay {run_name(over)}-*",
+        "- banner every server must log: base `no overlay manifest` (the base's "
+        f"MoRIIO files), overlay series {series}",
+    ]
+    for side, exp, wrong in (("base", b, wrong_b), ("overlay", o, wrong_o)):
+        refused = exp.refusals if side == "base" else exp.refused_overlaid
+        if refused:
+            lines.append(
+                f"- {side}: refused at start: " + "; ".join(r.summary for r in refused)
+            )
+            continue
+        ids = sorted({i for n in wrong for i in getattr(exp.verdict(n), side)})
+        lines.append(
+            f"- {side}: {len(wrong)} of {len(lengths)} lengths expected wrong"
+            + (f" ({', '.join(ids)}): {lengths_text(wrong)}" if wrong else "")
+        )
+    only_base = [n for n in wrong_b if n not in wrong_o]
+    lines += [
+        f"- fixed by the series: {len(only_base)} lengths"
+        + (f": {lengths_text(only_base)}" if only_base else ""),
+        "- on the base, the predicted failures are expected: the A/B verdict "
+        "fails only on an unexpected failure of either image or a run that "
+        "stopped early",
+        "- side by side in RUN_DIR/ab.md: lengths wrong, KV tokens and bytes "
+        "moved, NIC bytes received by the decode nodes, serving figures",
+    ]
+    return lines
+
+
 def plan_text(
     config: RunConfig,
     launcher: str,
@@ -258,10 +359,11 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
 
         app.say(json.dumps(manifest(load_config(args.config)), indent=2))
         return 0
+    if args.ab and args.launcher == "attach":
+        raise OverlayError("--ab starts both images: not with --launcher attach")
     if args.dry_run:
-        text = dry_run_text(
-            args.config, args.launcher, args.run_dir, app, args.run_id or ""
-        )
+        make = ab_dry_run_text if args.ab else dry_run_text
+        text = make(args.config, args.launcher, args.run_dir, app, args.run_id or "")
         plan, summary = text.rstrip("\n").rsplit("\n", 1)
         app.say(plan)
         # Warnings before the summary, which stays the last line.
@@ -305,6 +407,16 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         args.run_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     found = series_patches(app)
+    if args.ab:
+        from vllm_overlay.e2e.ab import run_ab, summary_line
+
+        ab = run_ab(
+            config, run_dir, found[0] if found else "", app.say, args.launcher,
+            preflight,
+        )  # fmt: skip
+        app.result(ab)
+        app.say(summary_line(ab))
+        return 0 if ab.ok else 1
     report = run(
         config, run_dir, found[0] if found else "", say=app.say,
         launcher_kind=args.launcher, preflight=preflight,
@@ -427,6 +539,14 @@ def register(sub: Subparsers) -> None:
         metavar="ID",
         help="the run's id in its container names and labels (default: a "
         "fresh one per run)",
+    )
+    p.add_argument(
+        "--ab",
+        action="store_true",
+        help="run the base image (`image build --series none`, "
+        "container.base_image) and then the overlay image on the same nodes, "
+        "and report side by side the lengths each gets wrong and the bytes "
+        "each moves; with --dry-run, both plans and what differs",
     )
     p.add_argument(
         "--reap",

@@ -100,6 +100,11 @@ _WORDS: list[tuple[re.Pattern[str], re.Pattern[str], str]] = [
         "an image reference (letters, digits, . _ / : @ + -)",
     ),
     (
+        re.compile(r"container\.base_image"),
+        re.compile(r"([A-Za-z0-9][A-Za-z0-9._/:@+-]*)?"),
+        "an image reference (letters, digits, . _ / : @ + -), or empty",
+    ),
+    (
         re.compile(r"container\.engine"),
         re.compile(r"[A-Za-z0-9_./][A-Za-z0-9_./+-]*"),
         "a program name or path (letters, digits, . _ / + -) not beginning with '-'",
@@ -368,6 +373,10 @@ class Container(msgspec.Struct, forbid_unknown_fields=True):
     """How every container of the run is started."""
 
     image: NonEmpty
+    # The A/B base (`e2e --ab`): the same image built without the series
+    # (`image build --series none`). "": the image's tag with its last
+    # -SUFFIX replaced by -base (REPO:v0.34.0-overlay -> REPO:v0.34.0-base).
+    base_image: str = ""
     engine: NonEmpty = "docker"
     # missing: pull when the node does not have the image; always; never.
     pull: Pull = "missing"
