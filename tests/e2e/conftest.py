@@ -134,6 +134,14 @@ def loopback_config(
             "accuracy": {"problems": 0},
         },
         "timeouts": {"health_s": health_s, "poll_s": 0.3, "command_s": 30},
+        # One small load cell; NIC counters only where a test gives a root.
+        "load": {
+            "input_lens": [64],
+            "output_len": 4,
+            "concurrencies": [2],
+            "prompts_per_concurrency": 2,
+        },
+        "nic": {"counters_root": ""},
     }
     for key, value in overrides.items():
         section, _, field = key.partition("__")

@@ -84,6 +84,10 @@ def command_for(name: str, entrypoint: str, args: list[str]) -> list[str]:
         # goes on until a timeout or an interruption).
         script = "import time; print('Loading weights', flush=True); time.sleep(3600)"
         return [sys.executable, "-c", script]
+    if entrypoint == "sh" and args[:1] == ["-c"] and args[3:5] == ["bench", "serve"]:
+        # The load phase: `vllm bench serve ...` whose saved result the
+        # container prints.
+        return [sys.executable, str(HERE / "fakebench.py"), *args[3:]]
     if entrypoint == "vllm":
         return [sys.executable, str(HERE / "standin.py"), *args]
     if entrypoint == "vllm-router":
@@ -131,8 +135,11 @@ def supervise(name: str, argv: list[str], env: dict[str, str], log: Path | None)
     """Run the container's process in a process group of its own (what
     `rm --force` kills); forward SIGTERM/SIGINT; record its exit."""
     out = log.open("ab") if log is not None else None
+    # Detached: both streams into the log; in the foreground, stdout and
+    # stderr stay apart, as `docker run` without a tty keeps them.
+    err = subprocess.STDOUT if out is not None else None
     child = subprocess.Popen(
-        argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        argv, env=env, stdout=out, stderr=err, start_new_session=True
     )
     info = state() / f"{name}.json"
     info.write_text(json.dumps({"pid": os.getpid(), "group": child.pid}))

@@ -139,6 +139,7 @@ class StandIn(http.server.ThreadingHTTPServer):
                 self.local += hit
                 self.external += len(prompt) - 1 - hit
                 self.seen.add(tuple(prompt))
+                nic_received(len(prompt) - 1 - hit)
         self.log(
             f"request role={self.role} prompt_tokens={len(prompt)} "
             f"max_tokens={body.get('max_tokens')} kv={','.join(sorted(params))}"
@@ -184,6 +185,20 @@ class StandIn(http.server.ThreadingHTTPServer):
             f"vllm:external_prefix_cache_hits_total{labels} {self.external}\n"
             f"vllm:prefix_cache_hits_total{labels} {self.local}\n"
         )
+
+
+def nic_received(tokens: int) -> None:
+    """The decode node's NIC counter for a READ of ``tokens`` (in 4-byte
+    words, as the kernel's port_rcv_data counts): under $STANDIN_NIC_DIR,
+    at $STANDIN_NIC_BYTES_PER_TOKEN bytes a token."""
+    root = os.environ.get("STANDIN_NIC_DIR", "")
+    if not root:
+        return
+    per_token = int(os.environ.get("STANDIN_NIC_BYTES_PER_TOKEN", "0"))
+    counter = Path(root) / "ionic_0" / "ports" / "1" / "counters" / "port_rcv_data"
+    counter.parent.mkdir(parents=True, exist_ok=True)
+    words = int(counter.read_text()) if counter.exists() else 0
+    counter.write_text(f"{words + tokens * per_token // 4}\n")
 
 
 def common_prefix(a: list[int], b: tuple[int, ...]) -> int:

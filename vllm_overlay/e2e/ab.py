@@ -17,6 +17,7 @@ import msgspec
 
 from vllm_overlay.e2e.checks import NO_SERIES
 from vllm_overlay.e2e.config import ConfigError, RunConfig
+from vllm_overlay.e2e.load import LoadResult
 from vllm_overlay.e2e.report import Report
 from vllm_overlay.e2e.runid import new_run_id
 from vllm_overlay.safefile import replace_file
@@ -81,6 +82,7 @@ class AbSide(msgspec.Struct, forbid_unknown_fields=True):
     kv_tokens: float  # tokens the decoders loaded (counters), all requests
     kv_bytes: int  # kv_tokens x kv_bytes_per_token (0: unknown)
     nic_bytes: int = -1  # bytes the decode nodes' NICs received; -1: not read
+    load: list[LoadResult] = msgspec.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -112,14 +114,13 @@ def side_of(side: str, report: Report, report_path: Path) -> AbSide:
     missed = lengths(sweep.summary.get("predicted_but_passed", "")) if sweep else []
     moved = next((s for s in report.sections if s.name == "transfer per request"), None)
     summary = moved.summary if moved else {}
-    nic = next((s for s in report.sections if s.name == "NIC bytes"), None)
-    nic_bytes = int(nic.summary.get("bytes_total", -1)) if nic else -1
+    nic_bytes = int(summary.get("nic_bytes_total", -1))
     return AbSide(
         side, report.image, report.series_id, str(report_path), report.error,
         len(sweep.cases) if sweep else 0, wrong, predicted,
         [n for n in wrong if n not in predicted], missed,
         float(summary.get("tokens_total", 0)), int(summary.get("bytes_total", 0)),
-        nic_bytes,
+        nic_bytes, report.load,
     )  # fmt: skip
 
 
@@ -163,11 +164,40 @@ def markdown(report: AbReport) -> str:
             "NIC bytes received by the decode nodes",
             [num(c.nic_bytes) if c.nic_bytes >= 0 else "not read" for c in cols],
         ),
+        *load_rows(cols, row),
         row("verdict", ["as predicted" if c.ok else "FAIL" for c in cols]),
         row("report", [c.report for c in cols]),
         "",
     ]
     return "\n".join(lines)
+
+
+def load_rows(cols: list[AbSide], row: Callable[[str, list[str]], str]) -> list[str]:
+    """TTFT/TPOT/ITL p50/p99 of every load cell, side by side."""
+    keys = (
+        [(c.input_len, c.output_len, c.concurrency) for c in cols[0].load]
+        if cols
+        else []
+    )
+    out = []
+    for isl, osl, conc in keys:
+        cells = []
+        for side in cols:
+            cell = next(
+                (x for x in side.load if (x.input_len, x.output_len, x.concurrency)
+                 == (isl, osl, conc)),
+                None,
+            )  # fmt: skip
+            r = cell.result if cell else None
+            cells.append(
+                f"TTFT {r.p50_ttft_ms:.1f}/{r.p99_ttft_ms:.1f}, TPOT "
+                f"{r.p50_tpot_ms:.2f}/{r.p99_tpot_ms:.2f}, ITL "
+                f"{r.p50_itl_ms:.2f}/{r.p99_itl_ms:.2f}"
+                if r is not None
+                else (cell.error if cell else "not run")
+            )
+        out.append(row(f"load {isl}/{osl} c{conc}: p50/p99 ms", cells))
+    return out
 
 
 def write_ab(report: AbReport, run_dir: Path) -> tuple[Path, Path]:

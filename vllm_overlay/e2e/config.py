@@ -115,7 +115,7 @@ _WORDS: list[tuple[re.Pattern[str], re.Pattern[str], str]] = [
         "a size such as 64g",
     ),
     (
-        re.compile(r"container\.cache_dir"),
+        re.compile(r"container\.cache_dir|nic\.counters_root"),
         re.compile(r"(/[^:\s]*)?"),
         "an absolute path without ':' or whitespace, or empty",
     ),
@@ -490,6 +490,30 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True):
     command_s: Seconds = 120.0  # any other docker/ssh/slurm command
 
 
+class Nic(msgspec.Struct, forbid_unknown_fields=True):
+    """The decode nodes' RDMA NICs: per P/D request, the bytes they received
+    (deltas of `port_rcv_data`, read on each node before and after)."""
+
+    # The sysfs root of the RDMA devices' counters; "": not read.
+    counters_root: str = "/sys/class/infiniband"
+
+
+class Load(msgspec.Struct, forbid_unknown_fields=True):
+    """The load phase: `vllm bench serve` against the front end, from a
+    container of the image on the front end's host (ssh/local launcher),
+    every input length at every concurrency; TTFT/TPOT/ITL percentiles."""
+
+    enabled: bool = True
+    # The ISL/OSL and concurrencies of the issue's upstream CI figures.
+    input_lens: list[Positive] = msgspec.field(default_factory=lambda: [1024, 2048])
+    output_len: Positive = 128
+    concurrencies: list[Positive] = msgspec.field(default_factory=lambda: [32, 64])
+    # Requests per cell: concurrency x this.
+    prompts_per_concurrency: Positive = 4
+    seed: int = 0
+    timeout_s: Seconds = 1800.0  # one cell
+
+
 class Slurm(msgspec.Struct, forbid_unknown_fields=True):
     """`--launcher slurm`: one sbatch job, one task per server node."""
 
@@ -520,6 +544,8 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     checks: Checks = msgspec.field(default_factory=Checks)
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     slurm: Slurm = msgspec.field(default_factory=Slurm)
+    nic: Nic = msgspec.field(default_factory=Nic)
+    load: Load = msgspec.field(default_factory=Load)
 
     def __post_init__(self) -> None:
         check_text(self)
