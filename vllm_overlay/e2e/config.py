@@ -36,9 +36,10 @@ Env = dict[EnvName, str]
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 
-# vLLM 0.33.0 waits this long for the engine cores by default (600 s, see
-# vllm/envs.py); DeepSeek/Kimi-class models load and compile for longer, and
-# vLLM's own ROCm P/D CI exports 3600. Applied unless the config sets it.
+# The pinned vLLM (pin.toml) waits 600 s for the engine cores by default
+# (VLLM_ENGINE_READY_TIMEOUT_S, vllm/envs.py); DeepSeek/Kimi-class models
+# load and compile for longer, and vLLM's own ROCm P/D CI exports 3600.
+# Applied unless the config sets it.
 ENGINE_READY_TIMEOUT_S = 3600
 # Where the cache volume is mounted in every server container, and the
 # variables that point vLLM's, Triton's and the generic caches into it.
@@ -229,7 +230,7 @@ class Speculative(msgspec.Struct, forbid_unknown_fields=True):
         return json.dumps(spec, separators=(",", ":"))
 
     def lookahead_slots(self) -> int:
-        """`VllmConfig.num_lookahead_tokens` of vLLM 0.33.0 for this method:
+        """`VllmConfig.num_lookahead_tokens` of the pinned vLLM for this method:
         fill-in drafting (DFlash) needs one bonus slot more; every other
         drafter that keeps its own KV reserves one slot per draft token."""
         if self.lookahead is not None:
@@ -559,7 +560,8 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
             self.layout.block_size = self.model.block_size
         if self.layout.sliding_window and self.prefill.dcp > 1:
             raise ValueError(
-                "vLLM 0.33.0 refuses decode context parallelism with a sliding window"
+                "the pinned vLLM refuses decode context parallelism with a sliding "
+                "window (its SlidingWindowManager asserts a DCP world size of 1)"
             )
         if not self.router.container and self.router.reach.ssh:
             raise ValueError(
