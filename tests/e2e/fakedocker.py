@@ -35,7 +35,7 @@ REPO = HERE.parents[1]
 VALUE_FLAGS = {
     "--name", "--network", "--ipc", "--device", "--group-add", "--cap-add",
     "--security-opt", "--ulimit", "--shm-size", "--volume", "-v", "--env", "-e",
-    "--entrypoint", "--user", "--format", "--tail", "--env-file", "--label",
+    "--entrypoint", "--user", "--format", "--tail", "--env-file", "--label", "--mount",
     "--filter",
 }  # fmt: skip
 SUFFIXES = (".json", ".exit", ".cmd", ".log", ".labels")
@@ -161,6 +161,15 @@ def cmd_run(args: list[str]) -> int:
         return 0
     name = flags["--name"][0]
     image, inner = rest[0], rest[1:]
+    for mount in flags.get("--mount", []):
+        spec = dict(x.partition("=")[::2] for x in mount.split(","))
+        if not Path(spec.get("source", "")).exists():
+            print(
+                "docker: Error response from daemon: invalid mount config for type "
+                f'"bind": bind source path does not exist: {spec.get("source")}',
+                file=sys.stderr,
+            )
+            return 125
     assert image, "no image"
     if (state() / f"{name}.json").exists():
         print(

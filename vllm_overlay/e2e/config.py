@@ -74,6 +74,15 @@ UNPRIVILEGED_FLAGS = (
 )  # fmt: skip
 
 
+# The AMD Pollara (ionic) RDMA userspace provider as rdma-core installs it:
+# the provider library, its versioned base library, the driver entry.
+IONIC_LIBS = (
+    "/usr/lib/x86_64-linux-gnu/libibverbs/libionic-rdmav34.so",
+    "/usr/lib/x86_64-linux-gnu/libionic.so.1",
+    "/etc/libibverbs.d/ionic.driver",
+)
+
+
 class ConfigError(OverlayError):
     """The run config is missing, not TOML, or invalid."""
 
@@ -119,6 +128,11 @@ _WORDS: list[tuple[re.Pattern[str], re.Pattern[str], str]] = [
         re.compile(r"container\.cache_dir|nic\.counters_root"),
         re.compile(r"(/[^:\s]*)?"),
         "an absolute path without ':' or whitespace, or empty",
+    ),
+    (
+        re.compile(r"nic\.userspace_libs\[\d+\]"),
+        re.compile(r"/[A-Za-z0-9_./+-]*"),
+        "an absolute path (letters, digits, _ . / + -)",
     ),
     (
         re.compile(r"container\.volumes\[\d+\]|model\.path|router\.toy_proxy"),
@@ -497,6 +511,18 @@ class Nic(msgspec.Struct, forbid_unknown_fields=True):
 
     # The sysfs root of the RDMA devices' counters; "": not read.
     counters_root: str = "/sys/class/infiniband"
+    # The host's NIC userspace provider bound into every server container
+    # (vLLM's ROCm CI binds the host's libionic: the image's copy may not
+    # match the NIC driver). auto: on when a server's MORI_RDMA_DEVICES
+    # names an `ionic_*` device; on; off.
+    userspace: Literal["auto", "on", "off"] = "auto"
+    # The host files bound read-only at the same path (`--mount
+    # type=bind,readonly`: a node without one fails the container's start
+    # with docker's "bind source path does not exist", never a made-up
+    # empty directory). Default: rdma-core's ionic provider on Debian/Ubuntu.
+    userspace_libs: list[NonEmpty] = msgspec.field(
+        default_factory=lambda: list(IONIC_LIBS)
+    )
 
 
 class Load(msgspec.Struct, forbid_unknown_fields=True):

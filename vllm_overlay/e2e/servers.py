@@ -253,9 +253,33 @@ def docker_run_server(
         argv += ["--volume", f"{c.cache_dir}:{CACHE_MOUNT}"]
     for volume in c.volumes:
         argv += ["--volume", volume]
+    argv += nic_mounts(config)
     argv += env_flags(server.env, env_file)
     inner = serve_command(config, server)
     return [*argv, "--entrypoint", inner[0], c.image, *inner[1:]]
+
+
+def binds_nic_userspace(config: RunConfig) -> bool:
+    """Whether the servers get the host's NIC userspace provider: `nic.userspace`,
+    and for auto, a server whose MORI_RDMA_DEVICES names an ionic device."""
+    mode = config.nic.userspace
+    if mode != "auto":
+        return mode == "on"
+    return any(
+        d.strip().startswith("ionic")
+        for s in servers(config)
+        for d in s.env.get("MORI_RDMA_DEVICES", "").split(",")
+    )
+
+
+def nic_mounts(config: RunConfig) -> list[str]:
+    """Read-only bind mounts of the host's NIC userspace files, same path."""
+    if not binds_nic_userspace(config):
+        return []
+    out: list[str] = []
+    for path in config.nic.userspace_libs:
+        out += ["--mount", f"type=bind,source={path},target={path},readonly"]
+    return out
 
 
 def docker_run_router(config: RunConfig, name: str, env_file: str = "") -> list[str]:
