@@ -419,7 +419,9 @@ def test_ionic_nodes_get_the_hosts_nic_userspace_provider(tmp_path: Path) -> Non
 def test_a_userspace_lib_must_be_an_absolute_path(tmp_path: Path) -> None:
     from vllm_overlay.e2e.config import ConfigError, load_config
 
-    text = EXAMPLE.read_text() + '\n[nic]\nuserspace_libs = ["-v/etc:/etc"]\n'
+    text = EXAMPLE.read_text().replace(
+        "[nic]\n", '[nic]\nuserspace_libs = ["-v/etc:/etc"]\n'
+    )
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=r"nic\.userspace_libs\[0\]"):
