@@ -332,12 +332,13 @@ def test_cli_dry_run_without_the_series(capsys: pytest.CaptureFixture[str]) -> N
     assert f"--tag {tag} " in build and "-overlay " not in build
     assert "--build-arg OVERLAY_SERIES=none" in build
     assert "--label ai.vllm.moriio-overlay.series.id=none" in build
-    assert out.rstrip().endswith("image verify --json --series none")
+    assert out.rstrip().endswith("image verify --json --series none --rdma")
     # The default build applies the series.
     assert main(["--repo", str(REPO), "image", "build", "--dry-run"]) == 0
     default = capsys.readouterr().out
     assert "--build-arg OVERLAY_SERIES=apply" in default
-    assert default.rstrip().endswith("image verify --json")
+    # The new image is checked for MoRI, a NIC provider and the toy proxy.
+    assert default.rstrip().endswith("image verify --json --rdma")
 
 
 def test_an_unknown_series_mode_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -54,9 +54,12 @@ VERIFY = ("vllm-overlay", "--repo", IMAGE_REPO, "image", "verify", "--json")
 BASE_TAG = "base"  # the tag suffix of a `--series none` build
 
 
-def verify_command(mode: SeriesMode) -> list[str]:
-    """`image verify` as run in a container of the new image."""
-    return [*VERIFY, *(["--series", mode] if mode != "apply" else [])]
+def verify_command(mode: SeriesMode, rdma: bool = True) -> list[str]:
+    """`image verify` as run in a container of the new image (``rdma``: with
+    MoRI, a libibverbs provider and the toy proxy; not on the stand-in
+    base, which has none of them)."""
+    series = ["--series", mode] if mode != "apply" else []
+    return [*VERIFY, *series, *(["--rdma"] if rdma else [])]
 
 
 Say = Callable[[str], None]
@@ -282,9 +285,11 @@ def resolve_base(engine: Engine, base: ImageReference, say: Say) -> ImageReferen
     return base
 
 
-def run_verify(engine: Engine, tag: str, mode: SeriesMode = "apply") -> Verification:
+def run_verify(
+    engine: Engine, tag: str, mode: SeriesMode = "apply", rdma: bool = True
+) -> Verification:
     """`vllm-overlay image verify --json` in a throwaway container of ``tag``."""
-    steps = engine.run(tag, verify_command(mode))
+    steps = engine.run(tag, verify_command(mode, rdma))
     if engine.is_buildah:  # from, run, rm
         made = _capture(steps[0])
         if made.returncode != 0 or not made.stdout.split():
@@ -342,6 +347,7 @@ def dry_run(
     verify: bool,
     say: Say,
     mode: SeriesMode = "apply",
+    rdma: bool = True,
 ) -> None:
     engine = choice.engine or Engine("docker", "docker")
     tag = tags[0]
@@ -371,7 +377,7 @@ def dry_run(
     say(shlex.join(build))
     say(shlex.join(engine.labels(tag)))
     if verify:
-        for argv in engine.run(tag, verify_command(mode)):
+        for argv in engine.run(tag, verify_command(mode, rdma)):
             say(shlex.join(argv))
     if push:
         for each in tags:
@@ -393,6 +399,7 @@ def build_image(
     probe: Probe = _probe_info,
     say: Say = print,
     mode: SeriesMode = "apply",
+    rdma: bool = True,
 ) -> ImageReport | None:
     """Build (and check, and push) the image; None for a dry run. Raises
     ImageError when a step fails, after printing what it found."""
@@ -404,7 +411,7 @@ def build_image(
     choice = choose_engine(engine, which or shutil.which, probe)
     if dry:
         args = build_args(repo, pin, series, base_ref, mode)
-        dry_run(choice, tags, base_ref, args, repo, push, verify, say, mode)
+        dry_run(choice, tags, base_ref, args, repo, push, verify, say, mode, rdma)
         return None
     if choice.engine is None:
         raise ImageError(
@@ -437,8 +444,9 @@ def build_image(
         say(f"  {mark}  label {label}={labels.get(label, '(missing)')}")
     verification = None
     if verify:
-        say(f"verify: `{shlex.join(verify_command(mode))}` in a container of {tag}")
-        verification = run_verify(eng, tag, mode)
+        check = verify_command(mode, rdma)
+        say(f"verify: `{shlex.join(check)}` in a container of {tag}")
+        verification = run_verify(eng, tag, mode, rdma)
         say(format_verification(verification))
     size = read_size(eng, tag)
     report = ImageReport(

@@ -18,6 +18,7 @@ from vllm_overlay.command import (
 )
 from vllm_overlay.image.build import ImageError, build_image, default_tag
 from vllm_overlay.image.engine import ENGINES, choose_engine
+from vllm_overlay.image.rdma import TOY_PROXY
 from vllm_overlay.image.standin import build_standin
 from vllm_overlay.image.verify import (
     SERIES_MODES,
@@ -59,6 +60,8 @@ def cmd_build(app: App, args: argparse.Namespace) -> int:
         report_path=checkout.path(args.report) if args.report else None,
         say=app.say,
         mode=args.series,
+        # The stand-in base has no MoRI, NIC provider or toy proxy.
+        rdma=not args.standin,
     )
     if report is not None:
         app.result(report)
@@ -76,8 +79,9 @@ def cmd_verify(app: App, args: argparse.Namespace) -> int:
     checkout = app.checkout
     vllm_dir = detect_target(args.target).root / "vllm" if args.target else None
     verification = verify_install(
-        checkout.root, checkout.pin, checkout.series, vllm_dir, args.series
-    )
+        checkout.root, checkout.pin, checkout.series, vllm_dir, args.series,
+        rdma=args.rdma, toy_proxy=args.toy_proxy,
+    )  # fmt: skip
     app.say(format_verification(verification))
     app.result(verification)
     return 0 if verification.ok else 1
@@ -224,6 +228,18 @@ def register(sub: Subparsers) -> None:
     v = add_command(image_sub, "verify", cmd_verify)
     add_target_option(v)
     add_series_option(v)
+    v.add_argument(
+        "--rdma",
+        action="store_true",
+        help="also check that MoRI imports, libibverbs has a NIC provider and "
+        "vLLM's MoRIIO toy proxy starts (the build driver asks this of a new image)",
+    )
+    v.add_argument(
+        "--toy-proxy",
+        default=TOY_PROXY,
+        metavar="PATH",
+        help="the toy proxy script --rdma starts (default: %(default)s)",
+    )
     s = add_command(image_sub, "standin", cmd_standin)
     add_engine_option(s)
     add_standin_options(s)

@@ -15,7 +15,11 @@ reads the installed packages themselves, never a record of the build:
   and it logs the series line;
 - ``vllm-router``: the pinned router is installed, its command on PATH,
   and every package it requires is installed (the Dockerfile installs it
-  --no-deps: they are vLLM's own).
+  --no-deps: they are vLLM's own);
+- with ``--rdma`` (what the build driver runs in the new image, the
+  stand-in base aside): ``mori`` imports, ``ibverbs-provider`` (a
+  libibverbs driver entry with its provider library), ``toy-proxy`` (vLLM's
+  MoRIIO toy proxy starts and listens), see rdma.py.
 
 With ``--series none`` (the A/B base image, `image build --series none`)
 the ``base`` check replaces ``overlay``: every pinned MoRIIO file is the
@@ -32,12 +36,13 @@ import re
 import shutil
 import sys
 import sysconfig
-import traceback
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+from vllm_overlay.image.checks import Check, last_line
+from vllm_overlay.image.rdma import TOY_PROXY, rdma_checks
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.series.pin import Pin
 from vllm_overlay.tree.banner import installed_version, overlay_line
@@ -51,12 +56,6 @@ CONNECTOR_CLASS = "MoRIIOConnector"
 # What the image carries: the series applied, or none (the A/B base).
 SeriesMode = Literal["apply", "none"]
 SERIES_MODES: tuple[SeriesMode, ...] = ("apply", "none")
-
-
-class Check(msgspec.Struct):
-    name: str
-    ok: bool
-    detail: str
 
 
 class Verification(msgspec.Struct):
@@ -77,11 +76,6 @@ def router_pin(repo: Path) -> str:
     if m is None:
         raise ValueError(f"{REQUIREMENTS} pins no vllm-router==VERSION")
     return m.group(1)
-
-
-def _last_line(e: BaseException) -> str:
-    lines = traceback.format_exception_only(type(e), e)
-    return " ".join(lines[-1].split())
 
 
 def check_overlay(vllm_dir: Path, pin: Pin, series: Series) -> Check:
@@ -126,7 +120,7 @@ def check_version(pin: Pin) -> Check:
         dist = importlib.metadata.version("vllm")
         vllm = importlib.import_module("vllm")
     except Exception as e:  # noqa: BLE001 - any import failure is the verdict
-        return Check("vllm-version", False, f"import vllm failed: {_last_line(e)}")
+        return Check("vllm-version", False, f"import vllm failed: {last_line(e)}")
     found = getattr(vllm, "__version__", "(no __version__)")
     if not (
         same_release(found, pin.vllm.version) and same_release(dist, pin.vllm.version)
@@ -145,7 +139,7 @@ def check_connector(vllm_dir: Path, pin: Pin) -> Check:
     try:
         module = importlib.import_module(name)
     except Exception as e:  # noqa: BLE001
-        return Check("connector-import", False, f"import {name}: {_last_line(e)}")
+        return Check("connector-import", False, f"import {name}: {last_line(e)}")
     where = Path(module.__file__ or "").resolve()
     if not where.is_relative_to(vllm_dir.resolve()):
         return Check("connector-import", False, f"{name} imported from {where}")
@@ -191,7 +185,7 @@ def check_banner(vllm_dir: Path, series: Series, mode: SeriesMode = "apply") -> 
             )
         loaded[eps[0].name]()
     except Exception as e:  # noqa: BLE001
-        return Check("banner-plugin", False, f"vLLM's plugin loader: {_last_line(e)}")
+        return Check("banner-plugin", False, f"vLLM's plugin loader: {last_line(e)}")
     finally:
         logger.removeHandler(capture)
         logger.setLevel(level)
@@ -253,8 +247,11 @@ def verify_install(
     series: Series,
     vllm_dir: Path | None = None,
     mode: SeriesMode = "apply",
+    rdma: bool = False,
+    toy_proxy: str = TOY_PROXY,
 ) -> Verification:
-    """Every check, in order; a failed check does not stop the others."""
+    """Every check, in order; a failed check does not stop the others.
+    ``rdma``: also MoRI, a libibverbs provider and the toy proxy (rdma.py)."""
     vllm_dir = vllm_dir or installed_vllm()
     files = (check_overlay if mode == "apply" else check_base)(vllm_dir, pin, series)
     checks = [
@@ -263,6 +260,7 @@ def verify_install(
         check_connector(vllm_dir, pin),
         check_banner(vllm_dir, series, mode),
         check_router(router_pin(repo)),
+        *(rdma_checks(toy_proxy) if rdma else []),
     ]
     python = f"{sys.executable} {sys.version.split()[0]}"
     series_id = series.series_id if mode == "apply" else "none"
