@@ -152,3 +152,15 @@ def test_an_unexpected_failure_fails_the_ab_run(
     ab = msgspec.json.decode((run_dir / "ab.json").read_bytes(), type=AbReport)
     assert ab.sides[0].unexpected == [extra]
     assert out.rstrip().splitlines()[-1].startswith("e2e A/B loop: FAIL; base ")
+
+
+def test_a_base_that_logs_the_series_is_not_the_base(tmp_path: Path) -> None:
+    from vllm_overlay.e2e.ab import side_of
+    from vllm_overlay.e2e.checks import NO_SERIES, overlay_section
+    from vllm_overlay.e2e.report import Report
+
+    line = f"INFO vllm-moriio-overlay: series {SERIES} (0001-a) on vLLM 9"
+    banner = overlay_section({"prefill-0": line, "decode-0": line}, NO_SERIES)
+    report = Report(BASE_IMAGE, SERIES, {}, [banner])
+    side = side_of("base", report, tmp_path / "report.md")
+    assert not side.banner_ok and not side.ok

@@ -83,10 +83,13 @@ class AbSide(msgspec.Struct, forbid_unknown_fields=True):
     kv_bytes: int  # kv_tokens x kv_bytes_per_token (0: unknown)
     nic_bytes: int = -1  # bytes the decode nodes' NICs received; -1: not read
     load: list[LoadResult] = msgspec.field(default_factory=list)
+    # Every server logged the banner this image must show (the base line
+    # for the base, the checkout's series for the overlay).
+    banner_ok: bool = True
 
     @property
     def ok(self) -> bool:
-        return not self.error and not self.unexpected
+        return not self.error and not self.unexpected and self.banner_ok
 
 
 class AbReport(msgspec.Struct, forbid_unknown_fields=True):
@@ -115,12 +118,14 @@ def side_of(side: str, report: Report, report_path: Path) -> AbSide:
     moved = next((s for s in report.sections if s.name == "transfer per request"), None)
     summary = moved.summary if moved else {}
     nic_bytes = int(summary.get("nic_bytes_total", -1))
+    banner = next((s for s in report.sections if s.name == "overlay"), None)
+    banner_ok = banner is not None and banner.status == "pass"
     return AbSide(
         side, report.image, report.series_id, str(report_path), report.error,
         len(sweep.cases) if sweep else 0, wrong, predicted,
         [n for n in wrong if n not in predicted], missed,
         float(summary.get("tokens_total", 0)), int(summary.get("bytes_total", 0)),
-        nic_bytes, report.load,
+        nic_bytes, report.load, banner_ok,
     )  # fmt: skip
 
 
@@ -154,6 +159,7 @@ def markdown(report: AbReport) -> str:
         row("image", [f"`{c.image}`" for c in cols]),
         row("series", [c.series_id or "unknown" for c in cols]),
         row("stopped early", [c.error or "no" for c in cols]),
+        row("banner as expected", ["yes" if c.banner_ok else "NO" for c in cols]),
         row("lengths wrong", [f"{_few(c.wrong)} of {c.prompts}" for c in cols]),
         row("of which predicted", [_few(c.predicted) for c in cols]),
         row("unexpected", [_few(c.unexpected) for c in cols]),
