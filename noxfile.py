@@ -29,7 +29,12 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_overlay import cpuenv, cpuplatform, noxlog  # noqa: E402  (stdlib only)
+from vllm_overlay import (  # noqa: E402  (stdlib only)
+    cpuenv,
+    cpuplatform,
+    noxlog,
+    noxterm,
+)
 from vllm_overlay.gate.phases import PHASES_FILE, timed  # noqa: E402  (the same)
 from vllm_overlay.text import count  # noqa: E402
 
@@ -227,7 +232,11 @@ def suite(
 
 def install_checkout(session: nox.Session, extras: str = "", *args: str) -> None:
     """This checkout in editable mode in the session's nox venv, only when it
-    is not there yet from this checkout and this pyproject.toml."""
+    is not there yet from this checkout and this pyproject.toml. Under
+    `--force-venv-backend none` the caller's environment is used as it is
+    (it has `vllm-overlay` on PATH): nothing is installed."""
+    if session.venv_backend == "none":
+        return
     env = Path(str(session.virtualenv.location))
     if not cpuenv.editable_is_current(env, ROOT, "vllm-moriio-overlay", extras):
         session.install(*args, "-e", f".{extras}", silent=True)
@@ -548,8 +557,10 @@ def e2e(session: nox.Session) -> None:
     env = {"VLLM_OVERLAY_PREFLIGHT_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
     # Ctrl-C: nox sends SIGTERM 0.3 s after SIGINT and SIGKILL 0.2 s later;
     # the harness needs that long to remove every container or cancel its
-    # Slurm job, and ignores further signals while it does.
-    session.run(
-        "vllm-overlay", "e2e", *session.posargs, env=env,
-        interrupt_timeout=E2E_TEARDOWN_S, terminate_timeout=E2E_TEARDOWN_S,
-    )  # fmt: skip
+    # Slurm job, and ignores further signals while it does. A SIGTERM to
+    # nox alone is passed on to the harness and handled like Ctrl-C.
+    with noxterm.sigterm_forwarded():
+        session.run(
+            "vllm-overlay", "e2e", *session.posargs, env=env,
+            interrupt_timeout=E2E_TEARDOWN_S, terminate_timeout=E2E_TEARDOWN_S,
+        )  # fmt: skip

@@ -7,6 +7,8 @@
 #   OVERLAY_REPO  the overlay checkout: pin.toml, patches/ (this script's ..)
 #   TARGET        an installed vllm package dir or a vLLM source root
 #                 (default: the vllm package of $PYTHON, found without import)
+#   OVERLAY_SERIES apply (default), or none: the series is not applied and
+#                 every pinned file must be the base's (the A/B base image)
 set -eu
 
 PYTHON="${PYTHON:-python3}"
@@ -25,7 +27,20 @@ overlay() {
     "$PYTHON" -m vllm_overlay.cli --repo "$OVERLAY_REPO" "$@"
 }
 
-echo "apply-overlay: series from $OVERLAY_REPO onto $TARGET"
-overlay apply --target "$TARGET"
-overlay status --target "$TARGET" --require overlaid
-echo "apply-overlay: every pinned file is overlaid"
+case "${OVERLAY_SERIES:-apply}" in
+    apply)
+        echo "apply-overlay: series from $OVERLAY_REPO onto $TARGET"
+        overlay apply --target "$TARGET"
+        overlay status --target "$TARGET" --require overlaid
+        echo "apply-overlay: every pinned file is overlaid"
+        ;;
+    none)
+        echo "apply-overlay: OVERLAY_SERIES=none: no series applied onto $TARGET"
+        overlay status --target "$TARGET" --require base
+        echo "apply-overlay: every pinned file is the base's (the A/B base)"
+        ;;
+    *)
+        echo "apply-overlay: OVERLAY_SERIES must be apply or none, not '$OVERLAY_SERIES'" >&2
+        exit 2
+        ;;
+esac

@@ -134,6 +134,14 @@ def loopback_config(
             "accuracy": {"problems": 0},
         },
         "timeouts": {"health_s": health_s, "poll_s": 0.3, "command_s": 30},
+        # One small load cell; NIC counters only where a test gives a root.
+        "load": {
+            "input_lens": [64],
+            "output_len": 4,
+            "concurrencies": [2],
+            "prompts_per_concurrency": 2,
+        },
+        "nic": {"counters_root": ""},
     }
     for key, value in overrides.items():
         section, _, field = key.partition("__")
@@ -187,8 +195,10 @@ def fake_docker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     docker = bin_dir / "docker"
+    # -S: no site-packages (the fake needs the standard library only), so
+    # it starts in milliseconds even on a loaded machine.
     docker.write_text(
-        f'#!/bin/sh\nexec {sys.executable} {HERE / "fakedocker.py"} "$@"\n'
+        f'#!/bin/sh\nexec {sys.executable} -S {HERE / "fakedocker.py"} "$@"\n'
     )
     docker.chmod(0o755)
     state = tmp_path / "docker-state"

@@ -7,8 +7,12 @@ this environment, `python3 .../moriio_toy_proxy_server.py` ->
 tests/e2e/frontend.py. State lives in $FAKE_DOCKER_STATE. Behaviour knobs:
 - FAKE_DOCKER_DIE: comma list; a container whose name contains one prints a
   start-up failure and exits with 3 (a MoRI assert, an OOM ...);
+- FAKE_DOCKER_LOADING: comma list; such a container runs but never serves
+  (a server still loading its weights);
 - FAKE_DOCKER_PULL: ok (default, prints progress), hang, fail;
 - FAKE_DOCKER_HAVE_IMAGE=1: `image inspect` finds the image.
+Labels (`--label`) are kept per container; `ps --all --filter label=K=V
+--format {{.Names}}` lists the containers that carry every label asked.
 Every call's argv is appended to calls.jsonl in the state directory (what
 `ps` shows on a node); every container's env, as sha256 per name, to
 env/<name>.json (what reached the container, and no value).
@@ -31,8 +35,10 @@ REPO = HERE.parents[1]
 VALUE_FLAGS = {
     "--name", "--network", "--ipc", "--device", "--group-add", "--cap-add",
     "--security-opt", "--ulimit", "--shm-size", "--volume", "-v", "--env", "-e",
-    "--entrypoint", "--user", "--format", "--tail", "--env-file",
+    "--entrypoint", "--user", "--format", "--tail", "--env-file", "--label", "--mount",
+    "--filter",
 }  # fmt: skip
+SUFFIXES = (".json", ".exit", ".cmd", ".log", ".labels")
 DIE_LINES = (
     "INFO 11-30 12:00:00 api_server.py:1] vLLM API server version 0.33.0",
     "INFO 11-30 12:00:05 core.py:1] Initializing MoRIIO worker",
@@ -72,6 +78,16 @@ def command_for(name: str, entrypoint: str, args: list[str]) -> list[str]:
             "-c",
             f"print({text!r}, flush=True); raise SystemExit(3)",
         ]
+    loading = [d for d in os.environ.get("FAKE_DOCKER_LOADING", "").split(",") if d]
+    if any(d in name for d in loading):
+        # Still loading its weights: runs, never serves (the health wait
+        # goes on until a timeout or an interruption).
+        script = "import time; print('Loading weights', flush=True); time.sleep(3600)"
+        return [sys.executable, "-c", script]
+    if entrypoint == "sh" and args[:1] == ["-c"] and args[3:5] == ["bench", "serve"]:
+        # The load phase: `vllm bench serve ...` whose saved result the
+        # container prints.
+        return [sys.executable, str(HERE / "fakebench.py"), *args[3:]]
     if entrypoint == "vllm":
         return [sys.executable, str(HERE / "standin.py"), *args]
     if entrypoint == "vllm-router":
@@ -103,7 +119,7 @@ def given_env(flags: dict[str, list[str]]) -> dict[str, str]:
     return env
 
 
-def child_env(name: str, flags: dict[str, list[str]]) -> dict[str, str]:
+def child_env(name: str, flags: dict[str, list[str]], image: str) -> dict[str, str]:
     given = given_env(flags)
     record = state() / "env"
     record.mkdir(exist_ok=True)
@@ -111,6 +127,7 @@ def child_env(name: str, flags: dict[str, list[str]]) -> dict[str, str]:
     (record / f"{name}.json").write_text(json.dumps(digests))
     env = {**os.environ, **given}
     env["PYTHONPATH"] = str(REPO)
+    env["STANDIN_IMAGE"] = image
     return env
 
 
@@ -118,8 +135,11 @@ def supervise(name: str, argv: list[str], env: dict[str, str], log: Path | None)
     """Run the container's process in a process group of its own (what
     `rm --force` kills); forward SIGTERM/SIGINT; record its exit."""
     out = log.open("ab") if log is not None else None
+    # Detached: both streams into the log; in the foreground, stdout and
+    # stderr stay apart, as `docker run` without a tty keeps them.
+    err = subprocess.STDOUT if out is not None else None
     child = subprocess.Popen(
-        argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        argv, env=env, stdout=out, stderr=err, start_new_session=True
     )
     info = state() / f"{name}.json"
     info.write_text(json.dumps({"pid": os.getpid(), "group": child.pid}))
@@ -141,6 +161,15 @@ def cmd_run(args: list[str]) -> int:
         return 0
     name = flags["--name"][0]
     image, inner = rest[0], rest[1:]
+    for mount in flags.get("--mount", []):
+        spec = dict(x.partition("=")[::2] for x in mount.split(","))
+        if not Path(spec.get("source", "")).exists():
+            print(
+                "docker: Error response from daemon: invalid mount config for type "
+                f'"bind": bind source path does not exist: {spec.get("source")}',
+                file=sys.stderr,
+            )
+            return 125
     assert image, "no image"
     if (state() / f"{name}.json").exists():
         print(
@@ -149,7 +178,9 @@ def cmd_run(args: list[str]) -> int:
         )
         return 125
     argv = command_for(name, entrypoint, inner)
-    env = child_env(name, flags)
+    labels = dict(x.partition("=")[::2] for x in flags.get("--label", []))
+    (state() / f"{name}.labels").write_text(json.dumps(labels))
+    env = child_env(name, flags, image)
     log = state() / f"{name}.log"
     log.write_bytes(b"")
     (state() / f"{name}.exit").unlink(missing_ok=True)
@@ -175,7 +206,7 @@ def cmd_run(args: list[str]) -> int:
         return supervise(name, argv, env, None)
     finally:
         if "--rm" in flags:
-            for suffix in (".json", ".exit", ".cmd", ".log"):
+            for suffix in SUFFIXES:
                 (state() / f"{name}{suffix}").unlink(missing_ok=True)
 
 
@@ -239,9 +270,24 @@ def cmd_rm(args: list[str]) -> int:
     deadline = time.monotonic() + 10
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for suffix in (".json", ".exit", ".cmd", ".log"):
+    for suffix in SUFFIXES:
         (state() / f"{name}{suffix}").unlink(missing_ok=True)
     print(name)
+    return 0
+
+
+def cmd_ps(args: list[str]) -> int:
+    flags, _ = parse(args)
+    assert "--all" in flags and flags.get("--format") == ["{{.Names}}"], args
+    filters = flags.get("--filter", [])
+    assert all(f.startswith("label=") for f in filters), filters
+    wanted = [f.removeprefix("label=") for f in filters]
+    for info in sorted(state().glob("*.json")):
+        labels_file = info.with_suffix(".labels")
+        labels = json.loads(labels_file.read_text()) if labels_file.exists() else {}
+        pairs = {f"{k}={v}" for k, v in labels.items()}
+        if all(w in pairs for w in wanted):
+            print(info.stem)
     return 0
 
 
@@ -277,7 +323,7 @@ def main(argv: list[str]) -> int:
         return 0 if os.environ.get("FAKE_DOCKER_HAVE_IMAGE") == "1" else 1
     handlers = {
         "run": cmd_run, "inspect": cmd_inspect, "logs": cmd_logs, "rm": cmd_rm,
-        "pull": cmd_pull,
+        "pull": cmd_pull, "ps": cmd_ps,
     }  # fmt: skip
     if cmd not in handlers:
         print(f"fake docker: unknown command {cmd}", file=sys.stderr)

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,16 @@ from typing import Any
 # (prompt ids, max_tokens) -> the answer's ids; a real server with
 # ignore_eos answers exactly max_tokens.
 Model = Callable[[list[int], int], list[int]]
+# What the banner plugin logs in the A/B base image (vllm_overlay/tree/banner.py).
+PIN_VERSION = tomllib.loads(
+    (Path(__file__).resolve().parents[2] / "pin.toml").read_text()
+)["vllm"]["version"]
+BASE_LINE = (
+    "INFO 12-03 03:00:00 [banner.py:60] vllm-moriio-overlay: no overlay manifest "
+    "at /usr/local/lib/python3.12/dist-packages/vllm/distributed/kv_transfer/"
+    f"kv_connector/v1/moriio/.overlay-manifest.json; the MoRIIO files are vLLM "
+    f"{PIN_VERSION}'s own (base) or unknown"
+)
 HEARTBEAT_REL = "distributed/kv_transfer/kv_connector/v1/moriio/moriio_heartbeat.py"
 
 
@@ -70,9 +81,18 @@ class Heartbeat:
 class StandIn(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, role: str, model: Model = greedy, port: int = 0) -> None:
+    def __init__(
+        self,
+        role: str,
+        model: Model = greedy,
+        port: int = 0,
+        wrong: frozenset[int] = frozenset(),
+    ) -> None:
         super().__init__(("127.0.0.1", port), Handler)
         self.role = role  # "P" or "D"
+        # Prompt lengths whose KV this decoder reads wrong through P/D (the
+        # base image's bugs): its answer then differs from the prefill's.
+        self.wrong = wrong
         self.model = model
         self.seen: set[tuple[int, ...]] = set()
         self.external = 0.0
@@ -119,11 +139,18 @@ class StandIn(http.server.ThreadingHTTPServer):
                 self.local += hit
                 self.external += len(prompt) - 1 - hit
                 self.seen.add(tuple(prompt))
+                nic_received(len(prompt) - 1 - hit)
         self.log(
             f"request role={self.role} prompt_tokens={len(prompt)} "
             f"max_tokens={body.get('max_tokens')} kv={','.join(sorted(params))}"
         )
         tokens = self.model(prompt, int(body.get("max_tokens", 16)))
+        if (
+            self.role == "D"
+            and "remote_block_ids" in params
+            and len(prompt) in self.wrong
+        ):
+            tokens = [(t + 1) % 97 for t in tokens]
         out: dict[str, Any] = {
             "id": "cmpl-standin",
             "object": "text_completion",
@@ -158,6 +185,20 @@ class StandIn(http.server.ThreadingHTTPServer):
             f"vllm:external_prefix_cache_hits_total{labels} {self.external}\n"
             f"vllm:prefix_cache_hits_total{labels} {self.local}\n"
         )
+
+
+def nic_received(tokens: int) -> None:
+    """The decode node's NIC counter for a READ of ``tokens`` (in 4-byte
+    words, as the kernel's port_rcv_data counts): under $STANDIN_NIC_DIR,
+    at $STANDIN_NIC_BYTES_PER_TOKEN bytes a token."""
+    root = os.environ.get("STANDIN_NIC_DIR", "")
+    if not root:
+        return
+    per_token = int(os.environ.get("STANDIN_NIC_BYTES_PER_TOKEN", "0"))
+    counter = Path(root) / "ionic_0" / "ports" / "1" / "counters" / "port_rcv_data"
+    counter.parent.mkdir(parents=True, exist_ok=True)
+    words = int(counter.read_text()) if counter.exists() else 0
+    counter.write_text(f"{words + tokens * per_token // 4}\n")
 
 
 def common_prefix(a: list[int], b: tuple[int, ...]) -> int:
@@ -213,12 +254,22 @@ def serve_main(argv: list[str]) -> int:
     )
     role = "P" if kv["kv_role"] == "kv_producer" else "D"
     banner = os.environ.get("STANDIN_BANNER", "")
+    # The A/B base image (its name in $STANDIN_BASE_IMAGE): the banner's
+    # base line, and wrong KV at the lengths of $STANDIN_BASE_WRONG.
+    base = os.environ.get("STANDIN_IMAGE", "") == os.environ.get(
+        "STANDIN_BASE_IMAGE", "\0"
+    )
+    wrong: frozenset[int] = frozenset()
+    if base:
+        banner = BASE_LINE
+        given = os.environ.get("STANDIN_BASE_WRONG", "")
+        wrong = frozenset(int(x) for x in given.split(",") if x)
     if banner:
         print(banner, flush=True)
     leak = os.environ.get("STANDIN_LEAK", "")
     if leak:
         print(f"{leak}={os.environ.get(leak, '')}", flush=True)
-    server = StandIn(role, port=port)
+    server = StandIn(role, port=port, wrong=wrong)
     server.log = lambda line: print(line, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

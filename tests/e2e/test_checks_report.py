@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vllm_overlay.e2e.checks import (
+    NO_SERIES,
     Exchange,
     Transfer,
     accuracy_section,
@@ -118,7 +119,27 @@ def test_repeat_must_match_and_shrink() -> None:
 def test_transfer_section_totals() -> None:
     section = transfer_section([ex(16, [1], [1], 15.0), ex(32, [1], [1], 31.0)])
     assert section.status == "pass"
-    assert section.summary == {"requests": 2, "tokens_total": 46.0, "bytes_total": 460}
+    assert section.summary == {
+        "requests": 2, "tokens_total": 46.0, "bytes_total": 460,
+        "nic_bytes_total": -1,  # no NIC counters read
+    }  # fmt: skip
+    for e in (read := [ex(16, [1], [1], 15.0), ex(32, [1], [1], 31.0)]):
+        assert e.transfer is not None
+        e.transfer.nic_bytes = e.length * 4
+    assert transfer_section(read).summary["nic_bytes_total"] == 192
+
+
+def test_the_base_banner_is_what_an_ab_base_must_show() -> None:
+    base = (
+        "vllm-moriio-overlay: no overlay manifest at /x/.overlay-manifest.json; "
+        "the MoRIIO files are vLLM 0.34.0's own (base) or unknown"
+    )
+    line = "vllm-moriio-overlay: series 0123abcd4567 (0001-a) on vLLM 0.34.0"
+    ok = overlay_section({"prefill": base, "decode": base}, NO_SERIES)
+    assert ok.status == "pass" and ok.summary["series"] == NO_SERIES
+    mixed = overlay_section({"prefill": base, "decode": line}, NO_SERIES)
+    assert mixed.status == "fail"
+    assert mixed.cases[0].detail == f"{line}; expected the base"
 
 
 def test_overlay_banner_per_leg() -> None:

@@ -24,6 +24,7 @@ from vllm_overlay.e2e.config import (
     load_config,
 )
 from vllm_overlay.e2e.plan import Plan, Step, build_plan
+from vllm_overlay.e2e.runid import owner
 from vllm_overlay.e2e.servers import router_command, serve_command, servers
 
 UPSTREAM_FLAGS = (
@@ -47,12 +48,15 @@ def starts(plan: Plan) -> dict[str, Step]:
 
 
 def test_dry_run_matches_the_reviewed_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["e2e", "--config", str(EXAMPLE), "--dry-run"]) == 0
-    # The reviewed plan names the series id of this checkout.
+    argv = ["e2e", "--config", str(EXAMPLE), "--dry-run", "--run-id", "r0test"]
+    assert main(argv) == 0
+    # The reviewed plan names the series id of this checkout and who runs it
+    # (the owner label of every container).
     series = series_patches()
     assert series is not None
     expected = (FIXTURES / "llama-smoke.plan.txt").read_text()
-    assert capsys.readouterr().out == expected.replace("{series}", series[0])
+    expected = expected.replace("{series}", series[0]).replace("{owner}", owner())
+    assert capsys.readouterr().out == expected
 
 
 def test_plan_order() -> None:
@@ -373,3 +377,52 @@ def test_the_dry_runs_summary_is_its_last_line_even_after_a_warning() -> None:
     lines = run.stdout.rstrip("\n").splitlines()
     assert any(line.startswith("warning: model.tokenizer") for line in lines)
     assert lines[-1].startswith("e2e dry run llama-smoke: "), lines[-1]
+
+
+def test_ionic_nodes_get_the_hosts_nic_userspace_provider(tmp_path: Path) -> None:
+    import msgspec as _msgspec
+
+    from vllm_overlay.e2e.config import IONIC_LIBS, load_config
+    from vllm_overlay.e2e.servers import docker_run_server
+    from vllm_overlay.e2e.servers import servers as all_servers
+
+    config = load_config(EXAMPLE)  # MORI_RDMA_DEVICES=ionic_0,...: auto binds
+    server = all_servers(config)[0]
+    argv = docker_run_server(config, server, "x")
+    mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "--mount"]
+    assert mounts == [f"type=bind,source={p},target={p},readonly" for p in IONIC_LIBS]
+    assert argv.index("--mount") < argv.index("--entrypoint")
+    off = _msgspec.structs.replace(
+        config, nic=_msgspec.structs.replace(config.nic, userspace="off")
+    )
+    assert "--mount" not in docker_run_server(off, server, "x")
+    # No ionic device named: auto binds nothing; on binds what is listed.
+    plain = _msgspec.structs.replace(
+        config,
+        prefill=_msgspec.structs.replace(config.prefill, env={}, instances=[
+            _msgspec.structs.replace(i, env={}) for i in config.prefill.instances]),
+        decode=_msgspec.structs.replace(config.decode, env={}, instances=[
+            _msgspec.structs.replace(i, env={}) for i in config.decode.instances]),
+    )  # fmt: skip
+    assert "--mount" not in docker_run_server(plain, all_servers(plain)[0], "x")
+    lib = tmp_path / "libx.so"
+    forced = _msgspec.structs.replace(
+        plain,
+        nic=_msgspec.structs.replace(
+            plain.nic, userspace="on", userspace_libs=[str(lib)]
+        ),
+    )
+    argv = docker_run_server(forced, all_servers(forced)[0], "x")
+    assert f"type=bind,source={lib},target={lib},readonly" in argv
+
+
+def test_a_userspace_lib_must_be_an_absolute_path(tmp_path: Path) -> None:
+    from vllm_overlay.e2e.config import ConfigError, load_config
+
+    text = EXAMPLE.read_text().replace(
+        "[nic]\n", '[nic]\nuserspace_libs = ["-v/etc:/etc"]\n'
+    )
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"nic\.userspace_libs\[0\]"):
+        load_config(path)

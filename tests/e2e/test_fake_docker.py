@@ -13,7 +13,10 @@ from tests.e2e.conftest import BANNER, SERIES, loopback_config, write_config
 from vllm_overlay.cli import main
 from vllm_overlay.e2e.config import RunConfig
 from vllm_overlay.e2e.report import read_report
+from vllm_overlay.e2e.runid import with_run_id
 from vllm_overlay.e2e.runner import run
+
+PULL_S = 10.0
 
 
 def with_timeouts(config: RunConfig, **kw: float) -> RunConfig:
@@ -30,6 +33,7 @@ def test_a_container_that_exits_at_start_fails_the_run_at_once(
     # health wait allows an hour: only the liveness check can end the run.
     monkeypatch.setenv("FAKE_DOCKER_DIE", "decode-0")
     config = with_timeouts(loopback_config(tokenizer_json), health_s=3600)
+    config = with_run_id(config, "r1")
     said: list[str] = []
     report = run(config, tmp_path, SERIES, say=said.append)
     assert not report.ok
@@ -45,7 +49,7 @@ def test_a_container_that_exits_at_start_fails_the_run_at_once(
     # The dead container's log is collected and every container removed.
     assert "EngineCore failed" in (tmp_path / "logs" / "decode-0.log").read_text()
     assert not list(fake_docker.glob("*.json"))
-    assert any("docker rm --force moriio-e2e-loop-prefill-0" in s for s in said)
+    assert any("docker rm --force moriio-e2e-loop-r1-prefill-0" in s for s in said)
 
 
 def test_the_pull_is_its_own_step_with_progress(
@@ -70,7 +74,10 @@ def test_a_pull_that_hangs_stops_at_its_timeout_with_a_report(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     monkeypatch.setenv("FAKE_DOCKER_PULL", "hang")
-    config = with_timeouts(loopback_config(tokenizer_json), pull_s=2)
+    # The timeout must cover the fake's start and its first lines on a
+    # loaded machine (the fake starts without site-packages, conftest), or
+    # the hang would be cut before the progress it is to report.
+    config = with_timeouts(loopback_config(tokenizer_json), pull_s=PULL_S)
     path = write_config(config, tmp_path / "run.toml")
     run_dir = tmp_path / "run"
     argv = ["e2e", "--config", str(path), "--run-dir", str(run_dir), "--no-preflight"]
@@ -79,7 +86,8 @@ def test_a_pull_that_hangs_stops_at_its_timeout_with_a_report(
     assert "Traceback" not in out + err
     report = read_report(run_dir / "report.json")
     assert (
-        "did not finish in 2s (last output: 3f1a0c2e: Pulling fs layer)" in report.error
+        f"did not finish in {PULL_S:g}s (last output: 3f1a0c2e: Pulling fs layer)"
+        in report.error
     )
     assert "[pull @ local] 3f1a0c2e: Pulling fs layer" in out
 

@@ -23,6 +23,7 @@ from vllm_overlay.e2e.config import Reach, RunConfig, encode_config, load_config
 from vllm_overlay.e2e.lws import manifest
 from vllm_overlay.e2e.plan import build_plan
 from vllm_overlay.e2e.report import read_report
+from vllm_overlay.e2e.runid import with_run_id
 from vllm_overlay.e2e.runner import run
 from vllm_overlay.e2e.secret import is_secret
 from vllm_overlay.e2e.slurm import SlurmJob
@@ -151,7 +152,7 @@ def test_a_run_over_ssh_hands_the_token_to_the_containers_and_nowhere_else(
     run_dir = tmp_path / "run"
     # A fake engine: no model for vLLM's preflight to build.
     argv = ["e2e", "--config", str(path), "--run-dir", str(run_dir), "--no-preflight"]
-    code = main(argv)
+    code = main([*argv, "--run-id", "r1"])
     out, err = capsys.readouterr()
     report = read_report(run_dir / "report.json")
     assert code == 0, (report.error, out[-2000:])
@@ -159,11 +160,11 @@ def test_a_run_over_ssh_hands_the_token_to_the_containers_and_nowhere_else(
     # It reached every container that needs it, through the engine's env.
     for what in ("prefill-0", "decode-0"):
         env = json.loads(
-            (fake_docker / "env" / f"moriio-e2e-loop-{what}.json").read_text()
+            (fake_docker / "env" / f"moriio-e2e-loop-r1-{what}.json").read_text()
         )
         assert env["HF_TOKEN"] == SHA, what
     decode = json.loads(
-        (fake_docker / "env" / "moriio-e2e-loop-decode-0.json").read_text()
+        (fake_docker / "env" / "moriio-e2e-loop-r1-decode-0.json").read_text()
     )
     assert decode["VLLM_API_KEY"] == hashlib.sha256(KEY.encode()).hexdigest()
     # The commands went through ssh, with the secrets by name only.
@@ -241,7 +242,7 @@ def test_a_slurm_run_hands_the_token_to_the_containers_and_removes_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))  # type: ignore[attr-defined]
-    config = planted(slurm_config(tokenizer_json, prefill=1))
+    config = with_run_id(planted(slurm_config(tokenizer_json, prefill=1)), "r1")
     lines: list[str] = []
     report = run(
         config, tmp_path / "run", SERIES, say=lines.append, launcher_kind="slurm"
@@ -249,7 +250,7 @@ def test_a_slurm_run_hands_the_token_to_the_containers_and_removes_it(
     assert report.ok, (report.error, lines[-5:])
     for what in ("prefill-0", "decode-0"):
         env = json.loads(
-            (fake_docker / "env" / f"moriio-e2e-loop-{what}.json").read_text()
+            (fake_docker / "env" / f"moriio-e2e-loop-r1-{what}.json").read_text()
         )
         assert env["HF_TOKEN"] == SHA, what
     assert not (tmp_path / "run" / "slurm" / "secrets").exists()

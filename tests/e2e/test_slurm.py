@@ -137,3 +137,52 @@ def test_a_server_that_dies_on_its_node_fails_the_slurm_run(
     assert launch.cases[0].id == "decode-0"
     assert "exited (exit 3)" in launch.cases[0].detail
     assert "no RDMA device matches MORI_RDMA_DEVICES" in launch.cases[0].detail
+
+
+def recorded_commands(
+    monkeypatch: pytest.MonkeyPatch, module: object, stdout: bytes = b""
+) -> list[list[str]]:
+    """Every command ``module`` runs through ``run_command``, answered with
+    exit 0 and ``stdout``, no real program started."""
+    calls: list[list[str]] = []
+
+    def fake(argv: list[str], timeout_s: float, stdin: bytes | None = None) -> object:
+        calls.append(list(argv))
+        return subprocess.CompletedProcess(argv, 0, stdout, b"")
+
+    monkeypatch.setattr(module, "run_command", fake)
+    return calls
+
+
+def test_a_job_submitted_when_interrupted_is_cancelled_by_its_run_name(
+    tokenizer_json: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C while sbatch runs: the harness never read the job id; the job
+    # (if sbatch made one) carries the run's name and is cancelled by it.
+    from vllm_overlay.e2e import slurm
+    from vllm_overlay.e2e.runid import owner, with_run_id
+
+    config = with_run_id(slurm_config(tokenizer_json), "r7")
+    launcher = slurm.SlurmLauncher(config, tmp_path, say=lambda _: None)
+    assert "#SBATCH --job-name=moriio-e2e-loop-r7\n" in launcher.job.batch_script()
+    assert 'NAME="moriio-e2e-loop-r7-$WHAT"' in launcher.job.node_script()
+    calls = recorded_commands(monkeypatch, slurm)
+    launcher.submitted = True
+    launcher.close()
+    assert calls == [["scancel", "--name", "moriio-e2e-loop-r7", "--user", owner()]]
+
+
+def test_reap_cancels_ones_own_jobs_of_the_config_only(
+    tokenizer_json: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_overlay.e2e import reap
+    from vllm_overlay.e2e.runid import owner
+
+    listing = b"101 moriio-e2e-loop-r1\n102 moriio-e2e-loopy-r2\n103 other-job\n"
+    calls = recorded_commands(monkeypatch, reap, listing)
+    done = reap.reap_jobs(slurm_config(tokenizer_json), lambda _: None, 30)
+    assert calls[0] == [
+        "squeue", "--noheader", "--user", owner(), "--format", "%i %j"
+    ]  # fmt: skip
+    assert calls[1:] == [["scancel", "101"]]
+    assert done.removed == [("slurm", "job 101 moriio-e2e-loop-r1")]

@@ -121,9 +121,11 @@ def test_dockerfile_runs_this_script_on_the_images_vllm() -> None:
     assert len(calls) == 1
     # Invoked with no TARGET: the image's own vllm, as tested above; then
     # the checks from inside, in the same step.
+    # (OVERLAY_SERIES: apply, or none for the A/B base.)
     assert re.fullmatch(
-        rf"{IMAGE_REPO}/docker/apply-overlay\.sh\s+&&\s+"
-        rf"vllm-overlay --repo {IMAGE_REPO} image verify",
+        rf'OVERLAY_SERIES="\$\{{OVERLAY_SERIES\}}" {IMAGE_REPO}/docker/'
+        rf"apply-overlay\.sh\s+&&\s+vllm-overlay --repo {IMAGE_REPO} image verify "
+        r'--series "\$\{OVERLAY_SERIES\}"',
         calls[0],
     )
     assert "TARGET=" not in calls[0]
@@ -181,3 +183,54 @@ def test_script_says_so_when_python_has_no_vllm(tmp_path: Path) -> None:
     result = run_script({"PYTHON": str(bare)})
     assert result.returncode != 0
     assert f"no vllm package in {sys.executable}; set TARGET" in result.stderr
+
+
+def test_script_without_the_series_leaves_the_base_and_checks_it(
+    site: Path, bases: dict[str, str], overlay_repo: Path, pin: Pin
+) -> None:
+    # OVERLAY_SERIES=none (`image build --series none`, the A/B base): the
+    # pinned files stay the base's, and the script says so.
+    result = run_script(
+        {"TARGET": str(site / "vllm"), "OVERLAY_SERIES": "none"}, overlay_repo
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "status: base" in result.stdout
+    assert result.stdout.rstrip().endswith(
+        "every pinned file is the base's (the A/B base)"
+    )
+    for path, text in bases.items():
+        assert (site / path).read_text() == text, path
+    assert not (site / pin.module / MANIFEST_NAME).exists()
+
+
+def test_script_without_the_series_refuses_an_overlaid_tree(
+    site: Path, overlay_repo: Path
+) -> None:
+    assert run_script({"TARGET": str(site / "vllm")}, overlay_repo).returncode == 0
+    result = run_script(
+        {"TARGET": str(site / "vllm"), "OVERLAY_SERIES": "none"}, overlay_repo
+    )
+    assert result.returncode != 0
+    assert "--require base, but the tree is overlaid" in result.stdout
+
+
+def test_script_refuses_an_unknown_series_mode_with_one_line(
+    site: Path, bases: dict[str, str], overlay_repo: Path
+) -> None:
+    result = run_script(
+        {"TARGET": str(site / "vllm"), "OVERLAY_SERIES": "some"}, overlay_repo
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        "apply-overlay: OVERLAY_SERIES must be apply or none, not 'some'\n"
+    )
+    for path, text in bases.items():
+        assert (site / path).read_text() == text, path
+
+
+def test_the_dockerfile_passes_the_series_mode_to_the_script_and_the_check() -> None:
+    text = DOCKERFILE.read_text()
+    arg = text.index("ARG OVERLAY_SERIES=apply")
+    run = text.index('OVERLAY_SERIES="${OVERLAY_SERIES}" /opt/vllm-moriio-overlay')
+    assert arg < run
+    assert 'image verify --series "${OVERLAY_SERIES}"' in text[run:]

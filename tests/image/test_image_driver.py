@@ -312,3 +312,38 @@ def test_the_report_file(tmp_path: Path, env: pytest.MonkeyPatch) -> None:
     report = msgspec.json.decode(out.read_bytes(), type=ImageReport)
     assert report.tag == "r/i:t" and report.verification is not None
     assert json.loads(out.read_text())["base_digest"] == DIGEST
+
+
+def test_cli_dry_run_without_the_series(capsys: pytest.CaptureFixture[str]) -> None:
+    # The A/B base: the same build, the series not applied, the banner
+    # plugin in; labelled and tagged as such, checked as the base.
+    argv = ["--repo", str(REPO), "image", "build", "--dry-run", "--series", "none"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    pin = load_pin(REPO / PIN_FILE)
+    tag = f"vllm-moriio-overlay:v{pin.vllm.version}-base"
+    assert out.splitlines()[0] == (
+        f"# image {tag} from {BASE} (no series: the banner plugin and the base's "
+        "MoRIIO files, the A/B base)"
+    )
+    assert "#   OVERLAY_SERIES=none" in out and "#   SERIES_ID=none" in out
+    assert "#   SERIES_PATCHES=\n" in out
+    build = next(x for x in out.splitlines() if "--build-arg" in x)
+    assert f"--tag {tag} " in build and "-overlay " not in build
+    assert "--build-arg OVERLAY_SERIES=none" in build
+    assert "--label ai.vllm.moriio-overlay.series.id=none" in build
+    assert out.rstrip().endswith("image verify --json --series none --rdma")
+    # The default build applies the series.
+    assert main(["--repo", str(REPO), "image", "build", "--dry-run"]) == 0
+    default = capsys.readouterr().out
+    assert "--build-arg OVERLAY_SERIES=apply" in default
+    # The new image is checked for MoRI, a NIC provider and the toy proxy.
+    assert default.rstrip().endswith("image verify --json --rdma")
+
+
+def test_an_unknown_series_mode_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--repo", str(REPO), "image", "build", "--dry-run", "--series", "half"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument --series: invalid choice: 'half'")
+    assert err.count("\n") == 1

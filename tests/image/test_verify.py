@@ -172,3 +172,80 @@ def test_cli_text_ends_with_the_verdict(pin: Pin) -> None:
     out = _verify_cli()
     verdict = "verify: ok" if out.returncode == 0 else "verify: FAILED"
     assert out.stdout.rstrip().splitlines()[-1].startswith(verdict)
+
+
+def test_verify_without_the_series_requires_the_base_files(
+    site: Path, pin: Pin
+) -> None:
+    from vllm_overlay.image.verify import check_base
+
+    ok = check_base(site / "vllm", pin, SERIES)
+    assert ok.ok and ok.detail == (
+        f"no series: {len(pin.files)} pinned files are the base's"
+    )
+    apply_series(detect_target(site / "vllm"), pin, SERIES)
+    overlaid = check_base(site / "vllm", pin, SERIES)
+    assert not overlaid.ok and overlaid.detail.startswith("status overlaid")
+
+
+def test_mori_must_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_overlay.image.rdma import check_mori
+
+    monkeypatch.delitem(sys.modules, "mori", raising=False)
+    missing = check_mori()
+    assert not missing.ok
+    assert missing.detail == "import mori: ModuleNotFoundError: No module named 'mori'"
+    (tmp_path / "mori").mkdir()
+    (tmp_path / "mori" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = check_mori()
+    assert found.ok and found.detail == f"mori from {tmp_path / 'mori'}"
+    monkeypatch.delitem(sys.modules, "mori", raising=False)
+
+
+def test_an_ibverbs_provider_needs_its_driver_entry_and_library(
+    tmp_path: Path,
+) -> None:
+    from vllm_overlay.image.rdma import check_ibverbs
+
+    drivers = tmp_path / "etc" / "libibverbs.d"
+    drivers.mkdir(parents=True)
+    (drivers / "ionic.driver").write_text("driver ionic\n")
+    none = check_ibverbs(tmp_path)
+    assert not none.ok and none.detail.startswith("no libibverbs provider")
+    libs = tmp_path / "usr" / "lib" / "x86_64-linux-gnu" / "libibverbs"
+    libs.mkdir(parents=True)
+    (libs / "libionic-rdmav34.so").write_text("")
+    (drivers / "mlx5.driver").write_text("driver mlx5\n")  # no library: not one
+    found = check_ibverbs(tmp_path)
+    assert found.ok and found.detail == "providers: ionic"
+
+
+def test_the_toy_proxy_must_start_and_listen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The E2E tests' stand-in for vLLM's toy proxy (same command line).
+    from tests.e2e.ports import free_port
+    from vllm_overlay.image.rdma import check_toy_proxy
+
+    monkeypatch.setenv("STANDIN_DISCOVERY", f"127.0.0.1:{free_port()}")
+    proxy = REPO / "tests" / "e2e" / "frontend.py"
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    ok = check_toy_proxy(str(proxy))
+    assert ok.ok, ok.detail
+    assert ok.detail.startswith(f"{proxy} listens on port ")
+    broken = tmp_path / "proxy.py"
+    broken.write_text("import no_such_module_here\n")
+    bad = check_toy_proxy(str(broken))
+    assert not bad.ok
+    assert bad.detail == (
+        "exited 1: ModuleNotFoundError: No module named 'no_such_module_here'"
+    )
+    assert check_toy_proxy(str(tmp_path / "nope.py")).detail.endswith("no such file")
+
+
+def test_verify_with_rdma_adds_its_three_checks(site: Path, pin: Pin) -> None:
+    v = verify_install(REPO, pin, SERIES, site / "vllm", rdma=True, toy_proxy="/x")
+    assert [c.name for c in v.checks][-3:] == ["mori", "ibverbs-provider", "toy-proxy"]
+    plain = verify_install(REPO, pin, SERIES, site / "vllm")
+    assert "mori" not in [c.name for c in plain.checks]

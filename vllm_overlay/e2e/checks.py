@@ -28,6 +28,9 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True):
     external_tokens: float
     local_hit_tokens: float
     bytes: int  # external_tokens x kv_bytes_per_token; 0 when unknown
+    # What the decode nodes' RDMA NICs received over the request
+    # (`port_rcv_data` deltas x 4, nic.py); -1: not read.
+    nic_bytes: int = -1
 
 
 class Exchange(msgspec.Struct, forbid_unknown_fields=True):
@@ -150,6 +153,8 @@ def prefix_section(
             moved = f"{t1.external_tokens:g} -> {t2.external_tokens:g} tokens"
             if t2.bytes:
                 moved += f" ({t2.bytes} bytes)"
+            if t1.nic_bytes >= 0 and t2.nic_bytes >= 0:
+                moved += f", NIC received {t1.nic_bytes} -> {t2.nic_bytes} bytes"
             ok = t2.external_tokens < t1.external_tokens
             detail = moved if ok else f"{moved}: the shared prefix was not a hit"
             cases.append(
@@ -291,18 +296,32 @@ def transfer_section(exchanges: Sequence[Exchange]) -> Section:
         detail = f"{t.external_tokens:g} tokens loaded, {t.local_hit_tokens:g} local"
         if t.bytes:
             detail += f", {t.bytes} bytes"
+        if t.nic_bytes >= 0:
+            detail += f", NIC received {t.nic_bytes} bytes"
         cases.append(Case(ex.prompt_id, "pass", detail, ex.length))
     moved = [ex.transfer for ex in exchanges if ex.transfer is not None]
     summary: dict[str, float | int | str] = {
         "requests": len(moved),
         "tokens_total": sum(t.external_tokens for t in moved),
         "bytes_total": sum(t.bytes for t in moved),
+        # -1: the decode nodes' NIC counters were not read.
+        "nic_bytes_total": (
+            sum(t.nic_bytes for t in moved)
+            if moved and all(t.nic_bytes >= 0 for t in moved)
+            else -1
+        ),
     }
     return Section("transfer per request", section_status(cases), cases, summary)
 
 
+# The series id an A/B base image (`image build --series none`) must show:
+# the banner's base line on every server.
+NO_SERIES = "none"
+
+
 def overlay_section(logs: Mapping[str, str], expected_series: str = "") -> Section:
-    """Which overlay ran: the banner each server logged at start."""
+    """Which overlay ran: the banner each server logged at start
+    (``expected_series`` NO_SERIES: the base line of an A/B base image)."""
     if not logs:
         why = "no server logs collected (servers started outside the harness)"
         return Section("overlay", "skip", [Case("logs", "skip", why)])
@@ -310,6 +329,15 @@ def overlay_section(logs: Mapping[str, str], expected_series: str = "") -> Secti
     seen = set()
     for role, text in sorted(logs.items()):
         m = BANNER.search(text)
+        if expected_series == NO_SERIES:
+            base = BASE_BANNER.search(text)
+            if base is not None and m is None:
+                seen.add(NO_SERIES)
+                cases.append(Case(role, "pass", "the base's MoRIIO files (no series)"))
+            else:
+                found = m.group(0) if m else "no overlay banner in the log"
+                cases.append(Case(role, "fail", f"{found}; expected the base"))
+            continue
         if m is None:
             cases.append(Case(role, "fail", "no overlay banner in the log"))
             continue

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -18,11 +19,13 @@ from vllm_overlay.e2e.config import RunConfig, load_config
 from vllm_overlay.e2e.expect import Expectations, Geometry, prefix_read, sweep_lengths
 from vllm_overlay.e2e.preflight import Preflight, PreflightError
 from vllm_overlay.e2e.preflight import text_lines as preflight_lines
+from vllm_overlay.e2e.runid import with_run_id
 from vllm_overlay.e2e.servers import servers
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.text import count
 
 LAUNCHERS = ("ssh", "slurm", "attach")
+RUN_ID = re.compile(r"[a-z0-9]{1,16}")
 NO_PREFLIGHT = (
     "skipped (--no-preflight): the config's [layout] is taken as "
     "typed, nothing checked what vLLM builds"
@@ -188,13 +191,115 @@ def dry_run_text(
     launcher: str = "ssh",
     run_dir: Path | None = None,
     app: App | None = None,
+    run_id: str = "",
 ) -> str:
     """Every command in order, what the checks send, the lengths expected to
     fail on the base image and with this checkout's series; a summary."""
-    config = load_config(config_path)
+    config = with_run_id(load_config(config_path), run_id)
     found = series_patches(app)
     plan = plan_text(config, launcher, run_dir, found)
     return plan + summary_line(config, launcher, found) + "\n"
+
+
+def ab_dry_run_text(
+    config_path: Path,
+    launcher: str = "ssh",
+    run_dir: Path | None = None,
+    app: App | None = None,
+    run_id: str = "",
+) -> str:
+    """`--dry-run --ab`: the base's plan, the overlay's plan, what differs
+    between them, and a summary of both images' expected failures."""
+    from vllm_overlay.e2e.ab import side_configs
+
+    config = load_config(config_path)
+    found = series_patches(app)
+    sides = side_configs(config, run_id)
+    out: list[str] = []
+    for side, cfg in sides.items():
+        out.append(f"# ===== A/B, the {side} image: {cfg.container.image} =====")
+        where = run_dir / side if run_dir else None
+        out.append(plan_text(cfg, launcher, where, found).rstrip("\n"))
+    out += ab_difference_lines(sides, found)
+    geo = Geometry.of(config)
+    lengths = sweep_lengths(geo, config.checks)
+    counts = ab_expected(config, found)
+    base, over = sides["base"].container.image, sides["overlay"].container.image
+    out.append(
+        f"e2e dry run {config.name} --ab: {config.prefill.count} prefill x "
+        f"{config.decode.count} decode, launcher {launcher}, {len(lengths)} sweep "
+        f"lengths on both images, one after the other; base {base}: "
+        f"{counts['base']}; overlay {over}: {counts['overlay']}"
+    )
+    return "\n".join(out) + "\n"
+
+
+def ab_expected(
+    config: RunConfig, found: tuple[str, list[str]] | None
+) -> dict[str, str]:
+    """Each image's expected failures, in a few words."""
+    geo = Geometry.of(config)
+    lengths = sweep_lengths(geo, config.checks)
+    out: dict[str, str] = {}
+    for side, patches in (
+        ("base", []),
+        ("overlay", None if found is None else found[1]),
+    ):
+        exp = Expectations(geo, patches)
+        refused = exp.refusals if side == "base" else exp.refused_overlaid
+        field = "base" if side == "base" else "overlay"
+        failing = [n for n in lengths if getattr(exp.verdict(n), field)]
+        out[side] = (
+            "refused at start" if refused else f"{len(failing)} expected to fail"
+        )
+    return out
+
+
+def ab_difference_lines(
+    sides: dict[str, RunConfig], found: tuple[str, list[str]] | None
+) -> list[str]:
+    """What differs between the two runs of `--ab`, and why."""
+    from vllm_overlay.e2e.runid import run_name
+
+    base, over = sides["base"], sides["overlay"]
+    geo = Geometry.of(over)
+    lengths = sweep_lengths(geo, over.checks)
+    b = Expectations(geo, [])
+    o = Expectations(geo, None if found is None else found[1])
+    wrong_b = [n for n in lengths if b.verdict(n).base]
+    wrong_o = [n for n in lengths if o.verdict(n).overlay]
+    series = found[0] if found else "unknown"
+    lines = [
+        "# ===== A/B: what differs (same nodes, config and checks; base first) =====",
+        f"- image: base {base.container.image} (`image build --series none`), "
+        f"overlay {over.container.image}",
+        f"- containers: base {run_name(base)}-*, overlay {run_name(over)}-*",
+        "- banner every server must log: base `no overlay manifest` (the base's "
+        f"MoRIIO files), overlay series {series}",
+    ]
+    for side, exp, wrong in (("base", b, wrong_b), ("overlay", o, wrong_o)):
+        refused = exp.refusals if side == "base" else exp.refused_overlaid
+        if refused:
+            lines.append(
+                f"- {side}: refused at start: " + "; ".join(r.summary for r in refused)
+            )
+            continue
+        ids = sorted({i for n in wrong for i in getattr(exp.verdict(n), side)})
+        lines.append(
+            f"- {side}: {len(wrong)} of {len(lengths)} lengths expected wrong"
+            + (f" ({', '.join(ids)}): {lengths_text(wrong)}" if wrong else "")
+        )
+    only_base = [n for n in wrong_b if n not in wrong_o]
+    lines += [
+        f"- fixed by the series: {len(only_base)} lengths"
+        + (f": {lengths_text(only_base)}" if only_base else ""),
+        "- on the base, the predicted failures are expected: the A/B verdict "
+        "fails only on an unexpected failure of either image or a run that "
+        "stopped early",
+        "- side by side in RUN_DIR/ab.md: lengths wrong, KV tokens and bytes "
+        "moved, NIC bytes received by the decode nodes, serving figures",
+    ]
+    return lines
 
 
 def plan_text(
@@ -242,6 +347,8 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
             app.say(line)
         app.result(result)
         return result.exit_status
+    if args.reap:
+        return reap(app, load_config(args.config), args.launcher)
     if args.print_serve:
         from vllm_overlay.e2e.deploy import serve_text
 
@@ -252,8 +359,11 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
 
         app.say(json.dumps(manifest(load_config(args.config)), indent=2))
         return 0
+    if args.ab and args.launcher == "attach":
+        raise OverlayError("--ab starts both images: not with --launcher attach")
     if args.dry_run:
-        text = dry_run_text(args.config, args.launcher, args.run_dir, app)
+        make = ab_dry_run_text if args.ab else dry_run_text
+        text = make(args.config, args.launcher, args.run_dir, app, args.run_id or "")
         plan, summary = text.rstrip("\n").rsplit("\n", 1)
         app.say(plan)
         # Warnings before the summary, which stays the last line.
@@ -265,7 +375,7 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         return 0
     from vllm_overlay.e2e.runner import check_prerequisites, run
 
-    config = load_config(args.config)
+    config = with_run_id(load_config(args.config), args.run_id or "")
     if args.launcher != "slurm":
         config.check_addresses()
     # What this machine needs for the run (the e2e extra, the secrets), said
@@ -297,12 +407,55 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         args.run_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     found = series_patches(app)
+    if args.ab:
+        from vllm_overlay.e2e.ab import run_ab, summary_line
+
+        ab = run_ab(
+            config, run_dir, found[0] if found else "", app.say, args.launcher,
+            preflight,
+        )  # fmt: skip
+        app.result(ab)
+        app.say(summary_line(ab))
+        return 0 if ab.ok else 1
     report = run(
         config, run_dir, found[0] if found else "", say=app.say,
         launcher_kind=args.launcher, preflight=preflight,
     )  # fmt: skip
     app.result(report)
     return 0 if report.ok else 1
+
+
+def reap(app: App, config: RunConfig, launcher: str) -> int:
+    """Remove the stale containers (Slurm: cancel the jobs) of this user's
+    earlier runs of ``config``; exit 1 when a host could not be asked."""
+    from vllm_overlay.e2e.reap import reap_containers, reap_jobs
+    from vllm_overlay.e2e.runid import owner, run_prefix
+
+    if launcher == "attach":
+        raise OverlayError("--reap: the attach launcher starts nothing to reap")
+    t = config.timeouts.command_s
+    done = (
+        reap_jobs(config, app.say, t)
+        if launcher == "slurm"
+        else reap_containers(config, app.say, t)
+    )
+    for line in done.failed:
+        app.say(f"e2e reap: could not reap on {line}")
+    what = "Slurm job" if launcher == "slurm" else "stale container"
+    app.say(
+        f"e2e reap {config.name}: {count(len(done.removed), what)} of {owner()}'s "
+        f"runs ({run_prefix(config)}-*) removed"
+        + (f"; {count(len(done.failed), 'failure')}" if done.failed else "")
+    )
+    return 1 if done.failed else 0
+
+
+def run_id_arg(value: str) -> str:
+    if not RUN_ID.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: a run id is 1 to 16 lower-case letters and digits"
+        )
+    return value
 
 
 def run_preflight(config_path: Path) -> Preflight:
@@ -379,6 +532,29 @@ def register(sub: Subparsers) -> None:
         help="print the commands that start the front end and every server "
         "(the container flags, RDMA env and `vllm serve` lines of the run), "
         "launch nothing",
+    )
+    p.add_argument(
+        "--run-id",
+        type=run_id_arg,
+        metavar="ID",
+        help="the run's id in its container names and labels (default: a "
+        "fresh one per run)",
+    )
+    p.add_argument(
+        "--ab",
+        action="store_true",
+        help="run the base image (`image build --series none`, "
+        "container.base_image) and then the overlay image on the same nodes, "
+        "and report side by side the lengths each gets wrong and the bytes "
+        "each moves; with --dry-run, both plans and what differs",
+    )
+    p.add_argument(
+        "--reap",
+        action="store_true",
+        help="remove the containers of your earlier runs of this config left "
+        "on its nodes (found by label: your user and the config's name; with "
+        "--launcher slurm, cancel your jobs of it); a run never does this by "
+        "itself",
     )
     p.add_argument(
         "--run-dir",

@@ -29,14 +29,17 @@ Address = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9.\-:\[\]]+$")]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Name = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9][\w.-]*$")]
 EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+# A run's id in its containers' names and labels (lower case letters, digits).
+RunId = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]{0,16}$")]
 Env = dict[EnvName, str]
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 
-# vLLM 0.33.0 waits this long for the engine cores by default (600 s, see
-# vllm/envs.py); DeepSeek/Kimi-class models load and compile for longer, and
-# vLLM's own ROCm P/D CI exports 3600. Applied unless the config sets it.
+# The pinned vLLM (pin.toml) waits 600 s for the engine cores by default
+# (VLLM_ENGINE_READY_TIMEOUT_S, vllm/envs.py); DeepSeek/Kimi-class models
+# load and compile for longer, and vLLM's own ROCm P/D CI exports 3600.
+# Applied unless the config sets it.
 ENGINE_READY_TIMEOUT_S = 3600
 # Where the cache volume is mounted in every server container, and the
 # variables that point vLLM's, Triton's and the generic caches into it.
@@ -71,6 +74,15 @@ UNPRIVILEGED_FLAGS = (
 )  # fmt: skip
 
 
+# The AMD Pollara (ionic) RDMA userspace provider as rdma-core installs it:
+# the provider library, its versioned base library, the driver entry.
+IONIC_LIBS = (
+    "/usr/lib/x86_64-linux-gnu/libibverbs/libionic-rdmav34.so",
+    "/usr/lib/x86_64-linux-gnu/libionic.so.1",
+    "/etc/libibverbs.d/ionic.driver",
+)
+
+
 class ConfigError(OverlayError):
     """The run config is missing, not TOML, or invalid."""
 
@@ -98,6 +110,11 @@ _WORDS: list[tuple[re.Pattern[str], re.Pattern[str], str]] = [
         "an image reference (letters, digits, . _ / : @ + -)",
     ),
     (
+        re.compile(r"container\.base_image"),
+        re.compile(r"([A-Za-z0-9][A-Za-z0-9._/:@+-]*)?"),
+        "an image reference (letters, digits, . _ / : @ + -), or empty",
+    ),
+    (
         re.compile(r"container\.engine"),
         re.compile(r"[A-Za-z0-9_./][A-Za-z0-9_./+-]*"),
         "a program name or path (letters, digits, . _ / + -) not beginning with '-'",
@@ -108,9 +125,14 @@ _WORDS: list[tuple[re.Pattern[str], re.Pattern[str], str]] = [
         "a size such as 64g",
     ),
     (
-        re.compile(r"container\.cache_dir"),
+        re.compile(r"container\.cache_dir|nic\.counters_root"),
         re.compile(r"(/[^:\s]*)?"),
         "an absolute path without ':' or whitespace, or empty",
+    ),
+    (
+        re.compile(r"nic\.userspace_libs\[\d+\]"),
+        re.compile(r"/[A-Za-z0-9_./+-]*"),
+        "an absolute path (letters, digits, _ . / + -)",
     ),
     (
         re.compile(r"container\.volumes\[\d+\]|model\.path|router\.toy_proxy"),
@@ -222,7 +244,7 @@ class Speculative(msgspec.Struct, forbid_unknown_fields=True):
         return json.dumps(spec, separators=(",", ":"))
 
     def lookahead_slots(self) -> int:
-        """`VllmConfig.num_lookahead_tokens` of vLLM 0.33.0 for this method:
+        """`VllmConfig.num_lookahead_tokens` of the pinned vLLM for this method:
         fill-in drafting (DFlash) needs one bonus slot more; every other
         drafter that keeps its own KV reserves one slot per draft token."""
         if self.lookahead is not None:
@@ -366,6 +388,10 @@ class Container(msgspec.Struct, forbid_unknown_fields=True):
     """How every container of the run is started."""
 
     image: NonEmpty
+    # The A/B base (`e2e --ab`): the same image built without the series
+    # (`image build --series none`). "": the image's tag with its last
+    # -SUFFIX replaced by -base (REPO:v0.34.0-overlay -> REPO:v0.34.0-base).
+    base_image: str = ""
     engine: NonEmpty = "docker"
     # missing: pull when the node does not have the image; always; never.
     pull: Pull = "missing"
@@ -384,6 +410,11 @@ class Container(msgspec.Struct, forbid_unknown_fields=True):
     # Triton and AITER JIT caches survive between runs. Empty: none.
     cache_dir: str = "/var/cache/vllm-moriio-e2e"
     name_prefix: Name = "moriio-e2e"
+    # The run's id, in every container's name and labels (runid.py): a
+    # fresh one per run (`--run-id` picks one), so a colleague's run of the
+    # same config on shared nodes never shares a name with this one. "":
+    # none (a pair deployed by hand, `--print-serve`).
+    run_id: RunId = ""
 
 
 class Model(msgspec.Struct, forbid_unknown_fields=True):
@@ -474,6 +505,42 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True):
     command_s: Seconds = 120.0  # any other docker/ssh/slurm command
 
 
+class Nic(msgspec.Struct, forbid_unknown_fields=True):
+    """The decode nodes' RDMA NICs: per P/D request, the bytes they received
+    (deltas of `port_rcv_data`, read on each node before and after)."""
+
+    # The sysfs root of the RDMA devices' counters; "": not read.
+    counters_root: str = "/sys/class/infiniband"
+    # The host's NIC userspace provider bound into every server container
+    # (vLLM's ROCm CI binds the host's libionic: the image's copy may not
+    # match the NIC driver). auto: on when a server's MORI_RDMA_DEVICES
+    # names an `ionic_*` device; on; off.
+    userspace: Literal["auto", "on", "off"] = "auto"
+    # The host files bound read-only at the same path (`--mount
+    # type=bind,readonly`: a node without one fails the container's start
+    # with docker's "bind source path does not exist", never a made-up
+    # empty directory). Default: rdma-core's ionic provider on Debian/Ubuntu.
+    userspace_libs: list[NonEmpty] = msgspec.field(
+        default_factory=lambda: list(IONIC_LIBS)
+    )
+
+
+class Load(msgspec.Struct, forbid_unknown_fields=True):
+    """The load phase: `vllm bench serve` against the front end, from a
+    container of the image on the front end's host (ssh/local launcher),
+    every input length at every concurrency; TTFT/TPOT/ITL percentiles."""
+
+    enabled: bool = True
+    # The ISL/OSL and concurrencies of the issue's upstream CI figures.
+    input_lens: list[Positive] = msgspec.field(default_factory=lambda: [1024, 2048])
+    output_len: Positive = 128
+    concurrencies: list[Positive] = msgspec.field(default_factory=lambda: [32, 64])
+    # Requests per cell: concurrency x this.
+    prompts_per_concurrency: Positive = 4
+    seed: int = 0
+    timeout_s: Seconds = 1800.0  # one cell
+
+
 class Slurm(msgspec.Struct, forbid_unknown_fields=True):
     """`--launcher slurm`: one sbatch job, one task per server node."""
 
@@ -504,6 +571,8 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
     checks: Checks = msgspec.field(default_factory=Checks)
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     slurm: Slurm = msgspec.field(default_factory=Slurm)
+    nic: Nic = msgspec.field(default_factory=Nic)
+    load: Load = msgspec.field(default_factory=Load)
 
     def __post_init__(self) -> None:
         check_text(self)
@@ -517,7 +586,8 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
             self.layout.block_size = self.model.block_size
         if self.layout.sliding_window and self.prefill.dcp > 1:
             raise ValueError(
-                "vLLM 0.33.0 refuses decode context parallelism with a sliding window"
+                "the pinned vLLM refuses decode context parallelism with a sliding "
+                "window (its SlidingWindowManager asserts a DCP world size of 1)"
             )
         if not self.router.container and self.router.reach.ssh:
             raise ValueError(

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from vllm_overlay.e2e.checks import Section
+from vllm_overlay.e2e.load import LoadResult
 from vllm_overlay.e2e.secret import scrub
 
 MAX_ROWS = 400
@@ -26,6 +27,12 @@ class Report(msgspec.Struct, forbid_unknown_fields=True):
     notes: list[str] = msgspec.field(default_factory=list)
     # How the CLI's preflight ended ("" when run() was called directly).
     preflight: str = ""
+    # The load phase (`vllm bench serve`): TTFT/TPOT/ITL per cell.
+    load: list[LoadResult] = msgspec.field(default_factory=list)
+    # Where the per-request NIC bytes come from, or why they are missing.
+    nic: str = ""
+    # The report of a fake engine (the docs' example), said at its top.
+    fake_engine: bool = False
 
     @property
     def ok(self) -> bool:
@@ -37,6 +44,11 @@ def markdown(report: Report) -> str:
     lines = [
         f"# MoRIIO E2E: {verdict}",
         "",
+        *(
+            ["> From the fake engine (tests/e2e stand-ins), not hardware.", ""]
+            if report.fake_engine
+            else []
+        ),
         f"- image: `{report.image}`",
         f"- series: `{report.series_id or 'unknown'}`",
         f"- run: `{report.config.get('name', '')}`, launcher {report.launcher}, "
@@ -44,6 +56,8 @@ def markdown(report: Report) -> str:
     ]
     if report.preflight:
         lines.append(f"- preflight: {report.preflight}")
+    if report.nic:
+        lines.append(f"- NIC bytes: {report.nic}")
     if report.error:
         lines.append(f"- stopped early: {report.error}")
     lines += [f"- {note}" for note in report.notes]
@@ -51,6 +65,8 @@ def markdown(report: Report) -> str:
     for s in report.sections:
         summary = ", ".join(f"{k}={v}" for k, v in s.summary.items() if v != "")
         lines.append(f"| {s.name} | {s.status} | {summary} |")
+    if report.load:
+        lines += load_table(report.load)
     for s in report.sections:
         lines += ["", f"## {s.name}: {s.status}", ""]
         lines += ["| case | length | status | detail |", "|---|---|---|---|"]
@@ -68,6 +84,35 @@ def markdown(report: Report) -> str:
     lines.append(msgspec.json.format(msgspec.json.encode(report.config)).decode())
     lines += ["```", ""]
     return "\n".join(lines)
+
+
+def load_table(results: list[LoadResult]) -> list[str]:
+    """The serving figures: one row per ISL/OSL/concurrency cell."""
+    lines = [
+        "",
+        "## Serving figures (`vllm bench serve` against the front end)",
+        "",
+        "| ISL/OSL | concurrency | completed | req/s | out tok/s | TTFT p50/p90/p99 ms "
+        "| TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in results:
+        r = c.result
+        if r is None:
+            lines.append(
+                f"| {c.input_len}/{c.output_len} | {c.concurrency} | {c.error} "
+                "| | | | | |"
+            )
+            continue
+        lines.append(
+            f"| {c.input_len}/{c.output_len} | {c.concurrency} | "
+            f"{r.completed}/{c.prompts} | {r.request_throughput:.2f} | "
+            f"{r.output_throughput:.0f} | {r.p50_ttft_ms:.1f}/{r.p90_ttft_ms:.1f}/"
+            f"{r.p99_ttft_ms:.1f} | {r.p50_tpot_ms:.2f}/{r.p90_tpot_ms:.2f}/"
+            f"{r.p99_tpot_ms:.2f} | {r.p50_itl_ms:.2f}/{r.p90_itl_ms:.2f}/"
+            f"{r.p99_itl_ms:.2f} |"
+        )
+    return lines
 
 
 def write_report(

@@ -49,6 +49,8 @@ from vllm_overlay.e2e.launch import (
     Terminated,
     sigterm_raises,
 )
+from vllm_overlay.e2e.load import LoadResult, load_section, run_load
+from vllm_overlay.e2e.nic import NicCounters, moved
 from vllm_overlay.e2e.plan import Plan, build_plan
 from vllm_overlay.e2e.prompts import (
     Prompt,
@@ -62,6 +64,7 @@ from vllm_overlay.e2e.prompts import (
     sweep_prompts,
 )
 from vllm_overlay.e2e.report import Report, write_report
+from vllm_overlay.e2e.runid import run_name, with_run_id
 from vllm_overlay.e2e.secret import all_values, masking, scrub
 from vllm_overlay.e2e.servers import leg_secrets, node_secrets, servers
 
@@ -157,11 +160,16 @@ class Session:
     """Requests of one run, once everything is up."""
 
     def __init__(
-        self, config: RunConfig, ends: Endpoints, launcher: RunLauncher
+        self,
+        config: RunConfig,
+        ends: Endpoints,
+        launcher: RunLauncher,
+        nic: NicCounters | None = None,
     ) -> None:
         self.config = config
         self.ends = ends
         self.launcher = launcher
+        self.nic = nic
         self.shift = 0  # tokens the front end takes off the decoder's max_tokens
         self.measured = ""
 
@@ -206,10 +214,12 @@ class Session:
         c = self.config
         t, name = c.timeouts, c.model.served_name
         before = scrape_all(self.ends.decode, t.request_s)
+        nic_before = self.nic.read() if self.nic else None
         pd = complete(
             self.ends.front, name, prompt_ids, max_tokens + self.shift, t.request_s,
             stop=stop,
         )  # fmt: skip
+        nic_after = self.nic.read() if self.nic else None
         after = scrape_all(self.ends.decode, t.request_s)
         direct = complete(
             self.ends.direct, name, prompt_ids, max_tokens, t.request_s, stop=stop
@@ -223,6 +233,7 @@ class Session:
                 loaded,
                 after[LOCAL_HITS] - before[LOCAL_HITS],
                 int(loaded * c.model.kv_bytes_per_token),
+                moved(nic_before, nic_after),
             )
         return pd, direct, transfer
 
@@ -270,6 +281,10 @@ def run(
     ``preflight`` says how the CLI's preflight ended (for the report)."""
     hidden = secret_values(config, launcher_kind)
     say = masking(say, hidden)
+    # Every container of the run carries its id (name and label).
+    config = with_run_id(config)
+    if launcher_kind != "attach":
+        say(f"e2e: run {config.container.run_id}: containers {run_name(config)}-*")
     c = config.checks
     tok = load_tokenizer(config.model.tokenizer)
     geo = Geometry.of(config)
@@ -296,12 +311,14 @@ def run(
     pd_texts: list[str] = []
     direct_texts: list[str] = []
     acc_errors = 0
+    load: list[LoadResult] = []
     session: Session | None = None
     error = ""
     try:
         with sigterm_raises(), launcher:
             ends = launcher.setup()
-            session = Session(config, ends, launcher)
+            nic = NicCounters(config) if launcher_kind != "slurm" else None
+            session = Session(config, ends, launcher, nic)
             session.detect_front_end(probe_prompt(tok), say)
             for group, prompts in ((sweep_ex, sweep), (needle_ex, needles)):
                 for prompt in prompts:
@@ -323,6 +340,9 @@ def run(
                 # Scored on the answer decoded by the harness's tokenizer.
                 pd_texts.append(tok.decode(pd.token_ids))
                 direct_texts.append(tok.decode(direct.token_ids))
+            if launcher_kind == "ssh" and config.load.enabled:
+                router_secrets = leg_secrets(config)["router"] if hidden else {}
+                load = run_load(config, ends.front, router_secrets, say)
     except (LaunchError, Terminated, KeyboardInterrupt) as e:
         error = f"{type(e).__name__}: {e}"
 
@@ -371,15 +391,38 @@ def run(
             *(e for p in pair_ex for e in p),
         ]
         sections.append(transfer_section(exchanged))
+        sections.append(load_section(load, load_skipped(config, launcher_kind)))
     series = str(sections[1].summary.get("series", "")) or expected_series
     report = Report(
         config.container.image, series, encode_config(config), sections, error,
         launcher=launcher_kind, front_end=config.router.kind, notes=notes,
-        preflight=preflight,
+        preflight=preflight, load=load, nic=nic_note(session),
     )  # fmt: skip
     js, md = write_report(report, run_dir, hidden)
     say(f"e2e: {'PASS' if report.ok else 'FAIL'}; report {md} and {js}")
     return report
+
+
+def load_skipped(config: RunConfig, kind: LauncherKind) -> str:
+    """Why the run has no load phase; "" when it has one."""
+    if not config.load.enabled:
+        return "load.enabled = false"
+    if kind != "ssh":
+        return f"the {kind} launcher runs no load phase (ssh/local only)"
+    return ""
+
+
+def nic_note(session: Session | None) -> str:
+    """Where the report's NIC bytes come from, or why there are none."""
+    nic = session.nic if session else None
+    if nic is None:
+        return "not read (the Slurm launcher does not reach the nodes)"
+    if not nic.nodes:
+        return "not read (nic.counters_root is empty)"
+    if nic.failed:
+        return f"not read: {nic.failed}"
+    hosts = ", ".join(nic.nodes)
+    return f"port_rcv_data deltas x 4 on the decode nodes ({hosts}), per P/D request"
 
 
 def expectation_notes(expect: Expectations, patches: list[str] | None) -> list[str]:

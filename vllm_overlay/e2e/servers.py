@@ -26,6 +26,7 @@ from vllm_overlay.e2e.config import (
     RunConfig,
     Side,
 )
+from vllm_overlay.e2e.runid import label_flags, run_name
 from vllm_overlay.e2e.secret import SecretError, is_secret, secret_names
 
 # Filled in on the node by the Slurm launcher.
@@ -216,7 +217,8 @@ def router_command(config: RunConfig, place: FrontEndPlace = "container") -> lis
 
 
 def container_name(config: RunConfig, what: str) -> str:
-    return f"{config.container.name_prefix}-{config.name}-{what}"
+    """``PREFIX-NAME-RUNID-WHAT`` (no run id: ``PREFIX-NAME-WHAT``)."""
+    return f"{run_name(config)}-{what}"
 
 
 def env_flags(env: Mapping[str, str], env_file: str = "") -> list[str]:
@@ -245,19 +247,45 @@ def docker_run_server(
     foreground and removed on exit (one Slurm task per server)."""
     c = config.container
     argv = [c.engine, "run", "--detach" if detach else "--rm", "--name", name]
+    argv += label_flags(config)
     argv += [*c.run_flags, *c.extra_run_flags, "--shm-size", c.shm_size]
     if c.cache_dir:
         argv += ["--volume", f"{c.cache_dir}:{CACHE_MOUNT}"]
     for volume in c.volumes:
         argv += ["--volume", volume]
+    argv += nic_mounts(config)
     argv += env_flags(server.env, env_file)
     inner = serve_command(config, server)
     return [*argv, "--entrypoint", inner[0], c.image, *inner[1:]]
 
 
+def binds_nic_userspace(config: RunConfig) -> bool:
+    """Whether the servers get the host's NIC userspace provider: `nic.userspace`,
+    and for auto, a server whose MORI_RDMA_DEVICES names an ionic device."""
+    mode = config.nic.userspace
+    if mode != "auto":
+        return mode == "on"
+    return any(
+        d.strip().startswith("ionic")
+        for s in servers(config)
+        for d in s.env.get("MORI_RDMA_DEVICES", "").split(",")
+    )
+
+
+def nic_mounts(config: RunConfig) -> list[str]:
+    """Read-only bind mounts of the host's NIC userspace files, same path."""
+    if not binds_nic_userspace(config):
+        return []
+    out: list[str] = []
+    for path in config.nic.userspace_libs:
+        out += ["--mount", f"type=bind,source={path},target={path},readonly"]
+    return out
+
+
 def docker_run_router(config: RunConfig, name: str, env_file: str = "") -> list[str]:
     c = config.container
-    argv = [c.engine, "run", "--detach", "--name", name, "--network", "host"]
+    argv = [c.engine, "run", "--detach", "--name", name, *label_flags(config)]
+    argv += ["--network", "host"]
     argv += env_flags(c.env, env_file)
     inner = router_command(config)
     return [*argv, "--entrypoint", inner[0], c.image, *inner[1:]]

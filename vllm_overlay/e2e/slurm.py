@@ -41,6 +41,7 @@ from vllm_overlay.e2e.launch import (
     wait_healthy,
 )
 from vllm_overlay.e2e.plan import cache_command, pull_command
+from vllm_overlay.e2e.runid import owner, run_name
 from vllm_overlay.e2e.secret import MASK, is_secret, secret_names
 from vllm_overlay.e2e.servers import (
     HOST_IP,
@@ -139,7 +140,7 @@ class SlurmJob:
         c, s = self.config, self.config.slurm
         lines = [
             "#!/bin/bash",
-            f"#SBATCH --job-name={c.container.name_prefix}-{c.name}",
+            f"#SBATCH --job-name={run_name(c)}",
             f"#SBATCH --nodes={len(self.servers)}",
             "#SBATCH --ntasks-per-node=1",
             f"#SBATCH --time={s.time}",
@@ -249,7 +250,7 @@ class SlurmJob:
         lines += [
             "esac",
             'LOG="$LOG_DIR/$WHAT.log"',
-            'NAME="' + c.container.name_prefix + "-" + c.name + '-$WHAT"',
+            f'NAME="{run_name(c)}-$WHAT"',
             'echo "$HOST_IP" > "$E2E_DIR/addr/$WHAT.tmp"',
             'mv "$E2E_DIR/addr/$WHAT.tmp" "$E2E_DIR/addr/$WHAT"',
             'finish() { echo "$1" > "$E2E_DIR/exit/$WHAT"; exit "$1"; }',
@@ -360,6 +361,9 @@ class SlurmLauncher(ClosedOnExit):
         self.say = say
         self.clock = clock
         self.job_id = ""
+        # sbatch was started: an interruption before its answer may leave a
+        # job whose id the harness never read (cancelled by its name).
+        self.submitted = False
         self.router_proc: subprocess.Popen[bytes] | None = None
         self.stopped: list[ContainerState] = []
         self.endpoints: Endpoints | None = None
@@ -392,6 +396,7 @@ class SlurmLauncher(ClosedOnExit):
                 raise LaunchError(f"{argv[0]}: cannot run: {e}") from None
             finally:
                 log.close()
+        self.submitted = True
         out = self.command(["sbatch", "--parsable", str(self.job.batch)])
         self.job_id = out.split(";")[0].strip()
         if not self.job_id.isdigit():
@@ -522,6 +527,15 @@ class SlurmLauncher(ClosedOnExit):
                     self.say(f"e2e: job {self.job_id} still queued after scancel")
             except LaunchError as e:
                 self.say(f"e2e: cancelling job {self.job_id} failed: {e}")
+        elif self.submitted:
+            # Interrupted while sbatch ran: the job, if any, is this run's
+            # by its name (the run id) and this user.
+            name = run_name(self.config)
+            self.say(f"[slurm] scancel --name {name} --user {owner()}")
+            try:
+                self.command(["scancel", "--name", name, "--user", owner()])
+            except LaunchError as e:
+                self.say(f"e2e: cancelling job {name} failed: {e}")
         self.job.remove_secrets()
         if self.router_proc is not None and self.router_proc.poll() is None:
             self.router_proc.terminate()

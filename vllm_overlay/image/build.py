@@ -14,6 +14,11 @@ The steps, each printed as it runs:
 6. push, only when every check passed and `--push` was given.
 
 `--dry-run` prints the engine choice, the build args and every command.
+
+`--series none` builds the same image without the series (the A/B base of
+`e2e --ab`): the banner plugin is installed, the MoRIIO files stay the
+base's (build arg OVERLAY_SERIES=none), the check from inside requires
+them untouched; the series labels say `none`, the tag is `v<vLLM>-base`.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from vllm_overlay.image.reference import (
     ImageReferenceError,
     parse_reference,
 )
-from vllm_overlay.image.verify import Verification, format_verification
+from vllm_overlay.image.verify import SeriesMode, Verification, format_verification
 from vllm_overlay.series.patch_series import Series, load_series
 from vllm_overlay.series.pin import PIN_FILE, ImageRef, Pin, encode_pin, load_pin
 
@@ -46,6 +51,16 @@ IMAGE_NAME = "vllm-moriio-overlay"
 # Where the Dockerfile puts this checkout inside the image.
 IMAGE_REPO = "/opt/vllm-moriio-overlay"
 VERIFY = ("vllm-overlay", "--repo", IMAGE_REPO, "image", "verify", "--json")
+BASE_TAG = "base"  # the tag suffix of a `--series none` build
+
+
+def verify_command(mode: SeriesMode, rdma: bool = True) -> list[str]:
+    """`image verify` as run in a container of the new image (``rdma``: with
+    MoRI, a libibverbs provider and the toy proxy; not on the stand-in
+    base, which has none of them)."""
+    series = ["--series", mode] if mode != "apply" else []
+    return [*VERIFY, *series, *(["--rdma"] if rdma else [])]
+
 
 Say = Callable[[str], None]
 
@@ -120,12 +135,18 @@ def base_reference(pin: Pin, base: str | None) -> ImageReference:
 
 
 def build_args(
-    repo: Path, pin: Pin, series: Series, base: ImageReference
+    repo: Path,
+    pin: Pin,
+    series: Series,
+    base: ImageReference,
+    mode: SeriesMode = "apply",
 ) -> dict[str, str]:
     """Every build arg of docker/Dockerfile, in a stable order. BASE_IMAGE
     is what FROM pulls (by digest when known); BASE_NAME and BASE_DIGEST
-    become the `org.opencontainers.image.base.*` labels."""
+    become the `org.opencontainers.image.base.*` labels; OVERLAY_SERIES
+    says whether the series is applied (`none`: the A/B base)."""
     name = ImageReference(base.registry, base.path, base.tag)
+    applied = mode == "apply"
     return {
         "BASE_IMAGE": base.by_digest() if base.digest else str(base),
         "BASE_NAME": str(name),
@@ -134,9 +155,10 @@ def build_args(
         "VCS_REVISION": revision(repo),
         "VLLM_VERSION": pin.vllm.version,
         "VLLM_COMMIT": pin.vllm.git_commit,
-        "SERIES_ID": series.series_id,
-        "SERIES_PATCHES": ",".join(p.slug for p in series.patches),
+        "SERIES_ID": series.series_id if applied else "none",
+        "SERIES_PATCHES": ",".join(p.slug for p in series.patches) if applied else "",
         "OVERLAY_VERSION": __version__,
+        "OVERLAY_SERIES": mode,
     }
 
 
@@ -173,7 +195,9 @@ def label_problems(labels: dict[str, str], args: dict[str, str]) -> list[str]:
 MOVING_TAG = "overlay"
 
 
-def image_tags(tag: str | None, pin: Pin, series: Series) -> list[str]:
+def image_tags(
+    tag: str | None, pin: Pin, series: Series, mode: SeriesMode = "apply"
+) -> list[str]:
     """The tags a build applies. `--tag REPO:TAG`: exactly that one. No
     `--tag`, or `--tag REPO` without a tag: two in REPO (default
     `vllm-moriio-overlay`): `v<vLLM>-<series id>`, one series that never
@@ -186,12 +210,15 @@ def image_tags(tag: str | None, pin: Pin, series: Series) -> list[str]:
             return [tag]
         repo = tag
     version = f"v{pin.vllm.version}"
+    if mode == "none":
+        return [f"{repo}:{version}-{BASE_TAG}"]
     return [f"{repo}:{version}-{series.series_id}", f"{repo}:{version}-{MOVING_TAG}"]
 
 
-def default_tag(pin: Pin, series: Series) -> str:
-    """`vllm-moriio-overlay:v<vLLM version>-<series id>`."""
-    return image_tags(None, pin, series)[0]
+def default_tag(pin: Pin, series: Series, mode: SeriesMode = "apply") -> str:
+    """`vllm-moriio-overlay:v<vLLM version>-<series id>` (`-base` without
+    the series)."""
+    return image_tags(None, pin, series, mode)[0]
 
 
 def _capture(
@@ -258,9 +285,11 @@ def resolve_base(engine: Engine, base: ImageReference, say: Say) -> ImageReferen
     return base
 
 
-def run_verify(engine: Engine, tag: str) -> Verification:
+def run_verify(
+    engine: Engine, tag: str, mode: SeriesMode = "apply", rdma: bool = True
+) -> Verification:
     """`vllm-overlay image verify --json` in a throwaway container of ``tag``."""
-    steps = engine.run(tag, VERIFY)
+    steps = engine.run(tag, verify_command(mode, rdma))
     if engine.is_buildah:  # from, run, rm
         made = _capture(steps[0])
         if made.returncode != 0 or not made.stdout.split():
@@ -317,11 +346,18 @@ def dry_run(
     push: bool,
     verify: bool,
     say: Say,
+    mode: SeriesMode = "apply",
+    rdma: bool = True,
 ) -> None:
     engine = choice.engine or Engine("docker", "docker")
     tag = tags[0]
     names = ", ".join(tags)
-    say(f"# image {names} from {args['BASE_IMAGE']} (series {args['SERIES_ID']})")
+    what = (
+        f"series {args['SERIES_ID']}"
+        if mode == "apply"
+        else "no series: the banner plugin and the base's MoRIIO files, the A/B base"
+    )
+    say(f"# image {names} from {args['BASE_IMAGE']} ({what})")
     say(f"# engine: {choice.explain()}")
     if choice.engine is None:
         say("# no engine can build here; the commands are shown for docker")
@@ -341,7 +377,7 @@ def dry_run(
     say(shlex.join(build))
     say(shlex.join(engine.labels(tag)))
     if verify:
-        for argv in engine.run(tag, VERIFY):
+        for argv in engine.run(tag, verify_command(mode, rdma)):
             say(shlex.join(argv))
     if push:
         for each in tags:
@@ -362,18 +398,20 @@ def build_image(
     which: Which | None = None,
     probe: Probe = _probe_info,
     say: Say = print,
+    mode: SeriesMode = "apply",
+    rdma: bool = True,
 ) -> ImageReport | None:
     """Build (and check, and push) the image; None for a dry run. Raises
     ImageError when a step fails, after printing what it found."""
     pin = load_pin(repo / PIN_FILE)
     series = load_series(repo)
-    tags = image_tags(tag, pin, series)
+    tags = image_tags(tag, pin, series, mode)
     tag = tags[0]
     base_ref = base_reference(pin, base)
     choice = choose_engine(engine, which or shutil.which, probe)
     if dry:
-        args = build_args(repo, pin, series, base_ref)
-        dry_run(choice, tags, base_ref, args, repo, push, verify, say)
+        args = build_args(repo, pin, series, base_ref, mode)
+        dry_run(choice, tags, base_ref, args, repo, push, verify, say, mode, rdma)
         return None
     if choice.engine is None:
         raise ImageError(
@@ -383,7 +421,7 @@ def build_image(
     eng = choice.engine
     say(f"engine: {eng.describe()} ({choice.explain()})")
     base_ref = resolve_base(eng, base_ref, say)
-    args = build_args(repo, pin, series, base_ref)
+    args = build_args(repo, pin, series, base_ref, mode)
     start = time.monotonic()
     secrets = build_secrets()
     if secrets:
@@ -406,8 +444,9 @@ def build_image(
         say(f"  {mark}  label {label}={labels.get(label, '(missing)')}")
     verification = None
     if verify:
-        say(f"verify: `{shlex.join(VERIFY)}` in a container of {tag}")
-        verification = run_verify(eng, tag)
+        check = verify_command(mode, rdma)
+        say(f"verify: `{shlex.join(check)}` in a container of {tag}")
+        verification = run_verify(eng, tag, mode, rdma)
         say(format_verification(verification))
     size = read_size(eng, tag)
     report = ImageReport(

@@ -18,8 +18,13 @@ from vllm_overlay.command import (
 )
 from vllm_overlay.image.build import ImageError, build_image, default_tag
 from vllm_overlay.image.engine import ENGINES, choose_engine
+from vllm_overlay.image.rdma import TOY_PROXY
 from vllm_overlay.image.standin import build_standin
-from vllm_overlay.image.verify import format_verification, verify_install
+from vllm_overlay.image.verify import (
+    SERIES_MODES,
+    format_verification,
+    verify_install,
+)
 from vllm_overlay.tree.materialize import WHEEL_ENV
 from vllm_overlay.tree.target import detect_target
 
@@ -39,7 +44,10 @@ def cmd_build(app: App, args: argparse.Namespace) -> int:
             raise ImageError("--standin builds the stand-in first: no --dry-run")
         standin = make_standin(app, args)
         base, engine = standin.tag, standin.engine
-        tag = tag or f"localhost/{default_tag(checkout.pin, checkout.series)}-standin"
+        tag = tag or (
+            f"localhost/{default_tag(checkout.pin, checkout.series, args.series)}"
+            "-standin"
+        )
     report = build_image(
         checkout.root,
         tag=tag,
@@ -51,6 +59,9 @@ def cmd_build(app: App, args: argparse.Namespace) -> int:
         record=args.record_digest,
         report_path=checkout.path(args.report) if args.report else None,
         say=app.say,
+        mode=args.series,
+        # The stand-in base has no MoRI, NIC provider or toy proxy.
+        rdma=not args.standin,
     )
     if report is not None:
         app.result(report)
@@ -68,8 +79,9 @@ def cmd_verify(app: App, args: argparse.Namespace) -> int:
     checkout = app.checkout
     vllm_dir = detect_target(args.target).root / "vllm" if args.target else None
     verification = verify_install(
-        checkout.root, checkout.pin, checkout.series, vllm_dir
-    )
+        checkout.root, checkout.pin, checkout.series, vllm_dir, args.series,
+        rdma=args.rdma, toy_proxy=args.toy_proxy,
+    )  # fmt: skip
     app.say(format_verification(verification))
     app.result(verification)
     return 0 if verification.ok else 1
@@ -140,6 +152,17 @@ def add_standin_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_series_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--series",
+        choices=SERIES_MODES,
+        default="apply",
+        help="apply: the series overlaid (default); none: the same image with "
+        "the banner plugin and the base's MoRIIO files, unpatched (the base of "
+        "`e2e --ab`, tagged v<vLLM>-base)",
+    )
+
+
 def add_engine_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine",
@@ -181,6 +204,7 @@ def register(sub: Subparsers) -> None:
     p.add_argument(
         "--push", action="store_true", help="push the tags when all checks pass"
     )
+    add_series_option(p)
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -203,6 +227,19 @@ def register(sub: Subparsers) -> None:
     add_standin_options(p)
     v = add_command(image_sub, "verify", cmd_verify)
     add_target_option(v)
+    add_series_option(v)
+    v.add_argument(
+        "--rdma",
+        action="store_true",
+        help="also check that MoRI imports, libibverbs has a NIC provider and "
+        "vLLM's MoRIIO toy proxy starts (the build driver asks this of a new image)",
+    )
+    v.add_argument(
+        "--toy-proxy",
+        default=TOY_PROXY,
+        metavar="PATH",
+        help="the toy proxy script --rdma starts (default: %(default)s)",
+    )
     s = add_command(image_sub, "standin", cmd_standin)
     add_engine_option(s)
     add_standin_options(s)

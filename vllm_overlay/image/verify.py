@@ -15,7 +15,15 @@ reads the installed packages themselves, never a record of the build:
   and it logs the series line;
 - ``vllm-router``: the pinned router is installed, its command on PATH,
   and every package it requires is installed (the Dockerfile installs it
-  --no-deps: they are vLLM's own).
+  --no-deps: they are vLLM's own);
+- with ``--rdma`` (what the build driver runs in the new image, the
+  stand-in base aside): ``mori`` imports, ``ibverbs-provider`` (a
+  libibverbs driver entry with its provider library), ``toy-proxy`` (vLLM's
+  MoRIIO toy proxy starts and listens), see rdma.py.
+
+With ``--series none`` (the A/B base image, `image build --series none`)
+the ``base`` check replaces ``overlay``: every pinned MoRIIO file is the
+pin's base file, untouched; the banner plugin must then log the base line.
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ import re
 import shutil
 import sys
 import sysconfig
-import traceback
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
+from vllm_overlay.image.checks import Check, last_line
+from vllm_overlay.image.rdma import TOY_PROXY, rdma_checks
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.series.pin import Pin
 from vllm_overlay.tree.banner import installed_version, overlay_line
@@ -43,12 +53,9 @@ REQUIREMENTS = "docker/requirements-image.txt"
 BANNER_ENTRY_POINT = "vllm_overlay.tree.banner:log_overlay"
 PLUGIN_GROUP = "vllm.general_plugins"
 CONNECTOR_CLASS = "MoRIIOConnector"
-
-
-class Check(msgspec.Struct):
-    name: str
-    ok: bool
-    detail: str
+# What the image carries: the series applied, or none (the A/B base).
+SeriesMode = Literal["apply", "none"]
+SERIES_MODES: tuple[SeriesMode, ...] = ("apply", "none")
 
 
 class Verification(msgspec.Struct):
@@ -71,11 +78,6 @@ def router_pin(repo: Path) -> str:
     return m.group(1)
 
 
-def _last_line(e: BaseException) -> str:
-    lines = traceback.format_exception_only(type(e), e)
-    return " ".join(lines[-1].split())
-
-
 def check_overlay(vllm_dir: Path, pin: Pin, series: Series) -> Check:
     report, _ = tree_status(detect_target(vllm_dir), pin, series)
     if report.state != "overlaid":
@@ -95,6 +97,17 @@ def check_overlay(vllm_dir: Path, pin: Pin, series: Series) -> Check:
     )
 
 
+def check_base(vllm_dir: Path, pin: Pin, series: Series) -> Check:
+    """Every pinned MoRIIO file is the pin's base file (no series applied)."""
+    report, _ = tree_status(detect_target(vllm_dir), pin, series)
+    if report.state != "base":
+        odd = [f"{f.path.rsplit('/', 1)[-1]}: {f.state}" for f in report.files]
+        return Check("base", False, f"status {report.state} ({'; '.join(odd)})")
+    return Check(
+        "base", True, f"no series: {len(report.files)} pinned files are the base's"
+    )
+
+
 def same_release(found: str, pinned: str) -> bool:
     """``found`` is the pinned release, or that release with a local build
     label (`0.33.0+rocm721`: PEP 440's local segment names a build variant,
@@ -107,7 +120,7 @@ def check_version(pin: Pin) -> Check:
         dist = importlib.metadata.version("vllm")
         vllm = importlib.import_module("vllm")
     except Exception as e:  # noqa: BLE001 - any import failure is the verdict
-        return Check("vllm-version", False, f"import vllm failed: {_last_line(e)}")
+        return Check("vllm-version", False, f"import vllm failed: {last_line(e)}")
     found = getattr(vllm, "__version__", "(no __version__)")
     if not (
         same_release(found, pin.vllm.version) and same_release(dist, pin.vllm.version)
@@ -126,7 +139,7 @@ def check_connector(vllm_dir: Path, pin: Pin) -> Check:
     try:
         module = importlib.import_module(name)
     except Exception as e:  # noqa: BLE001
-        return Check("connector-import", False, f"import {name}: {_last_line(e)}")
+        return Check("connector-import", False, f"import {name}: {last_line(e)}")
     where = Path(module.__file__ or "").resolve()
     if not where.is_relative_to(vllm_dir.resolve()):
         return Check("connector-import", False, f"{name} imported from {where}")
@@ -144,7 +157,7 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def check_banner(vllm_dir: Path, series: Series) -> Check:
+def check_banner(vllm_dir: Path, series: Series, mode: SeriesMode = "apply") -> Check:
     eps = [
         ep
         for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP)
@@ -172,7 +185,7 @@ def check_banner(vllm_dir: Path, series: Series) -> Check:
             )
         loaded[eps[0].name]()
     except Exception as e:  # noqa: BLE001
-        return Check("banner-plugin", False, f"vLLM's plugin loader: {_last_line(e)}")
+        return Check("banner-plugin", False, f"vLLM's plugin loader: {last_line(e)}")
     finally:
         logger.removeHandler(capture)
         logger.setLevel(level)
@@ -180,7 +193,8 @@ def check_banner(vllm_dir: Path, series: Series) -> Check:
     if expected not in capture.lines:
         said = capture.lines[-1] if capture.lines else "nothing"
         return Check("banner-plugin", False, f"the plugin logged {said!r}")
-    if f"series {series.series_id} " not in expected:
+    wanted = f"series {series.series_id} " if mode == "apply" else "(base)"
+    if wanted not in expected:
         return Check("banner-plugin", False, expected)
     return Check("banner-plugin", True, f"{eps[0].name} logs: {expected}")
 
@@ -232,18 +246,25 @@ def verify_install(
     pin: Pin,
     series: Series,
     vllm_dir: Path | None = None,
+    mode: SeriesMode = "apply",
+    rdma: bool = False,
+    toy_proxy: str = TOY_PROXY,
 ) -> Verification:
-    """Every check, in order; a failed check does not stop the others."""
+    """Every check, in order; a failed check does not stop the others.
+    ``rdma``: also MoRI, a libibverbs provider and the toy proxy (rdma.py)."""
     vllm_dir = vllm_dir or installed_vllm()
+    files = (check_overlay if mode == "apply" else check_base)(vllm_dir, pin, series)
     checks = [
-        check_overlay(vllm_dir, pin, series),
+        files,
         check_version(pin),
         check_connector(vllm_dir, pin),
-        check_banner(vllm_dir, series),
+        check_banner(vllm_dir, series, mode),
         check_router(router_pin(repo)),
+        *(rdma_checks(toy_proxy) if rdma else []),
     ]
     python = f"{sys.executable} {sys.version.split()[0]}"
-    return Verification(python, str(vllm_dir), series.series_id, checks)
+    series_id = series.series_id if mode == "apply" else "none"
+    return Verification(python, str(vllm_dir), series_id, checks)
 
 
 def format_verification(v: Verification) -> str:
