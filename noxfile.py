@@ -23,6 +23,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_overlay import cpuenv, cpuplatform, noxlog  # noqa: E402  (stdlib only)
+from vllm_overlay.gate import pytestargs  # noqa: E402  (the same)
 from vllm_overlay.gate.phases import PHASES_FILE, timed  # noqa: E402  (the same)
 from vllm_overlay.text import count  # noqa: E402
 
@@ -46,6 +48,8 @@ CPU_ENV = ROOT / ".nox" / "cpu-vllm"
 DEV_ENV = ROOT / ".venv"
 CPU_ENV_STAMP = ".cpu-env-stamp"
 PIN = tomllib.loads((ROOT / "pin.toml").read_text())
+# This nox run: the gate's phases file holds one run's phases only.
+GATE_RUN = f"{os.getpid()}@{time.time():.0f}"
 
 TORCH = "torch==2.13.0"
 # Installed --no-deps next to vllm: their own pins would pull CUDA builds.
@@ -253,7 +257,7 @@ def lint(session: nox.Session) -> None:
     ruff on our code and, with vLLM's settings, on the overlaid vLLM files;
     the type check; the series check; hadolint on the Dockerfile.
     """
-    with timed(REPORTS / PHASES_FILE, "lint"):
+    with timed(REPORTS / PHASES_FILE, "lint", GATE_RUN):
         lint_impl(session)
 
 
@@ -296,10 +300,27 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def unit(session: nox.Session) -> None:
-    """Every test, on CPU, against vLLM with the series applied."""
+    """Every test, on CPU, against vLLM with the series applied, one lane per core.
+
+    The files spread over the cores by their recorded seconds (as in
+    unit-base, without its evidence); `-- tests/AREA -k EXPR` narrows it. A
+    test id (`FILE::TEST`) runs in one plain pytest process.
+    """
     python = cpu_python(session)
     overlay(session, python, "apply")
-    suite(session, python)
+    if pytestargs.names_a_test(session.posargs):
+        suite(session, python)
+        return
+    paths, rest = pytestargs.split_paths(ROOT, session.posargs)
+    env = {**wheel_env(session), "VLLM_OVERLAY_TEST_OLD_WHEEL": str(old_wheel(session))}
+    last = CACHE / "suite-times.json"
+    recorded = [SUITE_TIMES, *([last] if last.is_file() else [])]
+    out = REPORTS / "unit"
+    shutil.rmtree(out, ignore_errors=True)
+    args = ("--out", str(out), "--no-evidence", "--check")
+    args += tuple(a for path in recorded for a in ("--times", str(path)))
+    args += (f"--pytest-args={' '.join(shlex.quote(a) for a in rest)}", *paths)
+    overlay(session, python, "suite", *args, env=env)
 
 
 @nox.session(name="unit-base", venv_backend="none")
@@ -342,7 +363,7 @@ def unit_base(session: nox.Session) -> None:
     session.log("running the suite with the overlay (which tests read vLLM's MoRIIO)")
     args = ("--out", str(on_overlay), f"--pytest-args={slowest} {posargs}")
     args += tuple(a for path in recorded for a in ("--times", str(path)))
-    with timed(phases, "overlay"):
+    with timed(phases, "overlay", GATE_RUN):
         overlay(session, python, "suite", *args, env=env)
     overlay(session, python, "apply", "--revert")
     try:
@@ -360,13 +381,13 @@ def unit_base(session: nox.Session) -> None:
             str(on_overlay / "times.json"),
         )
         args += (f"--pytest-args={quiet} {no_shrink} {posargs}",)
-        with timed(phases, "base"):
+        with timed(phases, "base", GATE_RUN):
             overlay(session, python, "suite", *args, env=env)
     finally:
         overlay(session, python, "apply")
     session.log("running each patch's named tests on the stack levels in between")
     args = ("--out", str(levels), f"--pytest-args={no_shrink}")
-    with timed(phases, "levels"):
+    with timed(phases, "levels", GATE_RUN):
         overlay(session, python, "levels", *args, env=wheel_env(session))
     outcomes = (
         "--base-outcomes", str(on_base / "outcomes.json"),
@@ -374,19 +395,19 @@ def unit_base(session: nox.Session) -> None:
         "--touches", str(on_overlay / "touches.json"),
         "--selection", str(selection),
     )  # fmt: skip
-    with timed(phases, "revert-red"):
+    with timed(phases, "revert-red", GATE_RUN):
         overlay(session, python, "revert-red", *outcomes, "--levels", str(levels))
     # The whole export, thrown away: a ported test that fails vLLM's ruff, or
     # mails that do not apply in order, fail the gate, not a later export.
     with (
         tempfile.TemporaryDirectory(prefix="export-check-") as out,
-        timed(phases, "export"),
+        timed(phases, "export", GATE_RUN),
     ):
         args = ("--out", out, "--no-signoff")
         overlay(session, python, "export", *args, env=wheel_env(session), silent=True)
     session.log("unit-base: every patch exports (ruff, git am in stack order)")
     session.log("a small byte sweep with the overlay: its verdict gates too")
-    with timed(phases, "bytes"):
+    with timed(phases, "bytes", GATE_RUN):
         bytes_gate(session, python)
 
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from vllm_overlay.cli import main
+from vllm_overlay.gate.pytestargs import names_a_test, split_paths
 from vllm_overlay.gate.shards import (
     FILE_TIMES,
     START,
@@ -150,3 +153,37 @@ def test_a_run_that_runs_nothing_fails(tmp_path: Path, importable: None) -> None
     lanes = plan(tmp_path, files, 1, {f: 1.0 for f in files})
     with pytest.raises(ShardError, match="no test ran in 1 shard"):
         run_shards(tmp_path, tmp_path / "out", lanes, progress=lambda _: None)
+
+
+def test_unit_hands_the_paths_to_the_lanes_and_the_rest_to_pytest() -> None:
+    args = ["tests/overlay", "-k", "tests", "-x", "tests/image", "-p", "tests"]
+    assert split_paths(REPO, args) == (
+        ["tests/overlay", "tests/image"],
+        ["-k", "tests", "-x", "-p", "tests"],
+    )
+    assert split_paths(REPO, ["no/such/dir"]) == ([], ["no/such/dir"])
+    assert names_a_test(["tests/overlay/test_pin.py::test_x"])
+    assert not names_a_test(["tests/overlay", "-k", "a and not b"])
+
+
+def test_the_unit_run_fails_on_a_failed_test_and_lists_the_slowest(
+    tmp_path: Path, importable: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`suite --no-evidence --check` (what `nox -s unit` runs): exit
+    status 1 when a test fails, 0 without --check; no evidence written;
+    the slow test listed."""
+    repo = tmp_path / "repo"
+    _write(repo / "patches" / "series", "# test series\n")
+    shutil.copy(REPO / "pin.toml", repo / "pin.toml")
+    _write(repo / "tests" / "test_a.py", "def test_fails():\n    assert False\n")
+    _write(
+        repo / "tests" / "test_b.py",
+        "import time\n\ndef test_slow():\n    time.sleep(2.1)\n",
+    )
+    argv = ["--repo", str(repo), "suite", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--no-evidence", "--check", "--jobs", "2"]) == 1
+    said = capsys.readouterr().out
+    assert "tests/test_b.py::test_slow" in said.split("slowest tests")[1]
+    assert said.rstrip().endswith("suite (overlay): 2 tests, 1 failed")
+    assert not (tmp_path / "out" / "touches.json").exists()
+    assert main([*argv, "--no-evidence"]) == 0

@@ -149,10 +149,11 @@ def cmd_suite(app: App, args: argparse.Namespace) -> int:
         lanes,
         paths=paths,
         pytest_args=shlex.split(args.pytest_args),
-        touch=args.variant == "overlay",
+        touch=args.variant == "overlay" and args.evidence,
         only=only,
         progress=app.say,
     )
+    _say_slowest(app, out)
     failed = sum(o in ("failed", "error") for o in outcomes.values())
     summary = f"suite ({args.variant}): {count(len(outcomes), 'test')}, {failed} failed"
     result: dict[str, object] = {"outcomes": str(out / "outcomes.json")}
@@ -178,7 +179,26 @@ def cmd_suite(app: App, args: argparse.Namespace) -> int:
         result["selection"] = str(out / SELECTION)
     app.say(summary)
     app.result(result)
-    return 0
+    return 1 if args.check and failed else 0
+
+
+# The slowest tests a run lists (pytest's --durations=15 --durations-min=2).
+SLOWEST = 15
+SLOWEST_MIN_SECONDS = 2.0
+
+
+def _say_slowest(app: App, out: Path) -> None:
+    times = load_times(out / TIMES)
+    if times is None:
+        return
+    ranked = sorted(
+        ((s, t) for t, s in times.seconds.items() if s >= SLOWEST_MIN_SECONDS),
+        reverse=True,
+    )[:SLOWEST]
+    if ranked:
+        app.say(f"suite: the {len(ranked)} slowest tests (setup + call + teardown):")
+    for seconds, test in ranked:
+        app.say(f"  {seconds:6.1f} s  {test}")
 
 
 class SuiteError(OverlayError):
@@ -274,6 +294,15 @@ def register(sub: Subparsers) -> None:
         "ci/suite-times.json) that spread the files; repeatable, later ones win",
     )
     su.add_argument("--pytest-args", default="", metavar="ARGS")
+    su.add_argument(
+        "--no-evidence",
+        dest="evidence",
+        action="store_false",
+        help="overlay: record no evidence for a base run (`nox -s unit`)",
+    )
+    su.add_argument(
+        "--check", action="store_true", help="exit status 1 when a test fails"
+    )
     su.add_argument("paths", nargs="*", metavar="PATH", help="default: tests")
     lv = add_command(sub, "levels", cmd_levels)
     lv.add_argument("--out", type=Path, required=True, metavar="DIR", help="outcomes")
