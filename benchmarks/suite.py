@@ -32,6 +32,7 @@ RUNS = {"suite-overlay": "overlay", "suite-base": "base"}
 
 class Phases(msgspec.Struct):
     phases: dict[str, float]
+    run: str = ""
 
 
 def _minutes(seconds: float) -> str:
@@ -57,6 +58,9 @@ def main(argv: list[str]) -> int:
     names = [*(n for n in ORDER if n in phases), *sorted(set(phases) - set(ORDER))]
     for name in names:
         print(f"  {name:<11} {phases[name]:7.1f} s")
+    missing = [n for n in ORDER if n not in phases]
+    if missing:
+        print(f"  not recorded (the run stopped or skipped them): {', '.join(missing)}")
     total = sum(phases.values())
     print(f"  {'total':<11} {total:7.1f} s ({_minutes(total)})")
     runs: dict[str, Times] = {}

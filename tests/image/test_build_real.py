@@ -36,12 +36,6 @@ from vllm_overlay.series.patch_series import Series
 from vllm_overlay.series.pin import PIN_FILE, load_pin
 from vllm_overlay.tree.materialize import base_from_wheel, materialize
 
-# Real image builds run in `nox -s image-standin`, which sets this. The gate
-# names test files one by one, which bypasses conftest's collect_ignore.
-pytestmark = pytest.mark.skipif(
-    os.environ.get("VLLM_OVERLAY_IMAGE_BUILDS") != "1",
-    reason="real image builds: nox -s image-standin",
-)
 TINY = REPO / "tests" / "image" / "fixtures" / "Containerfile.tiny"
 CACHE = REPO / ".nox-cache" / "standin"
 # What the build context holds (.dockerignore) and the driver reads.

@@ -35,10 +35,12 @@ from vllm_overlay.gate.revert_red import (
 from vllm_overlay.gate.shards import (
     IDS,
     TIMES,
+    load_file_seconds,
     load_times,
     plan,
     run_shards,
     test_files,
+    weigh,
 )
 from vllm_overlay.gate.stack import LEVEL_OUTCOMES, level_plan, run_levels
 from vllm_overlay.series.patch_series import Series
@@ -105,8 +107,8 @@ def cmd_suite(app: App, args: argparse.Namespace) -> int:
     root = app.checkout.root
     out: Path = args.out
     jobs = args.jobs or os.cpu_count() or 1
-    times = load_times(args.times) if args.times else None
     only = None
+    ids: set[str] | None = None
     if args.variant == "base":
         if args.selection is None:
             raise SuiteError("suite --variant base needs --selection JSON")
@@ -114,26 +116,44 @@ def cmd_suite(app: App, args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         only = out / IDS
         only.write_text("".join(f"{t}\n" for t in chosen.ids))
-        files = test_files(root, sorted({t.split("::", 1)[0] for t in chosen.ids}))
+        ids = set(chosen.ids)
+        names = sorted({t.split("::", 1)[0] for t in chosen.ids})
+        paths = sorted({n.split("/", 1)[0] for n in names})
+        files = test_files(root, names)
         app.say(
             f"suite: {count(len(chosen.touched), 'test')} that read vLLM's MoRIIO "
             f"package with the overlay and a sample of {len(chosen.sample)} that "
             f"do not, from {count(len(files), 'file')}, on the tree as installed"
         )
     else:
-        files = test_files(root, args.paths or ["tests"])
+        paths = args.paths or ["tests"]
+        files = test_files(root, paths)
         app.say(f"suite: {count(len(files), 'test file')} with the overlay")
-    shards = plan(root, files, jobs, times) if files else []
-    app.say(f"suite: {count(len(shards), 'pytest process', 'pytest processes')}")
+    known: dict[str, float] = {}
+    for record in args.times or []:  # later records win, file by file
+        known.update(load_file_seconds(record, ids) or {})
+    weights = weigh(files, root, known)
+    recorded = sum(f.relative_to(root).as_posix() in known for f in files)
+    lanes = plan(root, files, jobs, weights) if files else []
+    expected = ", ".join(
+        f"{sum(weights[f] for shard in lane for f in shard):.0f}" for lane in lanes
+    )
+    processes = count(sum(map(len, lanes)), "pytest process", "pytest processes")
+    app.say(
+        f"suite: {count(len(lanes), 'lane')} of {processes}, about {expected} s "
+        f"(recorded times of {recorded}/{count(len(files), 'file')})"
+    )
     outcomes, touches = run_shards(
         root,
         out,
-        shards,
+        lanes,
+        paths=paths,
         pytest_args=shlex.split(args.pytest_args),
-        touch=args.variant == "overlay",
+        touch=args.variant == "overlay" and args.evidence,
         only=only,
         progress=app.say,
     )
+    _say_slowest(app, out)
     failed = sum(o in ("failed", "error") for o in outcomes.values())
     summary = f"suite ({args.variant}): {count(len(outcomes), 'test')}, {failed} failed"
     result: dict[str, object] = {"outcomes": str(out / "outcomes.json")}
@@ -159,7 +179,26 @@ def cmd_suite(app: App, args: argparse.Namespace) -> int:
         result["selection"] = str(out / SELECTION)
     app.say(summary)
     app.result(result)
-    return 0
+    return 1 if args.check and failed else 0
+
+
+# The slowest tests a run lists (pytest's --durations=15 --durations-min=2).
+SLOWEST = 15
+SLOWEST_MIN_SECONDS = 2.0
+
+
+def _say_slowest(app: App, out: Path) -> None:
+    times = load_times(out / TIMES)
+    if times is None:
+        return
+    ranked = sorted(
+        ((s, t) for t, s in times.seconds.items() if s >= SLOWEST_MIN_SECONDS),
+        reverse=True,
+    )[:SLOWEST]
+    if ranked:
+        app.say(f"suite: the {len(ranked)} slowest tests (setup + call + teardown):")
+    for seconds, test in ranked:
+        app.say(f"  {seconds:6.1f} s  {test}")
 
 
 class SuiteError(OverlayError):
@@ -247,9 +286,23 @@ def register(sub: Subparsers) -> None:
     su.add_argument("--selection", type=Path, metavar="JSON", help="base: the tests")
     su.add_argument("--jobs", type=int, default=0, help="processes (default: cores)")
     su.add_argument(
-        "--times", type=Path, metavar="JSON", help="the last run's times.json"
+        "--times",
+        type=Path,
+        action="append",
+        metavar="JSON",
+        help="recorded seconds (a run's times.json or file-times.json, "
+        "ci/suite-times.json) that spread the files; repeatable, later ones win",
     )
     su.add_argument("--pytest-args", default="", metavar="ARGS")
+    su.add_argument(
+        "--no-evidence",
+        dest="evidence",
+        action="store_false",
+        help="overlay: record no evidence for a base run (`nox -s unit`)",
+    )
+    su.add_argument(
+        "--check", action="store_true", help="exit status 1 when a test fails"
+    )
     su.add_argument("paths", nargs="*", metavar="PATH", help="default: tests")
     lv = add_command(sub, "levels", cmd_levels)
     lv.add_argument("--out", type=Path, required=True, metavar="DIR", help="outcomes")

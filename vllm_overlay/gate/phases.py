@@ -1,9 +1,9 @@
 """The gate's phases and their seconds, for `nox -s bench -- suite`.
 
-Standard library only when writing: the noxfile records each phase of
-`nox -s lint unit-base` (lint, overlay, base, levels, revert-red, export,
-bytes) in ``.nox-reports/gate-phases.json``; the benchmark reads it back
-(`load_phases`, validated).
+Standard library only: the noxfile records each phase of `nox -s lint
+unit-base` (lint, overlay, base, levels, revert-red, export, bytes) in
+``.nox-reports/gate-phases.json``, one `nox` run's phases only;
+benchmarks/suite.py reads it back (validated).
 """
 
 from __future__ import annotations
@@ -17,23 +17,28 @@ from pathlib import Path
 PHASES_FILE = "gate-phases.json"
 
 
-def record(path: Path, name: str, seconds: float) -> None:
-    """Set phase ``name``'s seconds in ``path`` (the others kept)."""
+def record(path: Path, name: str, seconds: float, run: str = "") -> None:
+    """Set phase ``name``'s seconds in ``path``: the others kept when they
+    are of the same ``run`` (one `nox` invocation), dropped otherwise, so
+    the file never mixes two runs' phases."""
     try:
         data = json.loads(path.read_text())
         phases = data["phases"] if isinstance(data.get("phases"), dict) else {}
+        if data.get("run", "") != run:
+            phases = {}
     except (OSError, ValueError, AttributeError):
         phases = {}
     phases[name] = round(seconds, 1)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"phases": phases}, indent=2) + "\n")
+    path.write_text(json.dumps({"run": run, "phases": phases}, indent=2) + "\n")
 
 
 @contextmanager
-def timed(path: Path, name: str) -> Iterator[None]:
-    """Record the seconds of the block as phase ``name``, even if it fails."""
+def timed(path: Path, name: str, run: str = "") -> Iterator[None]:
+    """Record the seconds of the block as phase ``name`` of ``run``, even
+    if it fails."""
     started = time.monotonic()
     try:
         yield
     finally:
-        record(path, name, time.monotonic() - started)
+        record(path, name, time.monotonic() - started, run)

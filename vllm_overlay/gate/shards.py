@@ -1,13 +1,14 @@
 """Run the suite (or the selected tests of it) in parallel pytest processes.
 
-`nox -s unit-base` runs the suite with the overlay in shards, one pytest
-process per core, each writing its outcomes (`vllm_overlay.gate.outcomes`),
-its evidence of reading vLLM's installed MoRIIO package
-(`vllm_overlay.gate.touch`) and a JUnit XML with every test's duration; then
-the tests that evidence selects on the pinned base, again in shards. Test
-files that import the MoRIIO package at collection (`vllm_overlay.gate.imports`)
-never share a process with the others: in a process where the package is
-loaded every test counts as touching it.
+`nox -s unit-base` runs the suite with the overlay in shards: one lane per
+core, each a pytest process or two run one after the other, the files spread
+over the lanes by their recorded seconds (`plan`). Each shard writes its
+outcomes (`vllm_overlay.gate.outcomes`), its evidence of reading vLLM's
+installed MoRIIO package (`vllm_overlay.gate.touch`) and a JUnit XML with
+every test's duration; then the tests that evidence selects run on the
+pinned base, again in shards. Test files that import the MoRIIO package at
+collection (`vllm_overlay.gate.imports`) never share a process with the
+others: in a process where the package is loaded every test counts as touching it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from math import ceil
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -28,10 +31,15 @@ from vllm_overlay.gate.imports import imports_package
 from vllm_overlay.gate.outcomes import Outcomes, load_outcomes
 from vllm_overlay.gate.reports import TestOutcome
 from vllm_overlay.series.pin import MODULE_PACKAGE
+from vllm_overlay.text import count
 
 OUTCOMES = "outcomes.json"
 TOUCHES = "touches.json"
 TIMES = "times.json"
+FILE_TIMES = "file-times.json"
+# pytest's exit status when it collected nothing: a shard whose files a
+# conftest leaves out; the run as a whole must run something.
+NO_TESTS = 5
 IDS = "ids.txt"
 
 
@@ -46,9 +54,22 @@ class Times(msgspec.Struct):
     wall: float = 0.0
 
 
+class FileTimes(msgspec.Struct, forbid_unknown_fields=True):
+    """Seconds per test file (its tests' setup, call and teardown): what a
+    run leaves as ``file-times.json`` and the checkout keeps as
+    ``ci/suite-times.json``, the weights of a run with no record of its own."""
+
+    files: dict[str, float]
+
+
+# A pytest process's own start (interpreter, plugins, conftests), in seconds.
+START = 1.0
+
+
 def test_files(root: Path, paths: Sequence[str]) -> list[Path]:
     """The test files under ``paths`` (files or directories), as pytest
-    finds them by default (``test_*.py``)."""
+    finds them by default (``test_*.py``). Some may be left out by a
+    conftest's ``collect_ignore``: the shards honour it (`targets`)."""
     found: list[Path] = []
     for p in paths:
         path = (root / p).resolve()
@@ -59,17 +80,61 @@ def test_files(root: Path, paths: Sequence[str]) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-def weigh(files: Sequence[Path], root: Path, times: Times | None) -> dict[Path, float]:
-    """Each file's expected seconds: from the last run's times when it has
-    them, else its size (a proxy)."""
+def targets(root: Path, paths: Sequence[str], files: Sequence[Path]) -> list[str]:
+    """What a shard hands pytest: each of ``paths`` that holds one of its
+    ``files``. A directory is collected as pytest would without shards (its
+    conftests' ``collect_ignore``, ``collect_ignore_glob``), the plugin
+    `vllm_overlay.gate.within` keeping the shard's files; a file named in
+    ``paths`` stays named, as pytest would run it."""
+    chosen: list[str] = []
+    for p in paths:
+        path = (root / p).resolve()
+        if (path.is_dir() and any(f.is_relative_to(path) for f in files)) or (
+            path.is_file() and path in files
+        ):
+            chosen.append(path.relative_to(root.resolve()).as_posix())
+    return list(dict.fromkeys(chosen))
+
+
+def file_seconds(times: Times, ids: Collection[str] | None = None) -> dict[str, float]:
+    """Seconds per test file, of the tests in ``ids`` (None: all)."""
     per_file: dict[str, float] = {}
-    for test, seconds in (times.seconds if times else {}).items():
-        name = test.split("::", 1)[0]
-        per_file[name] = per_file.get(name, 0.0) + seconds
-    known = [per_file.get(f.relative_to(root).as_posix()) for f in files]
-    if times and all(k is not None for k in known):
-        return {f: float(k or 0.0) + 1.0 for f, k in zip(files, known, strict=True)}
-    return {f: f.stat().st_size / 1000.0 for f in files}
+    for test, seconds in times.seconds.items():
+        if ids is None or test in ids:
+            name = test.split("::", 1)[0]
+            per_file[name] = per_file.get(name, 0.0) + seconds
+    return per_file
+
+
+def load_file_seconds(
+    path: Path, ids: Collection[str] | None = None
+) -> dict[str, float] | None:
+    """Seconds per test file from a run's ``times.json`` (per test, limited
+    to ``ids``) or a ``file-times.json``; None if unreadable."""
+    times = load_times(path)
+    if times is not None:
+        return file_seconds(times, ids)
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=FileTimes).files
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def weigh(
+    files: Sequence[Path], root: Path, known: dict[str, float]
+) -> dict[Path, float]:
+    """Each file's expected seconds: its recorded seconds when ``known`` has
+    them; else its size at the recorded files' seconds per byte (a new
+    file), or at a millisecond per byte when nothing is recorded."""
+    rel = {f: f.relative_to(root).as_posix() for f in files}
+    sizes = {f: f.stat().st_size if f.is_file() else 0 for f in files}
+    recorded = [f for f in files if rel[f] in known]
+    size = sum(sizes[f] for f in recorded)
+    rate = sum(known[rel[f]] for f in recorded) / size if size else 1e-3
+    return {
+        f: START + (known[rel[f]] if rel[f] in known else sizes[f] * rate)
+        for f in files
+    }
 
 
 def pack(weights: dict[Path, float], bins: int) -> list[list[Path]]:
@@ -83,21 +148,39 @@ def pack(weights: dict[Path, float], bins: int) -> list[list[Path]]:
 
 
 def plan(
-    root: Path, files: Sequence[Path], jobs: int, times: Times | None
-) -> list[list[Path]]:
-    """The shards: the files importing the MoRIIO package at collection apart
-    from the others, cores shared by expected time."""
+    root: Path, files: Sequence[Path], jobs: int, weights: dict[Path, float]
+) -> list[list[list[Path]]]:
+    """The lanes, one per core, each a list of pytest processes run one
+    after the other: the files importing the MoRIIO package at collection
+    never share a process with the others, but share the lanes' time.
+
+    The loading files form as few blocks as fit a lane's share of the
+    expected time; the blocks and every other file go longest first into the
+    lightest lane. A lane runs its loading files in one process, then its
+    other files in another."""
+    jobs = max(jobs, 1)
     loading = [f for f in files if imports_package(f, root, MODULE_PACKAGE)]
-    others = [f for f in files if f not in loading]
-    weights = weigh(files, root, times)
-    if not loading or not others:
-        return pack(weights, jobs)
-    total = sum(weights.values()) or 1.0
-    share = sum(weights[f] for f in loading) / total
-    bins = min(max(1, round(jobs * share)), max(jobs - 1, 1))
+    share = sum(weights[f] for f in files) / jobs or 1.0
+    heavy = sum(weights[f] for f in loading)
+    blocks = pack({f: weights[f] for f in loading}, min(jobs, ceil(heavy / share)))
+    blocks += [[f] for f in files if f not in loading]
+    lanes: list[tuple[float, list[Path]]] = [(0.0, []) for _ in range(jobs)]
+    for block in sorted(blocks, key=lambda b: (-sum(weights[f] for f in b), b)):
+        i = min(range(jobs), key=lambda i: lanes[i][0])
+        total, members = lanes[i]
+        lanes[i] = (total + sum(weights[f] for f in block), [*members, *block])
+    chosen = set(loading)
     return [
-        *pack({f: weights[f] for f in loading}, bins),
-        *pack({f: weights[f] for f in others}, max(jobs - bins, 1)),
+        [
+            part
+            for part in (
+                sorted(f for f in members if f in chosen),
+                sorted(f for f in members if f not in chosen),
+            )
+            if part
+        ]
+        for _, members in lanes
+        if members
     ]
 
 
@@ -128,67 +211,95 @@ def junit_times(path: Path, root: Path) -> dict[str, float]:
 def run_shards(
     root: Path,
     out: Path,
-    shards: Sequence[Sequence[Path]],
+    lanes: Sequence[Sequence[Sequence[Path]]],
     *,
+    paths: Sequence[str] = ("tests",),
     pytest_args: Sequence[str] = (),
     touch: bool = False,
     only: Path | None = None,
     progress: Callable[[str], None] = print,
 ) -> tuple[dict[str, TestOutcome], Touches | None]:
-    """Run every shard at once; merge their outcomes (and touches) into
-    ``out``. A pytest exit status other than 0 or 1 (tests failed) is an
-    error."""
+    """Run the lanes side by side, each one's pytest processes (shards) one
+    after the other; merge their outcomes (and touches) into ``out``. Each
+    shard is handed the ``paths`` holding its files (`targets`). A pytest
+    exit status other than 0 or 1 (tests failed) is an error."""
     out.mkdir(parents=True, exist_ok=True)
-    procs: list[tuple[int, subprocess.Popen[bytes], float]] = []
+    numbered: list[list[tuple[int, list[str]]]] = []
+    i = 0
+    for lane in lanes:
+        numbered.append([])
+        for files in lane:
+            plugins = ["-p", "vllm_overlay.gate.within", "--shard-files",
+                       str(out / f"files-{i}.txt")]  # fmt: skip
+            (out / f"files-{i}.txt").write_text("".join(f"{f}\n" for f in files))
+            if only:
+                plugins += ["-p", "vllm_overlay.gate.only", "--only-ids", str(only)]
+            if touch:
+                plugins += ["-p", "vllm_overlay.gate.touch", "--touch-json",
+                            str(out / f"touches-{i}.json")]  # fmt: skip
+            cmd = [
+                sys.executable, "-m", "pytest", "--rootdir", str(root),
+                "-p", "vllm_overlay.gate.outcomes",
+                "--outcomes-json", str(out / f"outcomes-{i}.json"),
+                f"--junitxml={out / f'junit-{i}.xml'}", "-o", "junit_family=xunit1",
+                *plugins,
+                *pytest_args,
+                *targets(root, paths, files),
+            ]  # fmt: skip
+            numbered[-1].append((i, cmd))
+            where = f"lane {len(numbered) - 1}"
+            progress(
+                f"  shard {i} ({where}): {count(len(files), 'test file')}, "
+                f"log {out / f'shard-{i}.log'}"
+            )
+            i += 1
     started = time.monotonic()
-    for i, files in enumerate(shards):
-        plugins = (
-            ["-p", "vllm_overlay.gate.only", "--only-ids", str(only)] if only else []
-        )
-        if touch:
-            plugins += ["-p", "vllm_overlay.gate.touch", "--touch-json",
-                        str(out / f"touches-{i}.json")]  # fmt: skip
-        cmd = [
-            sys.executable, "-m", "pytest", "--rootdir", str(root),
-            "-p", "vllm_overlay.gate.outcomes",
-            "--outcomes-json", str(out / f"outcomes-{i}.json"),
-            f"--junitxml={out / f'junit-{i}.xml'}", "-o", "junit_family=xunit1",
-            *plugins,
-            *pytest_args,
-            *(f.relative_to(root).as_posix() for f in files),
-        ]  # fmt: skip
-        log = (out / f"shard-{i}.log").open("wb")
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=log)
-        log.close()
-        procs.append((i, proc, time.monotonic()))
-        progress(f"  shard {i}: {len(files)} test files, log {out / f'shard-{i}.log'}")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def run_lane(lane: list[tuple[int, list[str]]]) -> list[tuple[int, int]]:
+        codes = []
+        for k, cmd in lane:
+            with (out / f"shard-{k}.log").open("wb") as log:
+                proc = subprocess.run(cmd, cwd=root, env=env, stdout=log, stderr=log)
+            codes.append((k, proc.returncode))
+        return codes
+
+    with ThreadPoolExecutor(max_workers=max(len(numbered), 1)) as pool:
+        codes = sorted(c for cs in pool.map(run_lane, numbered) for c in cs)
     problems: list[str] = []
-    for i, proc, _ in procs:
-        code = proc.wait()
-        text = (out / f"shard-{i}.log").read_text(errors="replace")
+    for k, code in codes:
+        text = (out / f"shard-{k}.log").read_text(errors="replace")
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
         for line in lines:
             if line.startswith(("FAILED ", "ERROR ")):
-                progress(f"  shard {i}: {line}")
+                progress(f"  shard {k}: {line}")
         summary = lines[-1].strip("= ") if lines else f"exit {code}"
-        progress(f"  shard {i}: {summary}")
-        if code not in (0, 1) or not (out / f"outcomes-{i}.json").is_file():
+        if code == NO_TESTS:
+            summary += " (its files are all left out by a conftest or deselected)"
+        progress(f"  shard {k}: {summary}")
+        if code not in (0, 1, NO_TESTS) or not (out / f"outcomes-{k}.json").is_file():
             tail = " | ".join(lines[-8:])
-            problems.append(f"shard {i}: pytest exited {code}: {tail}")
+            problems.append(f"shard {k}: pytest exited {code}: {tail}")
     if problems:
         raise ShardError("; ".join(problems))
     outcomes: dict[str, TestOutcome] = {}
     times: dict[str, float] = {}
-    for i, _, _ in procs:
-        outcomes.update(load_outcomes(out / f"outcomes-{i}.json"))
-        times.update(junit_times(out / f"junit-{i}.xml", root))
+    for k, _ in codes:
+        outcomes.update(load_outcomes(out / f"outcomes-{k}.json"))
+        times.update(junit_times(out / f"junit-{k}.xml", root))
+    if codes and not outcomes:
+        raise ShardError(f"no test ran in {count(len(codes), 'shard')}")
     (out / OUTCOMES).write_bytes(msgspec.json.encode(Outcomes(outcomes)))
     wall = time.monotonic() - started
     (out / TIMES).write_bytes(msgspec.json.encode(Times(times, wall)))
+    per_file = dict(sorted(file_seconds(Times(times)).items()))
+    rounded = {f: round(s, 1) for f, s in per_file.items()}
+    (out / FILE_TIMES).write_bytes(
+        msgspec.json.format(msgspec.json.encode(FileTimes(rounded)), indent=1) + b"\n"
+    )
     touches = None
     if touch:
-        touches = merge([load_touches(out / f"touches-{i}.json") for i, _, _ in procs])
+        touches = merge([load_touches(out / f"touches-{k}.json") for k, _ in codes])
         (out / TOUCHES).write_bytes(encode(touches))
     return outcomes, touches
 

@@ -1,0 +1,64 @@
+"""The gate's phase record and `nox -s bench -- suite`, which prints it with
+the slowest tests of the last run (figures, nothing asserted on them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import msgspec
+import pytest
+
+from vllm_overlay.gate.phases import PHASES_FILE, record, timed
+from vllm_overlay.gate.shards import TIMES, Times
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "bench_suite", REPO / "benchmarks" / "suite.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_run_keeps_its_phases_and_drops_an_older_runs(tmp_path: Path) -> None:
+    path = tmp_path / PHASES_FILE
+    record(path, "lint", 10.04, "run-1")
+    record(path, "overlay", 300.0, "run-1")
+    assert json.loads(path.read_text())["phases"] == {"lint": 10.0, "overlay": 300.0}
+    with pytest.raises(RuntimeError), timed(path, "base", "run-2"):
+        raise RuntimeError("a failed phase is timed too")
+    assert list(json.loads(path.read_text())["phases"]) == ["base"]
+
+
+def test_the_bench_prints_the_phases_and_the_slowest_tests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, seconds in [("lint", 20.0), ("overlay", 300.0), ("base", 90.0)]:
+        record(tmp_path / PHASES_FILE, name, seconds, "run")
+    seconds = {f"tests/t.py::test_{i}": float(i) for i in range(20)}
+    (tmp_path / "suite-overlay").mkdir()
+    (tmp_path / "suite-overlay" / TIMES).write_bytes(
+        msgspec.json.encode(Times(seconds, 150.0))
+    )
+    assert _bench().main(["--reports", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    phases = [line.split()[0] for line in out[1:4]]
+    assert phases == ["lint", "overlay", "base"]
+    assert "levels, revert-red, export, bytes" in out[4]
+    slowest = [line.split()[-1] for line in out if "tests/t.py::" in line]
+    assert slowest == [f"tests/t.py::test_{i}" for i in range(19, 4, -1)]
+    assert out[-1].startswith("suite: 3 phases, 6 min 50.0 s in all; 15 slowest")
+
+
+def test_the_bench_says_when_no_gate_ran(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _bench().main(["--reports", str(tmp_path)]) == 0
+    assert "no gate run recorded" in capsys.readouterr().out

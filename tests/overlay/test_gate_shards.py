@@ -1,0 +1,189 @@
+"""How `vllm-overlay suite` spreads the suite over processes: what pytest
+collects in a shard (conftest ignores honoured), the lanes balanced by
+recorded seconds, and the estimate for a file with no record."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from vllm_overlay.cli import main
+from vllm_overlay.gate.pytestargs import names_a_test, split_paths
+from vllm_overlay.gate.shards import (
+    FILE_TIMES,
+    START,
+    FileTimes,
+    ShardError,
+    Times,
+    load_file_seconds,
+    plan,
+    run_shards,
+    targets,
+    weigh,
+)
+from vllm_overlay.gate.shards import test_files as listed
+
+REPO = Path(__file__).resolve().parents[2]
+PKG = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shards' pytest finds this checkout's plugins from any directory."""
+    paths = [str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+
+
+def test_a_shard_collects_what_the_conftests_leave_in(
+    tmp_path: Path, importable: None
+) -> None:
+    """A conftest's collect_ignore and collect_ignore_glob hold in a shard:
+    the left-out files are listed (static) but never run, in either lane."""
+    tests = tmp_path / "tests"
+    _write(
+        tests / "area" / "conftest.py",
+        'collect_ignore = ["test_left_out.py"]\n'
+        'collect_ignore_glob = ["test_glob_*.py"]\n',
+    )
+    fail = "def test_it():\n    raise AssertionError('collected')\n"
+    _write(tests / "area" / "test_left_out.py", fail)
+    _write(tests / "area" / "test_glob_out.py", fail)
+    _write(tests / "area" / "test_kept.py", "def test_it():\n    pass\n")
+    _write(tests / "other" / "test_b.py", "def test_it():\n    pass\n")
+    files = listed(tmp_path, ["tests"])
+    assert len(files) == 4
+    weights = {f: 1.0 for f in files}
+    lanes = plan(tmp_path, files, 2, weights)
+    assert len(lanes) == 2
+    outcomes, _ = run_shards(
+        tmp_path, tmp_path / "out", lanes, paths=["tests"], progress=lambda _: None
+    )
+    assert outcomes == {
+        "tests/area/test_kept.py::test_it": "passed",
+        "tests/other/test_b.py::test_it": "passed",
+    }
+    recorded = json.loads((tmp_path / "out" / FILE_TIMES).read_text())["files"]
+    assert sorted(recorded) == ["tests/area/test_kept.py", "tests/other/test_b.py"]
+
+
+def test_targets_are_directories_unless_a_file_was_named(tmp_path: Path) -> None:
+    a = _write(tmp_path / "tests" / "a" / "test_a.py", "")
+    b = _write(tmp_path / "tests" / "b" / "test_b.py", "")
+    assert targets(tmp_path, ["tests"], [a]) == ["tests"]
+    assert targets(tmp_path, ["tests/a", "tests/b"], [b]) == ["tests/b"]
+    assert targets(tmp_path, ["tests/a/test_a.py", "tests/b"], [a]) == [
+        "tests/a/test_a.py"
+    ]
+
+
+def test_the_lanes_share_the_time_and_keep_the_loading_files_apart(
+    tmp_path: Path,
+) -> None:
+    """The files that load the MoRIIO package cost 120 s, the others 544 s
+    (the last gate's shape): two lanes of about 332 s each, never a
+    loading file in a process with another file."""
+    loading = [
+        _write(tmp_path / "tests" / "patches" / f"test_p{i}.py", f"import {PKG}\n")
+        for i in range(4)
+    ]
+    others = [
+        _write(tmp_path / "tests" / "sim" / f"test_s{i}.py", "import os\n")
+        for i in range(16)
+    ]
+    weights = {f: 30.0 for f in loading} | {f: 34.0 for f in others}
+    lanes = plan(tmp_path, [*loading, *others], 2, weights)
+    totals = [sum(weights[f] for shard in lane for f in shard) for lane in lanes]
+    assert max(totals) - min(totals) <= 34.0, totals
+    for lane in lanes:
+        for shard in lane:
+            assert set(shard) <= set(loading) or not set(shard) & set(loading)
+    assert sorted(f for lane in lanes for s in lane for f in s) == sorted(weights)
+    # The loading files stay in one process when they fit a lane's share.
+    assert sum(bool(set(s) & set(loading)) for lane in lanes for s in lane) == 1
+
+
+def test_a_file_without_a_record_is_weighed_by_the_recorded_rate(
+    tmp_path: Path,
+) -> None:
+    old = _write(tmp_path / "tests" / "test_old.py", "x" * 1000)
+    new = _write(tmp_path / "tests" / "test_new.py", "x" * 500)
+    weights = weigh([old, new], tmp_path, {"tests/test_old.py": 100.0})
+    assert weights == {old: START + 100.0, new: START + 50.0}
+    # Nothing recorded: size is the proxy, a millisecond a byte.
+    assert weigh([old, new], tmp_path, {}) == {old: START + 1.0, new: START + 0.5}
+
+
+def test_recorded_seconds_from_a_run_or_the_checkouts_file(tmp_path: Path) -> None:
+    run = tmp_path / "times.json"
+    run.write_bytes(
+        msgspec.json.encode(
+            Times({"t/a.py::x": 2.0, "t/a.py::y": 3.0, "t/b.py::z": 1.0})
+        )
+    )
+    assert load_file_seconds(run) == {"t/a.py": 5.0, "t/b.py": 1.0}
+    assert load_file_seconds(run, {"t/a.py::y"}) == {"t/a.py": 3.0}
+    per_file = tmp_path / "file-times.json"
+    per_file.write_bytes(msgspec.json.encode(FileTimes({"t/a.py": 4.0})))
+    assert load_file_seconds(per_file) == {"t/a.py": 4.0}
+    (tmp_path / "bad.json").write_text("{}")
+    assert load_file_seconds(tmp_path / "bad.json") is None
+
+
+def test_the_checkouts_record_is_readable() -> None:
+    files = load_file_seconds(REPO / "ci" / "suite-times.json")
+    assert files and all(name.startswith("tests/") for name in files)
+
+
+def test_a_run_that_runs_nothing_fails(tmp_path: Path, importable: None) -> None:
+    tests = tmp_path / "tests"
+    _write(tests / "conftest.py", 'collect_ignore = ["test_a.py"]\n')
+    _write(tests / "test_a.py", "def test_it():\n    pass\n")
+    files = listed(tmp_path, ["tests"])
+    lanes = plan(tmp_path, files, 1, {f: 1.0 for f in files})
+    with pytest.raises(ShardError, match="no test ran in 1 shard"):
+        run_shards(tmp_path, tmp_path / "out", lanes, progress=lambda _: None)
+
+
+def test_unit_hands_the_paths_to_the_lanes_and_the_rest_to_pytest() -> None:
+    args = ["tests/overlay", "-k", "tests", "-x", "tests/image", "-p", "tests"]
+    assert split_paths(REPO, args) == (
+        ["tests/overlay", "tests/image"],
+        ["-k", "tests", "-x", "-p", "tests"],
+    )
+    assert split_paths(REPO, ["no/such/dir"]) == ([], ["no/such/dir"])
+    assert names_a_test(["tests/overlay/test_pin.py::test_x"])
+    assert not names_a_test(["tests/overlay", "-k", "a and not b"])
+
+
+def test_the_unit_run_fails_on_a_failed_test_and_lists_the_slowest(
+    tmp_path: Path, importable: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`suite --no-evidence --check` (what `nox -s unit` runs): exit
+    status 1 when a test fails, 0 without --check; no evidence written;
+    the slow test listed."""
+    repo = tmp_path / "repo"
+    _write(repo / "patches" / "series", "# test series\n")
+    shutil.copy(REPO / "pin.toml", repo / "pin.toml")
+    _write(repo / "tests" / "test_a.py", "def test_fails():\n    assert False\n")
+    _write(
+        repo / "tests" / "test_b.py",
+        "import time\n\ndef test_slow():\n    time.sleep(2.1)\n",
+    )
+    argv = ["--repo", str(repo), "suite", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--no-evidence", "--check", "--jobs", "2"]) == 1
+    said = capsys.readouterr().out
+    assert "tests/test_b.py::test_slow" in said.split("slowest tests")[1]
+    assert said.rstrip().endswith("suite (overlay): 2 tests, 1 failed")
+    assert not (tmp_path / "out" / "touches.json").exists()
+    assert main([*argv, "--no-evidence"]) == 0
