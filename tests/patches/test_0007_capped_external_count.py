@@ -3,7 +3,8 @@ the decoder lacks (L + E < N - 1), hybrid READ fails closed.
 
 The prefiller's recurrent state covers the first N - 1 prompt tokens; a
 decoder that loads only [L, L + E) would compute [L + E, N - 1) on top of it a
-second time (see ``prefix_hit_0005`` for the transfer driven on both legs).
+second time (the transfer is driven through the real connector on both
+legs).
 """
 
 from __future__ import annotations

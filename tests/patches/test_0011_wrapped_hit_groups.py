@@ -3,8 +3,8 @@ coordinator gives the request's hit, wrapped full attention included.
 
 The coordinator reconciles one hit for every prefix-cacheable group, except
 on the per-group lookup it runs for a hybrid READ consumer when a
-prefix-cacheable ``FullAttentionSpec`` group exists (see
-``prefix_hit_0005`` for the transfer driven on both legs).
+prefix-cacheable ``FullAttentionSpec`` group exists (the transfer is driven
+through the real connector on both legs).
 """
 
 from __future__ import annotations

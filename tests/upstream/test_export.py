@@ -274,8 +274,7 @@ def test_bundle_for_a_standalone_patch(
     assert lines[1] == "From: overlay-tests <overlay-tests@users.noreply.github.com>"
     assert lines[2] == "Date: Sun, 29 Nov 2026 00:00:00 +0000"
     assert lines[3] == (
-        "Subject: [PATCH] [Bugfix][ROCm][KVConnector] MoRIIO: distinct port "
-        "offsets per"
+        "Subject: [PATCH] [Bugfix][ROCm][KVConnector] MoRIIO: distinct port offsets per"
     )
     assert " 3 files changed" in mail
     upstream_test = "tests/v1/kv_connector/unit/test_moriio_ports.py"
@@ -447,7 +446,9 @@ def test_oversized_body_and_bad_subject(
         _export(root, tmp_path, base_texts, name)
     text = (root / "patches" / name).read_text()
     (root / "patches" / name).write_text(
-        text.replace("Description: [Bugfix][ROCm][KVConnector] MoRIIO: ", "Description: ")
+        text.replace(
+            "Description: [Bugfix][ROCm][KVConnector] MoRIIO: ", "Description: "
+        )
     )
     _report(root)
     with pytest.raises(ExportError, match="not '\\[Tag\\]... Title'"):
@@ -711,7 +712,10 @@ def test_our_patches_mail_from_the_project_address_without_a_signoff(
 @pytest.mark.parametrize(
     ("tags", "message"),
     [
-        ("[KV Connector][ROCm]", r"title tag \[KV Connector\]: vLLM writes \[KVConnector\]"),
+        (
+            "[KV Connector][ROCm]",
+            r"title tag \[KV Connector\]: vLLM writes \[KVConnector\]",
+        ),
         ("[ROCm][Overlay]", r"title tag \[Overlay\] is not one vLLM's MoRIIO"),
     ],
 )

@@ -356,7 +356,9 @@ def set_header_field(head: str, field: str, value: str) -> str:
     raise SeriesError(f"the header has no {field} field")
 
 
-def put_header_field(head: str, field: str, value: str, after: str = "Forwarded") -> str:
+def put_header_field(
+    head: str, field: str, value: str, after: str = "Forwarded"
+) -> str:
     """``head`` with ``field`` set to ``value``: replaced where the header has
     it, else added after the ``after`` field (its continuation lines
     included), else at the end. An optional field such as Applied-Upstream is
@@ -527,9 +529,7 @@ def project_identity(patch_dir: Path) -> tuple[str | None, list[str]]:
         text = _read_text(path, rel)
     except SeriesError as e:
         return None, [str(e)]
-    entries = [
-        ln.strip() for ln in text.splitlines() if ln.strip() and ln[:1] != "#"
-    ]
+    entries = [ln.strip() for ln in text.splitlines() if ln.strip() and ln[:1] != "#"]
     if len(entries) != 1 or not _IDENTITY_RE.match(entries[0]):
         return None, [
             f"{rel}: holds {len(entries)} address line(s); it needs one, "
@@ -541,9 +541,7 @@ def project_identity(patch_dir: Path) -> tuple[str | None, list[str]]:
 def _author_problems(patch_dir: Path, patches: list[SeriesPatch]) -> list[str]:
     """This project's patches carry the address patches/AUTHORS gives."""
     ours = [
-        p
-        for p in patches
-        if p.header.author.partition("<")[0].strip() == PROJECT_NAME
+        p for p in patches if p.header.author.partition("<")[0].strip() == PROJECT_NAME
     ]
     identity, problems = project_identity(patch_dir)
     if not ours or problems:

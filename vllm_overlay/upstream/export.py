@@ -80,7 +80,12 @@ from vllm_overlay.upstream.prbody import (
     pr_body,
     split_description,
 )
-from vllm_overlay.upstream.testport import port_test, upstream_test_path
+from vllm_overlay.upstream.testport import (
+    UPSTREAM_TEST_DIR,
+    VLLM_HELPER_MODULES,
+    port_test,
+    upstream_test_path,
+)
 
 RUFF_VERSION = "0.14.0"
 # The Author of this project's own patches (``vllm-moriio-overlay <email>``,
@@ -362,9 +367,10 @@ def _run_ported(
 ) -> str:
     """Check 7: the ported files run alone, with vLLM's MoRIIO package
     loaded from the stack with the patch (``after``: every pinned file)."""
+    standins = _helper_standins(ctx.root, patch, ported)
     with tempfile.TemporaryDirectory(prefix="vllm-overlay-upstream-tests-") as tmp:
         tree, level = Path(tmp) / "tree", Path(tmp) / "level"
-        for root, files in ((tree, ported), (level, after)):
+        for root, files in ((tree, {**ported, **standins}), (level, after)):
             for path, text in files.items():
                 dest = root / path
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -379,11 +385,39 @@ def _run_ported(
     summary = tail[0].strip("= ") if tail else f"exit {run.returncode}"
     if run.returncode != 0:
         raise _fail(patch, log, f"the ported tests fail in isolation: {summary}")
+    stood_in = [p for p in standins if not p.endswith("__init__.py")]
     log.append(
         f"[ok] ported tests ran alone (no conftest) on "
         f"{level_label(ctx.series, patch.index)}: {summary}"
+        + (
+            f" (vLLM's {', '.join(stood_in)} stood in by this repository's "
+            "module of the same names: vLLM's test tree is not in the wheel)"
+            if stood_in
+            else ""
+        )
     )
     return f"The ported test file, run alone in vLLM's test layout: {summary}."
+
+
+def _helper_standins(
+    root: Path, patch: SeriesPatch, ported: dict[str, str]
+) -> dict[str, str]:
+    """For a run outside vLLM's tree: the modules of vLLM's test tree the
+    ports import (``from .utils import ...``), each from the local module
+    that stands in for it, and the ``__init__.py`` files that make the
+    relative import resolve."""
+    dirs = sorted({(root / t.split("::", 1)[0]).parent for t in patch.header.tests})
+    out: dict[str, str] = {}
+    for local, upstream in VLLM_HELPER_MODULES.items():
+        if not any(f"from .{upstream} import" in t for t in ported.values()):
+            continue
+        src = next(d / f"{local}.py" for d in dirs if (d / f"{local}.py").is_file())
+        out[f"{UPSTREAM_TEST_DIR}/{upstream}.py"] = src.read_text()
+    if out:
+        parts = Path(UPSTREAM_TEST_DIR).parts
+        for i in range(1, len(parts) + 1):
+            out[str(Path(*parts[:i]) / "__init__.py")] = ""
+    return out
 
 
 @dataclass(frozen=True)
