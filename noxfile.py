@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import tomllib
+import zipfile
 from pathlib import Path
 
 import nox
@@ -38,6 +39,11 @@ from vllm_overlay import (  # noqa: E402  (stdlib only)
 )
 from vllm_overlay.gate import pytestargs  # noqa: E402  (the same)
 from vllm_overlay.gate.phases import PHASES_FILE, timed  # noqa: E402  (the same)
+from vllm_overlay.mypybase import (  # noqa: E402  (the same)
+    MypyError,
+    errors_of_ours,
+    parse_errors,
+)
 from vllm_overlay.text import count  # noqa: E402
 
 noxlog.drop_uv_note(logging.getLogger("nox"))
@@ -292,6 +298,7 @@ def lint_impl(session: nox.Session) -> None:
         files = [str(out / path) for path in touched]
         session.run("ruff", "check", *config, *files)
         session.run("ruff", "format", "--check", *config, *files)
+        mypy_overlaid(session, wheel, out, touched)
     containerfiles = [
         ROOT / "docker" / "Dockerfile",
         ROOT / "docker" / "standin" / "Containerfile",
@@ -299,6 +306,59 @@ def lint_impl(session: nox.Session) -> None:
     ]
     session.run("hadolint", *(str(f) for f in containerfiles))
     session.log(f"lint: ok ({count(len(touched), 'overlaid vLLM file')} checked)")
+
+
+MYPY_VLLM_CONFIG = ROOT / "ci" / "mypy-vllm.toml"
+
+
+def _vllm_python_tree(wheel: Path, dest: Path) -> None:
+    """The pinned wheel's vLLM Python files (what mypy reads of vLLM)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith("vllm/") and name.endswith((".py", ".pyi", "py.typed")):
+                z.extract(name, dest)
+
+
+def mypy_overlaid(
+    session: nox.Session, wheel: Path, out: Path, touched: list[str]
+) -> None:
+    """mypy as vLLM's pre-commit runs it on a changed file under vllm/ (the
+    default group, vLLM's [tool.mypy]: ci/mypy-vllm.toml), on the overlaid
+    files inside the pinned wheel's vLLM, with vLLM's dependencies from the
+    CPU environment. The same files of the pinned base are checked too: an
+    error the base has as well (same file, code and message) is the base's
+    and is listed, not failed on; any other fails the session."""
+    python = str(cpu_python(session))
+    found: dict[str, list[MypyError]] = {}
+    for side in ("base", "overlaid"):
+        tree = CACHE / "mypy-vllm" / side
+        _vllm_python_tree(wheel, tree)
+        if side == "overlaid":
+            for path in touched:
+                shutil.copyfile(out / path, tree / path)
+        args = ["--config-file", str(MYPY_VLLM_CONFIG), "--python-executable", python]
+        args += ["--python-version", f"{sys.version_info[0]}.{sys.version_info[1]}"]
+        args += ["--cache-dir", str(CACHE / "mypy-vllm" / f".cache-{side}")]
+        with session.chdir(tree):
+            report = session.run(
+                "mypy", *args, *touched, silent=True, success_codes=[0, 1]
+            )
+        found[side] = parse_errors(str(report or ""))
+    new = errors_of_ours(found["base"], found["overlaid"])
+    for error in found["overlaid"]:
+        session.log(
+            f"mypy: {error} ({'the series' if error in new else 'the base has it too'})"
+        )
+    if new:
+        session.error(
+            f"mypy (vLLM's settings): {len(new)} error(s) on the overlaid files "
+            "that the pinned base does not have"
+        )
+    session.log(
+        f"mypy (vLLM's settings) on {len(touched)} overlaid vLLM file(s): no "
+        f"error of the series' own; {len(found['overlaid'])} the pinned base has too"
+    )
 
 
 @nox.session

@@ -392,7 +392,7 @@ def test_undecodable_file_name_does_not_turn_a_done_apply_into_an_error(
         assert result["warnings"] == [warning]
     else:
         assert f"  warning: {warning}\n" in out
-        assert out.endswith("apply: applied: 2 patches (series e149ab85e16e)\n")
+        assert out.endswith("apply: applied: 2 patches (series 05084993c703)\n")
     now = {k: v for k, v in tree.snapshot().items() if "moriio_" + "\udcff" not in k}
     assert now == reference.snapshot()
 

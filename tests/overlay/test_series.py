@@ -129,7 +129,7 @@ def test_origin_category_must_be_dep3(ws: Workspace) -> None:
 def test_unknown_field_is_an_error(ws: Workspace) -> None:
     _with_header(ws, **{"X-Status": "carried"})
     assert _problems(ws) == [
-        "0001-a.patch:11: unknown header field 'X-Status' (neither DEP-3 nor "
+        "0001-a.patch:10: unknown header field 'X-Status' (neither DEP-3 nor "
         "declared in README.md's patch headers)"
     ]
 
@@ -187,7 +187,7 @@ def test_dropped_records_are_checked(ws: Workspace) -> None:
     assert _problems(ws) == [
         "dropped/0001-x.dep3: Applied-Upstream is empty (a dropped patch names "
         "the vLLM release that has it)",
-        "dropped/0002-y.dep3:11: unknown header field 'X-A' (neither DEP-3 nor "
+        "dropped/0002-y.dep3:10: unknown header field 'X-A' (neither DEP-3 nor "
         "declared in README.md's patch headers)",
         "dropped/0002-y.dep3: Forwarded: 'later' is not a DEP-3 value (no, "
         "not-needed, or the URL the change was sent to)",
@@ -313,3 +313,70 @@ def test_empty_series_is_refused_unless_allowed(ws: Workspace, capsys) -> None:
     assert main(["--repo", str(ws.repo), "series", "check", "--allow-empty"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("series check: ok, 0 patches")
+
+
+def test_an_empty_field_is_an_error_not_an_optional_one(ws: Workspace) -> None:
+    """DEP-3 leaves an optional field out; an empty one says nothing."""
+    _with_header(ws, **{"Applied-Upstream": "", "Bug": ""})
+    assert _problems(ws) == [
+        "0001-a.patch: Applied-Upstream is empty (DEP-3 leaves an optional field "
+        "out instead)",
+        "0001-a.patch: Bug is empty (DEP-3 leaves an optional field out instead)",
+    ]
+
+
+def test_description_or_subject_not_both(ws: Workspace) -> None:
+    _with_header(ws, Subject="[Bugfix] a title")
+    assert _problems(ws) == [
+        "0001-a.patch: Subject: DEP-3 takes Description or Subject, and this "
+        "series writes Description (the PR title as its first line, the long "
+        "description in its continuation lines)"
+    ]
+    _with_header(ws, "0002-b.patch", Description="[Bugfix] only a title")
+    assert _problems(ws)[1:] == [
+        "0002-b.patch: Description holds only its first line (the PR title); "
+        "its continuation lines are the long description"
+    ]
+
+
+def test_the_title_is_the_first_line_of_description(ws: Workspace) -> None:
+    _with_header(ws, Description="[Bugfix] The title\n The summary.\n Root cause.")
+    header = load_series(ws.repo).patches[0].header
+    assert header.subject == "[Bugfix] The title"
+    assert header.description == "The summary.\nRoot cause."
+
+
+def test_this_projects_author_carries_the_authors_address(ws: Workspace) -> None:
+    ours = "vllm-moriio-overlay <overlay@example.org>"
+    _with_header(ws, Author="vllm-moriio-overlay")
+    _with_header(ws, "0002-b.patch", Author=ours)
+    assert _problems(ws) == [
+        "0001-a.patch: Author: vllm-moriio-overlay without an address; write "
+        "'vllm-moriio-overlay <email>' as patches/AUTHORS says",
+        "patches/AUTHORS is missing: 0002-b.patch is this project's "
+        "(vllm-moriio-overlay), whose address it holds",
+    ]
+    (ws.repo / "patches" / "AUTHORS").write_text(
+        "# the address\nvllm-moriio-overlay <other@example.org>\n"
+    )
+    assert _problems(ws)[1:] == [
+        "0002-b.patch: Author: 'vllm-moriio-overlay <overlay@example.org>' is not "
+        "patches/AUTHORS's 'vllm-moriio-overlay <other@example.org>'"
+    ]
+    (ws.repo / "patches" / "AUTHORS").write_text(ours + "\n")
+    first = ws.repo / "patches" / "0001-a.patch"
+    first.write_text(
+        first.read_text().replace("Author: vllm-moriio-overlay\n", f"Author: {ours}\n")
+    )
+    assert _problems(ws) == []
+
+
+def test_the_real_series_headers_follow_dep3() -> None:
+    """This checkout's series: no Subject, no empty field, our address."""
+    from tests.overlay.workspace import REPO
+
+    assert check_series(REPO, load_pin(REPO / "pin.toml")) == []
+    for patch in load_series(REPO).patches:
+        head = patch.text.split("\n---\n", 1)[0]
+        assert not head.startswith("Subject:") and "\nSubject:" not in head
+        assert "Applied-Upstream:\n" not in head + "\n"

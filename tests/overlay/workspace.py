@@ -29,12 +29,10 @@ def make_diff(path: str, old: str, new: str) -> str:
 
 def header(subject: str, **overrides: str | None) -> str:
     fields: dict[str, str | None] = {
-        "Subject": subject,
-        "Description": f"{subject}.\n A second line.",
+        "Description": f"[Bugfix] {subject}\n {subject}.\n A second line.",
         "Origin": "vendor",
         "Author": "tests",
         "Forwarded": "no",
-        "Applied-Upstream": "",
         "Last-Update": "2026-11-30",
         "Remove-When": "never",
         "Tests": "tests/overlay/conftest.py",

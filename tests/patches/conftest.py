@@ -54,7 +54,7 @@ def mtp_vllm_configs(deepseek_mtp_model_dir: Path):
 
 @pytest.fixture
 def stub_mori(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Imported here: builders.py picks vLLM's CPU platform before vLLM loads.
+    # Imported here, not at the top: vLLM's platform is chosen before it loads.
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
         moriio_common,
     )

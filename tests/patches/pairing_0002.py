@@ -183,8 +183,9 @@ def pairing_errors(
     ``judge_null=False`` judges only the pairs between live blocks: a pair
     with the null block on either side is skipped, and a needed decoder block
     paired with the prefiller's null block counts as paired. That block was
-    freed by vLLM's scheduler before the connector saw the table (patch 0008
-    and its tests); the patches below it are judged on the rest.
+    freed by vLLM's scheduler before the connector saw the table (the
+    window-start fix and its tests); the pairs between live blocks are
+    judged here.
     """
     num_groups = len(layout.spans) + layout.mamba
     if len(lists) != num_groups:
@@ -196,7 +197,7 @@ def pairing_errors(
         d_slot = [(b - decode_id(m, 0)) // _GROUP_STRIDE for b in local_ids]
         p_slot = [(b - prefill_id(m, 0)) // _GROUP_STRIDE for b in remote_ids]
         # A one-token prompt needs no state: nothing precedes the token the
-        # decoder computes (0013 reads none then).
+        # decoder computes (READ then reads none, once it skips held state).
         slots = [([0], [0])] + ([([], [])] if num_prompt_tokens == 1 else [])
         if (d_slot, p_slot) not in slots:
             errors.append(f"Mamba: {local_ids} <- {remote_ids}, not one state slot")

@@ -252,7 +252,7 @@ def transfer_plan(
     )
     consumer = connector(model_dir, groups, dcp, "kv_consumer")
     # The connector's own hooks (its fail-closed checks raise there; the
-    # MoRIIOConnector hooks turn a refusal into a fallback since 0016).
+    # MoRIIOConnector hooks turn a refusal into a local-prefill fallback).
     scheduler = consumer.connector_scheduler
     assert scheduler is not None
     decode = make_request(request_id, num_prompt_tokens, params)

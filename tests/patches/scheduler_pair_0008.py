@@ -27,13 +27,13 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.patches.builders import (
     make_kv_cache_config,
     make_vllm_config,
     moriio_kv_transfer_config,
 )
+from tests.patches.vllm_unit_utils import create_scheduler
 
 _SAMPLED_TOKEN = 7
 
@@ -50,18 +50,11 @@ def build_scheduler(
     vllm_config = make_vllm_config(
         model_dir, moriio_kv_transfer_config(kv_role), block_size=block_size
     )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = make_kv_cache_config(groups, num_blocks)
     kv_cache_config.hash_block_size = block_size
     kv_cache_config.cache_hit_alignment_tokens = block_size
     with set_current_vllm_config(vllm_config):
-        return Scheduler(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=block_size,
-            hash_block_size=block_size,
-        )
+        return create_scheduler(vllm_config, num_blocks, kv_cache_config)
 
 
 _SEED_STRIDE = 50_021

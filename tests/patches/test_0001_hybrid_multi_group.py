@@ -167,13 +167,13 @@ def test_glm_mtp_full_local_hit_reads_only_tail_and_kda(mtp_vllm_configs, n) -> 
     assert len(t.local) == len(t.remote) == len(GLM_PAYLOAD)
     assert t.local[0] == []  # MLA/indexer: a prefix-cacheable full hit
     if not any(t.local):
-        # 0015: nothing external to load, nothing read on either leg.
+        # Nothing external to load: nothing read on either leg.
         assert not any(t.remote)
         return
     assert tail_pages_needed(n) <= read_pages(t, 1)
     for payload_index, group_id in ((2, GLM_MAMBA[0]), (3, GLM_MAMBA[1])):
-        # The running-state slots pair, or (0013: the decoder holds the state
-        # of a full local hit) neither leg sends one.
+        # The running-state slots pair, or (the decoder holds the state of a
+        # full local hit) neither leg sends one.
         assert (t.local[payload_index], t.remote[payload_index]) in (
             ([t.d.running_slot[group_id]], [t.p.running_slot[group_id]]),
             ([], []),
@@ -200,7 +200,7 @@ def test_group_count_mismatch_fails_closed(mtp_vllm_configs) -> None:
         ],
     }
     d = decode_leg(groups, n, hit_pages=1)
-    # With tokens to load (with none, 0015 reads nothing and pairs nothing).
+    # With tokens to load (with none, READ reads nothing and pairs nothing).
     num_external = n - 1 - B
     req = make_request(f"mismatch-{num_external}", n, params)
     with pytest.raises(MoRIIOError, match="count mismatch"):
@@ -336,8 +336,8 @@ def test_single_attention_group_read_unchanged(
     n = 2 * B + 1
     full = run_transfer(p_conn, d_conn, groups, n, hit_pages=2)
     assert full.local[0] == []
-    # The running-state slots, or (0013: the decoder holds the state of a
-    # full local hit) none.
+    # The running-state slots, or (the decoder holds the state of a full
+    # local hit) none.
     assert full.local[1:] in (
         [[full.d.running_slot[g]] for g in mamba_ids],
         [[] for _ in mamba_ids],

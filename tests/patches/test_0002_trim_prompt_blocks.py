@@ -8,9 +8,9 @@ P's ``request_finished_all_groups`` builds ``remote_block_ids``; D's
 ``update_state_after_alloc`` pairs them with its own table; D's
 ``build_connector_meta`` hands the pairs to the workers. Every pair of live
 blocks must hold the same positions on both legs, and every decoder block
-holding a position the last prompt token needs must be read (see
-``pairing_0002``). A pair with the null block (the window start the
-prefiller's scheduler freed) is judged by patch 0008's tests.
+holding a position the last prompt token needs must be read. A pair with
+the null block (the window start the prefiller's scheduler freed) is judged
+by the window-start tests.
 """
 
 from __future__ import annotations

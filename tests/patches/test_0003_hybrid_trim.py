@@ -5,8 +5,8 @@ sliding-window clip, on both legs.
 A hybrid prefiller computes the prompt without its last token
 (``on_new_request``); ``split_block_groups`` clips each attention group
 through ``get_exchange_clipped_blocks``. Tables are shaped as vLLM's KV cache
-manager leaves them (see ``pairing_0002``); pairs with the null block are
-judged by patch 0008's tests.
+manager leaves them; pairs with the null block are judged by the
+window-start tests.
 """
 
 from __future__ import annotations

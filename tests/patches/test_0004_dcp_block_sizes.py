@@ -4,8 +4,8 @@ prompt clamp count blocks by that span.
 
 Layouts shard the full-attention group over DCP ranks (a sliding-window
 group stays replicated, as vLLM requires); tables are shaped as vLLM's KV
-cache manager leaves them (see ``pairing_0002``); pairs with the null block
-are judged by patch 0008's tests.
+cache manager leaves them; pairs with the null block are judged by the
+window-start tests.
 """
 
 from __future__ import annotations

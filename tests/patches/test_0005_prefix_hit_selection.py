@@ -1,8 +1,8 @@
 """Patch 0005: with a decoder prefix hit, hybrid READ reads only the
 full-attention pages the decoder lacks.
 
-Each transfer runs through the real scheduler-side connector on both legs
-(see ``prefix_hit_0005``): the decoder holds its local hit's pages, and per
+Each transfer runs through the real scheduler-side connector on both legs:
+the decoder holds its local hit's pages, and per
 full-attention group READ pairs the same page indices on both legs, from the
 first page holding a token the decoder lacks to the page holding token N-2.
 Groups that share the target's spec share the request's hit.

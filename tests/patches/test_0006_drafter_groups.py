@@ -5,8 +5,8 @@ The scheduler reports the hit of the first prefix-cacheable full-attention
 group; groups with that spec in the same block pool are looked up with it.
 An EAGLE drafter owning a group of its own can hit fewer pages (the KV cache
 manager drops its last matched page), and an equal spec in the host pool is
-looked up on its own: such a group must read every page it lacks (see
-``prefix_hit_0005`` for the transfer driven on both legs).
+looked up on its own: such a group must read every page it lacks (the
+transfer is driven through the real connector on both legs).
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ by position and refuses any null block among the pages it needs.
 
 The first tests run a real prefill scheduler and a real decode scheduler
 (each with its KV cache manager and the MoRIIO connector); the sweeps hand
-the real connectors tables shaped the way those managers leave them
-(``pairing_0002``).
+the real connectors tables shaped the way those managers leave them.
 """
 
 from __future__ import annotations
@@ -322,9 +321,9 @@ def test_sweep_reads_the_window_start(
 def test_sweep_reads_every_needed_block(
     leg_pairs: Callable[[Layout], LegPair], sweep_name: str
 ) -> None:
-    """Patch 0002's sweeps (DSv4-like window with a decode or prefill
+    """The prompt-trim sweeps (DSv4-like window with a decode or prefill
     lookahead tail, a small window with tails of 1..8 slots, DCP 2 and 4):
-    with the prefiller's freed window blocks they pass only with 0008."""
+    with the prefiller's freed window blocks they pass only with this fix."""
     cases = SWEEPS[sweep_name]
     wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, MAX_PROMPT_TOKENS + 1))
     summary = {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}

@@ -286,14 +286,14 @@ def test_read_pairs_every_group_by_position(configs, num_spec, n) -> None:
 def test_full_local_hit_reads_the_ring_and_the_state(configs, num_spec) -> None:
     """The decoder caches every MLA page; the ring is never a prefix hit, so
     it is read. The KDA state is read with it, one slot on each leg, or
-    (0013: the decoder holds the state of its full local hit) on neither;
-    or (0015) nothing is read at all."""
+    (the decoder holds the state of its full local hit) on neither; or,
+    with nothing external to load, nothing is read at all."""
     grouping = real_grouping(configs[0], num_spec)
     n = 2 * BLOCK + 9
     req, p_tables, d_tables = _transfer(configs, grouping, num_spec, n, n - 1)
     assert req.local_block_ids[0] == []
     if not any(req.local_block_ids):
-        # 0015: nothing external to load, nothing read on either leg.
+        # Nothing external to load: nothing read on either leg.
         assert not any(req.remote_block_ids)
         return
     assert req.local_block_ids[1] == d_tables[4]

@@ -3,7 +3,7 @@ the decoder lacks.
 
 Without a state group the prefiller computes the whole prompt and the decoder
 recomputes its last token: with a local hit of L tokens it loads [L, N - 1)
-(see ``prefix_hit_0005`` for the transfer driven on both legs). Without the
+(the transfer is driven through the real connector on both legs). Without the
 patch every prompt page is read whatever the hit.
 """
 

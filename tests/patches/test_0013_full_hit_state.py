@@ -4,8 +4,8 @@ state; a one-token prompt reads nothing.
 On a full local hit (E = 0) the decoder holds the state after its hit: vLLM's
 KV cache manager reconciles a divergent per-group hit whenever nothing is
 loaded. The scheduler-side transfers run through the real connector on both
-legs (``prefix_hit_0005``, and ``hybrid_0001`` for the GLM-like layout), the
-worker's reads through the real ``MoRIIOConnectorWorker`` over stubbed mori.
+legs (a Kimi-like and a GLM-like layout), the worker's reads through the
+real ``MoRIIOConnectorWorker`` over stubbed mori.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ pages the decoder lacks.
 
 The decoder's window group holds the pages of its local hit that lie in the
 window of the token it recomputes; without the patch READ pairs the whole
-window. Both legs are real vLLM schedulers with the MoRIIO connector
-(``scheduler_pair_0008``): a decoder warm-up gives the prefix hit.
+window. Both legs are real vLLM schedulers with the MoRIIO connector: a
+decoder warm-up gives the prefix hit.
 """
 
 from __future__ import annotations

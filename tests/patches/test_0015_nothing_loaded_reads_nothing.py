@@ -6,7 +6,7 @@ none the model runner starts the load after the forward. A READ posted then
 lands after the forward that needed it and into blocks the finished request
 may already have freed. On a full local hit (E = 0) the decoder therefore
 reads nothing and only releases the prefiller's blocks. The scheduler side
-runs through the real connector on both legs (``hybrid_0001``), the worker
+runs through the real connector on both legs (a GLM-like layout), the worker
 through the real ``MoRIIOConnectorWorker`` over stubbed mori.
 """
 

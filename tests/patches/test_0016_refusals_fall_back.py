@@ -12,7 +12,8 @@ vLLM's KV load failure path. Each one is logged and counted
 (``num_fallbacks``).
 
 The first tests run a real prefill scheduler and a real decode scheduler
-(``scheduler_pair_0008``) with two requests on the decoder in one step, one
+(``Scheduler`` with the MoRIIO connector) with two requests on the decoder
+in one step, one
 of them carrying a faulty payload.
 """
 
@@ -26,7 +27,6 @@ from typing import Any
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
-from vllm.v1.outputs import KVConnectorOutput
 
 from tests.patches.builders import (
     full_attention_spec,
@@ -46,7 +46,7 @@ from tests.patches.scheduler_pair_0008 import (
     build_scheduler_pair,
     prompt,
 )
-from vllm_overlay.simulate.outputs import model_runner_output
+from tests.patches.vllm_unit_utils import create_model_runner_output
 
 B, W, N = 16, 64, 95
 """The decoder's window reads positions [N-W, N-1): pages 1..5."""
@@ -247,12 +247,10 @@ def test_refusal_after_allocation_with_one_group_is_a_load_error(
     # The workers report the refused request's blocks as load errors.
     result = pair.decode.update_from_output(
         output,
-        model_runner_output(
-            list(output.num_scheduled_tokens),
-            sampled_token_ids=[[7] for _ in output.num_scheduled_tokens],
-            kv_connector_output=KVConnectorOutput(
-                invalid_block_ids=set(meta.reqs_load_failed[bad])
-            ),
+        create_model_runner_output(
+            [pair.decode.requests[r] for r in output.num_scheduled_tokens],
+            invalid_block_ids=set(meta.reqs_load_failed[bad]),
+            token_id=7,
         ),
     )
     finished = {

@@ -1,6 +1,6 @@
 """Patch 0017: the READ prefiller states the prompt tokens it computed.
 
-0008's prefiller computes N - 1 tokens when the model has a window group, and
+A READ prefiller computes N - 1 tokens when the model has a window group, and
 the decoder used to infer that from its own build. A prefiller that computes
 all N tokens (vLLM's MoRIIO without a state group) then had its window pages
 paired one block off, or its freed window start read. The payload now
@@ -9,9 +9,10 @@ them, pairs a payload without them as such a prefiller computes (N tokens
 without a state group), and prefills locally a request whose statement it
 cannot use.
 
-A real prefill scheduler and a real decode scheduler (``scheduler_pair_0008``)
-run each prompt; the prefiller of another build is the same prefiller made to
-compute all N tokens, its payload without the statement.
+A real prefill scheduler and a real decode scheduler (each a ``Scheduler``
+with the MoRIIO connector) run each prompt; the prefiller of another build
+is the same prefiller made to compute all N tokens, its payload without the
+statement.
 """
 
 from __future__ import annotations

@@ -30,15 +30,14 @@ INSERTED = "".join(f"# upstream line {i}\n" for i in range(7))
 
 def header(subject: str, tests: str = "tests/patches/test_x.py::test_x") -> str:
     return (
-        f"Subject: [KV Connector][ROCm] MoRIIO: {subject}\n"
-        f"Description: {subject}.\n"
+        f"Description: [Bugfix][ROCm][KVConnector] MoRIIO: {subject}\n"
+        f" {subject}.\n"
         " Root cause: the test needs one.\n"
         " .\n"
         " Changes: one line.\n"
         "Origin: vendor\n"
         "Author: overlay-tests\n"
         "Forwarded: no\n"
-        "Applied-Upstream:\n"
         "Remove-When: never\n"
         f"Tests: {tests}\n"
         "Last-Update: 2026-11-29\n"

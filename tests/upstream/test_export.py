@@ -122,6 +122,7 @@ TEST_0002 = "tests/patches/test_0002_stable.py::test_offsets_stable"
 GUARD_0002 = "tests/patches/test_0002_stable.py::test_offsets_start_at_zero"
 UPSTREAM_PR = "https://github.com/vllm-project/vllm/pull/1"
 SIGNER = "Ada Lovelace <ada@example.org>"
+PROJECT = "vllm-moriio-overlay <overlay@example.org>"
 
 
 def _series(base: dict[str, str], *, line: str = "    # Ranks never share a port.\n"):
@@ -273,7 +274,7 @@ def test_bundle_for_a_standalone_patch(
     assert lines[1] == "From: overlay-tests <overlay-tests@users.noreply.github.com>"
     assert lines[2] == "Date: Sun, 29 Nov 2026 00:00:00 +0000"
     assert lines[3] == (
-        "Subject: [PATCH] [KV Connector][ROCm] MoRIIO: distinct port offsets per TP"
+        "Subject: [PATCH] [Bugfix][ROCm][KVConnector] MoRIIO: distinct port offsets per"
     )
     assert " 3 files changed" in mail
     upstream_test = "tests/v1/kv_connector/unit/test_moriio_ports.py"
@@ -300,7 +301,7 @@ def test_bundle_for_a_standalone_patch(
     mbox.write_text(mail)
     run("am", "--keep-non-patch", str(mbox))
     assert run("log", "-1", "--format=%s") == (
-        "[KV Connector][ROCm] MoRIIO: distinct port offsets per TP rank\n"
+        "[Bugfix][ROCm][KVConnector] MoRIIO: distinct port offsets per TP rank\n"
     )
     series = load_series(repo)
     for fp in series.patches[0].files:
@@ -445,7 +446,9 @@ def test_oversized_body_and_bad_subject(
         _export(root, tmp_path, base_texts, name)
     text = (root / "patches" / name).read_text()
     (root / "patches" / name).write_text(
-        text.replace("Subject: [KV Connector][ROCm] MoRIIO: ", "Subject: ")
+        text.replace(
+            "Description: [Bugfix][ROCm][KVConnector] MoRIIO: ", "Description: "
+        )
     )
     _report(root)
     with pytest.raises(ExportError, match="not '\\[Tag\\]... Title'"):
@@ -612,7 +615,7 @@ def test_mails_are_dco_ready_and_the_hint_is_the_whole_sequence(
     patches = _series(base_texts)
     first, second = patches
     patches[second] = patches[second].replace(
-        "Author: overlay-tests\n", "Author: vllm-moriio-overlay\n"
+        "Author: overlay-tests\n", f"Author: {PROJECT}\n"
     )
     root = make_repo(patches)
     _write_tests(root)
@@ -655,3 +658,80 @@ def test_a_patch_is_chosen_by_its_number_and_an_unknown_one_lists_the_series(
     assert str(e.value) == (
         "not in the series: 0009 (the series: 0001-port-offsets, 0002-stable-offsets)"
     )
+
+
+def _project_series(make_repo: MakeRepo, base_texts: dict[str, str]) -> Path:
+    """0001 someone else's (a GitHub handle), 0002 this project's."""
+    patches = _series(base_texts)
+    second = "0002-stable-offsets.patch"
+    patches[second] = patches[second].replace(
+        "Author: overlay-tests\n", f"Author: {PROJECT}\n"
+    )
+    root = make_repo(patches)
+    _write_tests(root)
+    _report(root)
+    return root
+
+
+def test_pr_body_has_vllms_template_checklist_and_says_whose_change_it_is(
+    make_repo: MakeRepo, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    root = _project_series(make_repo, base_texts)
+    _export(root, tmp_path, base_texts)
+    out = root / "dist" / "upstream"
+    theirs = (out / "0001-port-offsets" / "PR.md").read_text()
+    lines = theirs.splitlines()
+    assert lines[0] == "## Essential Elements of an Effective PR Description Checklist"
+    assert lines[2].startswith("- [x] The purpose of the PR")
+    assert lines[3] == "- [x] The test plan, such as providing test command."
+    assert lines[5].startswith("- [ ] (Optional) The necessary documentation")
+    headings = [ln for ln in lines if ln.startswith("## ")]
+    assert headings[1:2] == ["## Purpose"]
+    assert headings.index("## Test Plan") < headings.index("## Test Result")
+    # Someone else's change: theirs to sign off; its noreply address is a
+    # guess the bundle names as one (no account ID is made up).
+    note = "this change is overlay-tests's"
+    assert note in theirs and "ID+handle@users.noreply.github.com" in theirs
+    log = (out / "0001-port-offsets" / "checks.log").read_text()
+    assert f"[--] Authorship: {note}" in log
+    assert "does not know and does not make up" in log
+    ours = (out / "0002-stable-offsets" / "PR.md").read_text()
+    assert "Authorship:" not in ours
+    assert "Authorship:" not in (out / "0002-stable-offsets" / "checks.log").read_text()
+
+
+def test_our_patches_mail_from_the_project_address_without_a_signoff(
+    make_repo: MakeRepo, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    root = _project_series(make_repo, base_texts)
+    _export(root, tmp_path, base_texts, "0002")
+    mail = root / "dist" / "upstream" / "0002-stable-offsets"
+    assert f"\nFrom: {PROJECT}\n" in (mail / "0002-stable-offsets.patch").read_text()
+
+
+@pytest.mark.parametrize(
+    ("tags", "message"),
+    [
+        (
+            "[KV Connector][ROCm]",
+            r"title tag \[KV Connector\]: vLLM writes \[KVConnector\]",
+        ),
+        ("[ROCm][Overlay]", r"title tag \[Overlay\] is not one vLLM's MoRIIO"),
+    ],
+)
+def test_a_title_tag_vllm_does_not_use_stops_the_export(
+    make_repo: MakeRepo,
+    tmp_path: Path,
+    base_texts: dict[str, str],
+    tags: str,
+    message: str,
+) -> None:
+    patches = _series(base_texts)
+    name = "0001-port-offsets.patch"
+    patches[name] = patches[name].replace("[Bugfix][ROCm][KVConnector]", tags, 1)
+    root = make_repo(patches)
+    _write_tests(root)
+    _report(root)
+    with pytest.raises(ExportError, match=message):
+        _export(root, tmp_path, base_texts, "0001")
+    assert not (root / "dist").exists()

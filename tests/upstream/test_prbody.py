@@ -7,8 +7,8 @@ import pytest
 from vllm_overlay.series.patch_series import parse_header
 from vllm_overlay.upstream.prbody import BodyError, split_description, unwrap
 
-HEAD = """Subject: [KV Connector][ROCm] MoRIIO: read only missing pages
-Description: with a decoder prefix hit, read only the pages it lacks.
+HEAD = """Description: [ROCm][P/D] MoRIIO: read only missing pages
+ with a decoder prefix hit, read only the pages it lacks.
  Root cause: the decoder reports E external tokens, but the tables
  hold every page.
  .
@@ -22,7 +22,6 @@ Description: with a decoder prefix hit, read only the pages it lacks.
 Origin: upstream, https://github.com/vllm-project/vllm/pull/1
 Author: someone
 Forwarded: no
-Applied-Upstream:
 Last-Update: 2026-11-30
 Remove-When: never
 Tests: tests/patches/test_x.py::test_x
@@ -77,6 +76,6 @@ def test_summary_only_is_refused() -> None:
     lines = HEAD.splitlines(keepends=True)
     start = next(i for i, ln in enumerate(lines) if ln.startswith("Description"))
     end = next(i for i, ln in enumerate(lines) if ln.startswith("Origin"))
-    text = "".join(lines[: start + 1] + lines[end:])
+    text = "".join(lines[: start + 2] + lines[end:])  # the title and a summary
     with pytest.raises(BodyError, match="only its summary line"):
         split_description(parse_header(text, "x.patch"))

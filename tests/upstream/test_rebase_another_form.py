@@ -29,7 +29,11 @@ from tests.upstream.repos import (
 )
 from vllm_overlay.cli import main
 from vllm_overlay.series.diff import apply_file_patch
-from vllm_overlay.series.patch_series import load_series, set_header_field
+from vllm_overlay.series.patch_series import (
+    load_series,
+    put_header_field,
+    set_header_field,
+)
 from vllm_overlay.series.pin import PIN_FILE, Pin, VllmBase, load_pin, sha256_bytes
 
 NEWER = "0.99.0"
@@ -283,7 +287,7 @@ def _refreshed(tmp_path: Path, applied: str = f"{NEWER} (in part)") -> Path:
     )
     text = patch_text("upstream change", [diff(CONNECTOR, FORM, remainder)])
     text = set_header_field(text, "Origin", f"upstream, {PR}")
-    text = set_header_field(text, "Applied-Upstream", applied)
+    text = put_header_field(text, "Applied-Upstream", applied)
     path = tmp_path / "refreshed" / "0001-upstream-change.patch"
     path.parent.mkdir(exist_ok=True)
     path.write_text(text)
@@ -362,7 +366,7 @@ def test_a_bad_refreshed_patch_is_one_line_and_changes_nothing(
     if problem == "not landed":
         other = given.with_name("0002-far.patch")
         other.write_text(
-            set_header_field(
+            put_header_field(
                 _series()["0002-far.patch"], "Applied-Upstream", f"{NEWER} (in part)"
             )
         )
@@ -444,7 +448,7 @@ def test_a_refreshed_remainder_that_does_not_apply_is_a_conflict(
     before = _snapshot(root)
     given = tmp_path / "0001-upstream-change.patch"
     text = patch_text("upstream change", [diff(CONNECTOR, OLD, OURS)])
-    given.write_text(set_header_field(text, "Applied-Upstream", f"{NEWER} (in part)"))
+    given.write_text(put_header_field(text, "Applied-Upstream", f"{NEWER} (in part)"))
     rc, report = _rebase(root, tmp_path, FORM, "--refreshed", str(given), "--write")
     assert rc == 1
     assert _labels(report) == [

@@ -36,7 +36,7 @@ from vllm_overlay.series.patch_series import (
     Series,
     check_series,
     load_series,
-    set_header_field,
+    put_header_field,
     split_header,
 )
 from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
@@ -153,7 +153,7 @@ def test_a_base_holding_0001_drops_it_records_it_and_rebases_the_rest(
     assert load_series(root).names == series.names[1:]
     record = root / "patches" / "dropped" / f"{first.slug}.dep3"
     head, _ = split_header(first.text, first.name)
-    assert record.read_text() == set_header_field(head, "Applied-Upstream", NEWER)
+    assert record.read_text() == put_header_field(head, "Applied-Upstream", NEWER)
     assert f"\nApplied-Upstream: {NEWER}\n" in record.read_text()
     # The rest applies exactly to the new base and gives what the series
     # gave on the pinned one, below the lines upstream added.

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
+from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.upstream.testport import (
     SPDX_HEADER,
     PortError,
@@ -243,12 +245,95 @@ def test_a_name_both_imported_and_defined_by_what_the_port_needs(
         port_test(d / "test_0042_x.py")
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _series_test_files() -> list[Path]:
+    """The test files the series' headers name: what export ports."""
+    series = load_series(REPO)
+    named = {t.split("::", 1)[0] for p in series.patches for t in p.header.tests}
+    return [REPO / f for f in sorted(named)]
+
+
 def test_the_series_tests_port_with_each_name_bound_once() -> None:
-    patches = Path(__file__).resolve().parents[1] / "patches"
     twice = {}
-    for test_file in sorted(patches.glob("test_[0-9][0-9][0-9][0-9]_*.py")):
+    for test_file in _series_test_files():
         bindings = _top_level_bindings(port_test(test_file))
         dup = sorted({n for n in bindings if bindings.count(n) > 1})
         if dup:
             twice[test_file.name] = dup
     assert not twice
+
+
+# Names of this repository a ported file must not hold (checked here by its
+# own pattern, not by the porter's).
+_OURS = re.compile(
+    r"vllm_overlay|vllm-overlay|tests[/.]patches|\bbuilders\.py|"
+    r"\b(?:hybrid|pairing|prefix_hit|scheduler_pair)_\d{4}\b|"
+    r"\b[Pp]atch(?:es)? \d{4}\b|(?<![\w.])0\d{3}(?![\w.])"
+)
+
+
+def test_the_series_ports_read_like_vllms_tests() -> None:
+    """No port names this repository (its helper modules, its package, a
+    patch number); a port drawing on the scheduler pair builds its
+    schedulers with vLLM's ``create_scheduler`` from vLLM's unit ``utils``."""
+    ours: dict[str, list[str]] = {}
+    with_vllm_helpers = []
+    for test_file in _series_test_files():
+        try:
+            text = port_test(test_file)
+        except PortError as e:
+            ours[test_file.name] = [str(e)]
+            continue
+        hits = [ln.strip() for ln in text.splitlines() if _OURS.search(ln)]
+        if hits:
+            ours[test_file.name] = hits
+        if "from .utils import" in text:
+            with_vllm_helpers.append(test_file.name)
+            assert "def create_scheduler" not in text
+    assert not ours
+    assert "test_0016_refusals_fall_back.py" in with_vllm_helpers
+
+
+def test_a_port_that_names_this_repository_is_refused(tmp_path: Path) -> None:
+    d = _layout(
+        tmp_path,
+        prefix_hit_0042=(
+            "def build() -> int:\n    # since patch 0008 this is one\n    return 1\n"
+        ),
+        test_0042_x=(
+            '"""Patch 0042: driven on both legs (see ``prefix_hit_0042``)."""\n\n'
+            "from prefix_hit_0042 import build\n\n\n"
+            "def test_x() -> None:\n    assert build() == 1\n"
+        ),
+    )
+    with pytest.raises(PortError) as e:
+        port_test(d / "test_0042_x.py")
+    message = str(e.value)
+    assert message.startswith("the port names this repository, not vLLM: line ")
+    assert "'prefix_hit_0042'" in message and "'0008'" in message
+
+
+def test_vllms_unit_helpers_are_imported_not_inlined(tmp_path: Path) -> None:
+    d = _layout(
+        tmp_path,
+        vllm_unit_utils=(
+            "def create_scheduler(vllm_config: object) -> object:\n"
+            "    return vllm_config\n"
+        ),
+        pair=(
+            "from tests.patches.vllm_unit_utils import create_scheduler\n\n\n"
+            "def build_pair() -> tuple[object, object]:\n"
+            "    return create_scheduler(1), create_scheduler(2)\n"
+        ),
+        test_0042_x=(
+            '"""Two real schedulers."""\n\n'
+            "from pair import build_pair\n\n\n"
+            "def test_x() -> None:\n    assert build_pair() == (1, 2)\n"
+        ),
+    )
+    text = port_test(d / "test_0042_x.py")
+    assert "from .utils import create_scheduler\n" in text
+    assert "def create_scheduler" not in text
+    assert "def build_pair" in text

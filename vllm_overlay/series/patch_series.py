@@ -36,13 +36,15 @@ DEP3_FIELDS = (
     "Last-Update",
 )
 PROJECT_FIELDS = ("Builds-On", "Remove-When", "Tests", "Guards")
+# DEP-3's description field is "Description or Subject", one of the two:
+# this series writes Description, whose first line is the short description
+# (the upstream PR title) and whose continuation lines are the long one.
+# Subject would put the long description outside the fields.
 REQUIRED_FIELDS = (
-    "Subject",
     "Description",
     "Origin",
     "Author",
     "Forwarded",
-    "Applied-Upstream",
     "Last-Update",
     "Remove-When",
     "Tests",
@@ -50,8 +52,11 @@ REQUIRED_FIELDS = (
 OPTIONAL_FIELDS = tuple(
     f for f in (*DEP3_FIELDS, *PROJECT_FIELDS) if f not in REQUIRED_FIELDS
 )
-# Fields that may be present with an empty value.
-MAY_BE_EMPTY = ("Applied-Upstream", "Guards", "Builds-On", "Bug", "Reviewed-by")
+# This project's own patches: their Author is this name with the address in
+# patches/AUTHORS (`Name <email>`), which the mails use too.
+PROJECT_NAME = "vllm-moriio-overlay"
+AUTHORS_FILE = "AUTHORS"
+_IDENTITY_RE = re.compile(r"^(.+?)\s*<([^<>@\s]+@[^<>\s]+)>$")
 ORIGIN_CATEGORIES = ("upstream", "backport", "vendor", "other")
 # Origins that name someone else's change: they must say where it lives.
 UPSTREAM_ORIGINS = ("upstream", "backport")
@@ -64,8 +69,8 @@ class SeriesError(OverlayError):
 
 
 class PatchHeader(msgspec.Struct, forbid_unknown_fields=True):
-    subject: str
-    description: str
+    subject: str  # Description's first line: the upstream PR title
+    description: str  # its long description: a summary line, then paragraphs
     origin: str
     author: str
     forwarded: str
@@ -249,8 +254,31 @@ def header_problems(text: str, name: str) -> tuple[PatchHeader | None, list[str]
     for f in REQUIRED_FIELDS:
         if f not in fields:
             problems.append(f"{name}: header lacks {f}")
-        elif not fields[f] and f not in MAY_BE_EMPTY:
-            problems.append(f"{name}: {f} is empty")
+    problems.extend(
+        f"{name}: {f} is empty (DEP-3 leaves an optional field out instead)"
+        for f, value in fields.items()
+        if not value and f in (*REQUIRED_FIELDS, *OPTIONAL_FIELDS)
+    )
+    if "Subject" in fields:
+        problems.append(
+            f"{name}: Subject: DEP-3 takes Description or Subject, and this "
+            "series writes Description (the PR title as its first line, the "
+            "long description in its continuation lines)"
+        )
+    description = fields.get("Description", [])
+    if description and len(description) < 2:
+        problems.append(
+            f"{name}: Description holds only its first line (the PR title); "
+            "its continuation lines are the long description"
+        )
+    author = " ".join(fields.get("Author", []))
+    if author.partition("<")[0].strip() == PROJECT_NAME and not _IDENTITY_RE.match(
+        author
+    ):
+        problems.append(
+            f"{name}: Author: {PROJECT_NAME} without an address; write "
+            f"'{PROJECT_NAME} <email>' as patches/{AUTHORS_FILE} says"
+        )
 
     def joined(field: str) -> str:
         return " ".join(fields.get(field, []))
@@ -287,8 +315,8 @@ def header_problems(text: str, name: str) -> tuple[PatchHeader | None, list[str]
     if problems:
         return None, problems
     header = PatchHeader(
-        subject=joined("Subject"),
-        description="\n".join(fields["Description"]),
+        subject=fields["Description"][0],
+        description="\n".join(fields["Description"][1:]),
         origin=joined("Origin"),
         author=joined("Author"),
         forwarded=forwarded,
@@ -328,6 +356,28 @@ def set_header_field(head: str, field: str, value: str) -> str:
     raise SeriesError(f"the header has no {field} field")
 
 
+def put_header_field(
+    head: str, field: str, value: str, after: str = "Forwarded"
+) -> str:
+    """``head`` with ``field`` set to ``value``: replaced where the header has
+    it, else added after the ``after`` field (its continuation lines
+    included), else at the end. An optional field such as Applied-Upstream is
+    left out of a header until it has a value (DEP-3)."""
+    try:
+        return set_header_field(head, field, value)
+    except SeriesError:
+        pass
+    lines = head.splitlines(keepends=True)
+    at = len(lines)
+    for i, line in enumerate(lines):
+        key, sep, _ = line.partition(":")
+        if sep and line[:1] not in " \t" and key.strip().lower() == after.lower():
+            at = i + 1
+            while at < len(lines) and lines[at][:1] in (" ", "\t"):
+                at += 1
+    return "".join(lines[:at] + [f"{field}: {value}\n"] + lines[at:])
+
+
 @dataclass(frozen=True)
 class DroppedPatch:
     """A patch upstream vLLM has: its header, kept when it left the series."""
@@ -339,7 +389,7 @@ class DroppedPatch:
 def dropped_record(head: str, version: str) -> str:
     """The record of a dropped patch: its header, ``Applied-Upstream:
     <version>``."""
-    return set_header_field(head, "Applied-Upstream", version)
+    return put_header_field(head, "Applied-Upstream", version)
 
 
 def dropped_problems(patch_dir: Path) -> tuple[list[DroppedPatch], list[str]]:
@@ -464,7 +514,49 @@ def check_series(
             loaded.append(SeriesPatch(i, name, path, text, header, files))
     dropped, dropped_issues = dropped_problems(patch_dir)
     problems += dropped_issues
+    problems += _author_problems(patch_dir, loaded)
     return problems + _series_problems(root, loaded, tests, dropped)
+
+
+def project_identity(patch_dir: Path) -> tuple[str | None, list[str]]:
+    """The address line of patches/AUTHORS (``Name <email>``), None when the
+    file is missing, and what is wrong with it."""
+    path = patch_dir / AUTHORS_FILE
+    if not path.is_file():
+        return None, []
+    rel = f"{AUTHORS_FILE}"
+    try:
+        text = _read_text(path, rel)
+    except SeriesError as e:
+        return None, [str(e)]
+    entries = [ln.strip() for ln in text.splitlines() if ln.strip() and ln[:1] != "#"]
+    if len(entries) != 1 or not _IDENTITY_RE.match(entries[0]):
+        return None, [
+            f"{rel}: holds {len(entries)} address line(s); it needs one, "
+            f"'{PROJECT_NAME} <email>'"
+        ]
+    return entries[0], []
+
+
+def _author_problems(patch_dir: Path, patches: list[SeriesPatch]) -> list[str]:
+    """This project's patches carry the address patches/AUTHORS gives."""
+    ours = [
+        p for p in patches if p.header.author.partition("<")[0].strip() == PROJECT_NAME
+    ]
+    identity, problems = project_identity(patch_dir)
+    if not ours or problems:
+        return problems
+    if identity is None:
+        return [
+            f"patches/{AUTHORS_FILE} is missing: {ours[0].name} is this "
+            f"project's ({PROJECT_NAME}), whose address it holds"
+        ]
+    return [
+        f"{p.name}: Author: {p.header.author!r} is not patches/{AUTHORS_FILE}'s "
+        f"{identity!r}"
+        for p in ours
+        if p.header.author != identity
+    ]
 
 
 def _series_problems(

@@ -66,7 +66,7 @@ from vllm_overlay.gate.reports import (
 from vllm_overlay.gate.reports import names as header_names
 from vllm_overlay.gate.stack import level_label, named_tests
 from vllm_overlay.series.diff import Hunk, HunkError, apply_file_patch
-from vllm_overlay.series.patch_series import Series, SeriesPatch
+from vllm_overlay.series.patch_series import PROJECT_NAME, Series, SeriesPatch
 from vllm_overlay.series.pin import Pin
 from vllm_overlay.text import count, verb
 from vllm_overlay.tree.materialize import BaseSource
@@ -80,13 +80,37 @@ from vllm_overlay.upstream.prbody import (
     pr_body,
     split_description,
 )
-from vllm_overlay.upstream.testport import port_test, upstream_test_path
+from vllm_overlay.upstream.testport import (
+    UPSTREAM_TEST_DIR,
+    VLLM_HELPER_MODULES,
+    port_test,
+    upstream_test_path,
+)
 
 RUFF_VERSION = "0.14.0"
-# The Author of this project's own patches: not a person, so the mail is
-# authored and signed off by whoever exports it (vLLM's DCO check wants the
-# author's own Signed-off-by).
-PROJECT_AUTHOR = "vllm-moriio-overlay"
+# The Author of this project's own patches (``vllm-moriio-overlay <email>``,
+# patches/AUTHORS): not a person, so the mail is authored and signed off by
+# whoever exports it (vLLM's DCO check wants the author's own Signed-off-by);
+# without a sign-off the mail is from the project's address.
+PROJECT_AUTHOR = PROJECT_NAME
+# The title tags vLLM's own MoRIIO and KV-connector pull requests use
+# (docs/upstream.md cites them); a title's tags come from this list.
+VLLM_TITLE_TAGS = (
+    "Bugfix",
+    "ROCm",
+    "KVConnector",
+    "P/D",
+    "PD",
+    "MoRIIO",
+    "Connector",
+    "Core",
+    "Feature",
+    "Perf",
+    "CI",
+    "Misc",
+)
+# Tags vLLM spells otherwise.
+RESPELLED_TAGS = {"KV Connector": "KVConnector", "BugFix": "Bugfix", "Bug": "Bugfix"}
 VLLM_REPO = "vllm-project/vllm"
 RUFF_CONFIG = "ci/ruff-vllm.toml"
 DEFAULT_OUT = Path("dist/upstream")
@@ -343,9 +367,10 @@ def _run_ported(
 ) -> str:
     """Check 7: the ported files run alone, with vLLM's MoRIIO package
     loaded from the stack with the patch (``after``: every pinned file)."""
+    standins = _helper_standins(ctx.root, patch, ported)
     with tempfile.TemporaryDirectory(prefix="vllm-overlay-upstream-tests-") as tmp:
         tree, level = Path(tmp) / "tree", Path(tmp) / "level"
-        for root, files in ((tree, ported), (level, after)):
+        for root, files in ((tree, {**ported, **standins}), (level, after)):
             for path, text in files.items():
                 dest = root / path
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -360,11 +385,39 @@ def _run_ported(
     summary = tail[0].strip("= ") if tail else f"exit {run.returncode}"
     if run.returncode != 0:
         raise _fail(patch, log, f"the ported tests fail in isolation: {summary}")
+    stood_in = [p for p in standins if not p.endswith("__init__.py")]
     log.append(
         f"[ok] ported tests ran alone (no conftest) on "
         f"{level_label(ctx.series, patch.index)}: {summary}"
+        + (
+            f" (vLLM's {', '.join(stood_in)} stood in by this repository's "
+            "module of the same names: vLLM's test tree is not in the wheel)"
+            if stood_in
+            else ""
+        )
     )
     return f"The ported test file, run alone in vLLM's test layout: {summary}."
+
+
+def _helper_standins(
+    root: Path, patch: SeriesPatch, ported: dict[str, str]
+) -> dict[str, str]:
+    """For a run outside vLLM's tree: the modules of vLLM's test tree the
+    ports import (``from .utils import ...``), each from the local module
+    that stands in for it, and the ``__init__.py`` files that make the
+    relative import resolve."""
+    dirs = sorted({(root / t.split("::", 1)[0]).parent for t in patch.header.tests})
+    out: dict[str, str] = {}
+    for local, upstream in VLLM_HELPER_MODULES.items():
+        if not any(f"from .{upstream} import" in t for t in ported.values()):
+            continue
+        src = next(d / f"{local}.py" for d in dirs if (d / f"{local}.py").is_file())
+        out[f"{UPSTREAM_TEST_DIR}/{upstream}.py"] = src.read_text()
+    if out:
+        parts = Path(UPSTREAM_TEST_DIR).parts
+        for i in range(1, len(parts) + 1):
+            out[str(Path(*parts[:i]) / "__init__.py")] = ""
+    return out
 
 
 @dataclass(frozen=True)
@@ -463,6 +516,7 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
             guards=guards,
             below_label=base_label + below.removeprefix("base"),
             builds_on=_builds_on(ctx, patch),
+            authorship=authorship_note(patch, mail_author(patch, ctx.signoff)),
         )
     )
     _check_body(patch, body, log)
@@ -513,8 +567,10 @@ def _check_header(patch: SeriesPatch, log: list[str]) -> None:
     hold what the mail and the body need."""
     h = patch.header
     if not _SUBJECT_RE.match(h.subject):
-        raise _fail(patch, log, f"Subject {h.subject!r} is not '[Tag]... Title'")
-    log.append("[ok] subject in vLLM PR-title style")
+        raise _fail(patch, log, f"title {h.subject!r} is not '[Tag]... Title'")
+    if problem := title_tag_problem(h.subject):
+        raise _fail(patch, log, problem)
+    log.append("[ok] title in vLLM PR-title style, with vLLM's own tags")
     if not _DATE_RE.match(h.last_update):
         raise _fail(patch, log, "Last-Update (YYYY-MM-DD) is needed as the date")
     try:
@@ -523,12 +579,56 @@ def _check_header(patch: SeriesPatch, log: list[str]) -> None:
         raise _fail(patch, log, str(e)) from None
 
 
+def title_tag_problem(title: str) -> str | None:
+    """Why the title's ``[Tag]`` prefixes are not vLLM's, None when they are."""
+    tags = re.findall(r"\[([^\]\n]+)\]", title.split("] ")[0] + "]")
+    for tag in tags:
+        if tag in RESPELLED_TAGS:
+            return f"title tag [{tag}]: vLLM writes [{RESPELLED_TAGS[tag]}]"
+        if tag not in VLLM_TITLE_TAGS:
+            return (
+                f"title tag [{tag}] is not one vLLM's MoRIIO and KV-connector "
+                f"pull requests use ({', '.join(VLLM_TITLE_TAGS)})"
+            )
+    return None
+
+
+def is_project_patch(patch: SeriesPatch) -> bool:
+    return patch.header.author.partition("<")[0].strip() == PROJECT_AUTHOR
+
+
 def mail_author(patch: SeriesPatch, signoff: Identity | None) -> Identity:
     """The header's Author; for this project's own patches, the person who
-    signs the mail off."""
-    if patch.header.author.strip() == PROJECT_AUTHOR and signoff is not None:
+    signs the mail off (else the project's address, the header's)."""
+    if is_project_patch(patch) and signoff is not None:
         return signoff
     return Identity.parse(patch.header.author)
+
+
+def authorship_note(patch: SeriesPatch, author: Identity) -> list[str]:
+    """For someone else's change: whose it is, what the mail's address is
+    (and is not), and that the sign-off is theirs to give."""
+    if is_project_patch(patch):
+        return []
+    h = patch.header
+    lines = [
+        f"Authorship: this change is {author.name}'s ({h.origin}); the mail "
+        f"keeps them as its author, and vLLM's DCO check wants their own "
+        f"Signed-off-by, which no one else can give: the pull request is "
+        f"theirs to open"
+        + (f" ({h.upstream_url})" if h.upstream_url else "")
+        + ", or to sign off."
+    ]
+    if author.email == f"{author.name}@users.noreply.github.com":
+        lines.append(
+            f"Address: {author.email} is derived from the GitHub handle "
+            "(the form of accounts made before July 2017). Newer accounts "
+            "commit as ID+handle@users.noreply.github.com, with their numeric "
+            "account ID, which this export does not know and does not make up: "
+            "the author amends the commit with their own address "
+            "(git commit --amend --reset-author -s)."
+        )
+    return lines
 
 
 def _mail(
@@ -570,6 +670,7 @@ def _mail(
             f"change is theirs to open"
             + (f": {h.upstream_url}" if h.upstream_url else "")
         )
+    log.extend(f"[--] {line}" for line in authorship_note(patch, author))
     return mail
 
 

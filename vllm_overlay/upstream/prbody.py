@@ -119,6 +119,7 @@ class BodyInputs:
     guards: list[StackRow] = field(default_factory=list)  # pass on both
     below_label: str = ""  # the stack below, e.g. "vLLM 0.33.0 + 0001..0003"
     builds_on: list[str] = field(default_factory=list)  # "#62165 (URL)"
+    authorship: list[str] = field(default_factory=list)  # someone else's change
 
 
 def _upstream_id(test_id: str, id_map: dict[str, str]) -> str:
@@ -148,9 +149,29 @@ def _links(header: PatchHeader) -> list[str]:
     return [f"- {', '.join(names)}: {url}" for url, names in labels.items()]
 
 
+# The checklist block of vLLM's .github/PULL_REQUEST_TEMPLATE.md: its
+# heading and checkbox labels, as the template has them (docs/upstream.md).
+# The body below fills each item, so each is ticked; the optional
+# documentation item is left to the person opening the PR.
+TEMPLATE_CHECKLIST = (
+    "## Essential Elements of an Effective PR Description Checklist",
+    "",
+    '- [x] The purpose of the PR, such as "Fix some issue (link existing issues '
+    'this PR will resolve)".',
+    "- [x] The test plan, such as providing test command.",
+    "- [x] The test results, such as pasting the results comparison before and "
+    "after, or e2e results",
+    "- [ ] (Optional) The necessary documentation update, such as updating "
+    "`supported_models.md` and `examples` for a new model.",
+    "",
+)
+
+
 def pr_body(b: BodyInputs) -> str:
     s = split_description(b.header)
-    out = ["## Purpose", "", s.purpose, ""]
+    out = [*TEMPLATE_CHECKLIST, "## Purpose", "", s.purpose, ""]
+    if b.authorship:
+        out += ["> " + "\n>\n> ".join(b.authorship), ""]
     links = _links(b.header)
     if b.builds_on:
         out += [

@@ -32,6 +32,14 @@ SPDX_HEADER = (
 )
 UPSTREAM_TEST_DIR = "tests/v1/kv_connector/unit"
 _FORBIDDEN = ("vllm_overlay", "tests")
+# Local modules that stand in for a module of vLLM's test tree: a port imports
+# the names from vLLM's module (relative to UPSTREAM_TEST_DIR, as vLLM's
+# test_moriio_connector.py does) instead of inlining them.
+VLLM_HELPER_MODULES = {"vllm_unit_utils": "utils"}
+# Words that name this repository, not vLLM, in a ported file.
+_OUR_WORDS = ("vllm_overlay", "vllm-overlay", "tests/patches", "tests.patches")
+# A patch of this series named by its number ("patch 0008", "0013:").
+_PATCH_NUMBER = re.compile(r"(?<![\w.])0\d{3}(?![\w.])")
 
 
 # "Patch 0003: ..." opening a test docstring names the overlay, not vLLM.
@@ -239,7 +247,29 @@ def port_test(test_file: Path) -> str:
     body = porter.test_body()
     needed, imported = porter.needed(body)
     porter.check(needed, body)
-    return porter.render(body, needed, imported)
+    text = porter.render(body, needed, imported)
+    found = our_names(text, porter.local | {porter.test.name})
+    if found:
+        raise PortError(
+            "the port names this repository, not vLLM: "
+            + "; ".join(f"line {n}: {word!r}" for n, word in found[:5])
+            + (f" (and {len(found) - 5} more)" if len(found) > 5 else "")
+            + "; say it in vLLM's terms in the test module and the helpers"
+        )
+    return text
+
+
+def our_names(text: str, modules: set[str]) -> list[tuple[int, str]]:
+    """(line, word) for each name of this repository in ``text``: the local
+    test modules, the overlay's package and test folder, a patch number."""
+    words = [*_OUR_WORDS, *sorted(m for m in modules if m != "conftest")]
+    found = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for word in words:
+            if re.search(rf"(?<![\w/.]){re.escape(word)}(?![\w])", line):
+                found.append((n, word))
+        found.extend((n, m.group()) for m in _PATCH_NUMBER.finditer(line))
+    return found
 
 
 # A statement the port inlines, and the local module defining it.
@@ -297,6 +327,12 @@ class _Porter:
     ) -> None:
         where = f"{mod.path.name}:{s.lineno}"
         target = _local_module_name(s, self.local)
+        if target in VLLM_HELPER_MODULES and isinstance(s, ast.ImportFrom):
+            vllm = ast.ImportFrom(
+                module=VLLM_HELPER_MODULES[target], names=s.names, level=1
+            )
+            self.imports.setdefault(mod.name, _Imports()).add(vllm, type_only, where)
+            return
         if target is not None:
             if isinstance(s, ast.Import):
                 raise PortError(

@@ -30,7 +30,7 @@ from vllm_overlay.series.patch_series import (
     Series,
     SeriesPatch,
     dropped_record,
-    set_header_field,
+    put_header_field,
     split_header,
 )
 from vllm_overlay.series.pin import (
@@ -232,7 +232,7 @@ def _classify_step(walk: _Walk, patch: SeriesPatch) -> RebaseRow:
         walk.dropped[record] = dropped_record(head, walk.version)
     else:
         if result == "partly upstream":
-            head = set_header_field(
+            head = put_header_field(
                 head, "Applied-Upstream", f"{walk.version} (in part)"
             )
         walk.refreshed[patch.name] = _refresh(patch, head, outcomes, walk.new)
