@@ -527,8 +527,8 @@ def prefiller_tail_errors(
 
 # The reads of a sweep already run in this process, per pair (layout, what
 # it was built from), cases and lengths: the connector is the same for the
-# whole process, so a second test sweeping the same cases (patch 0002's and
-# patch 0008's named tests both sweep SWEEPS) judges the same reads, each
+# whole process, so a second test sweeping the same cases (two modules' named
+# tests both sweep SWEEPS) judges the same reads, each
 # test with its own judgement.
 _SWEPT: dict[tuple[Any, ...], list[tuple[Case, int, BlockLists]]] = {}
 

@@ -1,7 +1,7 @@
-"""Patch 0018: the READ prefiller lays out its window lists for the whole
-prompt (``moriio_protocol`` 2).
+"""The READ prefiller lays out its window lists for the whole prompt
+(``moriio_protocol`` 2).
 
-0008's prefiller computes N - 1 tokens when the model has a window group; its
+A READ prefiller computes N - 1 tokens when the model has a window group; its
 window lists used to end with the page of position N - 2. A decoder pairs a
 window list by its tail against its own table of N tokens: vLLM's own MoRIIO
 decoder, and an overlaid decoder behind vLLM's MoRIIO toy proxy (which
@@ -10,19 +10,13 @@ and sets ``do_remote_prefill`` itself), paired them one page off when
 N = 1 mod B. The lists now end with the page of position N - 1, padded with
 the prefiller's last block.
 
-A real prefill scheduler and a real decode scheduler (``scheduler_pair_0008``)
-run two prompts, the decoder admitting both in one step; the base decoder is
-driven by the simulator's mixed pair (vLLM's pinned MoRIIO on the decode leg)
-in a child process.
+A real prefill scheduler and a real decode scheduler run two prompts, the
+decoder admitting both in one step.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -135,56 +129,3 @@ def test_window_lists_end_with_the_prompts_last_page(
     assert window[:-1] == tables[1][(n - 1) // B - len(window) + 1 : (n - 1) // B]
     assert window[-1] == tables[1][(n - 1) // B - 1] != 0
     pair._step(pair.prefill, finished_sending={f"layout-{i}"})
-
-
-_CHILD = """
-import json, sys
-from pathlib import Path
-from vllm_overlay.simulate.builds import BuildPair, load_pair
-from vllm_overlay.simulate.drive import Pair
-from vllm_overlay.simulate.layouts import expand
-
-load_pair(
-    BuildPair("overlay", "base"),
-    {"overlay": Path(sys.argv[1]), "base": Path(sys.argv[2])},
-)
-pair = Pair(expand(["gemma"])[0], max_model_len=2048, port=int(sys.argv[3]))
-out = {}
-for n in map(int, sys.argv[4].split(",")):
-    case = pair.run_case(n, 0.0)
-    out[n] = [case.wrong, case.error, case.fallback]
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.parametrize("n", [529, 545])
-def test_base_decoder_reads_the_right_window(
-    tmp_path: Path, base_texts: dict[str, str], n: int
-) -> None:
-    """vLLM's pinned MoRIIO as the decoder (it cannot change), this build as
-    the prefiller, both legs vLLM's real schedulers (the simulator's mixed
-    pair, gemma: window 512, block 16): at N = 1 mod 16 the base decoder's
-    window READ lands on the pages of the same positions."""
-    overlay = Path(moriio_connector.__file__).parent
-    base = tmp_path / "base" / "moriio"
-    base.mkdir(parents=True)
-    for path, text in base_texts.items():
-        (base / Path(path).name).write_text(text)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(_CHILD),
-            str(overlay),
-            str(base),
-            str(47800 + n % 100),
-            str(n),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {str(n): [False, None, False]}
