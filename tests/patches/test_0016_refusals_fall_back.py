@@ -114,9 +114,30 @@ class _Counted:
         conn.get_kv_connector_stats = spy  # type: ignore[method-assign]
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def connector_warnings() -> Any:
+    """The connector's warnings, from its own logger: vLLM's logging config
+    stops propagation at the ``vllm`` logger, so a root-level capture sees
+    nothing once another test in the process has configured it."""
+    handler = _Records()
+    log = logging.getLogger(moriio_connector.__name__)
+    log.addHandler(handler)
+    yield handler.records
+    log.removeHandler(handler)
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_refused_payload_is_prefilled_locally_beside_a_transfer(
-    pair: SchedulerPair, fault: str, caplog: pytest.LogCaptureFixture
+    pair: SchedulerPair, fault: str, connector_warnings: list[logging.LogRecord]
 ) -> None:
     """The decoder's step returns; the intact request READs its pages and
     completes, the refused one has no external token, reads nothing (its
@@ -130,8 +151,7 @@ def test_refused_payload_is_prefilled_locally_beside_a_transfer(
     for rid in (ok, bad):
         pair.decode.add_request(pair._request(rid, tokens[rid], params[rid]))
 
-    with caplog.at_level(logging.WARNING):
-        output = pair.decode.schedule()
+    output = pair.decode.schedule()
     meta = output.kv_connector_metadata.reqs_to_recv
     assert output.num_scheduled_tokens == {ok: 1, bad: N}
     assert all(meta[ok].local_block_ids)
@@ -145,7 +165,7 @@ def test_refused_payload_is_prefilled_locally_beside_a_transfer(
         finished |= {o.request_id for o in pair._step(pair.decode) if o.finish_reason}
     assert finished == {ok, bad}
     assert counted.fallbacks == 1
-    lines = [r.getMessage() for r in caplog.records if bad in r.getMessage()]
+    lines = [r.getMessage() for r in connector_warnings if bad in r.getMessage()]
     assert len(lines) == 1 and "served by local prefill" in lines[0]
     pair._step(pair.prefill, finished_sending={ok, bad})
 
