@@ -114,6 +114,16 @@ class Lines:
         return "\n".join(self.seen)
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT and SIGQUIT as a terminal's foreground job has them. A shell
+    starts a background job with both ignored, and an ignored signal stays
+    ignored across exec (Python then installs no KeyboardInterrupt handler),
+    so a suite run from a background job would test a nox that cannot be
+    interrupted."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm-to-nox"])
 def test_an_interrupted_nox_run_removes_its_containers_only(
     fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
@@ -136,6 +146,7 @@ def test_an_interrupted_nox_run_removes_its_containers_only(
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,  # its own group: the "terminal" Ctrl-C hits
+        preexec_fn=_as_from_a_terminal,
     )  # fmt: skip
     lines = Lines(proc)
     try:

@@ -59,6 +59,8 @@ def make_repo(tmp_path: Path, pin: Pin) -> MakeRepo:
         shutil.copy(REPO / "ci" / "ruff-vllm.toml", root / "ci" / "ruff-vllm.toml")
         series = "# test series\n" + "".join(f"{name}\n" for name in patches)
         (root / "patches" / "series").write_text(series)
+        # Our patches' Author line is checked against the project's address.
+        shutil.copy(REPO / "patches" / "AUTHORS", root / "patches" / "AUTHORS")
         for name, text in patches.items():
             (root / "patches" / name).write_text(text)
         return root

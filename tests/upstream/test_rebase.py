@@ -373,6 +373,7 @@ def test_real_older_release_conflicts(
         "0001-conn.patch",
         "0002-common.patch",
         "0003-after.patch",
+        "AUTHORS",
         "series",
     ]
 

@@ -108,10 +108,12 @@ def _overlaid(base: dict[str, str], series: Series) -> str:
 
 
 def _apply_all(text: str, series: Series) -> str:
-    """The series applied exactly (no offset) to ``text``."""
+    """The series' changes to the connector applied exactly (no offset) to
+    ``text`` (a patch may touch other MoRIIO files too)."""
     for patch in series.patches:
         for fp in patch.files:
-            text = apply_file_patch(text, fp).text
+            if fp.new_path == CONNECTOR:
+                text = apply_file_patch(text, fp).text
     return text
 
 
@@ -350,7 +352,7 @@ def test_a_tree_carrying_the_series_is_said_and_left_alone(
 ) -> None:
     """`rebase --to` an overlaid install: one line, exit 0, nothing written."""
     root = _repo(make_repo, series)
-    files = {**base_texts, CONNECTOR: _overlaid(base_texts, series)}
+    files = {**base_texts, **overlay_texts(base_texts, series)}
     tree = write_tree(tmp_path / "site", files)
     (tree / pin.module / MANIFEST_NAME).write_bytes(_manifest(series, pin))
     rc, report = _rebase(root, tmp_path, base_texts, tree, "--write")
