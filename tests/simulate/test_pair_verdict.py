@@ -103,3 +103,72 @@ def test_a_gap_names_a_judged_pair(tmp_path: Path):
     )
     with pytest.raises(GapsError, match="pair 'base'"):
         load_gaps(path)
+
+
+def _by_hit(*cases: tuple[str, int]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for hit, n in cases:
+        out.setdefault(hit, []).append(n)
+    return out
+
+
+def test_a_base_decoder_is_judged_by_the_cases_the_base_pair_reads_right():
+    shared = _by_hit(("0", 529), ("50", 545))
+    base = _row("base", wrong_lengths=[529, 545], wrong_lengths_by_hit=shared)
+    same = _row(
+        "overlay->base", wrong_lengths=[529, 545], wrong_lengths_by_hit=shared
+    )
+    verdict = judge(_sweep(base, _row("overlay"), same), [])
+    assert verdict.exit_code == 0
+    assert verdict.base_decoder_wrong == 2
+    assert "2 wrong cases of base decoders where the base pair is wrong too" in (
+        verdict.line()
+    )
+    # One more wrong case than the base pair (the same length at another hit).
+    more = _by_hit(("0", 529), ("50", 545), ("50", 529))
+    worse = _row("overlay->base", wrong_lengths=[529, 545], wrong_lengths_by_hit=more)
+    verdict = judge(_sweep(base, _row("overlay"), worse), [])
+    assert verdict.failures == [
+        "gemma (overlay->base) reads wrong KV in 1 case where the base pair reads "
+        "right"
+    ]
+    # Without the base pair in the run there is nothing to compare with.
+    verdict = judge(_sweep(_row("overlay"), same), [])
+    assert verdict.failures == ["gemma (overlay->base) reads wrong KV in 2 cases"]
+    # An overlaid decoder is held to every case, whatever the base pair does.
+    mixed = _row("base->overlay", wrong_lengths=[529], wrong_lengths_by_hit=shared)
+    assert judge(_sweep(base, mixed), []).exit_code == 1
+
+
+def test_bytes_base_decoder_wrong_only_where_the_base_pair_is_right():
+    item = ConfigItem("gemma", "read", 1, 1, "LBNHC")
+    shared = _by_hit(("0", 529))
+    base = ConfigReport("base", item, cases=4, wrong_cases=1, wrong_lengths=shared)
+    same = ConfigReport(
+        "overlay->base", item, cases=4, wrong_cases=1, wrong_lengths=shared
+    )
+    report = BytesReport([529], [0.0], PAIRS, [base, same], 1.0)
+    verdict = judge_bytes(report, [])
+    assert verdict.exit_code == 0 and verdict.base_decoder_wrong == 1
+    more = _by_hit(("0", 529), ("100", 17))
+    worse = ConfigReport(
+        "overlay->base", item, cases=4, wrong_cases=2, wrong_lengths=more
+    )
+    verdict = judge_bytes(BytesReport([529], [0.0], PAIRS, [base, worse], 1.0), [])
+    assert verdict.failures == [
+        "gemma read 1->1 LBNHC (overlay->base) wrong or stray bytes in 1 case where "
+        "the base pair moves right"
+    ]
+
+
+def test_the_default_sweep_runs_every_pair_and_update_readme_both():
+    from vllm_overlay.cli import build_parser
+    from vllm_overlay.simulate.builds import parse_pairs
+
+    args = build_parser().parse_args(["simulate"])
+    assert [p.name for p in parse_pairs(args.variant)] == [
+        "base",
+        "overlay",
+        "base->overlay",
+        "overlay->base",
+    ]

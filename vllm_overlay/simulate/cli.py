@@ -69,6 +69,8 @@ from vllm_overlay.simulate.verdict import (
 )
 
 BYTES_REPORT = "simulate-bytes.json"
+DEFAULT_VARIANT = "all"
+"""Both builds alone and both mixed pairs (a rolling upgrade's halves)."""
 
 
 class SimulateArgsError(OverlayError):
@@ -98,7 +100,7 @@ def selection(args: argparse.Namespace) -> list[tuple[str, str]]:
         ("layouts", args.layouts),
         ("lengths", args.lengths or ""),
         ("hits", args.hits or ""),
-        ("variant", "" if args.variant == "both" else args.variant),
+        ("variant", "" if args.variant == DEFAULT_VARIANT else args.variant),
         ("faults", args.faults or ""),
         ("overlay-from", "" if args.overlay_from == "series" else args.overlay_from),
         ("whole", "yes" if args.whole else ""),
@@ -169,14 +171,15 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--variant",
-        default="both",
+        default=DEFAULT_VARIANT,
         metavar="PAIRS",
         help="which connector build each leg runs, a comma list of pairs: base, "
         "overlay (one build on both legs), base->overlay (a base prefiller, an "
         "overlaid decoder), overlay->base (a rolling upgrade's two halves); "
         "both = base,overlay; mixed = base->overlay,overlay->base; all = the "
         "four (default: %(default)s; every pair with an overlaid leg is "
-        "judged; with --bytes the mixed pairs run the mechanism layouts only)",
+        "judged, a base decoder where the base pair reads right; with --bytes "
+        "the mixed pairs run the mechanism layouts only; --update-readme: both)",
     )
     p.add_argument(
         "--faults",
@@ -276,9 +279,10 @@ def _run(app: App, args: argparse.Namespace) -> int:
     _check_args(layouts, args.lengths, args.hits)
     gaps = _gaps(app)
     if args.update_readme:
-        if layouts or args.variant != "both" or args.bytes:
+        if layouts or args.variant != DEFAULT_VARIANT or args.bytes:
             return app.fail("--update-readme runs every family, base and overlay")
         layouts = _family_layouts()
+        variants = ["base", "overlay"]
     name = BYTES_REPORT if args.bytes else SIMULATE_REPORT
     full = app.checkout.root / REPORT_DIR / name
     chosen = selection(args)

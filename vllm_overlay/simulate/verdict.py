@@ -6,7 +6,11 @@ refused at start (MoRIIO or vLLM failing closed) is no failure, unless every
 layout of the run was: then no case ran at all. A layout that
 falls short is a failure unless ``docs/known-gaps.toml`` lists it, for that
 problem, with the issue or patch that tracks it. The base variant is not
-judged: it is what the series fixes.
+judged: it is what the series fixes. A pair whose decoder runs the base
+build (``overlay->base``, a rolling upgrade's prefill half) reads wrong KV
+only where the base pair of the same run reads right: a case the base pair
+gets wrong as well is the base decoder's own (only the decoder can be
+fixed), counted and shown, not a failure.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Literal
 import msgspec
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.faults import FaultReport
 from vllm_overlay.simulate.report import LayoutReport, SweepReport
 from vllm_overlay.text import count
@@ -76,14 +81,49 @@ def load_gaps(path: Path) -> list[KnownGap]:
     return gaps
 
 
-def problems(r: LayoutReport) -> list[tuple[Problem, str]]:
-    """What is wrong with one layout's run, each with its one-line detail."""
+WrongCases = frozenset[tuple[str, int]]
+"""(hit percentage, prompt length) of each case with wrong KV."""
+
+
+def wrong_cases(by_hit: dict[str, list[int]]) -> WrongCases:
+    return frozenset((hit, n) for hit, lengths in by_hit.items() for n in lengths)
+
+
+def base_decoder(variant: str) -> bool:
+    """Whether the pair's decoder runs the base build while its prefiller
+    does not: its wrong cases are judged against the base pair's."""
+    pair = BuildPair.parse(variant)
+    return pair.mixed and pair.decode == "base"
+
+
+def beyond_base(
+    wrong: WrongCases, base: WrongCases | None
+) -> tuple[WrongCases, int]:
+    """The wrong cases of a base-decoder pair that the base pair reads right
+    (all of them when the run has no base pair to compare with), and how
+    many the base pair gets wrong too."""
+    if base is None:
+        return wrong, 0
+    return wrong - base, len(wrong & base)
+
+
+def problems(
+    r: LayoutReport, base_wrong: WrongCases | None = None
+) -> list[tuple[Problem, str]]:
+    """What is wrong with one layout's run, each with its one-line detail;
+    ``base_wrong``: the base pair's wrong cases of the layout, for a pair
+    with a base decoder."""
     if r.refused_at_start is not None:
         return []
     if r.cases == 0:
         return [("no cases", "ran no case")]
     out: list[tuple[Problem, str]] = []
-    if r.wrong_lengths:
+    if base_decoder(r.variant):
+        own, shared = beyond_base(wrong_cases(r.wrong_lengths_by_hit), base_wrong)
+        if own:
+            where = "" if base_wrong is None else " where the base pair reads right"
+            out.append(("wrong KV", f"reads wrong KV in {count(len(own), 'case')}{where}"))
+    elif r.wrong_lengths:
         out.append(
             (
                 "wrong KV",
@@ -118,6 +158,8 @@ class Verdict:
     known: list[str] = field(default_factory=list)
     passing_gaps: list[str] = field(default_factory=list)
     """Known gaps whose layout ran and no longer shows the problem."""
+    base_decoder_wrong: int = 0
+    """Wrong cases of base-decoder pairs that the base pair has too."""
 
     @property
     def exit_code(self) -> int:
@@ -126,6 +168,11 @@ class Verdict:
     def line(self) -> str:
         known = f"; {count(len(self.known), 'known gap')}: {', '.join(self.known)}"
         known = known if self.known else ""
+        if self.base_decoder_wrong:
+            known += (
+                f"; {count(self.base_decoder_wrong, 'wrong case')} of base "
+                "decoders where the base pair is wrong too"
+            )
         if self.failures:
             return (
                 "simulate: FAILED: the overlay falls short in "
@@ -157,10 +204,20 @@ def judge(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
         return verdict
     if not rows:
         verdict.failures.append("no layout ran")
+    base_wrong = {
+        r.layout: wrong_cases(r.wrong_lengths_by_hit)
+        for r in report.layouts
+        if r.variant == "base" and r.refused_at_start is None
+    }
     for r in rows:
         verdict.judged += 1
         verdict.refused += r.refused_at_start is not None
-        found = problems(r)
+        found = problems(r, base_wrong.get(r.layout))
+        if base_decoder(r.variant) and r.refused_at_start is None:
+            _, shared = beyond_base(
+                wrong_cases(r.wrong_lengths_by_hit), base_wrong.get(r.layout)
+            )
+            verdict.base_decoder_wrong += shared
         name = shown(r.layout, r.variant)
         for problem, detail in found:
             gap = by_key.get((r.layout, problem, r.variant))

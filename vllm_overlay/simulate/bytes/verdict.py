@@ -8,7 +8,9 @@ it. A gap of ``scope = "bytes"`` names a layout (every configuration of it),
 ``layout mode``, ``layout mode P->D`` or the whole configuration name as the
 table prints it (``glm read 1->2 LBNHC``). A configuration refused at start
 is no failure; a run where every overlay configuration was refused is. The
-base is not judged: it is what the series fixes.
+base is not judged: it is what the series fixes. A pair with a base decoder
+(``overlay->base``) moves wrong bytes only where the base pair of the same
+configuration moves right ones, as in ``simulate/verdict.py``.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ from vllm_overlay.simulate.bytes.report import (
     ConfigReport,
     config_name,
 )
+from vllm_overlay.text import count
 from vllm_overlay.simulate.verdict import (
     KnownGap,
     Problem,
+    WrongCases,
+    base_decoder,
+    beyond_base,
     escape_problems,
     judged,
     shown,
+    wrong_cases,
 )
 
 
@@ -36,14 +43,23 @@ def names(item: ConfigItem) -> tuple[str, ...]:
     return (item.layout, mode, f"{mode} {item.p_tp}->{item.d_tp}", config_name(item))
 
 
-def problems(r: ConfigReport) -> list[tuple[Problem, str]]:
-    """What is wrong with one configuration's run, each with its detail."""
+def problems(
+    r: ConfigReport, base_wrong: WrongCases | None = None
+) -> list[tuple[Problem, str]]:
+    """What is wrong with one configuration's run, each with its detail;
+    ``base_wrong``: the base pair's wrong cases of the configuration, for a
+    pair with a base decoder."""
     if r.refused_at_start is not None:
         return []
     if r.cases == 0:
         return [("no cases", "ran no case")]
     out: list[tuple[Problem, str]] = []
-    if r.wrong_cases:
+    if base_decoder(r.variant):
+        own, _ = beyond_base(wrong_cases(r.wrong_lengths), base_wrong)
+        if own:
+            where = "" if base_wrong is None else " where the base pair moves right"
+            out.append(("wrong KV", f"wrong or stray bytes in {count(len(own), 'case')}{where}"))
+    elif r.wrong_cases:
         out.append(
             ("wrong KV", f"wrong or stray bytes in {r.wrong_cases} of {r.cases} cases")
         )
@@ -62,6 +78,8 @@ class BytesVerdict:
     refused: int = 0
     failures: list[str] = field(default_factory=list)
     known: list[str] = field(default_factory=list)
+    base_decoder_wrong: int = 0
+    """Wrong cases of base-decoder pairs that the base pair has too."""
 
     @property
     def exit_code(self) -> int:
@@ -69,6 +87,11 @@ class BytesVerdict:
 
     def line(self) -> str:
         known = f"; {len(self.known)} known gap(s)" if self.known else ""
+        if self.base_decoder_wrong:
+            known += (
+                f"; {self.base_decoder_wrong} wrong case(s) of base decoders "
+                "where the base pair is wrong too"
+            )
         if self.failures:
             shown = "; ".join(self.failures[:6])
             more = len(self.failures) - 6
@@ -93,10 +116,20 @@ def judge(report: BytesReport, gaps: list[KnownGap]) -> BytesVerdict:
     rows = [r for r in report.configs if judged(r.variant)]
     if not any(judged(v) for v in report.variants):
         return verdict
+    base_wrong = {
+        config_name(r.item): wrong_cases(r.wrong_lengths)
+        for r in report.configs
+        if r.variant == "base" and r.refused_at_start is None
+    }
     for r in rows:
         verdict.judged += 1
         verdict.refused += r.refused_at_start is not None
-        for problem, detail in problems(r):
+        base = base_wrong.get(config_name(r.item))
+        if base_decoder(r.variant) and r.refused_at_start is None:
+            verdict.base_decoder_wrong += beyond_base(
+                wrong_cases(r.wrong_lengths), base
+            )[1]
+        for problem, detail in problems(r, base):
             gap = next(
                 (
                     g
