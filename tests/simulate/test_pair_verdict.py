@@ -115,9 +115,7 @@ def _by_hit(*cases: tuple[str, int]) -> dict[str, list[int]]:
 def test_a_base_decoder_is_judged_by_the_cases_the_base_pair_reads_right():
     shared = _by_hit(("0", 529), ("50", 545))
     base = _row("base", wrong_lengths=[529, 545], wrong_lengths_by_hit=shared)
-    same = _row(
-        "overlay->base", wrong_lengths=[529, 545], wrong_lengths_by_hit=shared
-    )
+    same = _row("overlay->base", wrong_lengths=[529, 545], wrong_lengths_by_hit=shared)
     verdict = judge(_sweep(base, _row("overlay"), same), [])
     assert verdict.exit_code == 0
     assert verdict.base_decoder_wrong == 2
@@ -129,8 +127,7 @@ def test_a_base_decoder_is_judged_by_the_cases_the_base_pair_reads_right():
     worse = _row("overlay->base", wrong_lengths=[529, 545], wrong_lengths_by_hit=more)
     verdict = judge(_sweep(base, _row("overlay"), worse), [])
     assert verdict.failures == [
-        "gemma (overlay->base) reads wrong KV in 1 case where the base pair reads "
-        "right"
+        "gemma (overlay->base) reads wrong KV in 1 case where the base pair reads right"
     ]
     # Without the base pair in the run there is nothing to compare with.
     verdict = judge(_sweep(_row("overlay"), same), [])

@@ -96,9 +96,7 @@ def base_decoder(variant: str) -> bool:
     return pair.mixed and pair.decode == "base"
 
 
-def beyond_base(
-    wrong: WrongCases, base: WrongCases | None
-) -> tuple[WrongCases, int]:
+def beyond_base(wrong: WrongCases, base: WrongCases | None) -> tuple[WrongCases, int]:
     """The wrong cases of a base-decoder pair that the base pair reads right
     (all of them when the run has no base pair to compare with), and how
     many the base pair gets wrong too."""
@@ -122,7 +120,8 @@ def problems(
         own, shared = beyond_base(wrong_cases(r.wrong_lengths_by_hit), base_wrong)
         if own:
             where = "" if base_wrong is None else " where the base pair reads right"
-            out.append(("wrong KV", f"reads wrong KV in {count(len(own), 'case')}{where}"))
+            detail = f"reads wrong KV in {count(len(own), 'case')}{where}"
+            out.append(("wrong KV", detail))
     elif r.wrong_lengths:
         out.append(
             (

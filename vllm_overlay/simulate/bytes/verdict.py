@@ -23,7 +23,6 @@ from vllm_overlay.simulate.bytes.report import (
     ConfigReport,
     config_name,
 )
-from vllm_overlay.text import count
 from vllm_overlay.simulate.verdict import (
     KnownGap,
     Problem,
@@ -35,6 +34,7 @@ from vllm_overlay.simulate.verdict import (
     shown,
     wrong_cases,
 )
+from vllm_overlay.text import count
 
 
 def names(item: ConfigItem) -> tuple[str, ...]:
@@ -58,7 +58,8 @@ def problems(
         own, _ = beyond_base(wrong_cases(r.wrong_lengths), base_wrong)
         if own:
             where = "" if base_wrong is None else " where the base pair moves right"
-            out.append(("wrong KV", f"wrong or stray bytes in {count(len(own), 'case')}{where}"))
+            detail = f"wrong or stray bytes in {count(len(own), 'case')}{where}"
+            out.append(("wrong KV", detail))
     elif r.wrong_cases:
         out.append(
             ("wrong KV", f"wrong or stray bytes in {r.wrong_cases} of {r.cases} cases")
