@@ -8,6 +8,7 @@ from vllm_overlay.simulate.check import (
     ReadCheck,
     needs,
     precopy_states,
+    sampled_drafter_rows,
 )
 from vllm_overlay.simulate.pages import PageStore
 
@@ -222,3 +223,24 @@ def test_past_hit_is_the_rule_both_simulators_share():
     (state,) = needs([STATE], 40)
     assert past_hit(state, 38) and not past_hit(state, 39)
     assert not past_hit(page1, None) and not past_hit(state, None)
+
+
+def test_sampled_drafter_rows_counts_the_row_before_the_first_uncomputed_token():
+    """A drafter's row of p reads token p + 1: with N - 1 tokens prefilled,
+    the row of N - 2 took the prefiller's sample; one per drafter layer whose
+    page holding it was read, none when that page was not read or every
+    token was prefilled."""
+    rows = sampled_drafter_rows
+    groups = [
+        GroupInfo(FULL, 16, 0, 1, draft_layers=2),
+        GroupInfo(FULL, 16, 0, 1),
+        GroupInfo(STATE_KIND, 16, 0, 1, draft_layers=1),
+    ]
+    tables = [[10, 11, 12], [20, 21, 22], [30]]
+    n = 40  # the row of 38 lives in block 2
+    read_all = [(0, 12), (1, 22), (2, 30)]
+    assert rows(groups, tables, read_all, n, prefilled=n - 1) == 2
+    assert rows(groups, tables, read_all, n, prefilled=n) == 0
+    assert rows(groups, tables, [(0, 11), (1, 22)], n, prefilled=n - 1) == 0
+    # A longer back-off puts the sampled row in an earlier block.
+    assert rows(groups, tables, [(0, 11)], n, prefilled=30) == 2

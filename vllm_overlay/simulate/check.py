@@ -73,6 +73,8 @@ class GroupInfo(NamedTuple):
     ring_row_bytes: int = 0
     """RING: bytes of one row in a head's part of the page; 0: one row of the
     layer's ``[H, N, C]`` view."""
+    draft_layers: int = 0
+    """Drafter layers among the group's (``KVCacheSpec.is_draft``)."""
 
 
 class Need(NamedTuple):
@@ -114,6 +116,37 @@ class CaseResult(msgspec.Struct, frozen=True):
     """The decoder's connector counted no external token although the
     decoder lacked prompt tokens: it served the request by local prefill
     (judged after its forward)."""
+    sampled_drafter_rows: int = 0
+    """Drafter rows the decoder READ that the prefiller computed from its own
+    sampled token instead of the prompt's next token (a prefiller that
+    computes fewer than N tokens): one per drafter layer whose page holding
+    that row was read. They change what the drafter proposes, never the
+    output."""
+
+
+def sampled_drafter_rows(
+    groups: Sequence[GroupInfo],
+    tables: Sequence[Sequence[int]],
+    reads: Sequence[tuple[int, int]],
+    n: int,
+    prefilled: int,
+) -> int:
+    """The drafter rows of ``reads`` computed from the prefiller's sampled
+    token: a drafter's row of position p reads token p + 1, so when the
+    prefiller computed ``prefilled`` < N tokens its row of ``prefilled - 1``
+    (one the decoder attends to, below N - 1) took the token it sampled."""
+    row = prefilled - 1
+    if not 0 <= row < n - 1:
+        return 0
+    read = set(reads)
+    out = 0
+    for g, info in enumerate(groups):
+        if not info.draft_layers or info.kind not in (FULL, WINDOW, CHUNK):
+            continue
+        index = row // info.block_tokens
+        if index < len(tables[g]) and (g, tables[g][index]) in read:
+            out += info.draft_layers
+    return out
 
 
 def past_hit(need: Need, computed_tokens: int | None) -> bool:

@@ -29,6 +29,7 @@ from vllm_overlay.simulate.check import (
     GroupInfo,
     ReadCheck,
     precopy_states,
+    sampled_drafter_rows,
 )
 from vllm_overlay.simulate.faults import Fault, FaultCase, FaultContext, apply_payload
 from vllm_overlay.simulate.hashes import PromptHashes
@@ -103,6 +104,7 @@ def group_infos(leg: Leg, layout: Layout) -> list[GroupInfo]:
     )
 
     config = leg.worker_config or leg.kv_cache_config
+    declared = layout.layer_specs()
     out = []
     for g, group in enumerate(config.kv_cache_groups):
         specs = list(iter_layer_specs(group.kv_cache_spec))
@@ -120,8 +122,8 @@ def group_infos(leg: Leg, layout: Layout) -> list[GroupInfo]:
                 raise ValueError(f"{layout.name}: ring group {g} without Ring")
             # The model addresses the ring by its own declared size; the
             # planner may scale the group's block size up to unify pages.
-            declared = layout.layer_specs()[group.layer_names[0]].block_size
-            capacity = layout.ring.capacity or declared
+            size = declared[group.layer_names[0]].block_size
+            capacity = layout.ring.capacity or size
             out.append(
                 GroupInfo(
                     RING,
@@ -140,6 +142,11 @@ def group_infos(leg: Leg, layout: Layout) -> list[GroupInfo]:
         else:
             tps = min(max(1, int(getattr(s, "tokens_per_state", 1))) for s in specs)
             out.append(GroupInfo(FULL, bt, 0, page, tps))
+        drafts = sum(
+            bool(getattr(declared.get(name), "is_draft", False))
+            for name in group.layer_names
+        )
+        out[-1] = out[-1]._replace(draft_layers=drafts)
     return out
 
 
@@ -238,6 +245,7 @@ class Pair:
         ]
         self._seq = 0
         self._external: dict[str, int] = {}
+        self._prefilled: dict[str, int] = {}
         connector = self.d.scheduler.connector
         update = connector.update_state_after_alloc
 
@@ -581,12 +589,14 @@ class Pair:
 
     def _prefill(self, rid: str, tokens: list[int], uid: int, n: int) -> Any:
         """Prefill ``tokens`` on P until it returns its ``kv_transfer_params``."""
-        self.p.scheduler.add_request(
-            self._request(self.p, rid, tokens, {"do_remote_decode": True})
-        )
+        request = self._request(self.p, rid, tokens, {"do_remote_decode": True})
+        self.p.scheduler.add_request(request)
         for _ in range(64):
             for o in self._step(self.p, self.p_store, {rid: (uid, n)}):
                 if o.request_id == rid and o.kv_transfer_params:
+                    # The prompt the prefiller computed (its connector may
+                    # drop trailing tokens for the decoder to recompute).
+                    self._prefilled[rid] = request.num_prompt_tokens
                     return o.kv_transfer_params
         raise RuntimeError("prefill returned no kv_transfer_params")
 
@@ -660,6 +670,9 @@ class Pair:
         read_dsts = {dst for _, dst in reads}
         self.d_store.zero([b for b in so.new_block_ids_to_zero or [] if b in read_dsts])
         result = check.judge(self.d_store, reads, hit_fraction, local_hit, null_reads)
+        prefilled = self._prefilled.pop(rid, n)
+        sampled = sampled_drafter_rows(self.groups, tables, reads, n, prefilled)
+        result = msgspec.structs.replace(result, sampled_drafter_rows=sampled)
         if before is None:
             return result
         # The forward ran on what ``before`` judged; the pages read after it

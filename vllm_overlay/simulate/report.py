@@ -85,6 +85,10 @@ class LayoutReport(msgspec.Struct, tag="layout"):
     ``error_cases``)."""
     fallback_cases: int = 0
     """Cases the decoder served by local prefill instead of a transfer."""
+    sampled_drafter_rows: int = 0
+    """Drafter rows read that the prefiller computed from its own sampled
+    token instead of the prompt's (``CaseResult.sampled_drafter_rows``)."""
+    sampled_drafter_cases: int = 0
     seconds: float = 0.0
     cases_run: int = 0
     """Cases run through the schedulers (fewer than ``cases`` when most
@@ -101,6 +105,8 @@ class LayoutReport(msgspec.Struct, tag="layout"):
         if count_case(self, result.error):
             return
         self.fallback_cases += result.fallback
+        self.sampled_drafter_rows += result.sampled_drafter_rows
+        self.sampled_drafter_cases += result.sampled_drafter_rows > 0
         key = f"{result.hit_fraction * 100:g}"
         if result.wrong:
             self.wrong_cases += 1
@@ -211,10 +217,18 @@ def summary_line(report: SweepReport) -> str:
         )
         errors = sum(r.error_cases > 0 for r in rs)
         escapes = sum(r.escape_cases > 0 for r in rs)
+        sampled = sum(r.sampled_drafter_rows for r in rs)
+        drafters = (
+            f", {count(sampled, 'drafter row')} read as the prefiller computed "
+            f"them from its sampled token (in "
+            f"{count(sum(r.sampled_drafter_cases for r in rs), 'case')})"
+            if sampled
+            else ""
+        )
         parts.append(
             f"{variant}: {count(wrong, 'layout')} with wrong KV, {over} reading "
             f"more than the minimum, {errors} with errors ({escapes} with "
-            f"escapes), {refused} refused at start"
+            f"escapes), {refused} refused at start{drafters}"
         )
     cases = sum(r.cases for r in report.layouts) + sum(r.cases for r in report.faults)
     wall = f"; wall {report.wall_seconds:.1f} s"
