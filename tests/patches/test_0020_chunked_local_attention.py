@@ -1,0 +1,226 @@
+"""Patch 0020: READ serves chunked local attention groups (Llama 4).
+
+A token of a ``ChunkedLocalAttentionSpec`` group attends to the positions of
+its own chunk before it: the decoder's recomputed token N-1 needs positions
+[C * ((N-1) // C), N-1) (C the chunk size), and vLLM's KV cache managers
+free the pages below that chunk on both legs. The decoder now reads exactly
+the pages of that chunk it lacks, paired by position with the prefiller's;
+before, MoRIIO refused such a group at start. Both legs are real vLLM
+schedulers with the MoRIIO connector, next to a full-attention group.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+from tests.patches.builders import (
+    full_attention_spec,
+    make_kv_cache_config,
+    make_scheduler_connector,
+    make_vllm_config,
+    moriio_kv_transfer_config,
+)
+from tests.patches.scheduler_pair_0008 import (
+    Read,
+    SchedulerPair,
+    build_scheduler_pair,
+    prompt,
+)
+
+NULL_BLOCK = 0
+
+
+def _chunked_spec(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        attention_chunk_size=chunk,
+    )
+
+
+def _groups(block_size: int, chunk: int) -> list[tuple[list[str], Any]]:
+    return [
+        (["model.layers.0.self_attn.attn"], _chunked_spec(block_size, chunk)),
+        (["model.layers.1.self_attn.attn"], full_attention_spec(block_size)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def scheduler_pairs(llama_model_dir: Path) -> Callable[[int, int], SchedulerPair]:
+    pairs: dict[tuple[int, int], SchedulerPair] = {}
+
+    def get(block_size: int, chunk: int) -> SchedulerPair:
+        if (block_size, chunk) not in pairs:
+            pairs[block_size, chunk] = build_scheduler_pair(
+                llama_model_dir, _groups(block_size, chunk), block_size
+            )
+        return pairs[block_size, chunk]
+
+    return get
+
+
+def _pages(read: Read, group: int) -> list[int]:
+    """The page indices READ pairs in ``group``, the same on both legs, none
+    of them the null block. A request with nothing external to load reads
+    nothing (its remote lists are then the payload's, only released)."""
+    local = read.local_block_ids[group]
+    if not any(read.local_block_ids):
+        return []
+    remote = read.remote_block_ids[group]
+    assert NULL_BLOCK not in local and NULL_BLOCK not in remote, (local, remote)
+    local_pages = [read.decode_tables[group].index(b) for b in local]
+    remote_pages = [read.prefill_tables[group].index(b) for b in remote]
+    assert local_pages == remote_pages, (local_pages, remote_pages)
+    return local_pages
+
+
+def _lacked(read: Read, block_size: int, chunk: int | None) -> list[int]:
+    """Pages holding a position the decoder's recomputed token N-1 attends to
+    (all before it, or those of its chunk) that its local hit does not hold."""
+    n = read.num_prompt_tokens
+    first = 0 if chunk is None else (n - 1) // chunk * chunk // block_size
+    held = read.decode_hit_tokens // block_size
+    return list(range(max(first, held), cdiv(n - 1, block_size)))
+
+
+def _lengths(block_size: int, chunk: int) -> list[int]:
+    """Every length up to three chunks and one page past them: each position
+    of N-1 in its chunk and its page, N a multiple of the chunk and of the
+    page included."""
+    return list(range(1, 3 * chunk + block_size + 2))
+
+
+@pytest.mark.parametrize("hit", [0.0, 0.5, 1.0], ids=["hit0", "hit50", "hit100"])
+@pytest.mark.parametrize(
+    ("block_size", "chunk"), [(16, 64), (32, 64)], ids=["b16-c64", "b32-c64"]
+)
+def test_chunk_pages_read_are_pages_lacked(
+    scheduler_pairs: Callable[[int, int], SchedulerPair],
+    block_size: int,
+    chunk: int,
+    hit: float,
+) -> None:
+    """Each group reads exactly the pages the decoder lacks, each from the
+    prefiller's page of the same positions: the chunked group those of the
+    chunk of N-1, the full-attention group every page before N-1. A hit of
+    100 % is every whole page of the N-1 tokens before the recomputed one."""
+    pair = scheduler_pairs(block_size, chunk)
+    wrong = []
+    for n in _lengths(block_size, chunk):
+        hit_tokens = int((n - 1) * hit) // block_size * block_size
+        seed = 1000 * (block_size // 16) + 3 * n + int(2 * hit)
+        read = pair.read(prompt(seed, n), hit_tokens)
+        assert read.decode_hit_tokens == hit_tokens, (n, read.decode_hit_tokens)
+        assert read.num_prefilled_tokens == max(n - 1, 1)
+        for group, group_chunk in enumerate((chunk, None)):
+            pages = _pages(read, group)
+            if pages != _lacked(read, block_size, group_chunk):
+                wrong.append(f"N={n} group {group}: read {pages}")
+    assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"
+
+
+def test_prefiller_sends_the_chunk_of_the_recomputed_token(
+    scheduler_pairs: Callable[[int, int], SchedulerPair],
+) -> None:
+    """N = 2C: the token N-1 closes the second chunk and attends to all of it
+    but itself. The prefiller computed N-1 tokens, so vLLM kept that chunk's
+    pages, and it sends them (a prefiller of N tokens would have freed them
+    all); the decoder reads the chunk's C/B pages."""
+    block_size, chunk = 16, 64
+    pair = scheduler_pairs(block_size, chunk)
+    n = 2 * chunk
+    read = pair.read(prompt(5000, n), 0)
+    assert read.num_prefilled_tokens == n - 1
+    chunk_pages = list(range(chunk // block_size, n // block_size))
+    assert _pages(read, 0) == chunk_pages
+    assert all(read.prefill_tables[0][p] != NULL_BLOCK for p in chunk_pages)
+    assert set(read.prefill_tables[0][: chunk // block_size]) == {NULL_BLOCK}
+
+
+def _prefill(pair: SchedulerPair, request_id: str, tokens: list[int]) -> Any:
+    request = pair._request(
+        request_id, tokens, {"do_remote_decode": True, "transfer_id": request_id}
+    )
+    pair.prefill.add_request(request)
+    while True:
+        for output in pair._step(pair.prefill):
+            if output.kv_transfer_params:
+                params = copy.deepcopy(output.kv_transfer_params)
+                params["do_remote_prefill"] = True
+                return params
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def connector_warnings() -> Any:
+    handler = _Records()
+    log = logging.getLogger(moriio_connector.__name__)
+    log.addHandler(handler)
+    yield handler.records
+    log.removeHandler(handler)
+
+
+def test_freed_chunk_page_is_prefilled_locally(
+    scheduler_pairs: Callable[[int, int], SchedulerPair],
+    connector_warnings: list[logging.LogRecord],
+) -> None:
+    """A payload whose chunk page the decoder needs is the null block (a
+    prefiller that freed it) is refused before allocation: that request is
+    prefilled locally, logged, beside a request that READs its pages."""
+    block_size, chunk = 16, 64
+    pair = scheduler_pairs(block_size, chunk)
+    n = chunk + 40
+    i = next(pair.counter)
+    ok, bad = f"ok-{i}", f"bad-{i}"
+    tokens = {ok: prompt(6000 + 2 * i, n), bad: prompt(6001 + 2 * i, n)}
+    params = {rid: _prefill(pair, rid, toks) for rid, toks in tokens.items()}
+    chunk_list = params[bad]["remote_block_ids"][0]
+    first = len(chunk_list) - (cdiv(n, block_size) - chunk // block_size)
+    assert chunk_list[first] != NULL_BLOCK
+    chunk_list[first] = NULL_BLOCK
+    for rid in (ok, bad):
+        pair.decode.add_request(pair._request(rid, tokens[rid], params[rid]))
+    output = pair.decode.schedule()
+    meta = output.kv_connector_metadata.reqs_to_recv
+    assert output.num_scheduled_tokens == {ok: 1, bad: n}
+    assert all(meta[ok].local_block_ids)
+    assert meta[bad].local_block_ids == [[], []]
+    pair._finish_step(pair.decode, output)
+    while {ok, bad} & set(pair.decode.requests):
+        pair._step(pair.decode)
+    lines = [r.getMessage() for r in connector_warnings if bad in r.getMessage()]
+    assert len(lines) == 1 and "served by local prefill" in lines[0]
+    pair._step(pair.prefill, finished_sending={ok, bad})
+
+
+def test_write_refuses_chunked_groups_at_start(llama_model_dir: Path) -> None:
+    """WRITE would push a chunk the prefiller already freed: refused at start
+    in one line naming the spec."""
+    vllm_config = make_vllm_config(
+        llama_model_dir,
+        moriio_kv_transfer_config("kv_producer", read_mode=False),
+        block_size=16,
+    )
+    kv_cache_config = make_kv_cache_config(_groups(16, 64))
+    with pytest.raises(NotImplementedError, match="WRITE mode does not support"):
+        make_scheduler_connector(vllm_config, kv_cache_config)
