@@ -40,9 +40,10 @@ from vllm_overlay import (  # noqa: E402  (stdlib only)
 from vllm_overlay.gate import pytestargs  # noqa: E402  (the same)
 from vllm_overlay.gate.phases import PHASES_FILE, timed  # noqa: E402  (the same)
 from vllm_overlay.mypybase import (  # noqa: E402  (the same)
-    MypyError,
+    base_key,
     errors_of_ours,
     parse_errors,
+    settings_sha256,
 )
 from vllm_overlay.text import count  # noqa: E402
 
@@ -276,6 +277,18 @@ def lint(session: nox.Session) -> None:
         lint_impl(session)
 
 
+def overlaid_files() -> list[str]:
+    """The vLLM files the series changes."""
+    return sorted(
+        {
+            line[6:].strip()
+            for patch in (ROOT / "patches").glob("*.patch")
+            for line in patch.read_text().splitlines()
+            if line.startswith("+++ b/")
+        }
+    )
+
+
 def lint_impl(session: nox.Session) -> None:
     typecheck_impl(session)
     session.run("ruff", "check", ".")
@@ -285,14 +298,7 @@ def lint_impl(session: nox.Session) -> None:
     shutil.rmtree(out, ignore_errors=True)
     wheel = pinned_wheel(session, Path(session.bin) / "python")
     session.run("vllm-overlay", "materialize", "--wheel", str(wheel), "--out", str(out))
-    touched = sorted(
-        {
-            line[6:].strip()
-            for patch in (ROOT / "patches").glob("*.patch")
-            for line in patch.read_text().splitlines()
-            if line.startswith("+++ b/")
-        }
-    )
+    touched = overlaid_files()
     config = ("--config", str(ROOT / "ci" / "ruff-vllm.toml"))
     if touched:
         files = [str(out / path) for path in touched]
@@ -309,6 +315,8 @@ def lint_impl(session: nox.Session) -> None:
 
 
 MYPY_VLLM_CONFIG = ROOT / "ci" / "mypy-vllm.toml"
+# The pinned base's mypy errors with those settings, per wheel, mypy and settings.
+MYPY_BASE_ERRORS = ROOT / "ci" / "mypy-base-errors"
 
 
 def _vllm_python_tree(wheel: Path, dest: Path) -> None:
@@ -320,33 +328,72 @@ def _vllm_python_tree(wheel: Path, dest: Path) -> None:
                 z.extract(name, dest)
 
 
+def mypy_base_inputs(touched: list[str]) -> tuple[str, str, str]:
+    """What the pinned base's mypy errors depend on: the wheel's sha256,
+    mypy's version and the hash of the settings (vLLM's config, the Python
+    version, the files, the pydantic plugin and the CPU environment's pins)."""
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    environment = [*pinned(LINT_REQUIREMENTS, "pydantic"), TORCH, *NO_DEPS]
+    environment.append(REQUIREMENTS[0].read_text())
+    config = MYPY_VLLM_CONFIG.read_text()
+    settings = settings_sha256(config, version, touched, environment)
+    mypy_version = pinned(LINT_REQUIREMENTS, "mypy")[0].split("==", 1)[1]
+    return PIN["vllm"]["wheel_sha256"], mypy_version, settings
+
+
 def mypy_overlaid(
     session: nox.Session, wheel: Path, out: Path, touched: list[str]
 ) -> None:
     """mypy as vLLM's pre-commit runs it on a changed file under vllm/ (the
     default group, vLLM's [tool.mypy]: ci/mypy-vllm.toml), on the overlaid
     files inside the pinned wheel's vLLM, with vLLM's dependencies from the
-    CPU environment. The same files of the pinned base are checked too: an
-    error the base has as well (same file, code and message) is the base's
-    and is listed, not failed on; any other fails the session."""
+    CPU environment. An error the pinned base has as well (same file, code
+    and message) is the base's and is listed, not failed on; any other fails
+    the session. The base's errors are read from ci/mypy-base-errors/ (or
+    this machine's .nox-cache/mypy-base-errors/) by the wheel, mypy and the
+    settings; mypy runs on the base only when neither has them."""
     python = str(cpu_python(session))
-    found: dict[str, list[MypyError]] = {}
-    for side in ("base", "overlaid"):
-        tree = CACHE / "mypy-vllm" / side
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    sha, mypy_version, settings = mypy_base_inputs(touched)
+    key = base_key(sha, mypy_version, settings)
+    work, local = CACHE / "mypy-vllm", CACHE / "mypy-base-errors"
+    work.mkdir(parents=True, exist_ok=True)
+    report = work / "base-report.txt"
+    cached = ("python", "-m", "vllm_overlay.mypybasecache")
+    dirs = ("--dir", str(MYPY_BASE_ERRORS), "--dir", str(local))
+    session.run(*cached, "get", "--key", key, *dirs, "--out", str(report))
+    # One mypy cache for both trees, kept between runs: after the base, the
+    # overlaid run re-checks only what the series changes.
+    args = ["--config-file", str(MYPY_VLLM_CONFIG), "--python-executable", python]
+    args += ["--python-version", version, "--cache-dir", str(work / ".cache")]
+
+    def check(side: str) -> str:
+        tree = work / side
         _vllm_python_tree(wheel, tree)
         if side == "overlaid":
             for path in touched:
                 shutil.copyfile(out / path, tree / path)
-        args = ["--config-file", str(MYPY_VLLM_CONFIG), "--python-executable", python]
-        args += ["--python-version", f"{sys.version_info[0]}.{sys.version_info[1]}"]
-        args += ["--cache-dir", str(CACHE / "mypy-vllm" / f".cache-{side}")]
         with session.chdir(tree):
-            report = session.run(
+            text = session.run(
                 "mypy", *args, *touched, silent=True, success_codes=[0, 1]
             )
-        found[side] = parse_errors(str(report or ""))
-    new = errors_of_ours(found["base"], found["overlaid"])
-    for error in found["overlaid"]:
+        return str(text or "")
+
+    if not report.is_file():
+        report.write_text(check("base"))
+        fields = ("--wheel-sha256", sha, "--mypy-version", mypy_version)
+        fields += ("--settings-sha256", settings)
+        where = ("--dir", str(local), "--report", str(report))
+        session.run(*cached, "put", *where, *fields, *touched)
+        session.log(
+            "mypy: to spare every clone this base run, commit the entry: "
+            f"cp {(local / key).relative_to(ROOT)}.json "
+            f"{MYPY_BASE_ERRORS.relative_to(ROOT)}/"
+        )
+    base = parse_errors(report.read_text())
+    overlaid = parse_errors(check("overlaid"))
+    new = errors_of_ours(base, overlaid)
+    for error in overlaid:
         session.log(
             f"mypy: {error} ({'the series' if error in new else 'the base has it too'})"
         )
@@ -357,7 +404,7 @@ def mypy_overlaid(
         )
     session.log(
         f"mypy (vLLM's settings) on {len(touched)} overlaid vLLM file(s): no "
-        f"error of the series' own; {len(found['overlaid'])} the pinned base has too"
+        f"error of the series' own; {len(overlaid)} the pinned base has too"
     )
 
 

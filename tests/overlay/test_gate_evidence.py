@@ -9,7 +9,11 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from vllm_overlay.gate import imports
 from vllm_overlay.gate.evidence import Selection, Touches, select
 from vllm_overlay.gate.imports import imports_package
 from vllm_overlay.gate.revert_red import evidence_problems
@@ -103,6 +107,33 @@ def test_imports_package_follows_module_level_imports_only(tmp_path: Path) -> No
     (sub / "conftest.py").write_text(f"import {PKG}\n")
     (sub / "test_plain.py").write_text("def test_x():\n    pass\n")
     assert imports_package(sub / "test_plain.py", tmp_path, PKG)  # its conftest
+
+
+def test_each_module_is_parsed_once_for_every_test_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lanes' plan asks for every test file's imports: the checkout's
+    modules they share are read once (it cost 17 CPU-seconds a plan)."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "__init__.py").write_text("")
+    (tests / "helper.py").write_text("import tests.deep\n")
+    (tests / "deep.py").write_text(f"import {PKG}\n")
+    for i in range(5):
+        (tests / f"test_{i}.py").write_text("from tests.helper import x\n")
+    parsed: list[str] = []
+    real = imports.ast.parse
+
+    def counting(source: str, filename: str = "", *args: Any, **kw: Any) -> Any:
+        if Path(filename).is_relative_to(tests):
+            parsed.append(Path(filename).name)
+        return real(source, filename, *args, **kw)
+
+    monkeypatch.setattr(imports.ast, "parse", counting)
+    assert all(imports_package(tests / f"test_{i}.py", tmp_path, PKG) for i in range(5))
+    assert sorted(parsed) == sorted(
+        ["helper.py", "deep.py", *(f"test_{i}.py" for i in range(5))]
+    ), parsed
 
 
 def test_pack_spreads_the_weight() -> None:

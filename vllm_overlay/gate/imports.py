@@ -45,13 +45,16 @@ def _package(path: Path, root: Path) -> str:
     return ".".join(path.parent.relative_to(root).parts)
 
 
-def imported_names(path: Path, root: Path) -> list[str]:
+@cache
+def imported_names(path: Path, root: Path) -> tuple[str, ...]:
     """The modules a file imports at module level, absolute and dotted
-    (``from a import b`` names both ``a`` and ``a.b``)."""
+    (``from a import b`` names both ``a`` and ``a.b``). Each file is parsed
+    once per process: every test file's closure shares the checkout's
+    modules."""
     try:
         tree = ast.parse(path.read_text(), str(path))
     except (OSError, SyntaxError, ValueError):
-        return []
+        return ()
     names: list[str] = []
     for node in _module_level(tree.body):
         if isinstance(node, ast.Import):
@@ -64,14 +67,19 @@ def imported_names(path: Path, root: Path) -> list[str]:
             base = ".".join(p for p in [*parts, base] if p)
         names.append(base)
         names.extend(f"{base}.{alias.name}" for alias in node.names)
-    return names
+    return tuple(names)
 
 
 def local_file(name: str, importer: Path, root: Path) -> Path | None:
     """The checkout's file for module ``name``: under ``root``, or (a bare
     name) beside the importer, as pytest's rootdir-relative imports find it."""
+    return _local_file(name, importer.parent, root)
+
+
+@cache
+def _local_file(name: str, directory: Path, root: Path) -> Path | None:
     parts = name.split(".")
-    for base in (root, importer.parent):
+    for base in (root, directory):
         candidate = base.joinpath(*parts)
         for path in (candidate.with_suffix(".py"), candidate / "__init__.py"):
             if path.is_file():
