@@ -20,16 +20,27 @@ from vllm_overlay.e2e.servers import HOST_IP, ROUTER_IP
 from vllm_overlay.e2e.slurm import SlurmJob, bash_line
 
 
-def slurm_config(tokenizer: Path, prefill: int = 2, decode: int = 1) -> RunConfig:
+PER_TOKEN = 1152  # KV bytes a token, a multiple of the counter's 4-byte word
+
+
+def slurm_config(
+    tokenizer: Path, prefill: int = 2, decode: int = 1, **overrides: object
+) -> RunConfig:
     config = loopback_config(
         tokenizer, prefill, decode, router_container=True, with_addresses=False,
         checks__sweep_max_len=200, checks__sweep_min_count=10,
         checks__needle_words=[300], checks__prefix_hit_length=300,
-        checks__repeat_length=300,
+        checks__repeat_length=300, **overrides,
     )  # fmt: skip
+    # Each node its own RDMA device (the stand-in decoder's NIC counter is
+    # that of its node's first device).
     slurm = Slurm(
         address_command=f"echo {LOOPBACK}",
-        node_env={"n2": {"MORI_RDMA_DEVICES": "ionic_2", "MORI_IB_GID_INDEX": "1"}},
+        node_env={
+            "n1": {"MORI_RDMA_DEVICES": "ionic_1"},
+            "n2": {"MORI_RDMA_DEVICES": "ionic_2", "MORI_IB_GID_INDEX": "1"},
+            "n3": {"MORI_RDMA_DEVICES": "ionic_3"},
+        },
         cancel_s=60,
     )
     return msgspec.structs.replace(config, slurm=slurm)
@@ -86,7 +97,13 @@ def test_two_prefill_one_decode_through_a_real_slurm(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))
-    config = slurm_config(tokenizer_json)
+    nic_dir = tmp_path / "sys-class-infiniband"
+    monkeypatch.setenv("STANDIN_NIC_DIR", str(nic_dir))
+    monkeypatch.setenv("STANDIN_NIC_BYTES_PER_TOKEN", str(PER_TOKEN))
+    config = slurm_config(
+        tokenizer_json, nic__counters_root=str(nic_dir),
+        model__kv_bytes_per_token=PER_TOKEN,
+    )  # fmt: skip
     lines: list[str] = []
     report = run(
         config, tmp_path / "run", SERIES, say=lines.append, launcher_kind="slurm"
@@ -105,6 +122,21 @@ def test_two_prefill_one_decode_through_a_real_slurm(
     assert "kv=remote_block_ids" in (logs / "decode-0.log").read_text()
     submitted = next(line for line in lines if "submitted job" in line)
     assert "rank 0 prefill-0, rank 1 prefill-1, rank 2 decode-0" in submitted
+    # NIC bytes, read by a job step on the decoder's node from its node's
+    # device: every P/D request's equal what the decoder loaded.
+    node = next(x for x in lines if "[slurm] decode-0 runs at" in x).split()[-1]
+    transfer = next(s for s in report.sections if s.name == "transfer per request")
+    assert transfer.summary["nic_bytes_total"] == transfer.summary["bytes_total"] > 0
+    assert all("NIC received" in c.detail for c in transfer.cases)
+    assert report.nic == (
+        f"port_rcv_data deltas x 4 on the decode nodes ({node}), per P/D request"
+    )
+    # The load phase: `vllm bench serve` as a job step on the front end's node.
+    router_node = next(x for x in lines if "[slurm] router runs at" in x).split()[-1]
+    assert any(x.startswith(f"[load @ slurm node {router_node}]") for x in lines)
+    (cell,) = report.load
+    assert cell.ok and cell.result is not None and cell.result.completed == 4
+    assert cell.result.p99_ttft_ms >= cell.result.p50_ttft_ms > 0
     # The job left the queue and its containers are gone.
     job_id = submitted.split("submitted job ")[1].split(":")[0]
     queue = subprocess.run(
@@ -170,6 +202,53 @@ def test_a_job_submitted_when_interrupted_is_cancelled_by_its_run_name(
     launcher.submitted = True
     launcher.close()
     assert calls == [["scancel", "--name", "moriio-e2e-loop-r7", "--user", owner()]]
+
+
+def test_job_steps_reach_the_decode_and_front_end_nodes(
+    tokenizer_json: Path, tmp_path: Path
+) -> None:
+    # NIC counters: a job step on each decoder's node, the devices its node's
+    # node_env names (they win over the server's own env in the node
+    # script); the bench: a step on the front end's node, secrets from the
+    # front end's env file.
+    from vllm_overlay.e2e import slurm
+    from vllm_overlay.e2e.runid import with_run_id
+
+    config = with_run_id(
+        slurm_config(
+            tokenizer_json, decode=2, decode__env={"MORI_RDMA_DEVICES": "mlx5_0"},
+            container__env={"HF_TOKEN": "hf-secret-value"},
+        ),
+        "r8",
+    )  # fmt: skip
+    launcher = slurm.SlurmLauncher(config, tmp_path, say=lambda _: None)
+    launcher.job_id = "42"
+    launcher.nodes = {
+        "prefill-0": "n1", "prefill-1": "n4", "decode-0": "n2", "decode-1": "n5",
+        "router": "n1",
+    }  # fmt: skip
+    nodes = launcher.nic_nodes()
+    assert {n: devices for n, (_, devices) in nodes.items()} == {
+        "n2": ["ionic_2"],  # the node's own devices
+        "n5": ["mlx5_0"],  # no node_env there: the server's
+    }
+    place, _ = nodes["n2"]
+    assert place(["sh", "-c", "x"]) == [
+        "srun", "--jobid=42", "--overlap", "--nodes=1", "--ntasks=1",
+        "--nodelist=n2", "--input=none", "--quiet", "sh", "-c", "x",
+    ]  # fmt: skip
+    host = launcher.bench_host()
+    assert host is not None and host.where == "slurm node n1"
+    assert host.env_file == str(launcher.job.secrets_dir / "router.env")
+    assert host.place(["docker"])[:6] == [
+        "srun", "--jobid=42", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=n1"
+    ]  # fmt: skip
+    # The job publishes each task's node name before its address.
+    node_script = launcher.job.node_script()
+    assert node_script.index('> "$E2E_DIR/node/$WHAT"') < node_script.index(
+        '> "$E2E_DIR/addr/$WHAT.tmp"'
+    )
+    assert "srun --label --overlap" in launcher.job.batch_script()
 
 
 def test_reap_cancels_ones_own_jobs_of_the_config_only(
