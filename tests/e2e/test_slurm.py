@@ -19,7 +19,6 @@ from vllm_overlay.e2e.runner import run
 from vllm_overlay.e2e.servers import HOST_IP, ROUTER_IP
 from vllm_overlay.e2e.slurm import SlurmJob, bash_line
 
-
 PER_TOKEN = 1152  # KV bytes a token, a multiple of the counter's 4-byte word
 
 

@@ -158,7 +158,7 @@ def wait_all_healthy(
                 )
             pending = [u for u in checks if u not in waited]
             t = min(poll_s, remaining)
-            answers = list(pool.map(lambda u: checks[u](u, t), pending))
+            answers = list(pool.map(lambda u, t=t: checks[u](u, t), pending))
             now = clock()
             for url, (status, body) in zip(pending, answers, strict=True):
                 if status == 200:
@@ -367,7 +367,9 @@ class Launcher(ClosedOnExit):
         while i < len(steps):
             j = i
             while (
-                j < len(steps) and steps[j].action == "wait" and steps[j].what != "router"
+                j < len(steps)
+                and steps[j].action == "wait"
+                and steps[j].what != "router"
             ):
                 j += 1
             if j - i > 1:
@@ -384,7 +386,9 @@ class Launcher(ClosedOnExit):
         targets = [(s.url, probe_tcp if s.probe == "tcp" else probe) for s in steps]
         self.waited.update(
             wait_all_healthy(
-                targets, max(s.timeout_s for s in steps), self.poll_s,
+                targets,
+                max(s.timeout_s for s in steps),
+                self.poll_s,
                 alive=self.check_alive,
             )  # fmt: skip
         )

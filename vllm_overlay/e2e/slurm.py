@@ -28,8 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from vllm_overlay.e2e.config import IMAGE_UID, RunConfig
-from vllm_overlay.e2e.load import BenchHost
+from vllm_overlay.e2e.config import IMAGE_UID, RENDER_GID, RunConfig
 from vllm_overlay.e2e.launch import (
     STOP_GRACE_S,
     ClosedOnExit,
@@ -39,13 +38,14 @@ from vllm_overlay.e2e.launch import (
     HealthTimeout,
     LaunchError,
     last_lines,
-    probe_tcp,
     probe,
+    probe_tcp,
     resolve_executable,
     run_command,
     wait_all_healthy,
     wait_healthy,
 )
+from vllm_overlay.e2e.load import BenchHost
 from vllm_overlay.e2e.nic import Place, devices_of
 from vllm_overlay.e2e.plan import cache_command, pull_command
 from vllm_overlay.e2e.runid import owner, run_name
@@ -53,6 +53,7 @@ from vllm_overlay.e2e.secret import MASK, is_secret, secret_names
 from vllm_overlay.e2e.servers import (
     HOST_IP,
     PLACEHOLDERS,
+    RENDER_GID_SH,
     Server,
     container_name,
     docker_run_router,
@@ -67,6 +68,35 @@ from vllm_overlay.e2e.servers import (
 NODE_ENV = "@NODE_ENV@"  # the node's own env flags, filled in on the node
 QUEUE_STATES = ("PENDING", "CONFIGURING", "RUNNING")
 _SPLIT = re.compile("(" + "|".join(map(re.escape, [*PLACEHOLDERS, NODE_ENV])) + ")")
+
+
+# The address of the interface a node routes ``$PEER_IP`` through.
+_ROUTE_SRC = "ip -o -4 route get \"$PEER_IP\" | sed -n 's/.* src \\([0-9.]*\\).*/\\1/p'"
+# The job's first node other than this one, and its IPv4 address.
+_OTHER_NODE = (
+    'PEER=$(scontrol show hostnames "$SLURM_JOB_NODELIST" '
+    '| grep -vx "${SLURMD_NODENAME:-$(hostname -s)}" | head -n 1)',
+    "PEER_IP=$(getent ahostsv4 \"$PEER\" | awk '{print $1; exit}')",
+)
+
+
+def address_lines(config: RunConfig, var: str, front_end: bool) -> list[str]:
+    """Shell lines setting ``var`` to this node's address: `address_command`
+    when set; else `interface`'s IPv4 address; else that of the interface
+    routing to the peer (a server's: the front end, ``$ROUTER_IP``; the
+    front end's node: the job's next node). Never `hostname -I`'s first
+    word, which may be any interface."""
+    s = config.slurm
+    if s.address_command:
+        return [f"{var}=$({s.address_command})"]
+    if s.interface:
+        dev = shlex.quote(s.interface)
+        return [
+            f"{var}=$(ip -o -4 addr show dev {dev} "
+            "| awk '{split($4, a, \"/\"); print a[1]; exit}')"
+        ]
+    peer = [*_OTHER_NODE] if front_end else ['PEER_IP="$ROUTER_IP"']
+    return [*peer, f"{var}=$({_ROUTE_SRC})"]
 
 
 def bash_word(word: str) -> str:
@@ -148,6 +178,11 @@ class SlurmJob:
     def router_in_job(self) -> bool:
         return self.config.router.container
 
+    def gpus_per_node(self) -> int:
+        """`--gres=gpu:N`: the config's, or the largest server's TP x DP."""
+        given = self.config.slurm.gpus_per_node
+        return given if given is not None else max(s.gpus for s in self.servers)
+
     def batch_script(self) -> str:
         c, s = self.config, self.config.slurm
         lines = [
@@ -156,6 +191,8 @@ class SlurmJob:
             f"#SBATCH --nodes={len(self.servers)}",
             "#SBATCH --ntasks-per-node=1",
             f"#SBATCH --time={s.time}",
+            *(f"#SBATCH --gres=gpu:{n}" for n in [self.gpus_per_node()] if n),
+            *(["#SBATCH --exclusive"] if s.exclusive else []),
             f"#SBATCH --output={self.dir}/job-%j.out",
         ]
         if s.partition:
@@ -181,7 +218,9 @@ class SlurmJob:
             lines += [
                 "# The front end runs on this (the first) node; its address is",
                 "# every server's proxy_ip.",
-                f"ROUTER_IP=$({s.address_command})",
+                *address_lines(c, "ROUTER_IP", front_end=True),
+                '[ -n "$ROUTER_IP" ] || { echo "no address for the front end\'s node"; '
+                "exit 1; }",
                 "stop_router() {",
                 f'  {engine} logs {name} > "$LOG_DIR/router.log" 2>&1 || true',
                 f"  {engine} rm --force {name} >/dev/null 2>&1 || true",
@@ -238,8 +277,8 @@ class SlurmJob:
             f"E2E_DIR={shlex.quote(str(self.dir))}",
             f"LOG_DIR={shlex.quote(str(self.log_dir))}",
             'RANK="${SLURM_PROCID:?not a Slurm task}"',
-            f"HOST_IP=$({s.address_command})",
             'ROUTER_IP="${ROUTER_IP:?}"',
+            *address_lines(c, "HOST_IP", front_end=False),
             'case "$RANK" in',
         ]
         for i, srv in enumerate(self.servers):
@@ -267,10 +306,20 @@ class SlurmJob:
             "esac",
             'LOG="$LOG_DIR/$WHAT.log"',
             f'NAME="{run_name(c)}-$WHAT"',
+            'finish() { echo "$1" > "$E2E_DIR/exit/$WHAT"; exit "$1"; }',
+            '[ -n "$HOST_IP" ] || { echo "no address for node $NODE" >> "$LOG"; '
+            "finish 1; }",
             'echo "$NODE" > "$E2E_DIR/node/$WHAT"',
             'echo "$HOST_IP" > "$E2E_DIR/addr/$WHAT.tmp"',
             'mv "$E2E_DIR/addr/$WHAT.tmp" "$E2E_DIR/addr/$WHAT"',
-            'finish() { echo "$1" > "$E2E_DIR/exit/$WHAT"; exit "$1"; }',
+            *(
+                [
+                    "# The node's render group id (--group-add takes it by number).",
+                    RENDER_GID_SH.replace(">&2;", '>> "$LOG";'),
+                ]
+                if RENDER_GID in c.container.run_flags + c.container.extra_run_flags
+                else []
+            ),
             *[line.replace("exit 1", "finish 1") for line in self.pull_lines('"$LOG"')],
             *self.cache_lines(),
             f'{engine} rm --force "$NAME" >/dev/null 2>&1 || true',
@@ -301,7 +350,12 @@ class SlurmJob:
         """The scripts, and the env files of the secret values: ``secrets``
         per container (`leg_secrets`), ``nodes`` per node (`node_secrets`);
         default: the config's, or the harness's environment for an empty one."""
-        for d in (self.dir / "addr", self.dir / "node", self.dir / "exit", self.log_dir):
+        for d in (
+            self.dir / "addr",
+            self.dir / "node",
+            self.dir / "exit",
+            self.log_dir,
+        ):
             d.mkdir(parents=True, exist_ok=True)
         self.batch.write_text(self.batch_script())
         self.node.write_text(self.node_script())
