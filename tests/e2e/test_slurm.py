@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.e2e.conftest import LOOPBACK, SERIES, loopback_config
+from tests.e2e.conftest import EXAMPLE, LOOPBACK, SERIES, loopback_config
 from tests.e2e.slurmcluster import LocalSlurm, ensure_installed
 from vllm_overlay.e2e.config import RunConfig, Slurm
 from vllm_overlay.e2e.report import read_report
@@ -41,6 +41,7 @@ def slurm_config(
             "n3": {"MORI_RDMA_DEVICES": "ionic_3"},
         },
         cancel_s=60,
+        gpus_per_node=0,  # the local cluster has no GPUs to ask for
     )
     return msgspec.structs.replace(config, slurm=slurm)
 
@@ -264,3 +265,99 @@ def test_reap_cancels_ones_own_jobs_of_the_config_only(
     ]  # fmt: skip
     assert calls[1:] == [["scancel", "101"]]
     assert done.removed == [("slurm", "job 101 moriio-e2e-loop-r1")]
+
+
+def test_the_job_asks_for_whole_nodes_and_their_gpus(
+    example_config: RunConfig, tmp_path: Path
+) -> None:
+    # Default: --exclusive, and as many GPUs as the largest server uses.
+    batch = SlurmJob(example_config, tmp_path).batch_script()
+    assert "#SBATCH --gres=gpu:8\n" in batch and "#SBATCH --exclusive\n" in batch
+    slurm = msgspec.structs.replace(
+        example_config.slurm, gpus_per_node=0, exclusive=False
+    )
+    batch = SlurmJob(
+        msgspec.structs.replace(example_config, slurm=slurm), tmp_path
+    ).batch_script()
+    assert "--gres" not in batch and "--exclusive" not in batch
+
+
+def stub(bin_dir: Path, name: str, script: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text(f"#!/bin/sh\n{script}\n")
+    (bin_dir / name).chmod(0o755)
+
+
+def node_address(config: RunConfig, bin_dir: Path, front_end: bool) -> str:
+    """What the job's address lines set on a node with ``bin_dir``'s
+    stand-ins for ip, scontrol and getent."""
+    from vllm_overlay.e2e.slurm import address_lines
+
+    lines = address_lines(config, "ADDR", front_end)
+    script = "\n".join([*lines, 'printf %s "$ADDR"'])
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "ROUTER_IP": "10.9.0.1",
+        "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURMD_NODENAME": "gpu1",
+    }  # fmt: skip
+    return subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout
+
+
+def test_a_nodes_address_comes_from_the_interface_it_names_or_routes_through(
+    example_config: RunConfig, tmp_path: Path
+) -> None:
+    # A node with two interfaces: `hostname -I` would say the management
+    # one first; the address is the backend one.
+    bin_dir = tmp_path / "bin"
+    stub(bin_dir, "hostname", 'echo "192.168.0.5 10.9.0.7"')
+    stub(
+        bin_dir, "ip",
+        'case "$*" in\n'
+        '"-o -4 route get 10.9.0.1"|"-o -4 route get 10.9.0.2") '
+        'echo "$5 dev ens2 src 10.9.0.7 uid 0";;\n'
+        '"-o -4 addr show dev ens9") '
+        'echo "4: ens9    inet 172.20.1.4/24 brd 172.20.1.255 scope global ens9";;\n'
+        "*) exit 2;;\nesac",
+    )  # fmt: skip
+    stub(bin_dir, "scontrol", 'printf "gpu1\\ngpu2\\n"')
+    stub(bin_dir, "getent", 'echo "10.9.0.2        STREAM gpu2"')
+    slurm = example_config.slurm
+    assert slurm.address_command == "" and slurm.interface == ""
+    # A server: the interface routing to the front end.
+    assert node_address(example_config, bin_dir, front_end=False) == "10.9.0.7"
+    # The front end's node: the interface routing to the job's next node.
+    assert node_address(example_config, bin_dir, front_end=True) == "10.9.0.7"
+    named = msgspec.structs.replace(
+        example_config, slurm=msgspec.structs.replace(slurm, interface="ens9")
+    )
+    assert node_address(named, bin_dir, front_end=False) == "172.20.1.4"
+    assert node_address(named, bin_dir, front_end=True) == "172.20.1.4"
+    given = msgspec.structs.replace(
+        example_config,
+        slurm=msgspec.structs.replace(slurm, address_command="echo 10.1.1.1"),
+    )
+    assert node_address(given, bin_dir, front_end=False) == "10.1.1.1"
+    # The scripts use them; `hostname -I` is gone.
+    job = SlurmJob(example_config, tmp_path)
+    for script in (job.batch_script(), job.node_script()):
+        assert "hostname -I" not in script and "route get" in script
+
+
+def test_a_bad_interface_name_is_refused(example_config: RunConfig) -> None:
+    from vllm_overlay.e2e.config import ConfigError, decode_config
+
+    text = EXAMPLE.read_text() + '\n[slurm]\ninterface = "-x; reboot"\n'
+    with pytest.raises(ConfigError, match=r"slurm\.interface: must be a network"):
+        decode_config(text)
+
+
+def test_the_node_script_gives_the_container_the_nodes_render_gid(
+    example_config: RunConfig, tmp_path: Path
+) -> None:
+    from vllm_overlay.e2e.servers import RENDER_GID_SH
+
+    node = SlurmJob(example_config, tmp_path).node_script()
+    assert "--group-add video --group-add \"${RENDER_GID}\"" in node
+    assert RENDER_GID_SH.replace(">&2;", '>> "$LOG";') in node
+    assert node.index("RENDER_GID=") < node.index("--group-add video")
