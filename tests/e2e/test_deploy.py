@@ -71,8 +71,7 @@ def test_print_serve_runs_the_e2e_runs_commands(example: Path) -> None:
     ]
     # The servers' render group: its id, set on the node first.
     on_node = [
-        ["$RENDER_GID" if w == RENDER_GID else w for w in argv]
-        for argv in expected[1:]
+        ["$RENDER_GID" if w == RENDER_GID else w for w in argv] for argv in expected[1:]
     ]
     assert _commands(serve_text(config)) == [
         expected[0], shlex.split(RENDER_GID_SH), *on_node

@@ -358,6 +358,6 @@ def test_the_node_script_gives_the_container_the_nodes_render_gid(
     from vllm_overlay.e2e.servers import RENDER_GID_SH
 
     node = SlurmJob(example_config, tmp_path).node_script()
-    assert "--group-add video --group-add \"${RENDER_GID}\"" in node
+    assert '--group-add video --group-add "${RENDER_GID}"' in node
     assert RENDER_GID_SH.replace(">&2;", '>> "$LOG";') in node
     assert node.index("RENDER_GID=") < node.index("--group-add video")
