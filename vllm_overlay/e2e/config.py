@@ -543,8 +543,9 @@ class Nic(msgspec.Struct, forbid_unknown_fields=True):
 
 class Load(msgspec.Struct, forbid_unknown_fields=True):
     """The load phase: `vllm bench serve` against the front end, from a
-    container of the image on the front end's host (ssh/local launcher),
-    every input length at every concurrency; TTFT/TPOT/ITL percentiles."""
+    container of the image on the front end's host (over ssh, here, or as a
+    Slurm job step on its node), every input length at every concurrency;
+    TTFT/TPOT/ITL percentiles."""
 
     enabled: bool = True
     # The ISL/OSL and concurrencies of the issue's upstream CI figures.
