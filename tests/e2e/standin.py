@@ -190,12 +190,14 @@ class StandIn(http.server.ThreadingHTTPServer):
 def nic_received(tokens: int) -> None:
     """The decode node's NIC counter for a READ of ``tokens`` (in 4-byte
     words, as the kernel's port_rcv_data counts): under $STANDIN_NIC_DIR,
-    at $STANDIN_NIC_BYTES_PER_TOKEN bytes a token."""
+    at $STANDIN_NIC_BYTES_PER_TOKEN bytes a token, on the first device of
+    the server's MORI_RDMA_DEVICES (default ionic_0)."""
     root = os.environ.get("STANDIN_NIC_DIR", "")
     if not root:
         return
     per_token = int(os.environ.get("STANDIN_NIC_BYTES_PER_TOKEN", "0"))
-    counter = Path(root) / "ionic_0" / "ports" / "1" / "counters" / "port_rcv_data"
+    device = (os.environ.get("MORI_RDMA_DEVICES") or "ionic_0").split(",")[0]
+    counter = Path(root) / device / "ports" / "1" / "counters" / "port_rcv_data"
     counter.parent.mkdir(parents=True, exist_ok=True)
     words = int(counter.read_text()) if counter.exists() else 0
     counter.write_text(f"{words + tokens * per_token // 4}\n")

@@ -31,7 +31,7 @@ UPSTREAM_FLAGS = (
     "--cap-add IPC_LOCK",
     "--security-opt seccomp=unconfined",
     "--device /dev/infiniband",
-    "--group-add render",
+    "--group-add @RENDER_GID@",
     "--ulimit memlock=-1:-1",
     "--ulimit nofile=1048576:1048576",
 )
@@ -426,3 +426,43 @@ def test_a_userspace_lib_must_be_an_absolute_path(tmp_path: Path) -> None:
     path.write_text(text)
     with pytest.raises(ConfigError, match=r"nic\.userspace_libs\[0\]"):
         load_config(path)
+
+
+def test_the_render_group_goes_by_the_nodes_id(
+    example_config: RunConfig, tmp_path: Path
+) -> None:
+    # `--group-add render` would name the image's group; the start command
+    # puts the node's own id there: the group owning /dev/dri/renderD*,
+    # else the node's `render` group; a node with neither keeps the name.
+    from vllm_overlay.e2e.plan import with_render_gid
+    from vllm_overlay.e2e.servers import RENDER_GID
+
+    start = next(
+        s
+        for s in build_plan(example_config).setup
+        if s.action == "start" and s.what == "prefill-0"
+    )
+    assert start.argv[:2] == ["sh", "-c"]  # the render gid wrapper (no secrets)
+    assert RENDER_GID in start.argv and "render" not in start.argv
+    argv = with_render_gid(["echo", "--group-add", "video", "--group-add", RENDER_GID])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+
+    def group_add(stat: str, getent: str) -> tuple[str, str]:
+        for name, body in (("stat", stat), ("getent", getent)):
+            (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+            (bin_dir / name).chmod(0o755)
+        done = subprocess.run(
+            argv, env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return done.stdout.strip(), done.stderr.strip()
+
+    render_node = group_add("echo 109", "echo render:x:992:")
+    assert render_node == ("--group-add video --group-add 109", "")
+    assert group_add("exit 1", "echo render:x:992:")[0].endswith("--group-add 992")
+    out, err = group_add("exit 1", "exit 2")
+    assert out.endswith("--group-add render")
+    assert "no /dev/dri/renderD* and no render group" in err
+    # Without the placeholder (run_flags of one's own) nothing is wrapped.
+    assert with_render_gid(["docker", "run"]) == ["docker", "run"]

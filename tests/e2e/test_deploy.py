@@ -15,6 +15,8 @@ from vllm_overlay.cli import main
 from vllm_overlay.e2e.config import load_config
 from vllm_overlay.e2e.deploy import serve_text, shell_lines
 from vllm_overlay.e2e.servers import (
+    RENDER_GID,
+    RENDER_GID_SH,
     container_name,
     docker_run_router,
     docker_run_server,
@@ -67,7 +69,13 @@ def test_print_serve_runs_the_e2e_runs_commands(example: Path) -> None:
         docker_run_server(config, s, container_name(config, s.name))
         for s in servers(config)
     ]
-    assert _commands(serve_text(config)) == expected
+    # The servers' render group: its id, set on the node first.
+    on_node = [
+        ["$RENDER_GID" if w == RENDER_GID else w for w in argv] for argv in expected[1:]
+    ]
+    assert _commands(serve_text(config)) == [
+        expected[0], shlex.split(RENDER_GID_SH), *on_node
+    ]  # fmt: skip
     kv = [argv[argv.index("--kv-transfer-config") + 1] for argv in expected[1:]]
     roles = [msgspec.json.decode(k)["kv_role"] for k in kv]
     assert roles == ["kv_producer", "kv_consumer"]

@@ -192,3 +192,31 @@ def test_signal_tears_down(
     assert "interrupted" in out
     with pytest.raises(ProcessLookupError):
         os.kill(router_pid, 0)
+
+
+def test_the_servers_health_waits_run_at_once(
+    tokenizer_json: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two servers loading side by side: every round polls both, and one
+    # timeout (not one per server) names both when neither answers.
+    from vllm_overlay.e2e import launch
+
+    config = loopback_config(tokenizer_json, health_s=1.0)
+    plan = build_plan(config).attach()
+    plan = Plan(plan.name, plan.image, plan.engine, plan.setup[:2], [], [])
+    asked: list[str] = []
+
+    def never(url: str, timeout_s: float) -> tuple[int, str]:
+        asked.append(url)
+        return 503, "loading"
+
+    monkeypatch.setattr(launch, "probe", never)
+    run = Launcher(
+        plan, tmp_path, config_endpoints(config), poll_s=0.2, say=lambda _: None
+    )
+    urls = [s.url for s in plan.setup]
+    assert len(urls) == 2 and all(s.action == "wait" for s in plan.setup)
+    with pytest.raises(HealthTimeout) as caught:
+        run.setup()
+    assert sorted(asked[:2]) == sorted(urls)  # the first round asks both
+    assert all(f"{u} (HTTP 503: loading)" in str(caught.value) for u in urls)

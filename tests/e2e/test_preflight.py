@@ -271,3 +271,19 @@ def test_preflight_exit_status_is_distinct_when_nothing_was_checked(
     assert out == [
         "e2e preflight glm-5.3-flash-1p1d: not checked: vLLM cannot import X here"
     ]
+
+
+def test_the_kimi_example_passes_where_its_model_code_imports() -> None:
+    # compressed-tensors is in the CPU environment (ci/requirements-vllm-cpu.in):
+    # vLLM imports Kimi-K3's class and builds both legs from the example's
+    # serve lines and config.json.
+    pytest.importorskip("compressed_tensors")
+    from vllm_overlay.e2e.preflight_vllm import preflight
+
+    result = preflight(EXAMPLES / "kimi-k3-1p1d.toml")
+    assert (result.findings, result.unchecked) == ([], "")
+    assert result.exit_status == 0
+    for leg in result.legs:
+        assert leg.architecture == "KimiK3ForConditionalGeneration"
+        assert leg.speculative_method == "dspark" and leg.draft_layers
+        assert [g.kind for g in leg.groups].count("MLAAttentionSpec") == 1

@@ -97,6 +97,27 @@ def test_serve_line_builds_moriio_read_config(
     assert mc.backend == config.moriio.backend
 
 
+def test_the_moriio_timeouts_reach_vllms_config(
+    local_example: RunConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # recv_abort_timeout (and the other timeouts) from [moriio] reach the
+    # pinned MoRIIOConfig through the generated --kv-transfer-config.
+    moriio = msgspec.structs.replace(
+        local_example.moriio,
+        transfer_timeout=41.0, defer_timeout=42.0, recv_abort_timeout=43.0,
+    )  # fmt: skip
+    config = msgspec.structs.replace(local_example, moriio=moriio)
+    vllm_config = engine_config(serve_lines(config)["decode"])
+    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(
+        moriio_common, "get_tensor_model_parallel_world_size", lambda: 8
+    )
+    mc = moriio_common.MoRIIOConfig.from_vllm_config(vllm_config)
+    assert (mc.transfer_timeout, mc.defer_timeout, mc.recv_abort_timeout) == (
+        41.0, 42.0, 43.0,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_serve_line_builds_the_scheduler_connector(
     local_example: RunConfig, role: str

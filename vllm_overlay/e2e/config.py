@@ -54,6 +54,14 @@ CACHE_ENV = {
 # directory is handed to it before the servers start.
 IMAGE_UID = 2000
 
+# The render group's id on the node, filled in there (servers.RENDER_GID_SH):
+# `docker run --group-add NAME` resolves NAME in the image's /etc/group, not
+# the host's, and `render` is a dynamic system group (109, 992, ... per
+# host; the image may have none), so by name the process can miss the group
+# that owns /dev/dri/renderD*. `video` is Debian's and Ubuntu's static gid 44
+# on the host and in the image alike: by name it is right.
+RENDER_GID = "@RENDER_GID@"
+
 # `docker run` flags for a server when the config gives none: the unprivileged
 # set of vLLM's ROCm P/D CI and MoRIIO usage doc. Host network and IPC (MoRIIO
 # and NCCL address the host's NICs and shared memory), the GPU (kfd, dri) and
@@ -65,7 +73,7 @@ UNPRIVILEGED_FLAGS = (
     "--init",
     "--network", "host", "--ipc", "host",
     "--device", "/dev/kfd", "--device", "/dev/dri", "--device", "/dev/infiniband",
-    "--group-add", "video", "--group-add", "render",
+    "--group-add", "video", "--group-add", RENDER_GID,
     "--cap-add", "IPC_LOCK", "--cap-add", "SYS_PTRACE",
     "--security-opt", "seccomp=unconfined",
     "--ulimit", "memlock=-1:-1",
@@ -144,6 +152,11 @@ _WORDS: list[tuple[re.Pattern[str], re.Pattern[str], str]] = [
         re.compile(r"slurm\.time"),
         re.compile(r"[0-9]+([:-][0-9]+){0,3}|UNLIMITED|INFINITE"),
         "a Slurm time limit: minutes, [D-]HH:MM[:SS], UNLIMITED",
+    ),
+    (
+        re.compile(r"slurm\.interface"),
+        re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.:@-]*)?"),
+        "a network interface name (letters, digits, _ . : @ -) not beginning with '-'",
     ),
     (
         re.compile(r"slurm\.(partition|account)"),
@@ -373,6 +386,9 @@ class MoRIIO(msgspec.Struct, forbid_unknown_fields=True):
     num_workers: Positive | None = None
     transfer_timeout: Seconds | None = None
     defer_timeout: Seconds | None = None
+    # Seconds before an in-flight READ whose transfer never completes is
+    # aborted on the decoder (the pinned MoRIIOConfig's recv_abort_timeout).
+    recv_abort_timeout: Seconds | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("rdma", "xgmi"):
@@ -527,8 +543,9 @@ class Nic(msgspec.Struct, forbid_unknown_fields=True):
 
 class Load(msgspec.Struct, forbid_unknown_fields=True):
     """The load phase: `vllm bench serve` against the front end, from a
-    container of the image on the front end's host (ssh/local launcher),
-    every input length at every concurrency; TTFT/TPOT/ITL percentiles."""
+    container of the image on the front end's host (over ssh, here, or as a
+    Slurm job step on its node), every input length at every concurrency;
+    TTFT/TPOT/ITL percentiles."""
 
     enabled: bool = True
     # The ISL/OSL and concurrencies of the issue's upstream CI figures.
@@ -547,10 +564,20 @@ class Slurm(msgspec.Struct, forbid_unknown_fields=True):
     partition: str = ""
     account: str = ""
     time: NonEmpty = "04:00:00"
-    # Extra `#SBATCH` options, e.g. ["--gres=gpu:8", "--exclusive"].
+    # `--gres=gpu:N` per node; None: the largest server's TP x DP; 0: none.
+    gpus_per_node: NonNegative | None = None
+    # `--exclusive`: no other job on the nodes (their GPUs and NICs).
+    exclusive: bool = True
+    # Extra `#SBATCH` options, e.g. ["--constraint=mi355x"].
     sbatch_options: list[NonEmpty] = msgspec.field(default_factory=list)
-    # Prints the node's address (MoRIIO host_ip); runs on every node.
-    address_command: NonEmpty = "hostname -I | awk '{print $1}'"
+    # The network interface whose IPv4 address is a node's address (MoRIIO
+    # host_ip, the front end's address), e.g. "ens51f0np0". "": the one the
+    # node routes its peer through (a server: the front end's address; the
+    # front end's node: another node of the job).
+    interface: str = ""
+    # A command printing a node's address, run on every node; "": from
+    # `interface`. Set, it wins.
+    address_command: str = ""
     # Env per Slurm node name: RDMA devices and GID index differ per node.
     node_env: dict[NonEmpty, Env] = msgspec.field(default_factory=dict)
     # Seconds to wait for the job to leave the queue after scancel.

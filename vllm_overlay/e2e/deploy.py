@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import shlex
 
-from vllm_overlay.e2e.config import ConfigError, RunConfig
+from vllm_overlay.e2e.config import RENDER_GID, ConfigError, RunConfig
 from vllm_overlay.e2e.servers import (
+    RENDER_GID_SH,
     container_name,
     docker_run_router,
     docker_run_server,
@@ -23,6 +24,10 @@ from vllm_overlay.e2e.servers import (
 from vllm_overlay.text import count
 
 _INDENT = "  "
+
+
+def _word(token: str) -> str:
+    return '"$RENDER_GID"' if token == RENDER_GID else shlex.quote(token)
 
 
 def shell_lines(argv: list[str], image: str) -> list[str]:
@@ -43,7 +48,7 @@ def shell_lines(argv: list[str], image: str) -> list[str]:
         else:
             groups[-1].append(token)
         previous = token
-    lines = [" ".join(shlex.quote(t) for t in group) for group in groups]
+    lines = [" ".join(_word(t) for t in group) for group in groups]
     return [
         (_INDENT if i else "") + line + (" \\" if i < len(lines) - 1 else "")
         for i, line in enumerate(lines)
@@ -74,6 +79,12 @@ def serve_text(config: RunConfig) -> str:
     else:
         out.append(f"# the front end ({r.kind}), on {r.address}, outside a container")
         out += shell_lines(router_command(config, place="container"), "")
+    if any(RENDER_GID in docker_run_server(config, s, "") for s in servers(config)):
+        out += [
+            "# on each server's node first: its render group's id (by number:",
+            "# `--group-add render` would resolve the name in the image)",
+            RENDER_GID_SH,
+        ]
     for s in servers(config):
         kv_role = "kv_producer" if s.role == "prefill" else "kv_consumer"
         parallel = f"TP {s.tp}" + (f", DP {s.dp}" if s.dp > 1 else "")

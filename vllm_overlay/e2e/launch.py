@@ -20,7 +20,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -123,6 +124,55 @@ def wait_healthy(
         if alive is not None:
             alive()
         sleep(min(poll_s, max(deadline - clock(), 0)))
+
+
+Check = Callable[[str, float], tuple[int, str]]
+
+
+def wait_all_healthy(
+    targets: Sequence[tuple[str, Check]],
+    timeout_s: float,
+    poll_s: float,
+    alive: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, float]:
+    """Poll every ``(url, check)`` at once until each answers 200; return
+    the seconds each waited. A round probes every endpoint still waited
+    for, in parallel, then calls ``alive``: N servers loading for T
+    seconds take T, not N x T. HealthTimeout names every one that never
+    answered."""
+    start = clock()
+    deadline = start + timeout_s
+    waited: dict[str, float] = {}
+    last = {url: "no answer yet" for url, _ in targets}
+    checks = dict(targets)
+    with ThreadPoolExecutor(max(len(targets), 1)) as pool:
+        while len(waited) < len(checks):
+            remaining = deadline - clock()
+            if remaining <= 0:
+                late = [u for u in checks if u not in waited]
+                raise HealthTimeout(
+                    f"not healthy after {timeout_s:g}s: "
+                    + "; ".join(f"{u} ({last[u]})" for u in late)
+                )
+            pending = [u for u in checks if u not in waited]
+            t = min(poll_s, remaining)
+            answers = list(pool.map(lambda u, t=t: checks[u](u, t), pending))
+            now = clock()
+            for url, (status, body) in zip(pending, answers, strict=True):
+                if status == 200:
+                    waited[url] = now - start
+                else:
+                    last[url] = (
+                        f"HTTP {status}: {body.strip()[:120]}" if status else body
+                    )
+            if len(waited) == len(checks):
+                break
+            if alive is not None:
+                alive()
+            sleep(min(poll_s, max(deadline - clock(), 0)))
+    return waited
 
 
 def resolve_executable(name: str) -> str:
@@ -310,9 +360,38 @@ class Launcher(ClosedOnExit):
         return self
 
     def setup(self) -> Endpoints:
-        for step in self.plan.setup:
-            self.run(step)
+        """Every setup step in order; the servers' health waits (a run of
+        consecutive waits before the front end's) at once."""
+        steps = self.plan.setup
+        i = 0
+        while i < len(steps):
+            j = i
+            while (
+                j < len(steps)
+                and steps[j].action == "wait"
+                and steps[j].what != "router"
+            ):
+                j += 1
+            if j - i > 1:
+                self.wait_all(steps[i:j])
+                i = j
+            else:
+                self.run(steps[i])
+                i += 1
         return self.endpoints
+
+    def wait_all(self, steps: list[Step]) -> None:
+        for step in steps:
+            self.say(f"[{step.what} @ {step.where}] {step.describe()}")
+        targets = [(s.url, probe_tcp if s.probe == "tcp" else probe) for s in steps]
+        self.waited.update(
+            wait_all_healthy(
+                targets,
+                max(s.timeout_s for s in steps),
+                self.poll_s,
+                alive=self.check_alive,
+            )  # fmt: skip
+        )
 
     def run(self, step: Step) -> None:
         self.say(f"[{step.what} @ {step.where}] {step.describe()}")

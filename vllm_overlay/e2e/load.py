@@ -2,12 +2,15 @@
 length and concurrency of `[load]`, run in a throwaway container of the
 image on the front end's host; TTFT/TPOT/ITL percentiles read from the
 JSON result file it saves (printed on stdout by the container, so no file
-is left on the node)."""
+is left on the node). In a Slurm job the bench runs as a job step on the
+front end's node, its secrets from the front end's env file."""
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
 
 import msgspec
 
@@ -90,7 +93,9 @@ def cells(config: RunConfig) -> list[LoadResult]:
     ]
 
 
-def bench_argv(config: RunConfig, cell: LoadResult, front: str) -> list[str]:
+def bench_argv(
+    config: RunConfig, cell: LoadResult, front: str, env_file: str = ""
+) -> list[str]:
     """`docker run` of one cell: `vllm bench serve` saves its result in the
     container, which prints it on stdout (the progress goes to stderr)."""
     c, m = config.container, config.model
@@ -117,15 +122,25 @@ def bench_argv(config: RunConfig, cell: LoadResult, front: str) -> list[str]:
     argv += [*label_flags(config), "--network", "host"]
     for volume in c.volumes:
         argv += ["--volume", volume]
-    argv += env_flags(c.env)
+    argv += env_flags(c.env, env_file)
     return [*argv, "--entrypoint", "sh", c.image, "-c", script, "sh", *bench]
 
 
-def front_host(config: RunConfig) -> Reach:
-    """Where the bench runs: the front end's host (its container's, or this
-    node for a front end the harness runs)."""
+class BenchHost(NamedTuple):
+    """Where the bench runs and how a command gets there; ``env_file``: the
+    file its secrets come from ("": read on its stdin)."""
+
+    where: str
+    place: Callable[[list[str]], list[str]]
+    env_file: str = ""
+
+
+def front_host(config: RunConfig) -> BenchHost:
+    """The front end's host (its container's, or this node for a front end
+    the harness runs), reached as the front end is."""
     r = config.router
-    return r.reach if r.container else Reach()
+    reach = r.reach if r.container else Reach()
+    return BenchHost(where(reach), partial(on_host, reach))
 
 
 def run_load(
@@ -133,16 +148,19 @@ def run_load(
     front: str,
     secrets: dict[str, str],
     say: Callable[[str], None],
+    host: BenchHost | None = None,
 ) -> list[LoadResult]:
-    """Every cell in turn; a cell that fails is recorded and the next runs."""
-    reach = front_host(config)
-    names = secret_names(config.container.env)
+    """Every cell in turn; a cell that fails is recorded and the next runs.
+    ``host`` defaults to `front_host`."""
+    host = host or front_host(config)
+    names = [] if host.env_file else secret_names(config.container.env)
     stdin = "".join(f"{secrets[n]}\n" for n in names).encode() if names else None
     out: list[LoadResult] = []
     for cell in cells(config):
-        argv = on_host(reach, with_secrets(bench_argv(config, cell, front), names))
+        bench = bench_argv(config, cell, front, host.env_file)
+        argv = host.place(with_secrets(bench, names))
         say(
-            f"[load @ {where(reach)}] vllm bench serve: ISL {cell.input_len} OSL "
+            f"[load @ {host.where}] vllm bench serve: ISL {cell.input_len} OSL "
             f"{cell.output_len}, concurrency {cell.concurrency}, {cell.prompts} prompts"
         )
         try:

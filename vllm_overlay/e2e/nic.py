@@ -7,12 +7,17 @@ after the request (over ssh, or here for a local node).
 octets divided by four), on RoCE NICs too: the bytes are the delta times
 four. A READ's payload arrives at the decoder (it issues the READs), so the
 decode node's receive counter is what the transfer moved, plus any other
-traffic of that NIC in the meantime."""
+traffic of that NIC in the meantime.
+
+Over ssh (or here) a node is reached by its server's `reach`; in a Slurm
+job by a job step on the node (`srun --jobid ... --overlap`), its devices
+those of the node's `slurm.node_env` when it names them."""
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 
 from vllm_overlay.e2e.config import Reach, RunConfig
 from vllm_overlay.e2e.launch import LaunchError, run_command
@@ -25,6 +30,13 @@ DEVICES_ENV = "MORI_RDMA_DEVICES"
 
 # (argv, timeout) -> (exit status, stdout)
 Runner = Callable[[list[str], float], tuple[int, str]]
+# argv -> the command that runs argv on a node
+Place = Callable[[list[str]], list[str]]
+
+
+def devices_of(env: Mapping[str, str]) -> list[str]:
+    """The RDMA devices ``env``'s `MORI_RDMA_DEVICES` names ([]: all)."""
+    return [d.strip() for d in env.get(DEVICES_ENV, "").split(",") if d.strip()]
 
 
 def read_script(root: str, devices: list[str]) -> str:
@@ -67,21 +79,23 @@ def _run(argv: list[str], timeout_s: float) -> tuple[int, str]:
 class NicCounters:
     """Reads every decode node's counters (one command per node)."""
 
-    def __init__(self, config: RunConfig, runner: Runner = _run) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        runner: Runner = _run,
+        nodes: Mapping[str, tuple[Place, list[str]]] | None = None,
+    ) -> None:
+        """``nodes``: every decode node by name, how to run a command there
+        and its RDMA devices; default: the decode servers' hosts (ssh)."""
         self.timeout_s = config.timeouts.command_s
         self.runner = runner
-        self.nodes: dict[str, tuple[Reach, list[str]]] = {}
+        self.nodes: dict[str, tuple[Place, list[str]]] = {}
         self.scripts: dict[str, list[str]] = {}
         self.failed = ""
         root = config.nic.counters_root
         if not root:
             return
-        for s in servers(config, "decode"):
-            devices = [d for d in s.env.get(DEVICES_ENV, "").split(",") if d.strip()]
-            host = where(s.reach)
-            known = self.nodes.get(host)
-            merged = sorted({*(known[1] if known else []), *devices})
-            self.nodes[host] = (s.reach, merged)
+        self.nodes = dict(ssh_nodes(config) if nodes is None else nodes)
         self.scripts = {
             host: ["sh", "-c", read_script(root, devices)]
             for host, (_, devices) in self.nodes.items()
@@ -93,11 +107,9 @@ class NicCounters:
         if not self.nodes or self.failed:
             return None
         out: dict[str, dict[str, int]] = {}
-        for host, (reach, _) in self.nodes.items():
+        for host, (place, _) in self.nodes.items():
             try:
-                code, text = self.runner(
-                    on_host(reach, self.scripts[host]), self.timeout_s
-                )
+                code, text = self.runner(place(self.scripts[host]), self.timeout_s)
             except LaunchError as e:
                 self.failed = f"{host}: {e}"
                 return None
@@ -107,6 +119,21 @@ class NicCounters:
                 return None
             out[host] = found
         return out
+
+
+def ssh_nodes(config: RunConfig) -> dict[str, tuple[Place, list[str]]]:
+    """The decode servers' hosts (one entry per host), reached as their
+    servers are, with the devices of every server there."""
+    nodes: dict[str, tuple[Reach, list[str]]] = {}
+    for s in servers(config, "decode"):
+        host = where(s.reach)
+        known = nodes.get(host)
+        merged = sorted({*(known[1] if known else []), *devices_of(s.env)})
+        nodes[host] = (s.reach, merged)
+    return {
+        host: (partial(on_host, reach), devices)
+        for host, (reach, devices) in nodes.items()
+    }
 
 
 def moved(

@@ -9,9 +9,10 @@ from typing import Literal
 
 import msgspec
 
-from vllm_overlay.e2e.config import CACHE_MOUNT, IMAGE_UID, Reach, RunConfig
+from vllm_overlay.e2e.config import CACHE_MOUNT, IMAGE_UID, RENDER_GID, Reach, RunConfig
 from vllm_overlay.e2e.secret import MASK, secret_names
 from vllm_overlay.e2e.servers import (
+    RENDER_GID_SH,
     container_name,
     docker_run_router,
     docker_run_server,
@@ -108,6 +109,18 @@ def with_secrets(argv: list[str], names: list[str]) -> list[str]:
     return ["sh", "-c", script, "sh", *argv]
 
 
+def with_render_gid(argv: list[str]) -> list[str]:
+    """``argv`` with its RENDER_GID placeholder replaced, on the node, by
+    the node's render group id (`RENDER_GID_SH`); unchanged without one."""
+    if RENDER_GID not in argv:
+        return list(argv)
+    swap = (
+        'for a do shift; if [ "$a" = ' + RENDER_GID + ' ]; then set -- "$@" '
+        '"$RENDER_GID"; else set -- "$@" "$a"; fi; done; exec "$@"'
+    )
+    return ["sh", "-c", f"{RENDER_GID_SH}; {swap}", "sh", *argv]
+
+
 def where(reach: Reach) -> str:
     return reach.ssh or "local"
 
@@ -193,7 +206,8 @@ def build_plan(config: RunConfig) -> Plan:
         setup.append(
             Step(
                 what, "start", where(reach),
-                on_host(reach, with_secrets(run_argv, names)), reach,
+                on_host(reach, with_secrets(with_render_gid(run_argv), names)),
+                reach,
                 container_name(config, what), secret_env=names,
             )
         )  # fmt: skip

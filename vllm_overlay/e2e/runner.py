@@ -67,6 +67,7 @@ from vllm_overlay.e2e.report import Report, write_report
 from vllm_overlay.e2e.runid import run_name, with_run_id
 from vllm_overlay.e2e.secret import all_values, masking, scrub
 from vllm_overlay.e2e.servers import leg_secrets, node_secrets, servers
+from vllm_overlay.e2e.slurm import SlurmLauncher
 
 LauncherKind = Literal["ssh", "slurm", "attach"]
 NOT_SENT = Completion([], "", 0, error="not sent")
@@ -114,8 +115,6 @@ def make_launcher(
     plan: Plan | None = None,
 ) -> RunLauncher:
     if kind == "slurm":
-        from vllm_overlay.e2e.slurm import SlurmLauncher
-
         return SlurmLauncher(config, run_dir, say)
     t = config.timeouts
     if plan is None:
@@ -317,7 +316,8 @@ def run(
     try:
         with sigterm_raises(), launcher:
             ends = launcher.setup()
-            nic = NicCounters(config) if launcher_kind != "slurm" else None
+            slurm = launcher if isinstance(launcher, SlurmLauncher) else None
+            nic = NicCounters(config, nodes=slurm.nic_nodes() if slurm else None)
             session = Session(config, ends, launcher, nic)
             session.detect_front_end(probe_prompt(tok), say)
             for group, prompts in ((sweep_ex, sweep), (needle_ex, needles)):
@@ -340,9 +340,10 @@ def run(
                 # Scored on the answer decoded by the harness's tokenizer.
                 pd_texts.append(tok.decode(pd.token_ids))
                 direct_texts.append(tok.decode(direct.token_ids))
-            if launcher_kind == "ssh" and config.load.enabled:
+            if not load_skipped(config, launcher_kind):
                 router_secrets = leg_secrets(config)["router"] if hidden else {}
-                load = run_load(config, ends.front, router_secrets, say)
+                host = slurm.bench_host() if slurm else None
+                load = run_load(config, ends.front, router_secrets, say, host)
     except (LaunchError, Terminated, KeyboardInterrupt) as e:
         error = f"{type(e).__name__}: {e}"
 
@@ -407,8 +408,8 @@ def load_skipped(config: RunConfig, kind: LauncherKind) -> str:
     """Why the run has no load phase; "" when it has one."""
     if not config.load.enabled:
         return "load.enabled = false"
-    if kind != "ssh":
-        return f"the {kind} launcher runs no load phase (ssh/local only)"
+    if kind == "attach":
+        return "the attach launcher runs no load phase (it starts no container)"
     return ""
 
 
@@ -416,7 +417,7 @@ def nic_note(session: Session | None) -> str:
     """Where the report's NIC bytes come from, or why there are none."""
     nic = session.nic if session else None
     if nic is None:
-        return "not read (the Slurm launcher does not reach the nodes)"
+        return "not read (the run stopped before its first request)"
     if not nic.nodes:
         return "not read (nic.counters_root is empty)"
     if nic.failed:

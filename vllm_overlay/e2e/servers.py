@@ -20,6 +20,7 @@ from vllm_overlay.e2e.config import (
     CACHE_ENV,
     CACHE_MOUNT,
     ENGINE_READY_TIMEOUT_S,
+    RENDER_GID,
     ROLES,
     Reach,
     Role,
@@ -32,7 +33,16 @@ from vllm_overlay.e2e.secret import SecretError, is_secret, secret_names
 # Filled in on the node by the Slurm launcher.
 HOST_IP = "@HOST_IP@"
 ROUTER_IP = "@ROUTER_IP@"
-PLACEHOLDERS = {HOST_IP: "HOST_IP", ROUTER_IP: "ROUTER_IP"}
+PLACEHOLDERS = {HOST_IP: "HOST_IP", ROUTER_IP: "ROUTER_IP", RENDER_GID: "RENDER_GID"}
+# Sets RENDER_GID on the node: the group owning its GPU render nodes, else
+# its `render` group's id; a node with neither (no GPU) says so and keeps
+# the name.
+RENDER_GID_SH = (
+    "RENDER_GID=$(stat -c %g /dev/dri/renderD* 2>/dev/null | head -n 1); "
+    '[ -n "$RENDER_GID" ] || RENDER_GID=$(getent group render | cut -d: -f3); '
+    '[ -n "$RENDER_GID" ] || { echo "$(hostname): no /dev/dri/renderD* and no '
+    'render group: --group-add render by name" >&2; RENDER_GID=render; }'
+)
 
 # The front end's process inside a container, or on the harness node.
 FrontEndPlace = Literal["container", "harness"]
@@ -153,6 +163,7 @@ def kv_transfer_config(config: RunConfig, server: Server) -> str:
         "num_workers": m.num_workers,
         "transfer_timeout": m.transfer_timeout,
         "defer_timeout": m.defer_timeout,
+        "recv_abort_timeout": m.recv_abort_timeout,
     }
     extra.update({k: v for k, v in optional.items() if v is not None})
     kv = {

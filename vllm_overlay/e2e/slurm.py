@@ -9,6 +9,9 @@ pulls the image if needed and runs the server's container in the
 foreground, removed on exit or cancel. The harness, on the submitting node,
 reads the published addresses, waits for health while it watches the job's
 state and every task's exit file, runs the checks, then cancels the job.
+What runs on a node meanwhile (the NIC counter reads around every P/D
+request, the load phase's bench on the front end's node) runs as a job step
+there (`srun --jobid JOB --overlap --nodelist NODE`), so it needs no ssh.
 
 The run directory must be on a filesystem every node shares with the
 submitting node (as vLLM's ROCm P/D CI shares its log directory).
@@ -25,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from vllm_overlay.e2e.config import IMAGE_UID, RunConfig
+from vllm_overlay.e2e.config import IMAGE_UID, RENDER_GID, RunConfig
 from vllm_overlay.e2e.launch import (
     STOP_GRACE_S,
     ClosedOnExit,
@@ -35,17 +38,22 @@ from vllm_overlay.e2e.launch import (
     HealthTimeout,
     LaunchError,
     last_lines,
+    probe,
     probe_tcp,
     resolve_executable,
     run_command,
+    wait_all_healthy,
     wait_healthy,
 )
+from vllm_overlay.e2e.load import BenchHost
+from vllm_overlay.e2e.nic import Place, devices_of
 from vllm_overlay.e2e.plan import cache_command, pull_command
 from vllm_overlay.e2e.runid import owner, run_name
 from vllm_overlay.e2e.secret import MASK, is_secret, secret_names
 from vllm_overlay.e2e.servers import (
     HOST_IP,
     PLACEHOLDERS,
+    RENDER_GID_SH,
     Server,
     container_name,
     docker_run_router,
@@ -60,6 +68,35 @@ from vllm_overlay.e2e.servers import (
 NODE_ENV = "@NODE_ENV@"  # the node's own env flags, filled in on the node
 QUEUE_STATES = ("PENDING", "CONFIGURING", "RUNNING")
 _SPLIT = re.compile("(" + "|".join(map(re.escape, [*PLACEHOLDERS, NODE_ENV])) + ")")
+
+
+# The address of the interface a node routes ``$PEER_IP`` through.
+_ROUTE_SRC = "ip -o -4 route get \"$PEER_IP\" | sed -n 's/.* src \\([0-9.]*\\).*/\\1/p'"
+# The job's first node other than this one, and its IPv4 address.
+_OTHER_NODE = (
+    'PEER=$(scontrol show hostnames "$SLURM_JOB_NODELIST" '
+    '| grep -vx "${SLURMD_NODENAME:-$(hostname -s)}" | head -n 1)',
+    "PEER_IP=$(getent ahostsv4 \"$PEER\" | awk '{print $1; exit}')",
+)
+
+
+def address_lines(config: RunConfig, var: str, front_end: bool) -> list[str]:
+    """Shell lines setting ``var`` to this node's address: `address_command`
+    when set; else `interface`'s IPv4 address; else that of the interface
+    routing to the peer (a server's: the front end, ``$ROUTER_IP``; the
+    front end's node: the job's next node). Never `hostname -I`'s first
+    word, which may be any interface."""
+    s = config.slurm
+    if s.address_command:
+        return [f"{var}=$({s.address_command})"]
+    if s.interface:
+        dev = shlex.quote(s.interface)
+        return [
+            f"{var}=$(ip -o -4 addr show dev {dev} "
+            "| awk '{split($4, a, \"/\"); print a[1]; exit}')"
+        ]
+    peer = [*_OTHER_NODE] if front_end else ['PEER_IP="$ROUTER_IP"']
+    return [*peer, f"{var}=$({_ROUTE_SRC})"]
 
 
 def bash_word(word: str) -> str:
@@ -130,11 +167,21 @@ class SlurmJob:
     def addr(self, what: str) -> Path:
         return self.dir / "addr" / what
 
+    def node_of(self, what: str) -> Path:
+        """The Slurm node name ``what`` runs on (published before its
+        address)."""
+        return self.dir / "node" / what
+
     def exit_file(self, what: str) -> Path:
         return self.dir / "exit" / what
 
     def router_in_job(self) -> bool:
         return self.config.router.container
+
+    def gpus_per_node(self) -> int:
+        """`--gres=gpu:N`: the config's, or the largest server's TP x DP."""
+        given = self.config.slurm.gpus_per_node
+        return given if given is not None else max(s.gpus for s in self.servers)
 
     def batch_script(self) -> str:
         c, s = self.config, self.config.slurm
@@ -144,6 +191,8 @@ class SlurmJob:
             f"#SBATCH --nodes={len(self.servers)}",
             "#SBATCH --ntasks-per-node=1",
             f"#SBATCH --time={s.time}",
+            *(f"#SBATCH --gres=gpu:{n}" for n in [self.gpus_per_node()] if n),
+            *(["#SBATCH --exclusive"] if s.exclusive else []),
             f"#SBATCH --output={self.dir}/job-%j.out",
         ]
         if s.partition:
@@ -158,7 +207,7 @@ class SlurmJob:
             "set -euo pipefail",
             f"E2E_DIR={shlex.quote(str(self.dir))}",
             f"LOG_DIR={shlex.quote(str(self.log_dir))}",
-            'mkdir -p "$E2E_DIR/addr" "$E2E_DIR/exit" "$LOG_DIR"',
+            'mkdir -p "$E2E_DIR/addr" "$E2E_DIR/node" "$E2E_DIR/exit" "$LOG_DIR"',
         ]
         engine = shlex.quote(c.container.engine)
         if self.router_in_job():
@@ -169,7 +218,9 @@ class SlurmJob:
             lines += [
                 "# The front end runs on this (the first) node; its address is",
                 "# every server's proxy_ip.",
-                f"ROUTER_IP=$({s.address_command})",
+                *address_lines(c, "ROUTER_IP", front_end=True),
+                '[ -n "$ROUTER_IP" ] || { echo "no address for the front end\'s node"; '
+                "exit 1; }",
                 "stop_router() {",
                 f'  {engine} logs {name} > "$LOG_DIR/router.log" 2>&1 || true',
                 f"  {engine} rm --force {name} >/dev/null 2>&1 || true",
@@ -179,6 +230,7 @@ class SlurmJob:
                 *self.pull_lines('"$LOG_DIR/router.log"'),
                 f"{engine} rm --force {name} >/dev/null 2>&1 || true",
                 bash_line(run) + " >/dev/null",
+                'echo "${SLURMD_NODENAME:-$(hostname -s)}" > "$E2E_DIR/node/router"',
                 'echo "$ROUTER_IP" > "$E2E_DIR/addr/router.tmp"',
                 'mv "$E2E_DIR/addr/router.tmp" "$E2E_DIR/addr/router"',
             ]
@@ -186,7 +238,9 @@ class SlurmJob:
             lines.append(f"ROUTER_IP={shlex.quote(c.router.address or '')}")
         lines += [
             "export ROUTER_IP",
-            'srun --label --kill-on-bad-exit=0 bash "$E2E_DIR/node.sh"',
+            # --overlap: the harness's job steps on these nodes (NIC
+            # counters, the load phase) share them with this one.
+            'srun --label --overlap --kill-on-bad-exit=0 bash "$E2E_DIR/node.sh"',
         ]
         return "\n".join(lines) + "\n"
 
@@ -223,8 +277,8 @@ class SlurmJob:
             f"E2E_DIR={shlex.quote(str(self.dir))}",
             f"LOG_DIR={shlex.quote(str(self.log_dir))}",
             'RANK="${SLURM_PROCID:?not a Slurm task}"',
-            f"HOST_IP=$({s.address_command})",
             'ROUTER_IP="${ROUTER_IP:?}"',
+            *address_lines(c, "HOST_IP", front_end=False),
             'case "$RANK" in',
         ]
         for i, srv in enumerate(self.servers):
@@ -233,7 +287,8 @@ class SlurmJob:
             '  *) echo "rank $RANK: no server" >&2; exit 1 ;;',
             "esac",
             "NODE_ENV=()",
-            'case "${SLURMD_NODENAME:-$(hostname -s)}" in',
+            'NODE="${SLURMD_NODENAME:-$(hostname -s)}"',
+            'case "$NODE" in',
         ]
         for i, node in enumerate(self.node_names()):
             env = s.node_env[node]
@@ -251,9 +306,20 @@ class SlurmJob:
             "esac",
             'LOG="$LOG_DIR/$WHAT.log"',
             f'NAME="{run_name(c)}-$WHAT"',
+            'finish() { echo "$1" > "$E2E_DIR/exit/$WHAT"; exit "$1"; }',
+            '[ -n "$HOST_IP" ] || { echo "no address for node $NODE" >> "$LOG"; '
+            "finish 1; }",
+            'echo "$NODE" > "$E2E_DIR/node/$WHAT"',
             'echo "$HOST_IP" > "$E2E_DIR/addr/$WHAT.tmp"',
             'mv "$E2E_DIR/addr/$WHAT.tmp" "$E2E_DIR/addr/$WHAT"',
-            'finish() { echo "$1" > "$E2E_DIR/exit/$WHAT"; exit "$1"; }',
+            *(
+                [
+                    "# The node's render group id (--group-add takes it by number).",
+                    RENDER_GID_SH.replace(">&2;", '>> "$LOG";'),
+                ]
+                if RENDER_GID in c.container.run_flags + c.container.extra_run_flags
+                else []
+            ),
             *[line.replace("exit 1", "finish 1") for line in self.pull_lines('"$LOG"')],
             *self.cache_lines(),
             f'{engine} rm --force "$NAME" >/dev/null 2>&1 || true',
@@ -284,7 +350,12 @@ class SlurmJob:
         """The scripts, and the env files of the secret values: ``secrets``
         per container (`leg_secrets`), ``nodes`` per node (`node_secrets`);
         default: the config's, or the harness's environment for an empty one."""
-        for d in (self.dir / "addr", self.dir / "exit", self.log_dir):
+        for d in (
+            self.dir / "addr",
+            self.dir / "node",
+            self.dir / "exit",
+            self.log_dir,
+        ):
             d.mkdir(parents=True, exist_ok=True)
         self.batch.write_text(self.batch_script())
         self.node.write_text(self.node_script())
@@ -367,6 +438,8 @@ class SlurmLauncher(ClosedOnExit):
         self.router_proc: subprocess.Popen[bytes] | None = None
         self.stopped: list[ContainerState] = []
         self.endpoints: Endpoints | None = None
+        # The Slurm node each server (and the in-job front end) runs on.
+        self.nodes: dict[str, str] = {}
         self._closed = False
 
     def __enter__(self) -> SlurmLauncher:
@@ -408,11 +481,13 @@ class SlurmLauncher(ClosedOnExit):
         addresses = self.wait_addresses()
         ends = self.resolve(addresses)
         t = self.config.timeouts
-        for srv, url in zip(
-            self.job.servers, [*ends.prefill, *ends.decode], strict=True
-        ):
-            self.say(f"[{srv.name} @ {addresses[srv.name]}] wait for GET {url}/health")
-            wait_healthy(f"{url}/health", t.health_s, t.poll_s, alive=self.check_alive)
+        urls = [f"{u}/health" for u in [*ends.prefill, *ends.decode]]
+        for srv, url in zip(self.job.servers, urls, strict=True):
+            self.say(f"[{srv.name} @ {addresses[srv.name]}] wait for GET {url}")
+        # Every server at once: they load their weights side by side.
+        wait_all_healthy(
+            [(u, probe) for u in urls], t.health_s, t.poll_s, alive=self.check_alive
+        )
         if r.kind == "vllm-router":
             self.say(f"[router] wait for GET {ends.front}/health")
             wait_healthy(
@@ -441,8 +516,14 @@ class SlurmLauncher(ClosedOnExit):
                 if self.job.addr(n).is_file()
             }
             if len(found) == len(names) and all(found.values()):
+                self.nodes = {
+                    n: self.job.node_of(n).read_text().strip()
+                    for n in names
+                    if self.job.node_of(n).is_file()
+                }
                 for n in names:
-                    self.say(f"[slurm] {n} runs at {found[n]}")
+                    on = f" on node {self.nodes[n]}" if self.nodes.get(n) else ""
+                    self.say(f"[slurm] {n} runs at {found[n]}{on}")
                 return found
             self.check_alive()
             if self.clock() >= deadline:
@@ -463,6 +544,42 @@ class SlurmLauncher(ClosedOnExit):
         pre = [url(s) for s in self.job.servers if s.role == "prefill"]
         dec = [url(s) for s in self.job.servers if s.role == "decode"]
         return Endpoints(f"http://{front_host}:{r.port}", pre[0], pre, dec)
+
+    def on_node(self, node: str, argv: list[str]) -> list[str]:
+        """``argv`` run on ``node`` as a step of the job, beside its servers."""
+        return [
+            "srun", f"--jobid={self.job_id}", "--overlap", "--nodes=1",
+            "--ntasks=1", f"--nodelist={node}", "--input=none", "--quiet",
+            *argv,
+        ]  # fmt: skip
+
+    def place(self, node: str) -> Place:
+        return lambda argv: self.on_node(node, argv)
+
+    def nic_nodes(self) -> dict[str, tuple[Place, list[str]]]:
+        """Every decode server's node, reached by a job step, with its RDMA
+        devices: its node's `slurm.node_env` MORI_RDMA_DEVICES (the node
+        script passes those after the server's own), else the server's."""
+        out: dict[str, tuple[Place, list[str]]] = {}
+        for s in self.job.servers:
+            node = self.nodes.get(s.name, "")
+            if s.role != "decode" or not node:
+                continue
+            devices = devices_of(self.config.slurm.node_env.get(node, {}))
+            devices = devices or devices_of(s.env)
+            known = out.get(node, (self.place(node), []))[1]
+            out[node] = (self.place(node), sorted({*known, *devices}))
+        return out
+
+    def bench_host(self) -> BenchHost | None:
+        """Where the load phase's bench runs: a job step on the front end's
+        node, its secrets from the front end's env file; None: the front
+        end runs on the harness node (the bench too, as over ssh)."""
+        node = self.nodes.get("router", "")
+        if not self.job.router_in_job() or not node:
+            return None
+        env_file = self.job.env_file("router", self.config.container.env)
+        return BenchHost(f"slurm node {node}", self.place(node), env_file)
 
     def job_state(self) -> str:
         out = self.command(
