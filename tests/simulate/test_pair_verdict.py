@@ -169,3 +169,17 @@ def test_the_default_sweep_runs_every_pair_and_update_readme_both():
         "base->overlay",
         "overlay->base",
     ]
+
+
+def test_a_gap_of_every_pair_covers_each_judged_pair():
+    item = ConfigItem("kimi", "read", 1, 2, "LBNHC")
+    rows = [
+        ConfigReport(v, item, cases=4, error_cases=4, refused="heterogeneous-TP")
+        for v in ("overlay", "base->overlay", "overlay->base")
+    ]
+    report = BytesReport([17], [0.0], PAIRS, rows, 1.0)
+    only = KnownGap("kimi read 1->2", "errors", "issue 37", "x", "bytes")
+    assert len(judge_bytes(report, [only]).failures) == 2
+    every = KnownGap("kimi read 1->2", "errors", "issue 37", "x", "bytes", "all")
+    verdict = judge_bytes(report, [every])
+    assert verdict.exit_code == 0 and len(verdict.known) == 3

@@ -31,6 +31,7 @@ from vllm_overlay.tomlfile import read_toml
 GAPS_FILE = Path("docs") / "known-gaps.toml"
 SIMULATE_REPORT = "simulate.json"
 JUDGED_PAIRS = ("overlay", "base->overlay", "overlay->base")
+EVERY_PAIR = "all"
 Problem = Literal["wrong KV", "errors", "escapes", "no cases"]
 
 
@@ -51,7 +52,8 @@ class KnownGap(msgspec.Struct, forbid_unknown_fields=True):
     configuration) or ``simulate --faults`` (a layout, or ``layout fault``)."""
     pair: str = "overlay"
     """The pair of builds it is about: ``overlay``, ``base->overlay`` or
-    ``overlay->base`` (``builds.py``); the base alone is never judged."""
+    ``overlay->base`` (``builds.py``), or ``all`` for a gap both builds
+    share (each of the three); the base alone is never judged."""
 
 
 class KnownGaps(msgspec.Struct, forbid_unknown_fields=True):
@@ -74,11 +76,21 @@ def load_gaps(path: Path) -> list[KnownGap]:
     for g in gaps:
         if not g.tracked_by.strip() or not g.why.strip():
             raise GapsError(f"{path}: {g.layout}: tracked_by and why are required")
-        if g.pair not in JUDGED_PAIRS:
+        if g.pair not in (*JUDGED_PAIRS, EVERY_PAIR):
             raise GapsError(
-                f"{path}: {g.layout}: pair {g.pair!r}: one of {', '.join(JUDGED_PAIRS)}"
+                f"{path}: {g.layout}: pair {g.pair!r}: one of "
+                f"{', '.join(JUDGED_PAIRS)} or {EVERY_PAIR}"
             )
     return gaps
+
+
+def gap_index(gaps: list[KnownGap]) -> dict[tuple[str, Problem, str], KnownGap]:
+    """The gaps by (layout, problem, pair), a gap of every pair under each."""
+    return {
+        (g.layout, g.problem, pair): g
+        for g in gaps
+        for pair in (JUDGED_PAIRS if g.pair == EVERY_PAIR else (g.pair,))
+    }
 
 
 WrongCases = frozenset[tuple[str, int]]
@@ -194,7 +206,7 @@ def judge(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
     if report.faults:
         return judge_faults(report, gaps)
     gaps = [g for g in gaps if g.scope == "scheduler"]
-    by_key = {(g.layout, g.problem, g.pair): g for g in gaps}
+    by_key = gap_index(gaps)
     verdict = Verdict()
     rows = [r for r in report.layouts if judged(r.variant)]
     if not any(judged(v) for v in report.variants):
@@ -228,7 +240,9 @@ def judge(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
         verdict.passing_gaps += [
             f"{shown(g.layout, g.pair)} ({g.problem})"
             for g in gaps
-            if g.layout == r.layout and g.pair == r.variant and g.problem not in seen
+            if g.layout == r.layout
+            and g.pair in (r.variant, EVERY_PAIR)
+            and g.problem not in seen
         ]
     if rows and not any(r.cases for r in rows):
         refused = ", ".join(f"{r.layout} by {r.refused_by or '?'}" for r in rows)
@@ -270,7 +284,7 @@ def judge_faults(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
     """The verdict on the fault rows of every pair with an overlaid leg. A
     gap of ``scope = "faults"`` names a layout (every fault) or ``layout
     fault``."""
-    by_key = {(g.layout, g.problem, g.pair): g for g in gaps if g.scope == "faults"}
+    by_key = gap_index([g for g in gaps if g.scope == "faults"])
     verdict = Verdict()
     for r in report.faults:
         if not judged(r.variant):

@@ -30,6 +30,7 @@ from vllm_overlay.simulate.verdict import (
     base_decoder,
     beyond_base,
     escape_problems,
+    gap_index,
     judged,
     shown,
     wrong_cases,
@@ -112,7 +113,7 @@ class BytesVerdict:
 
 def judge(report: BytesReport, gaps: list[KnownGap]) -> BytesVerdict:
     """The verdict on the overlay configurations of ``report``."""
-    by_key = {(g.layout, g.problem, g.pair): g for g in gaps if g.scope == "bytes"}
+    by_key = gap_index([g for g in gaps if g.scope == "bytes"])
     verdict = BytesVerdict()
     rows = [r for r in report.configs if judged(r.variant)]
     if not any(judged(v) for v in report.variants):
