@@ -34,7 +34,9 @@ def needed_pairs(write: Write, first_page: int) -> list[tuple[int, int]]:
     """P's page k paired with D's page k for every page from ``first_page``
     holding a position below N - 1."""
     last = cdiv(write.num_prompt_tokens - 1, B)
-    return [(write.prefill_table[k], write.decode_table[k]) for k in range(first_page, last)]
+    return [
+        (write.prefill_table[k], write.decode_table[k]) for k in range(first_page, last)
+    ]
 
 
 @pytest.mark.parametrize(

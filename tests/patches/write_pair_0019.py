@@ -73,13 +73,12 @@ class _Socket:
 class _Worker:
     """What ``_prepare_transfer_plan`` asks of the prefiller's worker."""
 
-    def __init__(self, num_groups: int) -> None:
+    def __init__(self) -> None:
         self.kv_caches = {LAYER: torch.zeros(2, 4, 1)}
         self.layer_to_group = {LAYER: 0}
         self._has_mamba = False
         self.moriio_config = type("C", (), {"defer_timeout": 1.0})()
         self.pairs: list[tuple[int, int]] = []
-        del num_groups
 
     def _check_peer_block_size(self, layer_name: str, meta: Any) -> None:
         pass
@@ -96,7 +95,7 @@ class _Worker:
         remote_engine_id: Any = None,
     ) -> tuple[list[int], list[int], list[int]]:
         # vLLM's layout pairs the lists by index and stops at the shorter.
-        self.pairs = list(zip(local_block_ids, remote_block_ids))
+        self.pairs = list(zip(local_block_ids, remote_block_ids, strict=False))
         return [], [], []
 
 
@@ -171,7 +170,7 @@ class WritePair:
             wrapper = moriio_engine.MoRIIOWrapper()
             wrapper._handle_message(msgpack.dumps(delivered))
             info = wrapper.done_remote_allocate_req_dict[delivered["transfer_id"]]
-            worker = _Worker(1)
+            worker = _Worker()
             writer = moriio_engine.MoRIIOWriter(worker)  # type: ignore[arg-type]
             task = type(
                 "Task",
