@@ -114,9 +114,15 @@ def test_write_save_clamps_to_prompt_blocks(llama_model_dir: Path, dcp: int) -> 
         output.num_scheduled_tokens = {request.request_id: n}
         meta = producer.build_connector_meta(output)
         saved = meta.reqs_to_save[request.request_id].local_block_ids
-        expected = [table[0][: cdiv(n, layout.spans[0])]]
-        if [list(g) for g in saved] != expected:
+        # Every block of positions [0, N - 1), which the decoder needs, at most
+        # the prompt's (the decoder computes position N - 1 itself: 0019
+        # leaves its block out when it holds nothing else).
+        least, most = cdiv(n - 1, layout.spans[0]), cdiv(n, layout.spans[0])
+        if not (
+            least <= len(saved[0]) <= most
+            and list(saved[0]) == table[0][: len(saved[0])]
+        ):
             wrong.append(
-                f"N={n}: saved {len(saved[0])} blocks, expected {len(expected[0])}"
+                f"N={n}: saved {len(saved[0])} blocks, expected {least} to {most}"
             )
     assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"

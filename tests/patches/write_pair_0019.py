@@ -1,0 +1,225 @@
+"""A MoRIIO WRITE prefill and decode leg, each a real vLLM ``Scheduler``, and
+the prefiller's real write planner (patch 0019).
+
+The decode leg allocates the request's blocks and sends the prefiller its
+"remote_blocks" message (captured at the ZMQ socket); the prefill leg runs
+the prompt until its connector metadata carries the blocks it saves. The
+prefiller's ``MoRIIOWrapper`` takes the captured message as its notify
+listener does, and ``MoRIIOWriter._prepare_transfer_plan`` plans one layer's
+write against a worker stand-in that records the block pairs it is asked to
+copy (the offsets are vLLM's layout arithmetic, tested elsewhere). Forward
+passes are not modelled.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import KVCacheSpec
+
+from tests.patches.builders import (
+    make_kv_cache_config,
+    make_vllm_config,
+    moriio_kv_transfer_config,
+)
+from tests.patches.scheduler_pair_0008 import SchedulerPair, prompt
+from tests.patches.vllm_unit_utils import create_scheduler
+
+LAYER = "model.layers.0.self_attn.attn"
+
+
+def build_write_scheduler(
+    model_dir: Path,
+    kv_role: str,
+    groups: Sequence[tuple[list[str], KVCacheSpec]],
+    block_size: int,
+    num_blocks: int,
+) -> Scheduler:
+    """A real ``Scheduler`` (prefix caching on) with MoRIIO in WRITE mode."""
+    vllm_config = make_vllm_config(
+        model_dir,
+        moriio_kv_transfer_config(kv_role, read_mode=False),
+        block_size=block_size,
+    )
+    kv_cache_config = make_kv_cache_config(groups, num_blocks)
+    kv_cache_config.hash_block_size = block_size
+    kv_cache_config.cache_hit_alignment_tokens = block_size
+    with set_current_vllm_config(vllm_config):
+        return create_scheduler(vllm_config, num_blocks, kv_cache_config)
+
+
+class _Socket:
+    def __init__(self, sent: list[dict[str, Any]]) -> None:
+        self._sent = sent
+
+    def send(self, data: bytes) -> None:
+        self._sent.append(msgpack.loads(data))
+
+    def close(self, linger: int = 0) -> None:
+        pass
+
+
+class _Worker:
+    """What ``_prepare_transfer_plan`` asks of the prefiller's worker."""
+
+    def __init__(self) -> None:
+        self.kv_caches = {LAYER: torch.zeros(2, 4, 1)}
+        self.layer_to_group = {LAYER: 0}
+        self._has_mamba = False
+        self.moriio_config = type("C", (), {"defer_timeout": 1.0})()
+        self.pairs: list[tuple[int, int]] = []
+
+    def _check_peer_block_size(self, layer_name: str, meta: Any) -> None:
+        pass
+
+    def _region_session_indices(self, layer_name: str) -> list[int]:
+        return [0]
+
+    def _compute_block_transfer_offsets(
+        self,
+        layer_name: str,
+        local_block_ids: list[int],
+        remote_block_ids: list[int],
+        remote_moriio_meta: Any,
+        remote_engine_id: Any = None,
+    ) -> tuple[list[int], list[int], list[int]]:
+        # vLLM's layout pairs the lists by index and stops at the shorter.
+        self.pairs = list(zip(local_block_ids, remote_block_ids, strict=False))
+        return [], [], []
+
+
+@dataclass
+class Write:
+    """One prompt's WRITE: both legs' tables and the pages written."""
+
+    num_prompt_tokens: int
+    decode_hit_tokens: int
+    prefill_table: list[int]
+    decode_table: list[int]
+    message: dict[str, Any]
+    pairs: list[tuple[int, int]]
+    """(prefill block, decode block) for every page the prefiller writes."""
+
+
+@dataclass
+class WritePair:
+    legs: SchedulerPair
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    counter: Iterator[int] = field(default_factory=itertools.count)
+
+    def write(
+        self, tokens: list[int], decode_hit_tokens: int = 0, message: Any = None
+    ) -> Write:
+        """Admit ``tokens`` on the decode leg after it cached their first
+        ``decode_hit_tokens``, prefill them, and plan the prefiller's write
+        from the decoder's message (``message`` edits it first)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+            moriio_common,
+            moriio_engine,
+        )
+
+        legs = self.legs
+        i = next(self.counter)
+        if decode_hit_tokens:
+            warm = [*tokens[:decode_hit_tokens], *prompt(20_000 + i, 1)]
+            legs._run_local(legs.decode, legs._request(f"warm-{i}", warm, None))
+        request_id = f"req-{i}"
+        params = {
+            "transfer_id": f"t-{i}",
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": "127.0.0.1",
+            "remote_handshake_port": 1,
+            "remote_notify_port": 2,
+            "remote_tp_size": 1,
+            "remote_dp_size": 1,
+        }
+        decode_params = {**params, "do_remote_prefill": True}
+        legs.decode.add_request(legs._request(request_id, tokens, decode_params))
+        self.sent.clear()
+        legs._finish_step(legs.decode, legs.decode.schedule())
+        (sent,) = self.sent
+        decode_table = list(legs.decode.kv_cache_manager.get_block_ids(request_id)[0])
+
+        prefill_params = {**params, "do_remote_decode": True}
+        legs.prefill.add_request(legs._request(request_id, tokens, prefill_params))
+        saved = None
+        while saved is None:
+            output = legs.prefill.schedule()
+            saved = output.kv_connector_metadata.reqs_to_save.get(request_id)
+            prefill_table = list(
+                legs.prefill.kv_cache_manager.get_block_ids(request_id)[0]
+            )
+            legs._finish_step(legs.prefill, output)
+
+        delivered = copy.deepcopy(sent)
+        if message is not None:
+            message(delivered)
+        with _role(moriio_common, moriio_common.ROLE.PRODUCER):
+            wrapper = moriio_engine.MoRIIOWrapper()
+            wrapper._handle_message(msgpack.dumps(delivered))
+            info = wrapper.done_remote_allocate_req_dict[delivered["transfer_id"]]
+            worker = _Worker()
+            writer = moriio_engine.MoRIIOWriter(worker)  # type: ignore[arg-type]
+            task = type(
+                "Task",
+                (),
+                {
+                    "request_id": request_id,
+                    "transfer_id": delivered["transfer_id"],
+                    "dst_engine_id": "decode",
+                    "local_block_ids": [list(g) for g in saved.local_block_ids],
+                    "layer_name": LAYER,
+                    "tp_mapping": None,
+                },
+            )()
+            writer._prepare_transfer_plan(task, info, None)  # type: ignore[arg-type]
+        return Write(
+            num_prompt_tokens=len(tokens),
+            decode_hit_tokens=decode_hit_tokens,
+            prefill_table=prefill_table,
+            decode_table=decode_table,
+            message=sent,
+            pairs=worker.pairs,
+        )
+
+
+@contextmanager
+def _role(moriio_common: Any, role: Any) -> Iterator[None]:
+    before = moriio_common.get_role()
+    moriio_common.set_role(role)
+    try:
+        yield
+    finally:
+        moriio_common.set_role(before)
+
+
+def build_write_pair(
+    model_dir: Path,
+    groups: Sequence[tuple[list[str], KVCacheSpec]],
+    block_size: int,
+    monkeypatch: pytest.MonkeyPatch,
+    num_blocks: int = 1024,
+) -> WritePair:
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_connector as mc,
+    )
+
+    legs = [
+        build_write_scheduler(model_dir, role, groups, block_size, num_blocks)
+        for role in ("kv_producer", "kv_consumer")
+    ]
+    pair = WritePair(SchedulerPair(legs[0], legs[1], block_size))
+    monkeypatch.setattr(mc, "make_zmq_socket", lambda **kw: _Socket(pair.sent))
+    return pair
