@@ -376,7 +376,10 @@ def _leg(model_dir: Path, role: str, layout: Layout, kv_layout: str) -> Leg:
         return buffers[-1]
 
     kv_caches = allocate_kv_cache(
-        kv_cache_config, torch.device("cpu"), KVCacheLayout[kv_layout], allocate=allocate
+        kv_cache_config,
+        torch.device("cpu"),
+        KVCacheLayout[kv_layout],
+        allocate=allocate,
     )
     (buffer,) = buffers
     buffer = buffer.view(torch.uint8)
@@ -391,9 +394,7 @@ def _leg(model_dir: Path, role: str, layout: Layout, kv_layout: str) -> Leg:
 def _state_groups(config: KVCacheConfig) -> list[KVCacheGroupSpec]:
     def is_state(spec: KVCacheSpec) -> bool:
         if isinstance(spec, UniformTypeKVCacheSpecs):
-            return all(
-                isinstance(s, MambaSpec) for s in spec.kv_cache_specs.values()
-            )
+            return all(isinstance(s, MambaSpec) for s in spec.kv_cache_specs.values())
         return isinstance(spec, MambaSpec)
 
     return [g for g in config.transfer_groups if is_state(g.kv_cache_spec)]
