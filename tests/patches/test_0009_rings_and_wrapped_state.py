@@ -467,18 +467,20 @@ def test_unsupported_group_is_refused_naming_spec_and_group(llama_model_dir) -> 
 
 
 def test_mamba_refusal_names_the_layer_and_its_group(llama_model_dir) -> None:
-    """Qwen4-exp's PLE short-conv state is one array, not conv + SSM."""
+    """A Mamba spec whose states and dtypes do not pair up."""
     config = _configs(llama_model_dir, 0)[1]
     kda = kda_mamba_spec(block_size=64)
-    ple = kda_mamba_spec(block_size=64, shapes=((3, 1024),), dtypes=(torch.bfloat16,))
+    bad = kda_mamba_spec(
+        block_size=64, shapes=((3, 1024), (4, 64, 64)), dtypes=(torch.bfloat16,)
+    )
     groups = [
         KVCacheGroupSpec(["layers.3.attn"], full_attention_spec(64)),
         KVCacheGroupSpec(["layers.0.gdn"], kda),
-        KVCacheGroupSpec(["layers.0.ple"], ple),
+        KVCacheGroupSpec(["layers.0.bad"], bad),
     ]
     with pytest.raises(
         moriio_common.MoRIIOError,
-        match=r"1 shapes and 1 dtypes in the MambaSpec of layer layers\.0\.ple "
+        match=r"2 shapes and 1 dtypes in the MambaSpec of layer layers\.0\.bad "
         r"\(transfer group 2\)",
     ):
         make_scheduler_connector(config, make_kv_cache_config(groups))

@@ -621,7 +621,10 @@ class Rank:
 
     def _state_regions(self, view: Any) -> list[tuple[int, int, int, int]]:
         """(region, local byte offset, bytes, first global byte) per region
-        of a KDA page: the conv sub-projections, then the recurrent state."""
+        of a state page: for a KDA page the conv sub-projections, then the
+        recurrent state; for a state of another shape (one short-conv
+        array) each state whole, the same on every rank when the spec says
+        it is TP-replicated."""
         from math import prod
 
         from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import (  # noqa: E501
@@ -630,6 +633,17 @@ class Rank:
         from vllm.utils.torch_utils import get_dtype_size
 
         spec = view.spec
+        if len(spec.shapes) != 2:
+            regions = []
+            offset = 0
+            for k, (shape, dtype) in enumerate(
+                zip(spec.shapes, spec.dtypes, strict=True)
+            ):
+                size = prod(shape) * get_dtype_size(dtype)
+                first = 0 if spec.tp_replicated else self.cfg.tp_rank * size
+                regions.append((k, offset, size, first))
+                offset += size
+            return regions
         split = derive_mamba_conv_split(spec, self.cfg.tp_size)
         regions = []
         offset = 0

@@ -1,0 +1,493 @@
+"""Patch 0021: hybrid READ moves Mamba groups of any state count.
+
+Qwen4-exp keeps a one-array short-convolution state (PLE, the same on every
+TP rank) beside its GDN layers' conv + SSM pairs; LFM3's ShortConv layers
+keep one conv state beside full and sliding-window attention. MoRIIO
+refused both at start ("supports exactly two Mamba states (conv and SSM)"),
+on the scheduler and on the workers.
+
+The scheduler side runs on two real vLLM ``Scheduler``s, a prefill and a
+decode leg (the Qwen4-exp-like layout with MTP: one scratch state slot per
+group, its drafter in a group of the target's spec). The worker side
+registers KV cache tensors that vLLM's ``allocate_kv_cache`` lays out, in
+both KV cache layouts, on the real ``MoRIIOConnectorWorker`` over stubbed
+mori; its READ of the state regions is carried out byte by byte.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+    moriio_common,
+    moriio_connector,
+)
+from vllm.model_executor.layers.mamba import mamba_utils
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.core.kv_cache_planning import get_kv_cache_configs, get_kv_cache_groups
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from tests.patches.builders import (
+    full_attention_spec,
+    kda_mamba_spec,
+    make_kv_cache_config,
+    make_scheduler_connector,
+    make_vllm_config,
+    moriio_kv_transfer_config,
+    sliding_window_spec,
+)
+from tests.patches.scheduler_pair_0008 import SchedulerPair, prompt
+from tests.patches.vllm_unit_utils import create_scheduler
+
+B, W = 16, 64
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+# A page every state below fits in: 16 tokens x 2 KV heads x 64 x bf16 x K, V.
+PAGE = full_attention_spec(B).page_size_bytes
+
+
+def gdn_spec(num_spec: int = 0) -> MambaSpec:
+    """A GDN layer's conv (Q, K, V of 32, 32, 64 columns) and SSM state."""
+    return kda_mamba_spec(
+        block_size=B,
+        num_speculative_blocks=num_spec,
+        shapes=((128, 3 + num_spec), (2, 32, 16)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=PAGE,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+    )
+
+
+def ple_spec(num_spec: int = 0) -> MambaSpec:
+    """Qwen4-exp's PLE layer: one short-conv array, TP-replicated."""
+    return kda_mamba_spec(
+        block_size=B,
+        num_speculative_blocks=num_spec,
+        shapes=((256, 3),),
+        dtypes=(torch.bfloat16,),
+        page_size_padded=PAGE,
+        tp_replicated=True,
+    )
+
+
+def short_conv_spec() -> MambaSpec:
+    """LFM3's ShortConv: one conv state (``short_conv_state_shape``)."""
+    return kda_mamba_spec(
+        block_size=B,
+        shapes=((320, 6),),
+        dtypes=(torch.bfloat16,),
+        page_size_padded=PAGE,
+        mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per-layer specs in vLLM's group order and each group's kind."""
+
+    specs: dict[str, KVCacheSpec]
+    kinds: tuple[str, ...]
+    """Per group: "full", "window" or "state"."""
+    num_spec: int = 0
+
+    def groups(self) -> list[tuple[list[str], KVCacheSpec]]:
+        return [([name], spec) for name, spec in self.specs.items()]
+
+
+def qwen4_like(num_spec: int = 0) -> Layout:
+    """QSA attention, its MTP drafter's layer (the target's spec), GDN, PLE."""
+    target = full_attention_spec(B)
+    return Layout(
+        {
+            "model.layers.3.self_attn.attn": target,
+            "mtp.layers.0.self_attn.attn": replace(target, is_draft=True),
+            "model.layers.0.linear_attn": gdn_spec(num_spec),
+            "model.layers.0.ple": ple_spec(num_spec),
+        },
+        ("full", "full", "state", "state"),
+        num_spec,
+    )
+
+
+def lfm3_like() -> Layout:
+    return Layout(
+        {
+            "model.layers.2.self_attn.attn": full_attention_spec(B),
+            "model.layers.4.self_attn.attn": sliding_window_spec(B, W),
+            "model.layers.0.short_conv": short_conv_spec(),
+        },
+        ("full", "window", "state"),
+    )
+
+
+LAYOUTS = {
+    "qwen4-like": qwen4_like,
+    "qwen4-like-mtp": lambda: qwen4_like(MTP["num_speculative_tokens"]),
+    "lfm3-like": lfm3_like,
+}
+
+
+# --------------------------------------------------------------------------
+# Scheduler side: two real vLLM Schedulers
+# --------------------------------------------------------------------------
+
+
+def _pair(model_dir: Path, layout: Layout) -> SchedulerPair:
+    legs = []
+    for role in ("kv_producer", "kv_consumer"):
+        vllm_config = make_vllm_config(
+            model_dir,
+            moriio_kv_transfer_config(role),
+            block_size=B,
+            speculative_config=MTP if layout.num_spec else None,
+        )
+        kv_cache_config = make_kv_cache_config(layout.groups(), 2048)
+        kv_cache_config.hash_block_size = B
+        kv_cache_config.cache_hit_alignment_tokens = B
+        with set_current_vllm_config(vllm_config):
+            legs.append(create_scheduler(vllm_config, 2048, kv_cache_config))
+    return SchedulerPair(legs[0], legs[1], B)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout_pair(
+    request: pytest.FixtureRequest, llama_model_dir: Path, deepseek_mtp_model_dir: Path
+) -> tuple[Layout, SchedulerPair]:
+    layout = LAYOUTS[request.param]()
+    model_dir = deepseek_mtp_model_dir if layout.num_spec else llama_model_dir
+    return layout, _pair(model_dir, layout)
+
+
+def _payload(layout: Layout) -> list[int]:
+    """The READ payload's group order: attention groups, then state groups."""
+    attention = [g for g, kind in enumerate(layout.kinds) if kind != "state"]
+    return [*attention, *(g for g, kind in enumerate(layout.kinds) if kind == "state")]
+
+
+@pytest.mark.parametrize("n", [2, 18, 100, 129, 530])
+@pytest.mark.parametrize("hit_pages", [0, 1])
+def test_read_pairs_every_state_group_by_position(layout_pair, n, hit_pages) -> None:
+    """Each state group reads the prefiller's running state after N - 1
+    tokens into the decoder's slot for position N - 1; attention pages pair
+    by position and cover what the decoder lacks (with MTP, vLLM's hit is a
+    page shorter than what the decoder cached)."""
+    layout, pair = layout_pair
+    cached = min(hit_pages * B, (n - 1) // B * B)
+    read = pair.read(prompt(n + 100 * hit_pages, n), cached)
+    hit = read.decode_hit_tokens
+    assert hit == (max(cached - B, 0) if layout.num_spec else cached)
+    payload = _payload(layout)
+    assert len(read.local_block_ids) == len(read.remote_block_ids) == len(payload)
+    last = -(-(n - 1) // B)
+    for slot, group in enumerate(payload):
+        local, remote = read.local_block_ids[slot], read.remote_block_ids[slot]
+        p_table, d_table = read.prefill_tables[group], read.decode_tables[group]
+        if layout.kinds[group] == "state":
+            assert remote == [p_table[(n - 2) // B]], group
+            assert local == [d_table[(n - 1) // B]], group
+            continue
+        pairs = list(zip(local, remote, strict=True))
+        assert all(d_table.index(d) == p_table.index(p) for d, p in pairs), group
+        first = hit // B
+        if layout.kinds[group] == "window":
+            first = max(first, max(n - W, 0) // B)
+        read_pages = {d_table.index(d) for d, _ in pairs}
+        assert set(range(first, last)) <= read_pages, group
+
+
+@pytest.mark.parametrize("pages", [1, 6])
+@pytest.mark.parametrize("layout_pair", ["qwen4-like", "lfm3-like"], indirect=True)
+def test_full_local_hit_reads_nothing(layout_pair, pages) -> None:
+    """Nothing external to load: no page and no state slot is read (the
+    decoder holds its hit's state, 0013). With MTP, vLLM's hit is never the
+    whole prompt (it drops the last matched page)."""
+    _, pair = layout_pair
+    n = pages * B + 1
+    read = pair.read(prompt(700 + pages, n), n - 1)
+    assert read.decode_hit_tokens == n - 1
+    assert not any(read.local_block_ids) and not any(read.remote_block_ids)
+
+
+# --------------------------------------------------------------------------
+# Refusals at start
+# --------------------------------------------------------------------------
+
+
+def _connector(model_dir: Path, layout: Layout, **transfer: Any) -> Any:
+    config = make_vllm_config(
+        model_dir, moriio_kv_transfer_config("kv_producer", **transfer), block_size=B
+    )
+    return make_scheduler_connector(config, make_kv_cache_config(layout.groups()))
+
+
+def test_write_refuses_a_one_state_group_at_start(llama_model_dir: Path) -> None:
+    with pytest.raises(
+        moriio_common.MoRIIOError,
+        match=r"WRITE supports exactly two Mamba states \(conv and SSM\), got 1 "
+        r"in the MambaSpec of layer model\.layers\.0\.short_conv \(transfer group "
+        r"2\); use READ mode",
+    ):
+        _connector(llama_model_dir, lfm3_like(), read_mode=False)
+
+
+def test_a_state_without_its_dtype_is_refused_at_start(llama_model_dir: Path) -> None:
+    layout = lfm3_like()
+    broken = replace(short_conv_spec(), shapes=((320, 6), (4, 4)))
+    specs = {**layout.specs, "model.layers.0.short_conv": broken}
+    with pytest.raises(
+        moriio_common.MoRIIOError,
+        match=r"at least one Mamba state and one dtype per state, got 2 shapes "
+        r"and 1 dtypes in the MambaSpec of layer model\.layers\.0\.short_conv",
+    ):
+        _connector(llama_model_dir, replace(layout, specs=specs))
+
+
+# --------------------------------------------------------------------------
+# Worker side: real registration, the READ carried out byte by byte
+# --------------------------------------------------------------------------
+
+
+class _Status:
+    def Succeeded(self) -> bool:
+        return True
+
+    def Failed(self) -> bool:
+        return False
+
+    def InProgress(self) -> bool:
+        return False
+
+    def Code(self) -> int:
+        return 0
+
+    def Message(self) -> str:
+        return ""
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A registered tensor, standing for its memory metadata."""
+
+    tensor: torch.Tensor
+
+
+class _CopyingWrapper:
+    """Stands in for MoRIIOWrapper: a READ on a session (local region, remote
+    region) copies the bytes."""
+
+    def __init__(self, **_: Any) -> None:
+        self.lock = threading.Lock()
+        self.notify_port = 0
+        self.reads: list[tuple[Any, list[int]]] = []
+
+    def set_moriio_engine(self, engine: Any) -> None:
+        pass
+
+    def set_backend_type(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def register_local_tensor(self, tensor: torch.Tensor) -> _Region:
+        return _Region(tensor)
+
+    def get_agent_metadata(self) -> bytes:
+        return b""
+
+    def async_wait_reqid(self) -> None:
+        pass
+
+    def read_remote_data(self, sizes, local_offsets, remote_offsets, session):
+        local, remote = session
+        self.reads.append((local, list(sizes)))
+        dst, src = local.tensor.view(torch.uint8), remote.tensor.view(torch.uint8)
+        for lo, ro, size in zip(local_offsets, remote_offsets, sizes, strict=True):
+            dst[lo : lo + size] = src[ro : ro + size]
+        return _Status()
+
+    def send_notify(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def copying_mori(stub_mori: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moriio_connector, "MoRIIOWrapper", _CopyingWrapper)
+
+    def listener(metadata, ready_event, *args: Any) -> None:
+        ready_event.set()
+
+    monkeypatch.setattr(
+        moriio_connector.MoRIIOConnectorWorker,
+        "_moriio_handshake_listener",
+        staticmethod(listener),
+    )
+    # A GDN conv state splits into sub-projections in the dim-first layout.
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    mamba_utils.get_conv_state_layout.cache_clear()
+    yield
+    mamba_utils.get_conv_state_layout.cache_clear()
+
+
+@dataclass
+class Leg:
+    worker: Any
+    kv_cache_config: KVCacheConfig
+    kv_caches: dict[str, torch.Tensor]
+    buffer: torch.Tensor
+
+
+def _leg(model_dir: Path, role: str, layout: Layout, kv_layout: str) -> Leg:
+    vllm_config = make_vllm_config(
+        model_dir,
+        moriio_kv_transfer_config(role),
+        block_size=B,
+        speculative_config=MTP if layout.num_spec else None,
+    )
+    vllm_config.cache_config.kv_cache_layout = kv_layout
+    vllm_config.model_config.max_model_len = 256  # a small pool
+    with set_current_vllm_config(vllm_config):
+        groups = get_kv_cache_groups(vllm_config, dict(layout.specs))
+        kv_cache_config = get_kv_cache_configs(
+            vllm_config, [dict(layout.specs)], [2 * 1024 * 1024], groups
+        )[0]
+    kv_cache_config.kv_cache_layout = kv_layout
+    buffers: list[torch.Tensor] = []
+
+    def allocate(size: int) -> torch.Tensor:
+        # Page-aligned and padded to whole pages, as on ROCm: MoRIIO registers
+        # the shared backing as one memory region.
+        pages = mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        buffers.append(torch.frombuffer(pages, dtype=torch.int8))
+        return buffers[-1]
+
+    kv_caches = allocate_kv_cache(
+        kv_cache_config,
+        torch.device("cpu"),
+        KVCacheLayout[kv_layout],
+        allocate=allocate,
+    )
+    (buffer,) = buffers
+    buffer = buffer.view(torch.uint8)
+    with set_current_vllm_config(vllm_config):
+        worker = moriio_connector.MoRIIOConnectorWorker(
+            vllm_config, f"127.0.0.1:{role}", kv_cache_config
+        )
+        worker.register_kv_caches(kv_caches)
+    return Leg(worker, kv_cache_config, kv_caches, buffer)
+
+
+def _state_groups(config: KVCacheConfig) -> list[KVCacheGroupSpec]:
+    def is_state(spec: KVCacheSpec) -> bool:
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return all(isinstance(s, MambaSpec) for s in spec.kv_cache_specs.values())
+        return isinstance(spec, MambaSpec)
+
+    return [g for g in config.transfer_groups if is_state(g.kv_cache_spec)]
+
+
+def _state_views(kv_cache: torch.Tensor, spec: MambaSpec) -> list[torch.Tensor]:
+    """The layer's states as vLLM's ``MambaBase.bind_kv_cache`` views them."""
+    pages = kv_cache.squeeze(dim=(1, 2))
+    views, offset = [], 0
+    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        size = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        views.append(pages[:, offset : offset + size].view(dtype).view(-1, *shape))
+        offset += size
+    return views
+
+
+@pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_worker_registers_and_reads_every_state(
+    copying_mori, llama_model_dir, deepseek_mtp_model_dir, name, kv_layout
+) -> None:
+    """Each state of each Mamba layer is registered as its own region and
+    read whole from the prefiller's running slot into the decoder's; no
+    other byte of the decoder's cache changes."""
+    layout = LAYOUTS[name]()
+    model_dir = deepseek_mtp_model_dir if layout.num_spec else llama_model_dir
+    p = _leg(model_dir, "kv_producer", layout, kv_layout)
+    d = _leg(model_dir, "kv_consumer", layout, kv_layout)
+    try:
+        generator = torch.Generator().manual_seed(21)
+        for leg in (p, d):
+            leg.buffer.copy_(
+                torch.randint(0, 256, leg.buffer.shape, generator=generator).to(
+                    torch.uint8
+                )
+            )
+        before = d.buffer.clone()
+        worker = d.worker
+        state_layers = {
+            name: cast_spec
+            for group in _state_groups(d.kv_cache_config)
+            for name in group.layer_names
+            if isinstance(cast_spec := worker.layer_to_spec[name], MambaSpec)
+        }
+        for name, spec in state_layers.items():
+            assert len(worker.layer_name_to_local_kv_cache_metadata[name]) == len(
+                spec.shapes
+            )
+        # One session per registered region, in registration order.
+        sessions = [
+            (local, remote)
+            for layer, metas in worker.layer_name_to_local_kv_cache_metadata.items()
+            for local, remote in zip(
+                metas,
+                p.worker.layer_name_to_local_kv_cache_metadata[layer],
+                strict=True,
+            )
+        ]
+        worker._get_built_session = lambda engine_id: (sessions, object())
+        worker._compute_read_attention_offsets = lambda *a, **k: ([], [], [])
+        num_attn = worker._num_attn_transfer_groups
+        num_state = worker._num_mamba_transfer_groups
+        local_slot, remote_slot = 5, 3
+        worker._read_blocks(
+            local_block_ids=[[1]] * num_attn + [[local_slot]] * num_state,
+            remote_block_ids=[[1]] * num_attn + [[remote_slot]] * num_state,
+            dst_engine_id="127.0.0.1:1",
+            request_id="states",
+            transfer_id="t-states",
+            remote_host="127.0.0.1",
+            remote_notify_port=1,
+            remote_tp_size=1,
+        )
+        expected = before.clone()
+        for name, spec in state_layers.items():
+            got = _state_views(d.kv_caches[name], spec)
+            sent = _state_views(p.kv_caches[name], spec)
+            want = _state_views(
+                torch.as_strided(
+                    expected,
+                    d.kv_caches[name].shape,
+                    d.kv_caches[name].stride(),
+                    d.kv_caches[name].storage_offset(),
+                ),
+                spec,
+            )
+            for state, source, target in zip(got, sent, want, strict=True):
+                target[local_slot] = source[remote_slot]
+                assert torch.equal(
+                    state[local_slot].view(torch.uint8),
+                    source[remote_slot].view(torch.uint8),
+                ), name
+        assert torch.equal(d.buffer, expected)
+    finally:
+        p.worker.shutdown()
+        d.worker.shutdown()
