@@ -39,8 +39,8 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
     CircularBufferSpec,
+    CrossAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -448,20 +448,17 @@ def test_wrapped_mamba_group_is_accepted(configs, num_spec) -> None:
 
 def test_unsupported_group_is_refused_naming_spec_and_group(llama_model_dir) -> None:
     config = make_vllm_config(llama_model_dir, moriio_kv_transfer_config())
-    chunked = ChunkedLocalAttentionSpec(
-        block_size=16,
-        num_kv_heads=2,
-        head_size=64,
-        dtype=torch.bfloat16,
-        attention_chunk_size=8192,
+    # Encoder-decoder cross-attention: a spec no MoRIIO path transfers.
+    cross = CrossAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
     )
     groups = [
         KVCacheGroupSpec(["layers.3.attn"], full_attention_spec(16)),
-        KVCacheGroupSpec(["layers.0.attn", "layers.1.attn"], chunked),
+        KVCacheGroupSpec(["layers.0.attn", "layers.1.attn"], cross),
     ]
     with pytest.raises(
         NotImplementedError,
-        match=r"group 1 \(layers\.0\.attn, 2 layers\): ChunkedLocalAttentionSpec",
+        match=r"group 1 \(layers\.0\.attn, 2 layers\): CrossAttentionSpec",
     ):
         make_scheduler_connector(config, make_kv_cache_config(groups))
 
