@@ -284,6 +284,18 @@ class Watch:
     dest: str = "meta"
     """Destination pages: ``meta`` (the READ ReqMeta's local lists) or
     ``table`` (the request's block table, WRITE)."""
+    judge_if_computed: bool = False
+    """WRITE's first decoder step: judge the request in it if the decoder
+    computes the request there, before its forward. The decoder's connector
+    counted no external token (a state model at a full local hit): it asks
+    the prefiller to free its blocks, nothing is written, and the decoder
+    computes the last token from what it holds."""
+
+    def judged_in(self, plan: StepPlan) -> bool:
+        """Whether the request is judged in the step of ``plan``."""
+        return self.judge or (
+            self.judge_if_computed and any(c.rid == self.rid for c in plan.computes)
+        )
 
 
 @dataclass
@@ -1034,7 +1046,8 @@ class Rank:
         for src, dst in plan.copies:
             self.kv.copy_block(src, dst)
         tables = plan.tables.get(watch.rid) if watch is not None else None
-        if watch is not None and watch.judge:
+        judging = watch is not None and watch.judged_in(plan)
+        if watch is not None and judging:
             # The request's first decoder step: align-mode state copy first.
             assert tables is not None
             self._precopy(tables, watch.n)
@@ -1046,7 +1059,7 @@ class Rank:
         try:
             if plan.has_sync_kv_loads:
                 self.connector.start_load_kv(None)
-            if watch is not None and watch.judge:
+            if watch is not None and judging:
                 assert tables is not None
                 verdict = self.judge(watch, tables, plan)
             for item in plan.computes:
