@@ -25,3 +25,19 @@ def test_a_write_with_no_external_token_is_judged_at_the_decoders_forward() -> N
     assert report.wrong_cases == 0, report.wrong_notes
     # 100 is written (65 moves nothing).
     assert report.moved_bytes > 0
+
+
+def test_a_write_minimum_counts_every_page_past_the_decoders_local_hit() -> None:
+    """A WRITE request is not scheduled in the step that allocates it, so its
+    local hit is its computed tokens less the external ones it waits for.
+    Without it the minimum counted only pages holding wrong bytes: the fresh
+    block after the hit, the warm-up's freed partial block holding the same
+    bytes, was left out although the prefiller has to write it (llama at a
+    full hit, lengths 2 and 56: one page each moved, a minimum of 0)."""
+    item = ConfigItem("llama", "write", 1, 1, "LBNHC", lengths="2,56")
+    [report] = run_zygote("installed", None, [item], "2,56", "100")
+    assert report.refused_at_start is None, report.refused_at_start
+    assert report.cases == 2
+    assert report.error_cases == 0, report.first_errors
+    assert report.wrong_cases == 0, report.wrong_notes
+    assert report.moved_bytes == report.min_bytes > 0

@@ -267,9 +267,10 @@ class StepPlan:
     payload_groups: list[int]
     """``kv_cache_groups`` index of each list of a READ ``ReqMeta``."""
     local_hits: dict[str, int] = field(default_factory=dict)
-    """Prompt tokens of each watched request scheduled this step that the
-    decoder's own prefix cache held (its computed tokens less the external
-    ones the connector loads)."""
+    """Prompt tokens of each watched request scheduled this step, or (WRITE)
+    allocated this step to wait for the prefiller's write, that the decoder's
+    own prefix cache held (its computed tokens less the external ones the
+    connector loads)."""
 
 
 @dataclass
@@ -1137,13 +1138,21 @@ class Rank:
             for rid in watch
             if rid in sched.requests
         }
-        local_hits = {
-            rid: sched.requests[rid].num_computed_tokens
-            - so.num_scheduled_tokens[rid]
-            - self._external.pop(rid, 0)
-            for rid in watch
-            if rid in so.num_scheduled_tokens
-        }
+        local_hits = {}
+        for rid in watch:
+            if rid in so.num_scheduled_tokens:
+                local_hits[rid] = (
+                    sched.requests[rid].num_computed_tokens
+                    - so.num_scheduled_tokens[rid]
+                    - self._external.pop(rid, 0)
+                )
+            elif rid in self._external and rid in sched.requests:
+                # WRITE: allocated in this step and left waiting for the
+                # prefiller's write, not scheduled. Its computed tokens
+                # already count the external ones it waits for.
+                local_hits[rid] = sched.requests[
+                    rid
+                ].num_computed_tokens - self._external.pop(rid)
         return StepPlan(
             metadata=so.kv_connector_metadata,
             zero=list(so.new_block_ids_to_zero or []),
