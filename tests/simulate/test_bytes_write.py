@@ -41,3 +41,17 @@ def test_a_write_minimum_counts_every_page_past_the_decoders_local_hit() -> None
     assert report.error_cases == 0, report.first_errors
     assert report.wrong_cases == 0, report.wrong_notes
     assert report.moved_bytes == report.min_bytes > 0
+
+
+def test_a_write_promised_and_never_received_is_still_an_error() -> None:
+    """With the prefiller's WRITE dropped, the same KDA length at no hit
+    (a WRITE promised) is a case error, while at a full hit (no WRITE
+    promised) the decoder is judged on what it holds."""
+    item = ConfigItem("kimi", "write", 1, 1, "LBNHC", fault="drop-write", lengths="65")
+    [report] = run_zygote("installed", None, [item], "65", "0,100")
+    assert report.refused_at_start is None, report.refused_at_start
+    assert report.cases == 2
+    assert report.error_cases == 1
+    assert report.first_errors == ["the decoder never received the WRITE"]
+    assert report.wrong_cases == 0, report.wrong_notes
+    assert report.moved_bytes == 0

@@ -360,7 +360,8 @@ class StepResult:
 
 
 def _apply_fault(fault: str | None) -> None:
-    """Checker self-tests: break the worker's offsets on purpose."""
+    """Checker self-tests: break the worker's offsets, or drop its WRITE, on
+    purpose (a rank with a fault runs in a process of its own)."""
     if fault is None:
         return
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
@@ -407,6 +408,14 @@ def _apply_fault(fault: str | None) -> None:
             return replace(mapping, targets=targets)
 
         mc.compute_write_tp_mapping = swapped
+    elif fault == "drop-write":
+        # The prefiller never posts its WRITE: a decoder promised one must
+        # report it missing, not judge what it holds.
+        def dropped(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        mc.MoRIIOConnector.save_kv_layer = dropped
+        mc.MoRIIOConnector.wait_for_save = dropped
     else:
         raise ValueError(f"unknown fault {fault!r}")
 
