@@ -8,7 +8,10 @@ prefill leg and the decode leg. READ: P prefills and returns its
 ``kv_transfer_params``; D's first step reads and is judged before its
 forward. WRITE: the proxy gives both legs each other's address up front; D
 allocates (the destination is snapshotted), P prefills and writes; once every
-D rank reported the request received, D's first compute step is judged.
+D rank reported the request received, D's first compute step is judged. A
+WRITE for which D's connector counts no external token (a state model at a
+full local hit) promises no write: D computes the request in its first step,
+judged there, before its forward.
 Results from the ranks are aggregated like vLLM's ``KVOutputAggregator``: a
 request finished sending or receiving once every rank of the leg said so.
 """
@@ -593,12 +596,22 @@ class Driver:
             "remote_dp_size": 1,
         }
         n = len(tokens)
-        self._step(
+        outs, verdicts = self._step(
             self.d,
-            Watch(rid, n, tokens, arm=True, dest="table"),
+            Watch(rid, n, tokens, arm=True, dest="table", judge_if_computed=True),
             (rid, tokens, d_params),
         )
         self._until_finished(self.p, rid, (rid, tokens, p_params))
+        if verdicts:
+            # The decoder's connector counted no external token (a state
+            # model at a full local hit): it asked the prefiller to free its
+            # blocks and computed the request at once, judged on what it
+            # held for that forward. No WRITE is promised.
+            if len(verdicts) != self.d.tp:
+                raise RankError(f"the decoder judged {rid} on some ranks only")
+            if not any(out[0] == rid and out[1] for out in outs):
+                self._until_finished(self.d, rid)
+            return verdicts
         deadline = time.monotonic() + 30
         while True:
             self._step(self.d)

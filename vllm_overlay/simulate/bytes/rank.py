@@ -267,9 +267,10 @@ class StepPlan:
     payload_groups: list[int]
     """``kv_cache_groups`` index of each list of a READ ``ReqMeta``."""
     local_hits: dict[str, int] = field(default_factory=dict)
-    """Prompt tokens of each watched request scheduled this step that the
-    decoder's own prefix cache held (its computed tokens less the external
-    ones the connector loads)."""
+    """Prompt tokens of each watched request scheduled this step, or (WRITE)
+    allocated this step to wait for the prefiller's write, that the decoder's
+    own prefix cache held (its computed tokens less the external ones the
+    connector loads)."""
 
 
 @dataclass
@@ -284,6 +285,18 @@ class Watch:
     dest: str = "meta"
     """Destination pages: ``meta`` (the READ ReqMeta's local lists) or
     ``table`` (the request's block table, WRITE)."""
+    judge_if_computed: bool = False
+    """WRITE's first decoder step: judge the request in it if the decoder
+    computes the request there, before its forward. The decoder's connector
+    counted no external token (a state model at a full local hit): it asks
+    the prefiller to free its blocks, nothing is written, and the decoder
+    computes the last token from what it holds."""
+
+    def judged_in(self, plan: StepPlan) -> bool:
+        """Whether the request is judged in the step of ``plan``."""
+        return self.judge or (
+            self.judge_if_computed and any(c.rid == self.rid for c in plan.computes)
+        )
 
 
 @dataclass
@@ -347,7 +360,8 @@ class StepResult:
 
 
 def _apply_fault(fault: str | None) -> None:
-    """Checker self-tests: break the worker's offsets on purpose."""
+    """Checker self-tests: break the worker's offsets, or drop its WRITE, on
+    purpose (a rank with a fault runs in a process of its own)."""
     if fault is None:
         return
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
@@ -394,6 +408,14 @@ def _apply_fault(fault: str | None) -> None:
             return replace(mapping, targets=targets)
 
         mc.compute_write_tp_mapping = swapped
+    elif fault == "drop-write":
+        # The prefiller never posts its WRITE: a decoder promised one must
+        # report it missing, not judge what it holds.
+        def dropped(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        mc.MoRIIOConnector.save_kv_layer = dropped
+        mc.MoRIIOConnector.wait_for_save = dropped
     else:
         raise ValueError(f"unknown fault {fault!r}")
 
@@ -1034,7 +1056,8 @@ class Rank:
         for src, dst in plan.copies:
             self.kv.copy_block(src, dst)
         tables = plan.tables.get(watch.rid) if watch is not None else None
-        if watch is not None and watch.judge:
+        judging = watch is not None and watch.judged_in(plan)
+        if watch is not None and judging:
             # The request's first decoder step: align-mode state copy first.
             assert tables is not None
             self._precopy(tables, watch.n)
@@ -1046,7 +1069,7 @@ class Rank:
         try:
             if plan.has_sync_kv_loads:
                 self.connector.start_load_kv(None)
-            if watch is not None and watch.judge:
+            if watch is not None and judging:
                 assert tables is not None
                 verdict = self.judge(watch, tables, plan)
             for item in plan.computes:
@@ -1124,13 +1147,21 @@ class Rank:
             for rid in watch
             if rid in sched.requests
         }
-        local_hits = {
-            rid: sched.requests[rid].num_computed_tokens
-            - so.num_scheduled_tokens[rid]
-            - self._external.pop(rid, 0)
-            for rid in watch
-            if rid in so.num_scheduled_tokens
-        }
+        local_hits = {}
+        for rid in watch:
+            if rid in so.num_scheduled_tokens:
+                local_hits[rid] = (
+                    sched.requests[rid].num_computed_tokens
+                    - so.num_scheduled_tokens[rid]
+                    - self._external.pop(rid, 0)
+                )
+            elif rid in self._external and rid in sched.requests:
+                # WRITE: allocated in this step and left waiting for the
+                # prefiller's write, not scheduled. Its computed tokens
+                # already count the external ones it waits for.
+                local_hits[rid] = sched.requests[
+                    rid
+                ].num_computed_tokens - self._external.pop(rid)
         return StepPlan(
             metadata=so.kv_connector_metadata,
             zero=list(so.new_block_ids_to_zero or []),

@@ -1,0 +1,57 @@
+"""The byte-level simulator's WRITE cases (``bytes/driver.py``,
+``bytes/rank.py``).
+
+A state model's decoder at a full local hit (KDA, N - 1 a multiple of the
+block size) counts no external token: its connector asks the prefiller to
+free its blocks and the decoder computes the last token from what it holds.
+No WRITE is promised, so the case is judged at the decoder's own forward; a
+driver that waited for a WRITE reported "the decoder never received the
+WRITE" after 30 s. The other length of the configuration is a real WRITE
+(a partial hit), still judged once it is received.
+"""
+
+from __future__ import annotations
+
+from vllm_overlay.simulate.bytes.report import ConfigItem
+from vllm_overlay.simulate.bytes.run import run_zygote
+
+
+def test_a_write_with_no_external_token_is_judged_at_the_decoders_forward() -> None:
+    item = ConfigItem("kimi", "write", 1, 1, "LBNHC", lengths="65,100")
+    [report] = run_zygote("installed", None, [item], "65,100", "100")
+    assert report.refused_at_start is None, report.refused_at_start
+    assert report.cases == 2
+    assert report.error_cases == 0, report.first_errors
+    assert report.wrong_cases == 0, report.wrong_notes
+    # 100 is written (65 moves nothing).
+    assert report.moved_bytes > 0
+
+
+def test_a_write_minimum_counts_every_page_past_the_decoders_local_hit() -> None:
+    """A WRITE request is not scheduled in the step that allocates it, so its
+    local hit is its computed tokens less the external ones it waits for.
+    Without it the minimum counted only pages holding wrong bytes: the fresh
+    block after the hit, the warm-up's freed partial block holding the same
+    bytes, was left out although the prefiller has to write it (llama at a
+    full hit, lengths 2 and 56: one page each moved, a minimum of 0)."""
+    item = ConfigItem("llama", "write", 1, 1, "LBNHC", lengths="2,56")
+    [report] = run_zygote("installed", None, [item], "2,56", "100")
+    assert report.refused_at_start is None, report.refused_at_start
+    assert report.cases == 2
+    assert report.error_cases == 0, report.first_errors
+    assert report.wrong_cases == 0, report.wrong_notes
+    assert report.moved_bytes == report.min_bytes > 0
+
+
+def test_a_write_promised_and_never_received_is_still_an_error() -> None:
+    """With the prefiller's WRITE dropped, the same KDA length at no hit
+    (a WRITE promised) is a case error, while at a full hit (no WRITE
+    promised) the decoder is judged on what it holds."""
+    item = ConfigItem("kimi", "write", 1, 1, "LBNHC", fault="drop-write", lengths="65")
+    [report] = run_zygote("installed", None, [item], "65", "0,100")
+    assert report.refused_at_start is None, report.refused_at_start
+    assert report.cases == 2
+    assert report.error_cases == 1
+    assert report.first_errors == ["the decoder never received the WRITE"]
+    assert report.wrong_cases == 0, report.wrong_notes
+    assert report.moved_bytes == 0
