@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 
 from tests.image.conftest import REPO
-from vllm_overlay.e2e.config import IMAGE_UID, UNPRIVILEGED_FLAGS
+from vllm_overlay.e2e.config import IMAGE_UID, RENDER_GID, UNPRIVILEGED_FLAGS
 from vllm_overlay.image.build import IMAGE_REPO
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"
@@ -70,7 +70,8 @@ def test_vllm_runs_as_a_non_root_user() -> None:
     # (video); the e2e launch adds the same groups to every server.
     assert useradd[useradd.index("--groups") + 1] == "video,render"
     flags = " ".join(UNPRIVILEGED_FLAGS)
-    assert "--group-add video" in flags and "--group-add render" in flags
+    # render by the node's gid (filled in on the node: e2e/config.RENDER_GID).
+    assert "--group-add video" in flags and f"--group-add {RENDER_GID}" in flags
 
 
 def test_every_pip_install_is_pinned_with_hashes() -> None:

@@ -115,8 +115,8 @@ def test_write_save_clamps_to_prompt_blocks(llama_model_dir: Path, dcp: int) -> 
         meta = producer.build_connector_meta(output)
         saved = meta.reqs_to_save[request.request_id].local_block_ids
         # Every block of positions [0, N - 1), which the decoder needs, at most
-        # the prompt's (the decoder computes position N - 1 itself: 0019
-        # leaves its block out when it holds nothing else).
+        # the prompt's (the decoder computes position N - 1 itself, so a
+        # producer may leave out a block that holds nothing else).
         least, most = cdiv(n - 1, layout.spans[0]), cdiv(n, layout.spans[0])
         if not (
             least <= len(saved[0]) <= most

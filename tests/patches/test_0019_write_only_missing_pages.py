@@ -3,9 +3,9 @@ decoder lacks and no other: positions [L, N - 1) page by page, L the
 decoder's local prefix hit.
 
 Both legs are real vLLM ``Scheduler``s with prefix caching; the prefiller's
-pairs come from its real message handling and write planner
-(``write_pair_0019.py``). Block size 16; a decoder hit is made by running a
-prompt sharing the prefix on the decode leg first.
+pairs come from its real message handling and write planner. Block size 16;
+a decoder hit is made by running a prompt sharing the prefix on the decode
+leg first.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from vllm.utils.math_utils import cdiv
 
 from tests.patches.builders import full_attention_spec
 from tests.patches.scheduler_pair_0008 import prompt
-from tests.patches.write_pair_0019 import LAYER, Write, WritePair, build_write_pair
+from tests.patches.write_pair import LAYER, Write, WritePair, build_write_pair
 
 B = 16
 

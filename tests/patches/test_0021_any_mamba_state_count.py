@@ -213,7 +213,7 @@ def test_read_pairs_every_state_group_by_position(layout_pair, n, hit_pages) -> 
 @pytest.mark.parametrize("layout_pair", ["qwen4-like", "lfm3-like"], indirect=True)
 def test_full_local_hit_reads_nothing(layout_pair, pages) -> None:
     """Nothing external to load: no page and no state slot is read (the
-    decoder holds its hit's state, 0013). With MTP, vLLM's hit is never the
+    decoder holds its hit's state). With MTP, vLLM's hit is never the
     whole prompt (it drops the last matched page)."""
     _, pair = layout_pair
     n = pages * B + 1

@@ -1,5 +1,5 @@
 """A MoRIIO WRITE prefill and decode leg, each a real vLLM ``Scheduler``, and
-the prefiller's real write planner (patch 0019).
+the prefiller's real write planner.
 
 The decode leg allocates the request's blocks and sends the prefiller its
 "remote_blocks" message (captured at the ZMQ socket); the prefill leg runs
