@@ -158,6 +158,20 @@ class SchedulerPair:
         )
         return [o for eco in result.values() for o in eco.outputs]
 
+    def prefill_payload(self, request_id: str, tokens: list[int]) -> Any:
+        """Run ``tokens`` on the prefill leg; the payload its connector hands
+        the decoder (``do_remote_prefill`` set, as a proxy forwards it)."""
+        request = self._request(
+            request_id, tokens, {"do_remote_decode": True, "transfer_id": request_id}
+        )
+        self.prefill.add_request(request)
+        while True:
+            for output in self._step(self.prefill):
+                if output.kv_transfer_params:
+                    params = copy.deepcopy(output.kv_transfer_params)
+                    params["do_remote_prefill"] = True
+                    return params
+
     def _run_local(self, scheduler: Scheduler, request: Request) -> None:
         scheduler.add_request(request)
         while request.request_id in scheduler.requests:

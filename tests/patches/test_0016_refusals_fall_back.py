@@ -19,7 +19,6 @@ of them carrying a faulty payload.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -83,19 +82,6 @@ def pair(llama_model_dir: Path) -> SchedulerPair:
     return build_scheduler_pair(llama_model_dir, _groups(), B)
 
 
-def _prefill(pair: SchedulerPair, request_id: str, tokens: list[int]) -> Any:
-    request = pair._request(
-        request_id, tokens, {"do_remote_decode": True, "transfer_id": request_id}
-    )
-    pair.prefill.add_request(request)
-    while True:
-        for output in pair._step(pair.prefill):
-            if output.kv_transfer_params:
-                params = copy.deepcopy(output.kv_transfer_params)
-                params["do_remote_prefill"] = True
-                return params
-
-
 class _Counted:
     """The decode connector's stats as the scheduler drains them."""
 
@@ -145,7 +131,7 @@ def test_refused_payload_is_prefilled_locally_beside_a_transfer(
     i = next(pair.counter)
     ok, bad = f"ok-{i}", f"bad-{i}"
     tokens = {ok: prompt(2 * i + 1, N), bad: prompt(2 * i + 2, N)}
-    params = {rid: _prefill(pair, rid, toks) for rid, toks in tokens.items()}
+    params = {rid: pair.prefill_payload(rid, toks) for rid, toks in tokens.items()}
     params[bad]["remote_block_ids"] = FAULTS[fault](params[bad]["remote_block_ids"])
     counted = _Counted(pair)
     for rid in (ok, bad):
@@ -179,7 +165,7 @@ def test_payload_without_a_prefiller_address_is_prefilled_locally(
     i = next(pair.counter)
     ok, bad = f"ok-{i}", f"bad-{i}"
     tokens = {ok: prompt(2 * i + 1, N), bad: prompt(2 * i + 2, N)}
-    params = {rid: _prefill(pair, rid, toks) for rid, toks in tokens.items()}
+    params = {rid: pair.prefill_payload(rid, toks) for rid, toks in tokens.items()}
     for key in ("remote_host", "remote_handshake_port", "remote_notify_port"):
         params[bad].pop(key)
     counted = _Counted(pair)
@@ -250,7 +236,7 @@ def test_refusal_after_allocation_with_one_group_is_a_load_error(
     pair.decode.recompute_kv_load_failures = policy == "recompute"
     ok, bad = "ok", "bad"
     tokens = {ok: prompt(1, N), bad: prompt(2, N)}
-    params = {rid: _prefill(pair, rid, toks) for rid, toks in tokens.items()}
+    params = {rid: pair.prefill_payload(rid, toks) for rid, toks in tokens.items()}
     conn = pair.decode.connector
     assert conn is not None
     _refuse_for(conn.connector_scheduler, bad, monkeypatch)

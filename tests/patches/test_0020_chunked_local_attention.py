@@ -11,7 +11,6 @@ schedulers with the MoRIIO connector, next to a full-attention group.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -149,19 +148,6 @@ def test_prefiller_sends_the_chunk_of_the_recomputed_token(
     assert set(read.prefill_tables[0][: chunk // block_size]) == {NULL_BLOCK}
 
 
-def _prefill(pair: SchedulerPair, request_id: str, tokens: list[int]) -> Any:
-    request = pair._request(
-        request_id, tokens, {"do_remote_decode": True, "transfer_id": request_id}
-    )
-    pair.prefill.add_request(request)
-    while True:
-        for output in pair._step(pair.prefill):
-            if output.kv_transfer_params:
-                params = copy.deepcopy(output.kv_transfer_params)
-                params["do_remote_prefill"] = True
-                return params
-
-
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -193,7 +179,7 @@ def test_freed_chunk_page_is_prefilled_locally(
     i = next(pair.counter)
     ok, bad = f"ok-{i}", f"bad-{i}"
     tokens = {ok: prompt(6000 + 2 * i, n), bad: prompt(6001 + 2 * i, n)}
-    params = {rid: _prefill(pair, rid, toks) for rid, toks in tokens.items()}
+    params = {rid: pair.prefill_payload(rid, toks) for rid, toks in tokens.items()}
     chunk_list = params[bad]["remote_block_ids"][0]
     first = len(chunk_list) - (cdiv(n, block_size) - chunk // block_size)
     assert chunk_list[first] != NULL_BLOCK
