@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 from hypothesis import Phase, settings
 
-from vllm_overlay.series.patch_series import load_series
+from tests.repo import REPO
+from vllm_overlay.series.patch_series import Series, load_series
 from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
 from vllm_overlay.tree.materialize import base_from_target
 from vllm_overlay.tree.target import detect_target, installed_vllm
-
-REPO = Path(__file__).resolve().parents[1]
 
 # A property test is meant to fail on the stack below its patch. There
 # `--hypothesis-profile=gate` (the base and stack-level runs of
@@ -29,8 +28,20 @@ settings.register_profile(
 
 
 @pytest.fixture(scope="session")
+def repo() -> Path:
+    """The checkout under test (its root)."""
+    return REPO
+
+
+@pytest.fixture(scope="session")
 def pin() -> Pin:
     return load_pin(REPO / PIN_FILE)
+
+
+@pytest.fixture(scope="session")
+def series() -> Series:
+    """The checkout's patch series."""
+    return load_series(REPO)
 
 
 @pytest.fixture(scope="session")

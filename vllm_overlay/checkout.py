@@ -12,7 +12,6 @@ from functools import cached_property
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.gate.reports import REPORT_DIR, UNIT_BASE_REPORT
 from vllm_overlay.series.patch_series import (
     PATCH_DIR,
     SERIES_FILE,
@@ -20,6 +19,11 @@ from vllm_overlay.series.patch_series import (
     load_series,
 )
 from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
+
+# Where the nox sessions and the CLI write their reports, in the checkout.
+REPORT_DIR = ".nox-reports"
+# The revert-red report `vllm-overlay gate` writes and export reads.
+UNIT_BASE_REPORT = "unit-base.json"
 
 
 class CheckoutError(OverlayError):

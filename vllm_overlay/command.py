@@ -35,7 +35,6 @@ from typing import Any, TextIO, TypeAlias
 import msgspec
 
 from vllm_overlay.checkout import Checkout
-from vllm_overlay.tree.materialize import WHEEL_ENV, BaseSource
 
 # argparse's generic is typed only for type checkers (annotations here).
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -271,27 +270,3 @@ def add_target_option(parser: argparse.ArgumentParser) -> None:
         help="an installed vllm package directory or a vLLM source root "
         "(default: this Python's vllm)",
     )
-
-
-def add_base_options(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--wheel WHEEL | --from DIR``: where ``what`` (the pinned base files)
-    comes from; read back with ``base_source(args)``."""
-    g = parser.add_argument_group(
-        f"{what} (default: ${WHEEL_ENV}, else this Python's vllm)"
-    )
-    one = g.add_mutually_exclusive_group()
-    one.add_argument(
-        "--wheel", type=Path, metavar="WHEEL", help="the pinned vLLM wheel"
-    )
-    one.add_argument(
-        "--from",
-        dest="base_tree",
-        type=Path,
-        metavar="DIR",
-        help="a vLLM tree (installed package or source root) holding the base "
-        "or a known overlay",
-    )
-
-
-def base_source(args: argparse.Namespace) -> BaseSource:
-    return BaseSource(wheel=args.wheel, tree=args.base_tree)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_overlay.image.reference import (
+from vllm_overlay.series.imageref import (
     ImageReference,
     ImageReferenceError,
     parse_reference,

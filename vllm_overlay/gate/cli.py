@@ -8,13 +8,7 @@ import os
 import shlex
 from pathlib import Path
 
-from vllm_overlay.command import (
-    App,
-    Subparsers,
-    add_base_options,
-    add_command,
-    base_source,
-)
+from vllm_overlay.command import App, Subparsers, add_command
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.evidence import (
     Selection,
@@ -45,6 +39,7 @@ from vllm_overlay.gate.shards import (
 from vllm_overlay.gate.stack import LEVEL_OUTCOMES, level_plan, run_levels
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.text import count
+from vllm_overlay.tree.baseopts import add_base_options, base_source
 
 
 def cmd_levels(app: App, args: argparse.Namespace) -> int:

@@ -15,10 +15,8 @@ from typing import Literal
 
 import msgspec
 
+from vllm_overlay.checkout import REPORT_DIR, UNIT_BASE_REPORT
 from vllm_overlay.errors import OverlayError
-
-REPORT_DIR = ".nox-reports"
-UNIT_BASE_REPORT = "unit-base.json"
 
 # "not run": a named test missing from a stack level's run.
 TestOutcome = Literal["passed", "failed", "error", "skipped", "not run"]

@@ -37,12 +37,12 @@ from vllm_overlay import __version__
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.image.engine import Choice, Engine, Probe, Which, choose_engine
 from vllm_overlay.image.engine import probe_info as _probe_info
-from vllm_overlay.image.reference import (
+from vllm_overlay.image.verify import SeriesMode, Verification, format_verification
+from vllm_overlay.series.imageref import (
     ImageReference,
     ImageReferenceError,
     parse_reference,
 )
-from vllm_overlay.image.verify import SeriesMode, Verification, format_verification
 from vllm_overlay.series.patch_series import Series, load_series
 from vllm_overlay.series.pin import PIN_FILE, ImageRef, Pin, encode_pin, load_pin
 

@@ -12,7 +12,7 @@ import msgspec
 import tomli_w
 
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.image.reference import ImageReferenceError, parse_reference
+from vllm_overlay.series.imageref import ImageReferenceError, parse_reference
 from vllm_overlay.tomlfile import decode_toml, read_toml
 
 PIN_FILE = "pin.toml"

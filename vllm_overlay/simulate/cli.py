@@ -12,15 +12,9 @@ from pathlib import Path
 import msgspec
 
 from vllm_overlay import safefile
-from vllm_overlay.command import (
-    App,
-    Subparsers,
-    add_base_options,
-    add_command,
-    base_source,
-)
+from vllm_overlay.checkout import REPORT_DIR
+from vllm_overlay.command import App, Subparsers, add_command
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.gate.reports import REPORT_DIR
 from vllm_overlay.simulate.builds import BuildPair, parse_pairs
 from vllm_overlay.simulate.bytes import cli as bytes_cli
 from vllm_overlay.simulate.bytes.lifetime import (
@@ -67,6 +61,7 @@ from vllm_overlay.simulate.verdict import (
     judge,
     load_gaps,
 )
+from vllm_overlay.tree.baseopts import add_base_options, base_source
 
 BYTES_REPORT = "simulate-bytes.json"
 DEFAULT_VARIANT = "all"

@@ -8,14 +8,13 @@ from pathlib import Path
 from vllm_overlay.command import (
     App,
     Subparsers,
-    add_base_options,
     add_command,
     add_target_option,
-    base_source,
 )
 from vllm_overlay.series.patch_series import Series, SeriesError, check_series
 from vllm_overlay.text import count
 from vllm_overlay.tree.apply import apply_series, revert_series
+from vllm_overlay.tree.baseopts import add_base_options, base_source
 from vllm_overlay.tree.materialize import materialize
 from vllm_overlay.tree.status import format_status, tree_status
 from vllm_overlay.tree.target import Target, detect_target, installed_vllm

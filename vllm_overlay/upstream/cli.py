@@ -7,15 +7,10 @@ import tempfile
 from pathlib import Path
 
 from vllm_overlay.checkout import Checkout
-from vllm_overlay.command import (
-    App,
-    Subparsers,
-    add_base_options,
-    add_command,
-    base_source,
-)
+from vllm_overlay.command import App, Subparsers, add_command
 from vllm_overlay.series.pin import Pin
 from vllm_overlay.text import count
+from vllm_overlay.tree.baseopts import add_base_options, base_source
 from vllm_overlay.tree.materialize import BaseSource
 from vllm_overlay.upstream.export import (
     DEFAULT_OUT,
