@@ -7,12 +7,14 @@ tests run against the exact bytes the series is made for.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 from hypothesis import Phase, settings
 
 from tests.repo import REPO
+from tests.workspace import Workspace
 from vllm_overlay.series.patch_series import Series, load_series
 from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
 from vllm_overlay.tree.materialize import base_from_target
@@ -39,6 +41,12 @@ def pin() -> Pin:
 
 
 @pytest.fixture(scope="session")
+def pin_text() -> str:
+    """The checkout's pin.toml, as text."""
+    return (REPO / PIN_FILE).read_text()
+
+
+@pytest.fixture(scope="session")
 def series() -> Series:
     """The checkout's patch series."""
     return load_series(REPO)
@@ -48,3 +56,23 @@ def series() -> Series:
 def base_texts(pin: Pin) -> dict[str, str]:
     target = detect_target(installed_vllm())
     return base_from_target(target, pin, load_series(REPO))
+
+
+@pytest.fixture
+def ws(tmp_path: Path, pin: Pin, base_texts: dict[str, str]) -> Workspace:
+    """A throwaway overlay checkout with an empty series, and a fake
+    site-packages whose vLLM holds the pinned base files."""
+    repo = tmp_path / "repo"
+    (repo / "patches").mkdir(parents=True)
+    shutil.copy(REPO / PIN_FILE, repo / PIN_FILE)
+    (repo / "patches" / "series").write_text("# test series\n")
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "conftest.py").write_text("")
+    site = tmp_path / "site-packages"
+    (site / "vllm" / "distributed").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    for path, text in base_texts.items():
+        dest = site / path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(text)
+    return Workspace(repo, site, dict(base_texts))

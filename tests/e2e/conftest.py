@@ -14,13 +14,13 @@ import msgspec
 import pytest
 
 from tests.e2e.ports import free_port
+from tests.repo import REPO
 from vllm_overlay import cpuplatform
 from vllm_overlay.e2e.config import RunConfig, load_config
 
 cpuplatform.use_in_this_process()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 EXAMPLE = EXAMPLES / "llama-smoke.toml"
 ALL_EXAMPLES = sorted(EXAMPLES.glob("*.toml"))

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.overlay.workspace import header, make_diff
+from tests.repo import REPO
+from tests.workspace import header, make_diff
 from vllm_overlay.series.patch_series import Series, load_series
 from vllm_overlay.series.pin import MODULE_DIR, PIN_FILE, Pin, load_pin
 from vllm_overlay.tree.materialize import base_from_target, materialize
 from vllm_overlay.tree.target import detect_target, installed_vllm
-
-REPO = Path(__file__).resolve().parents[2]
 
 # Real image builds (root, a container engine, Debian's and PyPI's packages)
 # run in `nox -s image-standin`, which sets this; not in the CPU suite.
@@ -78,8 +77,3 @@ def site(tmp_path: Path, bases: dict[str, str]) -> Path:
     (site / "vllm" / "__init__.py").write_text("")
     materialize(bases, Series(REPO, ()), site, overlay=False)
     return site
-
-
-@pytest.fixture(scope="module")
-def pin_text() -> str:
-    return (REPO / PIN_FILE).read_text()

@@ -18,7 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.repo import REPO
 
 SCRIPT = """#!{python}
 import sys

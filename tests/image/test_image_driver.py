@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from tests.image import fake_engine
+from tests.repo import REPO
 from vllm_overlay.cli import main
 from vllm_overlay.image.build import (
     LABELS,
@@ -29,7 +30,6 @@ from vllm_overlay.image.build import (
 from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import PIN_FILE, load_pin
 
-REPO = Path(__file__).resolve().parents[2]
 BASE = load_pin(REPO / "pin.toml").image.reference
 DIGEST = "sha256:" + "cd" * 32
 

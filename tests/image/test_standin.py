@@ -27,19 +27,21 @@ from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
 SHA = "0" * 64
 
 
-def noxfile_constant(name: str) -> object:
-    tree = ast.parse((REPO / "noxfile.py").read_text())
+def noxenv_constant(name: str) -> object:
+    """A constant of ci/noxenv.py (the CPU environment the sessions build),
+    read from its source: nox is not installed here."""
+    tree = ast.parse((REPO / "ci" / "noxenv.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == name for t in node.targets
         ):
             return ast.literal_eval(node.value)
-    raise AssertionError(f"noxfile.py has no {name}")
+    raise AssertionError(f"ci/noxenv.py has no {name}")
 
 
 def test_the_standin_installs_what_the_cpu_environment_installs() -> None:
-    assert noxfile_constant("TORCH") == standin.TORCH
-    assert noxfile_constant("NO_DEPS") == standin.NO_DEPS
+    assert noxenv_constant("TORCH") == standin.TORCH
+    assert noxenv_constant("NO_DEPS") == standin.NO_DEPS
     specs = wheel_specs(REPO)
     reqs = (REPO / REQUIREMENTS).read_text()
     assert "numpy==" in reqs and next(s for s in specs if s.startswith("numpy=="))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import tempfile
+import time
 from pathlib import Path
 
 from vllm_overlay.command import App, Subparsers, add_command
@@ -25,6 +27,18 @@ from vllm_overlay.gate.revert_red import (
     format_table,
     gate,
     series_level_note,
+)
+from vllm_overlay.gate.sequence import (
+    EXPORT_PREFIX,
+    OLD_WHEEL_ENV,
+    WHEEL_ENV,
+    Dirs,
+    Step,
+    command_line,
+    prepare,
+    run_step,
+    run_steps,
+    steps,
 )
 from vllm_overlay.gate.shards import (
     IDS,
@@ -274,7 +288,106 @@ def cmd_revert_red(app: App, args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+class GateError(OverlayError):
+    """The gate cannot start."""
+
+
+def _say_plan(app: App, dirs: Dirs, todo: list[Step]) -> None:
+    root = app.checkout.root
+    files = test_files(root, ["tests"])
+    app.say(f"gate: would run {count(len(todo), 'step')} in {root}:")
+    for step in todo:
+        what = f"[{step.phase}] " if step.phase else ""
+        after = " (also after a failure)" if step.always else ""
+        app.say(f"  {what}{command_line(step)}{after}")
+    app.say(f"overlay: {count(len(files), 'test file')} under tests/")
+    app.say(
+        "base: the tests the overlay run finds reading vLLM's MoRIIO package, "
+        f"and a sample of {SAMPLE} of the others (chosen by that run)"
+    )
+    for k, entries in level_plan(app.checkout.series).items():
+        app.say(f"level {k}: {count(len(entries), 'named test')}")
+        for entry in entries:
+            app.say(f"  {entry}")
+
+
+def cmd_gate(app: App, args: argparse.Namespace) -> int:
+    """Run the unit-base gate: the suite overlaid, the base run, the stack
+    levels, revert-red, the export check and a small byte sweep.
+
+    The suite with the series, spread over the cores by recorded seconds
+    (ci/suite-times.json, then this machine's last run), recording which
+    tests read vLLM's installed MoRIIO package; those tests and a sample of
+    the others on the pinned base (the shared environment holds the base
+    only while that run lasts); each patch's named tests on the stack levels
+    in between; the per-patch revert-red table and its verdict; the whole
+    export into a temporary directory; a small byte sweep with the overlay.
+    Each step is a `vllm-overlay` process; `--plan` prints them and the
+    test selection without running anything. Exit status 1 when a step fails.
+    """
+    dirs = Dirs(app.checkout.root)
+    pytest_args = args.pytest_args
+    if args.plan:
+        todo = steps(dirs, pytest_args, f"$TMPDIR/{EXPORT_PREFIX}XXXX")
+        _say_plan(app, dirs, todo)
+        app.say(f"gate --plan: {count(len(todo), 'step')}, nothing run")
+        app.result({"steps": [list(s.args) for s in todo]})
+        return 0
+    env = dict(os.environ)
+    for name, value in ((WHEEL_ENV, args.wheel), (OLD_WHEEL_ENV, args.old_wheel)):
+        if value is not None:
+            env[name] = str(value.resolve())
+    if not env.get(WHEEL_ENV):
+        raise GateError(
+            f"gate: no pinned vLLM wheel: pass --wheel or set ${WHEEL_ENV} "
+            "(`nox -s unit-base` does)"
+        )
+    for line in prepare(dirs):
+        app.say(f"gate: {line}")
+    run_id = args.run or f"{os.getpid()}@{time.time():.0f}"
+    with tempfile.TemporaryDirectory(prefix=EXPORT_PREFIX) as out:
+        todo = steps(dirs, pytest_args, out)
+        done = run_steps(todo, env, run_step(dirs.root), app.say, dirs.phases, run_id)
+    if done.failed is not None:
+        app.say(
+            f"gate: FAILED at `{command_line(done.failed)}` (exit status "
+            f"{done.status}); {done.ran} of {count(len(todo), 'step')} run"
+        )
+        app.result({"ok": False, "failed": list(done.failed.args)})
+        return 1
+    app.say(f"gate: ok; {count(done.ran, 'step')} run, phases in {dirs.phases}")
+    app.result({"ok": True})
+    return 0
+
+
 def register(sub: Subparsers) -> None:
+    ga = add_command(sub, "gate", cmd_gate)
+    ga.add_argument("--plan", action="store_true", help="print the steps; run nothing")
+    ga.add_argument(
+        "--pytest-args",
+        default="",
+        metavar="ARGS",
+        help="more pytest arguments for the overlay and base runs",
+    )
+    ga.add_argument(
+        "--wheel",
+        type=Path,
+        metavar="WHEEL",
+        help=f"the pinned vLLM wheel (default: ${WHEEL_ENV})",
+    )
+    ga.add_argument(
+        "--old-wheel",
+        type=Path,
+        metavar="WHEEL",
+        help=f"the older vLLM of the rebase tests (default: ${OLD_WHEEL_ENV})",
+    )
+    ga.add_argument(
+        "--run",
+        default="",
+        metavar="ID",
+        help="the run the phases' seconds belong to (`nox` passes its own, "
+        "so lint's phase joins them)",
+    )
     su = add_command(sub, "suite", cmd_suite)
     su.add_argument("--out", type=Path, required=True, metavar="DIR")
     su.add_argument("--variant", choices=("overlay", "base"), default="overlay")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, header, replace_once
+from tests.workspace import ANCHOR, CONNECTOR, Workspace, header, replace_once
 from vllm_overlay.cli import main
 from vllm_overlay.series.patch_series import (
     REQUIRED_FIELDS,
@@ -67,7 +67,7 @@ def _with_header(ws: Workspace, name: str = "0001-a.patch", **fields: str | None
     """A patch ``name`` whose header has ``fields`` changed (None: the field
     is left out). The check reads each diff; it does not apply the series."""
     ws.patch_from_edit(name, CONNECTOR, _edit(name))
-    fields.setdefault("Tests", f"tests/overlay/conftest.py::test_{name[:4]}")
+    fields.setdefault("Tests", f"tests/conftest.py::test_{name[:4]}")
     path = ws.repo / "patches" / name
     _, body = path.read_text().split("---\n", 1)
     path.write_text(header(name, **fields) + "---\n" + body)
@@ -140,14 +140,14 @@ def test_declared_fields_pass_and_parse(ws: Workspace) -> None:
     _with_header(
         ws,
         "0002-b.patch",
-        Guards="tests/overlay/conftest.py::test_a\n tests/overlay/conftest.py::c",
+        Guards="tests/conftest.py::test_a\n tests/conftest.py::c",
         **{"Builds-On": url, "Reviewed-by": "someone", "Bug": url},
     )
     assert _problems(ws) == []
     second = load_series(ws.repo).patches[1].header
     assert second.guards == [
-        "tests/overlay/conftest.py::test_a",
-        "tests/overlay/conftest.py::c",
+        "tests/conftest.py::test_a",
+        "tests/conftest.py::c",
     ]
     assert second.builds_on == [url]
     assert not second.is_upstream and load_series(ws.repo).patches[0].header.is_upstream
@@ -208,19 +208,18 @@ def test_set_header_field_replaces_the_value_and_its_continuation_lines() -> Non
 
 
 def test_a_test_proves_one_patch(ws: Workspace) -> None:
-    _with_header(ws, Tests="tests/overlay/conftest.py::test_x")
-    _with_header(ws, "0002-b.patch", Tests="tests/overlay/conftest.py::test_x")
+    _with_header(ws, Tests="tests/conftest.py::test_x")
+    _with_header(ws, "0002-b.patch", Tests="tests/conftest.py::test_x")
     assert _problems(ws) == [
-        "0002-b.patch: Tests names tests/overlay/conftest.py::test_x, which "
+        "0002-b.patch: Tests names tests/conftest.py::test_x, which "
         "0001-a.patch already names (a test proves one patch)"
     ]
 
 
 def test_a_test_is_not_its_own_guard(ws: Workspace) -> None:
-    _with_header(ws, Guards="tests/overlay/conftest.py::test_0001")
+    _with_header(ws, Guards="tests/conftest.py::test_0001")
     assert _problems(ws) == [
-        "0001-a.patch: tests/overlay/conftest.py::test_0001 is both in Tests and "
-        "in Guards"
+        "0001-a.patch: tests/conftest.py::test_0001 is both in Tests and in Guards"
     ]
 
 
@@ -233,8 +232,8 @@ def test_guards_must_exist(ws: Workspace) -> None:
 
 
 def test_cli_rejects_each_problem_on_one_line(ws: Workspace, capsys) -> None:
-    _with_header(ws, Forwarded="not yet", Tests="tests/overlay/conftest.py::a")
-    _with_header(ws, "0002-b.patch", Origin="upstream", Tests="tests/overlay/b")
+    _with_header(ws, Forwarded="not yet", Tests="tests/conftest.py::a")
+    _with_header(ws, "0002-b.patch", Origin="upstream", Tests="tests/b")
     _with_header(ws, "0003-c.patch", **{"Remove-When": None})
     code = main(["--repo", str(ws.repo), "series", "check"])
     out = capsys.readouterr().out.splitlines()
@@ -254,7 +253,7 @@ def test_tests_must_exist(ws: Workspace) -> None:
     path = ws.repo / "patches" / "0001-a.patch"
     path.write_text(
         path.read_text().replace(
-            "Tests: tests/overlay/conftest.py", "Tests: tests/nowhere.py::test_x"
+            "Tests: tests/conftest.py", "Tests: tests/nowhere.py::test_x"
         )
     )
     assert _problems(ws) == [
@@ -281,7 +280,7 @@ def test_load_series_reads_header(ws: Workspace) -> None:
     series = load_series(ws.repo)
     (patch,) = series.patches
     assert patch.header.description == "0001-a.patch.\nA second line."
-    assert patch.header.tests == ["tests/overlay/conftest.py"]
+    assert patch.header.tests == ["tests/conftest.py"]
     assert [f.path for f in patch.files] == [CONNECTOR]
     assert len(series.series_id) == 12
 
@@ -373,7 +372,7 @@ def test_this_projects_author_carries_the_authors_address(ws: Workspace) -> None
 
 def test_the_real_series_headers_follow_dep3() -> None:
     """This checkout's series: no Subject, no empty field, our address."""
-    from tests.overlay.workspace import REPO
+    from tests.repo import REPO
 
     assert check_series(REPO, load_pin(REPO / "pin.toml")) == []
     for patch in load_series(REPO).patches:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.overlay.workspace import REPO
+from tests.repo import REPO
 from vllm_overlay.series.pin import PinError, decode_pin, encode_pin, load_pin
 from vllm_overlay.tree.materialize import MaterializeError, base_from_wheel
 

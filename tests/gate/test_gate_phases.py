@@ -11,10 +11,9 @@ from types import ModuleType
 import msgspec
 import pytest
 
+from tests.repo import REPO
 from vllm_overlay.gate.phases import PHASES_FILE, record, timed
 from vllm_overlay.gate.shards import TIMES, Times
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _bench() -> ModuleType:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.overlay.workspace import make_diff
+from tests.workspace import make_diff
 from vllm_overlay.series.diff import DiffError, HunkError, apply_file_patch, parse_patch
 
 OLD = "".join(f"line {i}\n" for i in range(1, 41))

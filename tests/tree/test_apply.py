@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.overlay.workspace import ANCHOR, COMMON, CONNECTOR, Workspace, replace_once
+from tests.workspace import ANCHOR, COMMON, CONNECTOR, Workspace, replace_once
 from vllm_overlay import transaction
 from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import load_pin

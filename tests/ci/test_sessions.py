@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.overlay.workspace import REPO
+from tests.repo import REPO
 
 
 def _sessions() -> dict[str, str]:

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.overlay.faketree import (
+from tests.faketree import (
     PAUSE_DRIVER,
     FakeTree,
     Snapshot,
     recorded_steps,
     reference_states,
 )
-from tests.overlay.workspace import REPO
+from tests.repo import REPO
 from vllm_overlay import transaction
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.series.patch_series import Series

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from vllm_overlay.series.pin import MODULE_DIR
 
-REPO = Path(__file__).resolve().parents[2]
 CONNECTOR = f"{MODULE_DIR}/moriio_connector.py"
 # A line that stands once in the base moriio_connector.py: test patches edit
 # around it.
@@ -35,7 +34,7 @@ def header(subject: str, **overrides: str | None) -> str:
         "Forwarded": "no",
         "Last-Update": "2026-11-30",
         "Remove-When": "never",
-        "Tests": "tests/overlay/conftest.py",
+        "Tests": "tests/conftest.py",
     }
     fields.update(overrides)
     return "".join(
@@ -48,7 +47,7 @@ def header(subject: str, **overrides: str | None) -> str:
 def patch_header(name: str) -> str:
     """The header of patch ``name``, its Tests a test of its own (a test proves
     one patch)."""
-    return header(name, Tests=f"tests/overlay/conftest.py::test_{name[:4]}")
+    return header(name, Tests=f"tests/conftest.py::test_{name[:4]}")
 
 
 def replace_once(text: str, old: str, new: str) -> str:

@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 
-from tests.overlay.workspace import REPO
+from tests.repo import REPO
 from vllm_overlay.mypybase import (
     MypyError,
     base_key,
@@ -121,14 +121,17 @@ def test_put_then_get_through_the_command_line(
     assert "no cached base errors for other" in capsys.readouterr().out
 
 
-def _noxfile() -> ModuleType:
-    """The noxfile, its `nox` a stand-in (nox is not installed here)."""
+def _noxlint() -> ModuleType:
+    """ci/noxlint.py, its `nox` a stand-in (nox is not installed here)."""
+    names = ("ci.noxlint", "ci.noxenv")
     with mock.patch.dict(sys.modules, {"nox": mock.MagicMock()}):
-        sys.modules.pop("noxfile", None)
-        import noxfile
+        for name in names:
+            sys.modules.pop(name, None)
+        from ci import noxlint
 
-        sys.modules.pop("noxfile", None)
-    return noxfile
+        for name in names:
+            sys.modules.pop(name, None)
+    return noxlint
 
 
 def test_a_clone_finds_the_pinned_base_errors_committed() -> None:
@@ -136,7 +139,7 @@ def test_a_clone_finds_the_pinned_base_errors_committed() -> None:
     errors for this checkout's wheel, mypy and settings are in
     ci/mypy-base-errors/ (lint writes a missing entry to
     .nox-cache/mypy-base-errors/ and says how to commit it)."""
-    nox_module = _noxfile()
+    nox_module = _noxlint()
     touched = nox_module.overlaid_files()
     key = base_key(*nox_module.mypy_base_inputs(touched))
     found, line = lookup([REPO / "ci" / "mypy-base-errors"], key)

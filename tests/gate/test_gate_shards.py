@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from tests.repo import REPO
 from vllm_overlay.cli import main
 from vllm_overlay.gate.pytestargs import names_a_test, split_paths
 from vllm_overlay.gate.shards import (
@@ -28,7 +29,6 @@ from vllm_overlay.gate.shards import (
 )
 from vllm_overlay.gate.shards import test_files as listed
 
-REPO = Path(__file__).resolve().parents[2]
 PKG = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 
 
@@ -156,14 +156,14 @@ def test_a_run_that_runs_nothing_fails(tmp_path: Path, importable: None) -> None
 
 
 def test_unit_hands_the_paths_to_the_lanes_and_the_rest_to_pytest() -> None:
-    args = ["tests/overlay", "-k", "tests", "-x", "tests/image", "-p", "tests"]
+    args = ["tests/gate", "-k", "tests", "-x", "tests/image", "-p", "tests"]
     assert split_paths(REPO, args) == (
-        ["tests/overlay", "tests/image"],
+        ["tests/gate", "tests/image"],
         ["-k", "tests", "-x", "-p", "tests"],
     )
     assert split_paths(REPO, ["no/such/dir"]) == ([], ["no/such/dir"])
-    assert names_a_test(["tests/overlay/test_pin.py::test_x"])
-    assert not names_a_test(["tests/overlay", "-k", "a and not b"])
+    assert names_a_test(["tests/series/test_pin.py::test_x"])
+    assert not names_a_test(["tests/gate", "-k", "a and not b"])
 
 
 def test_the_unit_run_fails_on_a_failed_test_and_lists_the_slowest(

@@ -1,6 +1,6 @@
 """What vLLM does on the CPU platform it picks in this process, as one JSON line.
 
-``python -m tests.overlay.cpuplatform_probe LAYOUT...`` prints the platform
+``python -m tests.cpuplatform.cpuplatform_probe LAYOUT...`` prints the platform
 class vLLM resolved and, per simulator layout (``vllm_overlay.simulate``),
 whether a prefill leg builds (a ``VllmConfig`` with MoRIIO READ and the
 layout's speculative config, the KV cache planner, a real ``Scheduler``)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.overlay.faketree import BASE_TEXTS, COMMON, CONNECTOR, FakeTree, json_of
-from tests.overlay.workspace import REPO, make_diff
+from tests.faketree import BASE_TEXTS, COMMON, CONNECTOR, FakeTree, json_of
+from tests.repo import REPO
+from tests.workspace import make_diff
 from vllm_overlay import safefile
 from vllm_overlay.cli import main
 from vllm_overlay.safefile import MAX_READ_BYTES
@@ -392,7 +393,7 @@ def test_undecodable_file_name_does_not_turn_a_done_apply_into_an_error(
         assert result["warnings"] == [warning]
     else:
         assert f"  warning: {warning}\n" in out
-        assert out.endswith("apply: applied: 2 patches (series 05084993c703)\n")
+        assert out.endswith("apply: applied: 2 patches (series b7d30efe253e)\n")
     now = {k: v for k, v in tree.snapshot().items() if "moriio_" + "\udcff" not in k}
     assert now == reference.snapshot()
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.overlay.faketree import CONNECTOR, FakeTree, patch_text
-from tests.overlay.workspace import make_diff
+from tests.faketree import CONNECTOR, FakeTree, patch_text
+from tests.workspace import make_diff
 from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import PIN_FILE, load_pin
 from vllm_overlay.tree.manifest import MANIFEST_NAME

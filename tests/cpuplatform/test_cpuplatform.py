@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from tests.overlay.workspace import REPO
-from vllm_overlay import cpuenv, cpuplatform
+from ci import cpuenv
+from tests.repo import REPO
+from vllm_overlay import cpuplatform
 
 GROUP = "vllm.platform_plugins"
 ENTRY = "vllm_overlay.cpuplatform:platform_plugin"
@@ -113,14 +114,14 @@ def test_vllms_config_check_runs_with_triton_available_and_restores_it() -> None
 
 
 def _probe(env: dict[str, str], layouts: list[str]) -> dict[str, Any]:
-    """tests/overlay/cpuplatform_probe.py in a fresh process (vLLM picks its
+    """tests/cpuplatform/cpuplatform_probe.py in a fresh process (vLLM picks its
     platform once per process)."""
     full = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
     full.pop(cpuplatform.ENV, None)
     full.pop("VLLM_TARGET_DEVICE", None)
     full.update(env)
     run = subprocess.run(
-        [sys.executable, "-m", "tests.overlay.cpuplatform_probe", *layouts],
+        [sys.executable, "-m", "tests.cpuplatform.cpuplatform_probe", *layouts],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.overlay.workspace import REPO
-from vllm_overlay import cpuenv
+from ci import cpuenv
+from tests.repo import REPO
 from vllm_overlay.series.pin import load_pin
 
 NO_DEPS = ["vllm", "xgrammar", "apache-tvm-ffi"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.overlay.faketree import COMMON, CONNECTOR, FakeTree, reference_states
+from tests.faketree import COMMON, CONNECTOR, FakeTree, reference_states
 from vllm_overlay import transaction
 from vllm_overlay.cli import main
 from vllm_overlay.series.pin import MODULE_DIR

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.overlay.workspace import REPO
+from tests.repo import REPO
 from vllm_overlay.series.patch_series import (
     DEP3_FIELDS,
     PROJECT_FIELDS,

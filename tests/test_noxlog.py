@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from tests.overlay.workspace import REPO
+from tests.repo import REPO
 from vllm_overlay.noxlog import UV_NOTE, drop_uv_note
 
 

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
+from tests.repo import REPO
 from vllm_overlay.gate import imports
 from vllm_overlay.gate.evidence import Selection, Touches, select
 from vllm_overlay.gate.imports import imports_package
 from vllm_overlay.gate.revert_red import evidence_problems
 from vllm_overlay.gate.shards import pack
 
-REPO = Path(__file__).resolve().parents[2]
 PKG = "vllm.distributed.kv_transfer.kv_connector.v1.moriio"
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import msgspec
 
-from tests.overlay.workspace import REPO, make_diff, patch_header
+from tests.repo import REPO
+from tests.workspace import make_diff, patch_header
 from vllm_overlay.cli import main
 from vllm_overlay.series.pin import (
     MODULE_DIR,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
+from tests.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
 from vllm_overlay.cli import main
 from vllm_overlay.gate.outcomes import load_outcomes
 from vllm_overlay.gate.reports import load_revert_red
@@ -20,7 +20,7 @@ from vllm_overlay.gate.stack import level_plan, run_levels
 from vllm_overlay.series.patch_series import Series, load_series
 from vllm_overlay.series.pin import load_pin
 
-PROBE = "tests/overlay/test_probe.py"
+PROBE = "tests/test_probe.py"
 # The probe test reads the connector the MoRIIO package loads from: test
 # "has_a" passes once patch 0001's marker is there, and so on.
 PROBE_TEXT = """
@@ -68,7 +68,7 @@ def _stack(ws: Workspace, guards: dict[str, str] | None = None) -> Series:
         if tag in guards:
             header_tests += f"\nGuards: {guards[tag]}"
         path.write_text(
-            path.read_text().replace("Tests: tests/overlay/conftest.py", header_tests)
+            path.read_text().replace("Tests: tests/conftest.py", header_tests)
         )
     (ws.repo / PROBE).write_text(PROBE_TEXT)
     return load_series(ws.repo)

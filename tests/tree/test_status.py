@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.overlay.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
+from tests.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
 from vllm_overlay.cli import main
 from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import load_pin

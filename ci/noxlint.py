@@ -1,0 +1,161 @@
+"""`nox -s lint` on the overlaid vLLM files: ruff and mypy with vLLM's
+settings, inside the pinned wheel's vLLM.
+
+The files are the series' (`Series.touched_paths`), materialized from the
+pinned wheel. The noxfile imports this module; nothing in the package does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+
+import nox
+
+from ci.noxenv import (
+    CACHE,
+    LINT_REQUIREMENTS,
+    NO_DEPS,
+    PIN,
+    REQUIREMENTS,
+    ROOT,
+    TORCH,
+    cpu_python,
+    pinned,
+    pinned_wheel,
+    typecheck_impl,
+)
+from vllm_overlay.mypybase import (
+    base_key,
+    errors_of_ours,
+    parse_errors,
+    settings_sha256,
+)
+from vllm_overlay.series.patch_series import load_series
+from vllm_overlay.text import count
+
+
+def overlaid_files() -> list[str]:
+    """The vLLM files the series changes."""
+    return load_series(ROOT).touched_paths()
+
+
+MYPY_VLLM_CONFIG = ROOT / "ci" / "mypy-vllm.toml"
+# The pinned base's mypy errors with those settings, per wheel, mypy and settings.
+MYPY_BASE_ERRORS = ROOT / "ci" / "mypy-base-errors"
+
+
+def _vllm_python_tree(wheel: Path, dest: Path) -> None:
+    """The pinned wheel's vLLM Python files (what mypy reads of vLLM)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith("vllm/") and name.endswith((".py", ".pyi", "py.typed")):
+                z.extract(name, dest)
+
+
+def mypy_base_inputs(touched: list[str]) -> tuple[str, str, str]:
+    """What the pinned base's mypy errors depend on: the wheel's sha256,
+    mypy's version and the hash of the settings (vLLM's config, the Python
+    version, the files, the pydantic plugin and the CPU environment's pins)."""
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    environment = [*pinned(LINT_REQUIREMENTS, "pydantic"), TORCH, *NO_DEPS]
+    environment.append(REQUIREMENTS[0].read_text())
+    config = MYPY_VLLM_CONFIG.read_text()
+    settings = settings_sha256(config, version, touched, environment)
+    mypy_version = pinned(LINT_REQUIREMENTS, "mypy")[0].split("==", 1)[1]
+    return PIN["vllm"]["wheel_sha256"], mypy_version, settings
+
+
+def mypy_overlaid(
+    session: nox.Session, wheel: Path, out: Path, touched: list[str]
+) -> None:
+    """mypy as vLLM's pre-commit runs it on a changed file under vllm/ (the
+    default group, vLLM's [tool.mypy]: ci/mypy-vllm.toml), on the overlaid
+    files inside the pinned wheel's vLLM, with vLLM's dependencies from the
+    CPU environment. An error the pinned base has as well (same file, code
+    and message) is the base's and is listed, not failed on; any other fails
+    the session. The base's errors are read from ci/mypy-base-errors/ (or
+    this machine's .nox-cache/mypy-base-errors/) by the wheel, mypy and the
+    settings; mypy runs on the base only when neither has them."""
+    python = str(cpu_python(session))
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    sha, mypy_version, settings = mypy_base_inputs(touched)
+    key = base_key(sha, mypy_version, settings)
+    work, local = CACHE / "mypy-vllm", CACHE / "mypy-base-errors"
+    work.mkdir(parents=True, exist_ok=True)
+    report = work / "base-report.txt"
+    cached = ("python", "-m", "vllm_overlay.mypybasecache")
+    dirs = ("--dir", str(MYPY_BASE_ERRORS), "--dir", str(local))
+    session.run(*cached, "get", "--key", key, *dirs, "--out", str(report))
+    # One mypy cache for both trees, kept between runs: after the base, the
+    # overlaid run re-checks only what the series changes.
+    args = ["--config-file", str(MYPY_VLLM_CONFIG), "--python-executable", python]
+    args += ["--python-version", version, "--cache-dir", str(work / ".cache")]
+
+    def check(side: str) -> str:
+        tree = work / side
+        _vllm_python_tree(wheel, tree)
+        if side == "overlaid":
+            for path in touched:
+                shutil.copyfile(out / path, tree / path)
+        with session.chdir(tree):
+            text = session.run(
+                "mypy", *args, *touched, silent=True, success_codes=[0, 1]
+            )
+        return str(text or "")
+
+    if not report.is_file():
+        report.write_text(check("base"))
+        fields = ("--wheel-sha256", sha, "--mypy-version", mypy_version)
+        fields += ("--settings-sha256", settings)
+        where = ("--dir", str(local), "--report", str(report))
+        session.run(*cached, "put", *where, *fields, *touched)
+        session.log(
+            "mypy: to spare every clone this base run, commit the entry: "
+            f"cp {(local / key).relative_to(ROOT)}.json "
+            f"{MYPY_BASE_ERRORS.relative_to(ROOT)}/"
+        )
+    base = parse_errors(report.read_text())
+    overlaid = parse_errors(check("overlaid"))
+    new = errors_of_ours(base, overlaid)
+    for error in overlaid:
+        session.log(
+            f"mypy: {error} ({'the series' if error in new else 'the base has it too'})"
+        )
+    if new:
+        session.error(
+            f"mypy (vLLM's settings): {len(new)} error(s) on the overlaid files "
+            "that the pinned base does not have"
+        )
+    session.log(
+        f"mypy (vLLM's settings) on {len(touched)} overlaid vLLM file(s): no "
+        f"error of the series' own; {len(overlaid)} the pinned base has too"
+    )
+
+
+def lint_impl(session: nox.Session) -> None:
+    typecheck_impl(session)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("vllm-overlay", "series", "check")
+    out = CACHE / "overlaid"
+    shutil.rmtree(out, ignore_errors=True)
+    wheel = pinned_wheel(session, Path(session.bin) / "python")
+    session.run("vllm-overlay", "materialize", "--wheel", str(wheel), "--out", str(out))
+    touched = overlaid_files()
+    config = ("--config", str(ROOT / "ci" / "ruff-vllm.toml"))
+    if touched:
+        files = [str(out / path) for path in touched]
+        session.run("ruff", "check", *config, *files)
+        session.run("ruff", "format", "--check", *config, *files)
+        mypy_overlaid(session, wheel, out, touched)
+    containerfiles = [
+        ROOT / "docker" / "Dockerfile",
+        ROOT / "docker" / "standin" / "Containerfile",
+        ROOT / "tests" / "image" / "fixtures" / "Containerfile.tiny",
+    ]
+    session.run("hadolint", *(str(f) for f in containerfiles))
+    session.log(f"lint: ok ({count(len(touched), 'overlaid vLLM file')} checked)")

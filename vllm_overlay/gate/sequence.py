@@ -1,0 +1,255 @@
+"""The gate's run order (`vllm-overlay gate`, `nox -s unit-base`).
+
+The suite with the series, spread over the cores by recorded seconds
+(ci/suite-times.json, then this machine's last run), recording which tests
+read vLLM's installed MoRIIO package; then those tests, and a sample of the
+others whose outcomes must not change, on the pinned base; then each
+patch's named tests on the stack levels in between; the per-patch
+revert-red table and its verdict; the whole export into a temporary
+directory; a small byte sweep with the overlay. The shared environment
+holds the base only while the base run lasts: the overlay goes back on
+even when that run fails or is interrupted.
+
+Each step is one `vllm-overlay` process in the checkout, as the noxfile ran
+them; `gate --plan` prints the same steps without running any.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_overlay import cpuplatform
+from vllm_overlay.checkout import REPORT_DIR
+from vllm_overlay.gate.phases import PHASES_FILE, timed
+
+CACHE_DIR = ".nox-cache"
+# Seconds per test file of a gate run (`.nox-reports/suite-overlay/file-times.json`
+# copied there): how the gate spreads the suite over the cores from a fresh clone.
+SUITE_TIMES = Path("ci") / "suite-times.json"
+WHEEL_ENV = "VLLM_OVERLAY_WHEEL"
+OLD_WHEEL_ENV = "VLLM_OVERLAY_TEST_OLD_WHEEL"
+# The process whose end ends the byte sweep (simulate/bytes/lifetime.py reads it).
+PARENT_ENV = "VLLM_OVERLAY_PARENT_PID"
+# Every step runs vLLM on the overlay's CPU platform, writing no bytecode.
+STEP_ENV = {cpuplatform.ENV: "1", "PYTHONDONTWRITEBYTECODE": "1"}
+# The slowest tests, so every run shows where the suite's time goes.
+SLOWEST = "--durations=15 --durations-min=2"
+# Below its patch a property test fails on purpose: report the first failing
+# example, do not shrink it (tests/conftest.py).
+NO_SHRINK = "--hypothesis-profile=gate"
+QUIET = "--no-header -rN --tb=no --continue-on-collection-errors"
+# The hybrid and window mechanism layouts, READ at TP 1->1, every hit: real
+# workers moving real bytes, about a minute (`nox -s simulate-bytes` runs all).
+BYTES_GATE = ("--layouts", "gemma,dsv4,kimi,glm", "--modes", "read", "--tp", "1-1")
+EXPORT_PREFIX = "export-check-"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One `vllm-overlay` process of the gate."""
+
+    args: tuple[str, ...]  # after `vllm-overlay`
+    say: str = ""  # printed before it runs
+    phase: str = ""  # its seconds recorded as this phase of the run
+    old_wheel: bool = True  # the old wheel of the rebase tests at hand
+    silent: bool = False  # its output only when it fails
+    always: bool = False  # runs even after a step before it failed
+    parent: bool = False  # ends with the gate's parent (the byte sweep)
+
+
+@dataclass(frozen=True)
+class Dirs:
+    """Where the gate's runs write, in the checkout."""
+
+    root: Path
+
+    @property
+    def reports(self) -> Path:
+        return self.root / REPORT_DIR
+
+    @property
+    def overlay(self) -> Path:
+        return self.reports / "suite-overlay"
+
+    @property
+    def base(self) -> Path:
+        return self.reports / "suite-base"
+
+    @property
+    def levels(self) -> Path:
+        return self.reports / "levels"
+
+    @property
+    def cached_times(self) -> Path:
+        """This machine's last gate run's seconds per test."""
+        return self.root / CACHE_DIR / "suite-times.json"
+
+    @property
+    def phases(self) -> Path:
+        return self.reports / PHASES_FILE
+
+
+def recorded_times(dirs: Dirs) -> list[Path]:
+    """The recorded seconds that spread the files, later ones winning: the
+    checkout's, then this machine's last run's."""
+    cached = dirs.cached_times
+    return [dirs.root / SUITE_TIMES, *([cached] if cached.is_file() else [])]
+
+
+def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
+    """The gate's processes in order; ``pytest_args`` go to the overlay and
+    base runs (the noxfile's arguments after `--`)."""
+    more = f" {pytest_args}" if pytest_args else " "
+    times = tuple(a for path in recorded_times(dirs) for a in ("--times", str(path)))
+    selection = str(dirs.overlay / "selection.json")
+    return [
+        Step(("apply",)),
+        Step(
+            ("suite", "--out", str(dirs.overlay), f"--pytest-args={SLOWEST}{more}")
+            + times,
+            say="running the suite with the overlay (which tests read vLLM's MoRIIO)",
+            phase="overlay",
+        ),
+        Step(("apply", "--revert")),
+        Step(
+            ("suite", "--variant", "base", "--selection", selection)
+            + ("--out", str(dirs.base), "--times", str(dirs.overlay / "times.json"))
+            + (f"--pytest-args={QUIET} {NO_SHRINK}{more}",),
+            say="running what can differ on the pinned base (failures expected)",
+            phase="base",
+        ),
+        Step(("apply",), always=True),
+        Step(
+            ("levels", "--out", str(dirs.levels), f"--pytest-args={NO_SHRINK}"),
+            say="running each patch's named tests on the stack levels in between",
+            phase="levels",
+            old_wheel=False,
+        ),
+        Step(
+            ("revert-red", "--base-outcomes", str(dirs.base / "outcomes.json"))
+            + ("--overlay-outcomes", str(dirs.overlay / "outcomes.json"))
+            + ("--touches", str(dirs.overlay / "touches.json"))
+            + ("--selection", selection, "--levels", str(dirs.levels)),
+            phase="revert-red",
+        ),
+        # The whole export, thrown away: a ported test that fails vLLM's ruff,
+        # or mails that do not apply in order, fail the gate, not a later export.
+        Step(
+            ("export", "--out", export_out, "--no-signoff"),
+            phase="export",
+            old_wheel=False,
+            silent=True,
+        ),
+        Step(
+            ("simulate", "--bytes", *BYTES_GATE, "--variant", "overlay")
+            + ("--kv-layouts", "LBNHC")
+            + ("--report", str(dirs.reports / "simulate-bytes-gate.json")),
+            say="unit-base: every patch exports (ruff, git am in stack order)\n"
+            "a small byte sweep with the overlay: its verdict gates too",
+            phase="bytes",
+            old_wheel=False,
+            parent=True,
+        ),
+    ]
+
+
+def prepare(dirs: Dirs) -> list[str]:
+    """Keep the last run's seconds per test (they spread this run), remove
+    the last run's outputs; what was done, one line each."""
+    done = []
+    last = dirs.overlay / "times.json"
+    if last.is_file():
+        dirs.cached_times.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(last, dirs.cached_times)
+        done.append(f"kept {last} as {dirs.cached_times}")
+    for stale in (dirs.overlay, dirs.base, dirs.levels):
+        if stale.exists():
+            shutil.rmtree(stale, ignore_errors=True)
+            done.append(f"removed the last run's {stale}")
+    return done
+
+
+def step_env(step: Step, env: Mapping[str, str]) -> dict[str, str]:
+    out = {**env, **STEP_ENV}
+    if not step.old_wheel:
+        out.pop(OLD_WHEEL_ENV, None)
+    if step.parent:
+        out.setdefault(PARENT_ENV, str(os.getpid()))
+    else:
+        out.pop(PARENT_ENV, None)
+    return out
+
+
+def command_line(step: Step, python: str = "vllm-overlay") -> str:
+    head = [python, "-m", "vllm_overlay.cli"] if python != "vllm-overlay" else [python]
+    return shlex.join([*head, *step.args])
+
+
+Run = Callable[[Step, dict[str, str]], int]
+
+
+def run_step(root: Path) -> Run:
+    """A step as a process of this Python in ``root``; its exit status."""
+
+    def run(step: Step, env: dict[str, str]) -> int:
+        cmd = [sys.executable, "-m", "vllm_overlay.cli", *step.args]
+        if not step.silent:
+            return subprocess.run(cmd, cwd=root, env=env, check=False).returncode
+        done = subprocess.run(
+            cmd, cwd=root, env=env, check=False, capture_output=True, text=True
+        )
+        if done.returncode:
+            sys.stdout.write(done.stdout)
+            sys.stderr.write(done.stderr)
+        return done.returncode
+
+    return run
+
+
+@dataclass(frozen=True)
+class Outcome:
+    failed: Step | None  # the first step that failed
+    status: int
+    ran: int
+
+
+def run_steps(
+    todo: Sequence[Step],
+    env: Mapping[str, str],
+    run: Run,
+    say: Callable[[str], None],
+    phases: Path,
+    run_id: str,
+) -> Outcome:
+    """Run ``todo`` in order, each phase timed; after a failure only the
+    ``always`` steps (the overlay back on). An interrupt still runs them."""
+    failed: Step | None = None
+    status = 0
+    ran = 0
+    for step in todo:
+        if failed is not None and not step.always:
+            continue
+        for line in step.say.splitlines():
+            say(line)
+        try:
+            if step.phase:
+                with timed(phases, step.phase, run_id):
+                    code = run(step, step_env(step, env))
+            else:
+                code = run(step, step_env(step, env))
+        except KeyboardInterrupt:
+            rest = [s for s in todo[todo.index(step) + 1 :] if s.always]
+            for after in rest:
+                run(after, step_env(after, env))
+            raise
+        ran += 1
+        if code and failed is None:
+            failed, status = step, code
+    return Outcome(failed, status, ran)
