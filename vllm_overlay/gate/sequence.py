@@ -35,6 +35,7 @@ CACHE_DIR = ".nox-cache"
 SUITE_TIMES = Path("ci") / "suite-times.json"
 WHEEL_ENV = "VLLM_OVERLAY_WHEEL"
 OLD_WHEEL_ENV = "VLLM_OVERLAY_TEST_OLD_WHEEL"
+TEST_WHEELS = (WHEEL_ENV, OLD_WHEEL_ENV)
 # The process whose end ends the byte sweep (simulate/bytes/lifetime.py reads it).
 PARENT_ENV = "VLLM_OVERLAY_PARENT_PID"
 # Every step runs vLLM on the overlay's CPU platform, writing no bytecode.
@@ -58,7 +59,9 @@ class Step:
     args: tuple[str, ...]  # after `vllm-overlay`
     say: str = ""  # printed before it runs
     phase: str = ""  # its seconds recorded as this phase of the run
-    old_wheel: bool = True  # the old wheel of the rebase tests at hand
+    # The wheels at hand ($VLLM_OVERLAY_WHEEL, $VLLM_OVERLAY_TEST_OLD_WHEEL):
+    # the test runs get both, the levels and the export the pinned one.
+    wheels: tuple[str, ...] = ()
     silent: bool = False  # its output only when it fails
     always: bool = False  # runs even after a step before it failed
     parent: bool = False  # ends with the gate's parent (the byte sweep)
@@ -116,6 +119,7 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
             + times,
             say="running the suite with the overlay (which tests read vLLM's MoRIIO)",
             phase="overlay",
+            wheels=TEST_WHEELS,
         ),
         Step(("apply", "--revert")),
         Step(
@@ -124,13 +128,14 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
             + (f"--pytest-args={QUIET} {NO_SHRINK}{more}",),
             say="running what can differ on the pinned base (failures expected)",
             phase="base",
+            wheels=TEST_WHEELS,
         ),
         Step(("apply",), always=True),
         Step(
             ("levels", "--out", str(dirs.levels), f"--pytest-args={NO_SHRINK}"),
             say="running each patch's named tests on the stack levels in between",
             phase="levels",
-            old_wheel=False,
+            wheels=(WHEEL_ENV,),
         ),
         Step(
             ("revert-red", "--base-outcomes", str(dirs.base / "outcomes.json"))
@@ -144,7 +149,7 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
         Step(
             ("export", "--out", export_out, "--no-signoff"),
             phase="export",
-            old_wheel=False,
+            wheels=(WHEEL_ENV,),
             silent=True,
         ),
         Step(
@@ -154,7 +159,6 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
             say="unit-base: every patch exports (ruff, git am in stack order)\n"
             "a small byte sweep with the overlay: its verdict gates too",
             phase="bytes",
-            old_wheel=False,
             parent=True,
         ),
     ]
@@ -178,8 +182,9 @@ def prepare(dirs: Dirs) -> list[str]:
 
 def step_env(step: Step, env: Mapping[str, str]) -> dict[str, str]:
     out = {**env, **STEP_ENV}
-    if not step.old_wheel:
-        out.pop(OLD_WHEEL_ENV, None)
+    for name in TEST_WHEELS:
+        if name not in step.wheels:
+            out.pop(name, None)
     if step.parent:
         out.setdefault(PARENT_ENV, str(os.getpid()))
     else:

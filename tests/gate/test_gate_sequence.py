@@ -1,0 +1,159 @@
+"""`vllm-overlay gate`: the unit-base run order, the overlay back on after
+a failed or interrupted base run, each step's environment, and `--plan`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_overlay.cli import main
+from vllm_overlay.gate.phases import PHASES_FILE
+from vllm_overlay.gate.sequence import (
+    OLD_WHEEL_ENV,
+    PARENT_ENV,
+    Dirs,
+    Run,
+    Step,
+    prepare,
+    run_steps,
+    step_env,
+    steps,
+)
+
+
+def _commands(todo: list[Step]) -> list[str]:
+    return [" ".join(s.args[:2]) if s.args[0] == "apply" else s.args[0] for s in todo]
+
+
+def test_the_steps_run_in_the_gates_order(tmp_path: Path) -> None:
+    todo = steps(Dirs(tmp_path), "", "OUT")
+    assert _commands(todo) == [
+        "apply",
+        "suite",
+        "apply --revert",
+        "suite",
+        "apply",
+        "levels",
+        "revert-red",
+        "export",
+        "simulate",
+    ]
+    assert [s.phase for s in todo if s.phase] == [
+        "overlay",
+        "base",
+        "levels",
+        "revert-red",
+        "export",
+        "bytes",
+    ]
+    # Only the re-apply after the base run runs after a failure.
+    assert [i for i, s in enumerate(todo) if s.always] == [4]
+    base = todo[3]
+    assert base.args[:3] == ("suite", "--variant", "base")
+
+
+def test_pytest_arguments_go_to_the_overlay_and_base_runs(tmp_path: Path) -> None:
+    todo = steps(Dirs(tmp_path), "-k 'a and b'", "OUT")
+    given = [s.args[0] for s in todo if any(a.endswith("-k 'a and b'") for a in s.args)]
+    assert given == ["suite", "suite"]
+
+
+def _record(codes: dict[str, int], interrupt: str = "") -> tuple[list[str], Run]:
+    ran: list[str] = []
+
+    def run(step: Step, env: dict[str, str]) -> int:
+        name = " ".join(step.args[:3])
+        ran.append(name)
+        if name == interrupt:
+            raise KeyboardInterrupt
+        return codes.get(name, 0)
+
+    return ran, run
+
+
+def test_a_failed_base_run_still_puts_the_overlay_back(tmp_path: Path) -> None:
+    dirs = Dirs(tmp_path)
+    todo = steps(dirs, "", "OUT")
+    ran, run = _record({"suite --variant base": 3})
+    done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r1")
+    assert ran == ["apply", "suite --out " + str(dirs.overlay), "apply --revert"] + [
+        "suite --variant base",
+        "apply",
+    ]
+    assert done.failed is todo[3] and done.status == 3
+    phases = json.loads((tmp_path / ".nox-reports" / PHASES_FILE).read_text())
+    assert phases["run"] == "r1" and set(phases["phases"]) == {"overlay", "base"}
+
+
+def test_an_interrupted_base_run_still_puts_the_overlay_back(tmp_path: Path) -> None:
+    dirs = Dirs(tmp_path)
+    ran, run = _record({}, interrupt="suite --variant base")
+    with pytest.raises(KeyboardInterrupt):
+        run_steps(steps(dirs, "", "OUT"), {}, run, lambda line: None, dirs.phases, "")
+    assert ran[-2:] == ["suite --variant base", "apply"]
+
+
+def test_each_step_gets_the_environment_it_had_under_the_noxfile() -> None:
+    todo = {s.phase: s for s in steps(Dirs(Path("/r")), "", "OUT") if s.phase}
+    env = {OLD_WHEEL_ENV: "old.whl", PARENT_ENV: "1", "VLLM_OVERLAY_WHEEL": "w"}
+    for phase in ("overlay", "base"):
+        assert step_env(todo[phase], env)[OLD_WHEEL_ENV] == "old.whl"
+        assert step_env(todo[phase], env)["VLLM_OVERLAY_WHEEL"] == "w"
+        assert PARENT_ENV not in step_env(todo[phase], env)
+    for phase in ("levels", "export"):
+        assert OLD_WHEEL_ENV not in step_env(todo[phase], env)
+        assert step_env(todo[phase], env)["VLLM_OVERLAY_WHEEL"] == "w"
+    for phase in ("revert-red", "bytes"):
+        assert not {OLD_WHEEL_ENV, "VLLM_OVERLAY_WHEEL"} & set(
+            step_env(todo[phase], env)
+        )
+    # `apply` reads the base from this Python's vLLM, as under the noxfile.
+    assert "VLLM_OVERLAY_WHEEL" not in step_env(
+        steps(Dirs(Path("/r")), "", "O")[0], env
+    )
+    assert step_env(todo["bytes"], env)[PARENT_ENV] == "1"
+    assert step_env(todo["levels"], env)["VLLM_OVERLAY_CPU_PLATFORM"] == "1"
+
+
+def test_prepare_keeps_the_last_times_and_removes_the_last_outputs(
+    tmp_path: Path,
+) -> None:
+    dirs = Dirs(tmp_path)
+    for d in (dirs.overlay, dirs.base, dirs.levels):
+        d.mkdir(parents=True)
+    (dirs.overlay / "times.json").write_text("{}")
+    done = prepare(dirs)
+    assert dirs.cached_times.read_text() == "{}"
+    assert not any(d.exists() for d in (dirs.overlay, dirs.base, dirs.levels))
+    assert len(done) == 4
+    # The next run spreads the files by them too, after the checkout's.
+    times = [a for a in steps(dirs, "", "OUT")[1].args if a.endswith(".json")]
+    assert times == [str(tmp_path / "ci" / "suite-times.json"), str(dirs.cached_times)]
+
+
+def test_plan_prints_the_steps_and_runs_nothing(
+    repo: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--repo", str(repo), "gate", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "[base] vllm-overlay suite --variant base" in out
+    assert "vllm-overlay apply (also after a failure)" in out
+    assert "level 1: " in out
+    assert out.rstrip().endswith("gate --plan: 9 steps, nothing run")
+
+
+def test_gate_without_a_wheel_is_one_line_and_runs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("VLLM_OVERLAY_WHEEL", raising=False)
+    repo = tmp_path / "repo"
+    (repo / "patches").mkdir(parents=True)
+    (repo / "pin.toml").write_text("")
+    (repo / "patches" / "series").write_text("")
+    (repo / ".nox-reports" / "levels").mkdir(parents=True)
+    assert main(["--repo", str(repo), "gate"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no pinned vLLM wheel" in err
+    assert (repo / ".nox-reports" / "levels").is_dir()  # nothing removed
