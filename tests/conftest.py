@@ -14,7 +14,7 @@ import pytest
 from hypothesis import Phase, settings
 
 from tests.repo import REPO
-from tests.workspace import Workspace
+from tests.workspace import Workspace, fake_site
 from vllm_overlay.series.patch_series import Series, load_series
 from vllm_overlay.series.pin import PIN_FILE, Pin, load_pin
 from vllm_overlay.tree.materialize import base_from_target
@@ -68,11 +68,5 @@ def ws(tmp_path: Path, pin: Pin, base_texts: dict[str, str]) -> Workspace:
     (repo / "patches" / "series").write_text("# test series\n")
     (repo / "tests").mkdir(parents=True)
     (repo / "tests" / "conftest.py").write_text("")
-    site = tmp_path / "site-packages"
-    (site / "vllm" / "distributed").mkdir(parents=True)
-    (site / "vllm" / "__init__.py").write_text("")
-    for path, text in base_texts.items():
-        dest = site / path
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(text)
+    site = fake_site(tmp_path / "site-packages", base_texts)
     return Workspace(repo, site, dict(base_texts))

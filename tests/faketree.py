@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 
 from tests.repo import REPO
-from tests.workspace import make_diff, patch_header
+from tests.workspace import fake_site, make_diff, patch_header
 from vllm_overlay.cli import main
 from vllm_overlay.series.pin import (
     MODULE_DIR,
@@ -173,13 +173,9 @@ class FakeTree:
         for name, text in patches.items():
             (repo / "patches" / name).write_text(text)
         (repo / "patches" / "series").write_text("".join(f"{n}\n" for n in patches))
-        (site / "vllm" / "distributed").mkdir(parents=True)
-        (site / "vllm" / "__init__.py").write_text("")
-        for path, text in BASE_TEXTS.items():
-            dest = site / path
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(text)
-            dest.chmod(MODES[path])
+        fake_site(site, BASE_TEXTS)
+        for path in BASE_TEXTS:
+            (site / path).chmod(MODES[path])
         return cls(repo, site)
 
     @property

@@ -96,3 +96,15 @@ class Workspace:
             for p in sorted(self.site.rglob("*"))
             if p.is_file()
         }
+
+
+def fake_site(site: Path, texts: dict[str, str]) -> Path:
+    """A fake site-packages at ``site`` whose vllm holds only ``texts``
+    (path -> text, the pinned files); returns ``site``."""
+    (site / "vllm" / "distributed").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    for path, text in texts.items():
+        dest = site / path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(text)
+    return site

@@ -154,15 +154,7 @@ def loopback_config(
 
 def write_config(config: RunConfig, path: Path) -> Path:
     """``config`` as a TOML file (TOML has no null: unset fields are left out)."""
-
-    def strip(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if v is not None}
-        if isinstance(value, list):
-            return [strip(v) for v in value]
-        return value
-
-    path.write_bytes(msgspec.toml.encode(strip(msgspec.to_builtins(config))))
+    path.write_bytes(msgspec.toml.encode(without_nulls(msgspec.to_builtins(config))))
     return path
 
 
@@ -188,25 +180,58 @@ def fake_ssh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return log
 
 
+def shim_path(bin_dir: Path, name: str, command: str) -> str:
+    """A shell script ``name`` in ``bin_dir`` that runs ``command`` with its
+    arguments; returns $PATH with ``bin_dir`` first."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / name
+    script.write_text(f'#!/bin/sh\n{command} "$@"\n')
+    script.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def fake_docker_path(bin_dir: Path) -> str:
+    """$PATH with a `docker` that runs the stand-ins (tests/e2e/fakedocker.py)
+    first. -S: no site-packages (the fake needs the standard library only),
+    so it starts in milliseconds even on a loaded machine."""
+    command = f"exec {sys.executable} -S {HERE / 'fakedocker.py'}"
+    return shim_path(bin_dir, "docker", command)
+
+
+# KV bytes a token the stand-in's NIC counters count, a multiple of the
+# counter's 4-byte word.
+PER_TOKEN = 1152
+
+
+def standin_nics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The stand-in's NIC counters under ``tmp_path``, PER_TOKEN bytes a
+    token; the config fields that read them."""
+    nic_dir = tmp_path / "sys-class-infiniband"
+    monkeypatch.setenv("STANDIN_NIC_DIR", str(nic_dir))
+    monkeypatch.setenv("STANDIN_NIC_BYTES_PER_TOKEN", str(PER_TOKEN))
+    return {"nic__counters_root": str(nic_dir), "model__kv_bytes_per_token": PER_TOKEN}
+
+
+def without_nulls(value: Any) -> Any:
+    """``value`` (builtins) without the None fields: TOML has no null."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
 @pytest.fixture
 def fake_docker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A `docker` on PATH that runs stand-ins (tests/e2e/fakedocker.py);
     yields its state directory and removes every "container" left."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    docker = bin_dir / "docker"
-    # -S: no site-packages (the fake needs the standard library only), so
-    # it starts in milliseconds even on a loaded machine.
-    docker.write_text(
-        f'#!/bin/sh\nexec {sys.executable} -S {HERE / "fakedocker.py"} "$@"\n'
-    )
-    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", fake_docker_path(tmp_path / "bin"))
     state = tmp_path / "docker-state"
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_DOCKER_STATE", str(state))
     monkeypatch.setenv("STANDIN_BANNER", BANNER)
     yield state
     import subprocess
 
+    docker = str(tmp_path / "bin" / "docker")
     for info in sorted(state.glob("*.json")):
-        subprocess.run([str(docker), "rm", "--force", info.stem], capture_output=True)
+        subprocess.run([docker, "rm", "--force", info.stem], capture_output=True)

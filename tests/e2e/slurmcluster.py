@@ -12,6 +12,8 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.e2e.ports import free_port
@@ -170,3 +172,20 @@ class LocalSlurm:
                 p.kill()
                 p.wait(timeout=10)
         self.procs.clear()
+
+
+@contextmanager
+def running_slurm(directory: Path, nodes: int) -> Iterator[LocalSlurm]:
+    """A started local Slurm of ``nodes`` nodes in ``directory``, stopped
+    afterwards; the test is skipped where Slurm cannot be installed."""
+    import pytest
+
+    why = ensure_installed()
+    if why:
+        pytest.skip(f"no Slurm here: {why}")
+    cluster = LocalSlurm(directory, nodes=nodes)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

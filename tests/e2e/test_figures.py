@@ -11,15 +11,19 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.e2e.conftest import BANNER, SERIES, loopback_config, write_config
+from tests.e2e.conftest import (
+    BANNER,
+    SERIES,
+    loopback_config,
+    standin_nics,
+    write_config,
+)
 from vllm_overlay.cli import main
 from vllm_overlay.e2e.cli import series_patches
 from vllm_overlay.e2e.load import BenchResult, bench_argv, cells
 from vllm_overlay.e2e.nic import NicCounters, delta_bytes, parse, read_script
 from vllm_overlay.e2e.report import read_report
 from vllm_overlay.e2e.runid import with_run_id
-
-PER_TOKEN = 1152  # KV bytes a token, a multiple of the counter's 4-byte word
 
 
 def test_port_rcv_data_counts_four_byte_words() -> None:
@@ -101,13 +105,7 @@ def test_a_run_reports_nic_bytes_and_serving_figures(
     found = series_patches()
     assert found is not None
     monkeypatch.setenv("STANDIN_BANNER", BANNER.replace(SERIES, found[0]))
-    nic_dir = tmp_path / "sys-class-infiniband"
-    monkeypatch.setenv("STANDIN_NIC_DIR", str(nic_dir))
-    monkeypatch.setenv("STANDIN_NIC_BYTES_PER_TOKEN", str(PER_TOKEN))
-    config = loopback_config(
-        tokenizer_json, nic__counters_root=str(nic_dir),
-        model__kv_bytes_per_token=PER_TOKEN,
-    )  # fmt: skip
+    config = loopback_config(tokenizer_json, **standin_nics(tmp_path, monkeypatch))
     path = write_config(config, tmp_path / "run.toml")
     run_dir = tmp_path / "run"
     argv = ["e2e", "--config", str(path), "--run-dir", str(run_dir), "--no-preflight"]

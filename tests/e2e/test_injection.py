@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.e2e.conftest import EXAMPLE
+from tests.e2e.conftest import EXAMPLE, without_nulls
 from vllm_overlay.e2e.config import ConfigError, decode_config, load_config
 from vllm_overlay.e2e.plan import build_plan
 from vllm_overlay.e2e.slurm import SlurmJob
@@ -100,14 +100,7 @@ def example_data() -> Data:
 
 
 def toml(data: Data) -> str:
-    def strip(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if v is not None}
-        if isinstance(value, list):
-            return [strip(v) for v in value]
-        return value
-
-    return msgspec.toml.encode(strip(data)).decode()
+    return msgspec.toml.encode(without_nulls(data)).decode()
 
 
 def refused(field: str, put: Callable[[Data, str], None], value: str) -> str:

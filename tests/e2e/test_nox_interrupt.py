@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.e2e.conftest import REPO, loopback_config, write_config
+from tests.e2e.conftest import REPO, loopback_config, shim_path, write_config
 from vllm_overlay.cli import main
 from vllm_overlay.e2e.config import RunConfig
 from vllm_overlay.e2e.runid import (
@@ -49,14 +49,9 @@ def nox_program() -> str:
 def overlay_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`vllm-overlay` on PATH: this checkout, in this Python (what nox's
     session runs under `--force-venv-backend none`)."""
-    bin_dir = tmp_path / "overlay-bin"
-    bin_dir.mkdir()
-    shim = bin_dir / "vllm-overlay"
-    shim.write_text(
-        f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m vllm_overlay.cli "$@"\n'
-    )
-    shim.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    command = f"PYTHONPATH={REPO} exec {sys.executable} -m vllm_overlay.cli"
+    path = shim_path(tmp_path / "overlay-bin", "vllm-overlay", command)
+    monkeypatch.setenv("PATH", path)
 
 
 def start_foreign(config: RunConfig, run_id: str, who: str, what: str) -> str:

@@ -261,14 +261,7 @@ def test_a_slurm_run_hands_the_token_to_the_containers_and_removes_it(
 
 @pytest.fixture(scope="module")
 def local_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from tests.e2e.slurmcluster import LocalSlurm, ensure_installed
+    from tests.e2e.slurmcluster import running_slurm
 
-    why = ensure_installed()
-    if why:
-        pytest.skip(f"no Slurm here: {why}")
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=2)
-    try:
-        cluster.start()
+    with running_slurm(tmp_path_factory.mktemp("slurm"), nodes=2) as cluster:
         yield cluster
-    finally:
-        cluster.stop()

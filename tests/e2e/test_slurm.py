@@ -11,15 +11,19 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.e2e.conftest import EXAMPLE, LOOPBACK, SERIES, loopback_config
-from tests.e2e.slurmcluster import LocalSlurm, ensure_installed
+from tests.e2e.conftest import (
+    EXAMPLE,
+    LOOPBACK,
+    SERIES,
+    loopback_config,
+    standin_nics,
+)
+from tests.e2e.slurmcluster import LocalSlurm, running_slurm
 from vllm_overlay.e2e.config import RunConfig, Slurm
 from vllm_overlay.e2e.report import read_report
 from vllm_overlay.e2e.runner import run
 from vllm_overlay.e2e.servers import HOST_IP, ROUTER_IP
 from vllm_overlay.e2e.slurm import SlurmJob, bash_line
-
-PER_TOKEN = 1152  # KV bytes a token, a multiple of the counter's 4-byte word
 
 
 def slurm_config(
@@ -78,15 +82,8 @@ def test_job_maps_ranks_to_servers(tokenizer_json: Path, tmp_path: Path) -> None
 
 @pytest.fixture(scope="module")
 def local_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
-    why = ensure_installed()
-    if why:
-        pytest.skip(f"no Slurm here: {why}")
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=3)
-    try:
-        cluster.start()
+    with running_slurm(tmp_path_factory.mktemp("slurm"), nodes=3) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_two_prefill_one_decode_through_a_real_slurm(
@@ -97,13 +94,7 @@ def test_two_prefill_one_decode_through_a_real_slurm(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))
-    nic_dir = tmp_path / "sys-class-infiniband"
-    monkeypatch.setenv("STANDIN_NIC_DIR", str(nic_dir))
-    monkeypatch.setenv("STANDIN_NIC_BYTES_PER_TOKEN", str(PER_TOKEN))
-    config = slurm_config(
-        tokenizer_json, nic__counters_root=str(nic_dir),
-        model__kv_bytes_per_token=PER_TOKEN,
-    )  # fmt: skip
+    config = slurm_config(tokenizer_json, **standin_nics(tmp_path, monkeypatch))
     lines: list[str] = []
     report = run(
         config, tmp_path / "run", SERIES, say=lines.append, launcher_kind="slurm"

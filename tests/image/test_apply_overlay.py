@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from tests.image.conftest import ENGINE, REPO
+from tests.image.dockerfile import DOCKERFILE, instructions
 from vllm_overlay.image.build import IMAGE_REPO
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.series.pin import PIN_FILE, Pin
@@ -21,7 +22,6 @@ from vllm_overlay.tree.manifest import MANIFEST_NAME, Manifest
 from vllm_overlay.tree.materialize import materialize
 
 SCRIPT = REPO / "docker" / "apply-overlay.sh"
-DOCKERFILE = REPO / "docker" / "Dockerfile"
 
 
 def run_script(
@@ -99,24 +99,13 @@ def test_script_fails_when_the_series_overlays_nothing(
     assert "status: base" in result.stdout
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    text = DOCKERFILE.read_text().replace("\\\n", " ")
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
-
-
 def test_dockerfile_runs_this_script_on_the_images_vllm() -> None:
-    instructions = dockerfile_instructions()
-    copies = [rest.split() for word, rest in instructions if word == "COPY"]
+    found = instructions()
+    copies = [rest.split() for word, rest in found if word == "COPY"]
     assert ["docker/apply-overlay.sh", f"{IMAGE_REPO}/docker/"] in copies
     assert ["patches", f"{IMAGE_REPO}/patches"] in copies
     assert [PIN_FILE, f"{IMAGE_REPO}/"] in copies
-    runs = [rest for word, rest in instructions if word == "RUN"]
+    runs = [rest for word, rest in found if word == "RUN"]
     calls = [r for r in runs if "apply-overlay.sh" in r]
     assert len(calls) == 1
     # Invoked with no TARGET: the image's own vllm, as tested above; then
@@ -130,13 +119,13 @@ def test_dockerfile_runs_this_script_on_the_images_vllm() -> None:
     )
     assert "TARGET=" not in calls[0]
     # The base's working directory (/app in vllm/vllm-openai-rocm) stays.
-    assert not [rest for word, rest in instructions if word == "WORKDIR"]
+    assert not [rest for word, rest in found if word == "WORKDIR"]
 
 
 def test_the_context_holds_what_the_dockerfile_copies() -> None:
     sources = {
         src
-        for word, rest in dockerfile_instructions()
+        for word, rest in instructions()
         if word == "COPY"
         for src in rest.split()[:-1]
     }
@@ -149,9 +138,7 @@ def test_the_context_holds_what_the_dockerfile_copies() -> None:
 
 
 def test_dockerfile_base_image_is_the_pin(pin: Pin) -> None:
-    arg = next(
-        r for w, r in dockerfile_instructions() if w == "ARG" and "BASE_IMAGE=" in r
-    )
+    arg = next(r for w, r in instructions() if w == "ARG" and "BASE_IMAGE=" in r)
     assert arg == f"BASE_IMAGE={pin.image.reference}"
 
 

@@ -9,25 +9,14 @@ import shlex
 from pathlib import Path
 
 from tests.image.conftest import REPO
+from tests.image.dockerfile import instructions
 from vllm_overlay.e2e.config import IMAGE_UID, RENDER_GID, UNPRIVILEGED_FLAGS
 from vllm_overlay.image.build import IMAGE_REPO
 
-DOCKERFILE = REPO / "docker" / "Dockerfile"
 REQUIREMENT = re.compile(
     r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!-]+)"
     r"(?P<hashes>(\s+--hash=sha256:[0-9a-f]{64})+)"
 )
-
-
-def instructions() -> list[tuple[str, str]]:
-    text = DOCKERFILE.read_text().replace("\\\n", " ")
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
 
 
 def requirement_lines(path: Path) -> list[str]:
