@@ -1,8 +1,9 @@
 """The gate's phases and their seconds, for `nox -s bench -- suite`.
 
-Standard library only: the noxfile records each phase of `nox -s lint
-unit-base` (lint, overlay, base, levels, revert-red, export, bytes) in
-``.nox-reports/gate-phases.json``, one `nox` run's phases only;
+Standard library only: `nox -s lint` records its phase and `vllm-overlay
+gate` (`nox -s unit-base`) each of its own (overlay, base, levels,
+revert-red, export, bytes) in ``.nox-reports/gate-phases.json``, one `nox`
+run's phases only;
 benchmarks/suite.py reads it back (validated).
 """
 
