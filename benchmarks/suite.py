@@ -6,8 +6,9 @@ The phases (``.nox-reports/gate-phases.json``, written by `nox -s lint`
 and `vllm-overlay gate`): lint, the suite with the overlay, what can
 differ on the base, the stack levels, revert-red, the export and the byte
 sweep. The slowest tests: from the JUnit XML of the overlay and base runs
-(``.nox-reports/suite-*/times.json``), setup, call and teardown together, so a slow session fixture shows on the test that
-set it up. Without a record of a gate run it says so (exit status 0).
+(``.nox-reports/suite-*/times.json``), setup, call and teardown together,
+so a slow session fixture shows on the test that set it up. Without a
+record of a gate run it says so (exit status 0).
 
 Usage: python benchmarks/suite.py [--top N] [--reports DIR]
 """
