@@ -1,12 +1,14 @@
 """`nox -s lint` on the overlaid vLLM files: ruff and mypy with vLLM's
 settings, inside the pinned wheel's vLLM.
 
-The files are the series' (`Series.touched_paths`), materialized from the
-pinned wheel. The noxfile imports this module; nothing in the package does.
+The files are the series' (`Series.touched_paths`, from `vllm-overlay
+series check --json`), materialized from the pinned wheel. The noxfile
+imports this module; nothing in the package does.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import zipfile
@@ -33,13 +35,21 @@ from vllm_overlay.mypybase import (
     parse_errors,
     settings_sha256,
 )
-from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.text import count
 
 
-def overlaid_files() -> list[str]:
-    """The vLLM files the series changes."""
-    return load_series(ROOT).touched_paths()
+def series_check(session: nox.Session) -> list[str]:
+    """`vllm-overlay series check` in the lint session's environment (nox's
+    own has no msgspec); the vLLM files the series changes, as the series
+    model lists them (`Series.touched_paths`)."""
+    out = session.run("vllm-overlay", "series", "check", "--json", silent=True)
+    text = str(out)  # nox merges stderr in: the object starts a line
+    result = json.loads(
+        text[text.index("{") if text.startswith("{") else text.index("\n{") :]
+    )
+    patches = count(len(result["patches"]), "patch", "patches")
+    session.log(f"series check: ok, {patches}, series {result['series_id']}")
+    return list(result["files"])
 
 
 MYPY_VLLM_CONFIG = ROOT / "ci" / "mypy-vllm.toml"
@@ -140,12 +150,11 @@ def lint_impl(session: nox.Session) -> None:
     typecheck_impl(session)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    session.run("vllm-overlay", "series", "check")
+    touched = series_check(session)
     out = CACHE / "overlaid"
     shutil.rmtree(out, ignore_errors=True)
     wheel = pinned_wheel(session, Path(session.bin) / "python")
     session.run("vllm-overlay", "materialize", "--wheel", str(wheel), "--out", str(out))
-    touched = overlaid_files()
     config = ("--config", str(ROOT / "ci" / "ruff-vllm.toml"))
     if touched:
         files = [str(out / path) for path in touched]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -10,6 +11,7 @@ from unittest import mock
 import pytest
 
 from tests.repo import REPO
+from vllm_overlay.cli import main as cli_main
 from vllm_overlay.mypybase import (
     MypyError,
     base_key,
@@ -18,6 +20,7 @@ from vllm_overlay.mypybase import (
     settings_sha256,
 )
 from vllm_overlay.mypybasecache import BaseErrors, CachedError, lookup, main, store
+from vllm_overlay.series.patch_series import load_series
 
 CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
 REPORT = (
@@ -134,13 +137,18 @@ def _noxlint() -> ModuleType:
     return noxlint
 
 
-def test_a_clone_finds_the_pinned_base_errors_committed() -> None:
+def test_a_clone_finds_the_pinned_base_errors_committed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """`nox -s lint` runs mypy on the overlaid files only: the pinned base's
     errors for this checkout's wheel, mypy and settings are in
     ci/mypy-base-errors/ (lint writes a missing entry to
     .nox-cache/mypy-base-errors/ and says how to commit it)."""
     nox_module = _noxlint()
-    touched = nox_module.overlaid_files()
+    # The files lint checks: `series check --json` lists them.
+    assert cli_main(["--repo", str(REPO), "series", "check", "--json"]) == 0
+    touched = json.loads(capsys.readouterr().out)["files"]
+    assert touched == load_series(REPO).touched_paths()
     key = base_key(*nox_module.mypy_base_inputs(touched))
     found, line = lookup([REPO / "ci" / "mypy-base-errors"], key)
     assert found is not None, line

@@ -11,6 +11,8 @@ from unittest import mock
 
 import pytest
 
+from tests.repo import REPO
+
 
 @pytest.fixture
 def noxenv() -> Iterator[ModuleType]:
@@ -44,3 +46,28 @@ def test_bench_runs_every_script_or_the_one_named(noxenv: ModuleType) -> None:
     with pytest.raises(SystemExit):
         noxenv.benchmarks(session)
     assert "'nothing' is not one of" in session.error.call_args.args[0]
+
+
+def test_lint_checks_the_files_series_check_lists(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`nox -s lint` takes the overlaid files from `series check --json`,
+    run in its own environment (nox's has no msgspec), a line nox merged in
+    from stderr before it or not."""
+    from vllm_overlay.cli import main
+    from vllm_overlay.series.patch_series import load_series
+
+    assert main(["--repo", str(REPO), "series", "check", "--json"]) == 0
+    out = capsys.readouterr().out
+    with mock.patch.dict(sys.modules, {"nox": mock.MagicMock()}):
+        for name in ("ci.noxlint", "ci.noxenv"):
+            sys.modules.pop(name, None)
+        from ci import noxlint
+    for text in (out, "a warning on stderr\n" + out):
+        session = mock.MagicMock()
+        session.run.return_value = text
+        assert noxlint.series_check(session) == load_series(REPO).touched_paths()
+        assert session.run.call_args.args[:3] == ("vllm-overlay", "series", "check")
+    series = load_series(REPO)
+    said = f"series check: ok, {len(series.patches)} patches, series {series.series_id}"
+    assert session.log.call_args.args[0] == said

@@ -41,7 +41,9 @@ def cmd_series_check(app: App, args: argparse.Namespace) -> int:
         f"series check: ok, {count(len(series.patches), 'patch', 'patches')}, "
         f"series {series.series_id}"
     )
-    app.result({"ok": True, "series_id": series.series_id, "patches": series.names})
+    result = {"series_id": series.series_id, "patches": series.names}
+    # The vLLM files the series changes: `nox -s lint` checks them.
+    app.result({"ok": True, **result, "files": series.touched_paths()})
     return 0
 
 
