@@ -4,6 +4,8 @@ line is a whole sentence, never one cut off mid-way."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 
 from tests.repo import REPO
 
@@ -34,3 +36,24 @@ def test_each_session_is_listed_by_a_whole_sentence() -> None:
         assert len(lines) == 1 or not lines[1].strip(), (
             f"{name}: the sentence `nox -l` shows goes on past {first!r}"
         )
+
+
+def test_the_noxfile_imports_with_the_standard_library_alone() -> None:
+    """nox's own environment holds nox and nothing else: the noxfile, and
+    what it imports of ci/ and the package, import with the standard
+    library alone (`python -S`: no site-packages; nox a stand-in)."""
+    code = (
+        "import sys; from unittest import mock; sys.path.insert(0, '.'); "
+        "sys.modules['nox'] = mock.MagicMock(); import noxfile; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('msgspec', 'tomli_w', 'vllm')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
