@@ -12,9 +12,8 @@ import pytest
 from tests.repo import REPO
 from tests.workspace import header, make_diff
 from vllm_overlay.series.patch_series import Series, load_series
-from vllm_overlay.series.pin import MODULE_DIR, PIN_FILE, Pin, load_pin
-from vllm_overlay.tree.materialize import base_from_target, materialize
-from vllm_overlay.tree.target import detect_target, installed_vllm
+from vllm_overlay.series.pin import MODULE_DIR, PIN_FILE
+from vllm_overlay.tree.materialize import materialize
 
 # Real image builds (root, a container engine, Debian's and PyPI's packages)
 # run in `nox -s image-standin`, which sets this; not in the CPU suite.
@@ -25,14 +24,10 @@ ENGINE = f"{MODULE}/moriio_engine.py"
 COMMON = f"{MODULE}/moriio_common.py"
 
 
-@pytest.fixture(scope="module")
-def pin() -> Pin:
-    return load_pin(REPO / PIN_FILE)
-
-
-@pytest.fixture(scope="module")
-def bases(pin: Pin) -> dict[str, str]:
-    return base_from_target(detect_target(installed_vllm()), pin, load_series(REPO))
+@pytest.fixture
+def bases(base_texts: dict[str, str]) -> dict[str, str]:
+    """The pinned base files (tests/conftest.py's ``base_texts``)."""
+    return base_texts
 
 
 @pytest.fixture
