@@ -123,7 +123,9 @@ def test_mode_line_only_for_moriio() -> None:
     assert text.startswith("vllm-moriio-overlay: cannot tell the MoRIIO mode:")
 
 
-@pytest.mark.parametrize(("extra", "mode"), [({}, "WRITE"), ({"read_mode": True}, "READ")])
+@pytest.mark.parametrize(
+    ("extra", "mode"), [({}, "WRITE"), ({"read_mode": True}, "READ")]
+)
 def test_vllm_plugin_loader_logs_the_mode(extra: dict[str, object], mode: str) -> None:
     """Through vLLM's own plugin loading, in a process whose command line
     configures MoRIIO (as `vllm serve`'s does), the banner names the mode."""
