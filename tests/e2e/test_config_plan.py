@@ -275,10 +275,11 @@ BAD = {
     "bad type": (TP, TP.replace("8", '"eight"', 1), "Expected `int`"),
     "dcp": (TP, TP.replace("\n", "\ndcp = 3\n"), "multiple of dcp"),
     "backend": (
-        "[checks]",
-        '[moriio]\nbackend = "tcp"\n[checks]',
+        'mode = "read"',
+        'mode = "read"\nbackend = "tcp"',
         "must be 'rdma' or 'xgmi'",
     ),
+    "mode": ('mode = "read"', 'mode = "pull"', "moriio.mode"),
     "env name": ('HF_HUB_OFFLINE = "1"', '"HF HUB" = "1"', "in `$.container.env`"),
     "pull": (SHM, f'{SHM}\npull = "sometimes"', "`$.container.pull`"),
     "front end": (

@@ -25,8 +25,14 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
 )
 
-from tests.e2e.conftest import LLAMA_TP8
-from vllm_overlay.e2e.config import RunConfig, Speculative
+from tests.e2e.conftest import EXAMPLES, LLAMA_TP8
+from vllm_overlay.e2e.config import (
+    ConfigError,
+    RunConfig,
+    Speculative,
+    decode_config,
+    load_config,
+)
 from vllm_overlay.e2e.servers import Server, serve_command, servers
 
 
@@ -187,3 +193,46 @@ def test_lookahead_slots_agree_with_vllm(method: str, tokens: int) -> None:
     object.__setattr__(holder, "diffusion_config", None)
     ours = Speculative(method, tokens).lookahead_slots()
     assert ours == VllmConfig.num_lookahead_tokens.fget(holder)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("read", moriio_common.MoRIIOMode.READ),
+        ("write", moriio_common.MoRIIOMode.WRITE),
+    ],
+)
+def test_serve_line_names_the_configured_mode(
+    local_example: RunConfig,
+    mode: str,
+    expected: moriio_common.MoRIIOMode,
+) -> None:
+    """`moriio.mode` reaches every server as an explicit `read_mode`, which
+    vLLM's MoRIIO reads (WRITE when it is unset, so it is always sent)."""
+    config = msgspec.structs.replace(
+        local_example, moriio=msgspec.structs.replace(local_example.moriio, mode=mode)
+    )
+    for role in ("prefill", "decode"):
+        vllm_config = engine_config(serve_lines(config)[role])
+        kv = vllm_config.kv_transfer_config
+        assert kv is not None
+        assert kv.kv_connector_extra_config["read_mode"] is (mode == "read")
+        assert moriio_common.get_moriio_mode(kv) == expected
+
+
+@pytest.mark.parametrize(
+    "moriio", ['mode = "READ"', 'mode = "push"', "read_mode = true"]
+)
+def test_config_refuses_an_unknown_mode(moriio: str) -> None:
+    text = (EXAMPLES / "llama-smoke.toml").read_text()
+    text = text.replace('mode = "read"', moriio, 1)
+    with pytest.raises(ConfigError, match=r"moriio"):
+        decode_config(text, "llama-smoke.toml")
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.stem)
+def test_examples_name_the_mode(path: Path) -> None:
+    """Every example says which mode it runs, not vLLM's default."""
+    raw = msgspec.toml.decode(path.read_bytes())
+    assert raw["moriio"]["mode"] in ("read", "write")
+    assert load_config(path).moriio.mode == raw["moriio"]["mode"]

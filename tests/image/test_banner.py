@@ -3,10 +3,13 @@ and checked against the files."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.image.conftest import COMMON
 from vllm_overlay import cpuplatform
@@ -15,6 +18,7 @@ from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import Pin
 from vllm_overlay.tree.apply import apply_series
 from vllm_overlay.tree.banner import installed_version, overlay_line
+from vllm_overlay.tree.moriio_mode import mode_line
 from vllm_overlay.tree.target import detect_target, installed_vllm
 
 
@@ -78,3 +82,68 @@ def test_vllm_plugin_loader_logs_the_banner() -> None:
     _, expected = overlay_line(installed_vllm(), installed_version())
     out = result.stdout + result.stderr
     assert expected in out, out[-2000:]
+
+
+def _kv(extra: dict[str, object], connector: str = "MoRIIOConnector") -> str:
+    return json.dumps({"kv_connector": connector, "kv_connector_extra_config": extra})
+
+
+@pytest.mark.parametrize(
+    ("extra", "mode"),
+    [
+        ({}, "MoRIIO mode WRITE (read_mode unset: vLLM's default)"),
+        ({"read_mode": True}, "MoRIIO mode READ (read_mode True)"),
+        ({"read_mode": "1"}, "MoRIIO mode READ (read_mode '1')"),
+        ({"read_mode": False}, "MoRIIO mode WRITE (read_mode False)"),
+        ({"read_mode": "yes"}, "MoRIIO mode WRITE (read_mode 'yes')"),
+    ],
+)
+def test_mode_line_says_what_moriio_runs(extra: dict[str, object], mode: str) -> None:
+    for argv in (
+        ["vllm", "serve", "m", "--kv-transfer-config", _kv(extra)],
+        ["vllm", "serve", "m", f"--kv-transfer-config={_kv(extra)}"],
+    ):
+        assert mode_line(argv, {}) == (logging.INFO, f"vllm-moriio-overlay: {mode}")
+
+
+def test_mode_line_warns_of_the_ignored_environment_switch() -> None:
+    argv = ["vllm", "serve", "m", "--kv-transfer-config", _kv({})]
+    level, text = mode_line(argv, {"VLLM_MORIIO_CONNECTOR_READ_MODE": "1"}) or (0, "")
+    assert level == logging.WARNING
+    assert "MoRIIO mode WRITE" in text
+    assert "VLLM_MORIIO_CONNECTOR_READ_MODE is set and ignored by vLLM" in text
+
+
+def test_mode_line_only_for_moriio() -> None:
+    assert mode_line(["vllm", "serve", "m"], {}) is None
+    argv = ["vllm", "serve", "m", "--kv-transfer-config", _kv({}, "NixlConnector")]
+    assert mode_line(argv, {}) is None
+    level, text = mode_line(["--kv-transfer-config", "{oops"], {}) or (0, "")
+    assert level == logging.WARNING
+    assert text.startswith("vllm-moriio-overlay: cannot tell the MoRIIO mode:")
+
+
+@pytest.mark.parametrize(
+    ("extra", "mode"), [({}, "WRITE"), ({"read_mode": True}, "READ")]
+)
+def test_vllm_plugin_loader_logs_the_mode(extra: dict[str, object], mode: str) -> None:
+    """Through vLLM's own plugin loading, in a process whose command line
+    configures MoRIIO (as `vllm serve`'s does), the banner names the mode."""
+    code = (
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "configure_logging(LoggingConfig())\n"
+        "load_general_plugins()\n"
+    )
+    env = {**cpuplatform.cpu_environ(), "VLLM_LOGGING_LEVEL": "INFO"}
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--kv-transfer-config", _kv(extra)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    assert f"vllm-moriio-overlay: MoRIIO mode {mode}" in out, out[-2000:]

@@ -7,8 +7,9 @@ the prompt until its connector metadata carries the blocks it saves. The
 prefiller's ``MoRIIOWrapper`` takes the captured message as its notify
 listener does, and ``MoRIIOWriter._prepare_transfer_plan`` plans one layer's
 write against a worker stand-in that records the block pairs it is asked to
-copy (the offsets are vLLM's layout arithmetic, tested elsewhere). Forward
-passes are not modelled.
+copy (the offsets are vLLM's layout arithmetic, tested elsewhere): every
+attention layer's pages and, with state (Mamba/KDA) groups, every state
+layer's running slot. Forward passes are not modelled.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import KVCacheSpec
+from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
 from tests.patches.builders import (
     make_kv_cache_config,
@@ -46,12 +47,16 @@ def build_write_scheduler(
     block_size: int,
     num_blocks: int,
 ) -> Scheduler:
-    """A real ``Scheduler`` (prefix caching on) with MoRIIO in WRITE mode."""
+    """A real ``Scheduler`` (prefix caching on) with MoRIIO in WRITE mode;
+    state groups cache a state per block ("align" mode), so a decoder hit
+    holds its state."""
     vllm_config = make_vllm_config(
         model_dir,
         moriio_kv_transfer_config(kv_role, read_mode=False),
         block_size=block_size,
     )
+    if any(isinstance(spec, MambaSpec) for _, spec in groups):
+        vllm_config.cache_config.mamba_cache_mode = "align"
     kv_cache_config = make_kv_cache_config(groups, num_blocks)
     kv_cache_config.hash_block_size = block_size
     kv_cache_config.cache_hit_alignment_tokens = block_size
@@ -71,20 +76,40 @@ class _Socket:
 
 
 class _Worker:
-    """What ``_prepare_transfer_plan`` asks of the prefiller's worker."""
+    """What the writer's layer planners ask of the prefiller's worker."""
 
-    def __init__(self) -> None:
-        self.kv_caches = {LAYER: torch.zeros(2, 4, 1)}
-        self.layer_to_group = {LAYER: 0}
-        self._has_mamba = False
+    def __init__(self, layers: dict[str, int], state_layers: set[str]) -> None:
+        self.kv_caches = {name: torch.zeros(2, 4, 1) for name in layers}
+        self.layer_to_group = dict(layers)
+        self._state_layers = state_layers
+        self._has_mamba = bool(state_layers)
         self.moriio_config = type("C", (), {"defer_timeout": 1.0})()
-        self.pairs: list[tuple[int, int]] = []
+        self.pairs: dict[str, list[tuple[int, int]]] = {}
 
     def _check_peer_block_size(self, layer_name: str, meta: Any) -> None:
         pass
 
+    def _is_mamba_layer(self, layer_name: str) -> bool:
+        return layer_name in self._state_layers
+
     def _region_session_indices(self, layer_name: str) -> list[int]:
-        return [0]
+        return [0, 1] if self._is_mamba_layer(layer_name) else [0]
+
+    def _mamba_blocks_for_layer(
+        self, layer_name: str, block_groups: Sequence[Sequence[int]]
+    ) -> list[int]:
+        # WRITE lists are in transfer-group order on both legs.
+        return list(block_groups[self.layer_to_group[layer_name]])
+
+    def _compute_mamba_transfer_offsets(
+        self,
+        layer_name: str,
+        local_slots: list[int],
+        remote_slots: list[int],
+        remote_tp_size: int | None = None,
+    ) -> tuple[list[int], list[int], list[int], int]:
+        self.pairs[layer_name] = list(zip(local_slots, remote_slots, strict=True))
+        return [], [], [], 0
 
     def _compute_block_transfer_offsets(
         self,
@@ -95,7 +120,9 @@ class _Worker:
         remote_engine_id: Any = None,
     ) -> tuple[list[int], list[int], list[int]]:
         # vLLM's layout pairs the lists by index and stops at the shorter.
-        self.pairs = list(zip(local_block_ids, remote_block_ids, strict=False))
+        self.pairs[layer_name] = list(
+            zip(local_block_ids, remote_block_ids, strict=False)
+        )
         return [], [], []
 
 
@@ -109,13 +136,20 @@ class Write:
     decode_table: list[int]
     message: dict[str, Any]
     pairs: list[tuple[int, int]]
-    """(prefill block, decode block) for every page the prefiller writes."""
+    """(prefill block, decode block) for every page the prefiller writes
+    (the first layer's)."""
+    prefill_tables: list[list[int]] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    pairs_by_layer: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass
 class WritePair:
     legs: SchedulerPair
     sent: list[dict[str, Any]] = field(default_factory=list)
+    layers: dict[str, int] = field(default_factory=lambda: {LAYER: 0})
+    """Each layer the prefiller writes and its transfer group."""
+    state_layers: set[str] = field(default_factory=set)
     counter: Iterator[int] = field(default_factory=itertools.count)
 
     def write(
@@ -150,18 +184,27 @@ class WritePair:
         self.sent.clear()
         legs._finish_step(legs.decode, legs.decode.schedule())
         (sent,) = self.sent
-        decode_table = list(legs.decode.kv_cache_manager.get_block_ids(request_id)[0])
+        decode_tables = [
+            list(group)
+            for group in legs.decode.kv_cache_manager.get_block_ids(request_id)
+        ]
 
         prefill_params = {**params, "do_remote_decode": True}
         legs.prefill.add_request(legs._request(request_id, tokens, prefill_params))
         saved = None
-        while saved is None:
-            output = legs.prefill.schedule()
-            saved = output.kv_connector_metadata.reqs_to_save.get(request_id)
-            prefill_table = list(
-                legs.prefill.kv_cache_manager.get_block_ids(request_id)[0]
-            )
-            legs._finish_step(legs.prefill, output)
+        # The connector's role is one per process (the last leg built): the
+        # prefiller finds its final chunk of a split prompt only as producer.
+        with _role(moriio_common, moriio_common.ROLE.PRODUCER):
+            while saved is None:
+                output = legs.prefill.schedule()
+                saved = output.kv_connector_metadata.reqs_to_save.get(request_id)
+                prefill_tables = [
+                    list(group)
+                    for group in legs.prefill.kv_cache_manager.get_block_ids(
+                        request_id
+                    )
+                ]
+                legs._finish_step(legs.prefill, output)
 
         delivered = copy.deepcopy(sent)
         if message is not None:
@@ -170,28 +213,37 @@ class WritePair:
             wrapper = moriio_engine.MoRIIOWrapper()
             wrapper._handle_message(msgpack.dumps(delivered))
             info = wrapper.done_remote_allocate_req_dict[delivered["transfer_id"]]
-            worker = _Worker()
+            worker = _Worker(self.layers, self.state_layers)
             writer = moriio_engine.MoRIIOWriter(worker)  # type: ignore[arg-type]
-            task = type(
-                "Task",
-                (),
-                {
-                    "request_id": request_id,
-                    "transfer_id": delivered["transfer_id"],
-                    "dst_engine_id": "decode",
-                    "local_block_ids": [list(g) for g in saved.local_block_ids],
-                    "layer_name": LAYER,
-                    "tp_mapping": None,
-                },
-            )()
-            writer._prepare_transfer_plan(task, info, None)  # type: ignore[arg-type]
+            for layer_name in self.layers:
+                task = type(
+                    "Task",
+                    (),
+                    {
+                        "request_id": request_id,
+                        "transfer_id": delivered["transfer_id"],
+                        "dst_engine_id": "decode",
+                        "local_block_ids": [list(g) for g in saved.local_block_ids],
+                        "layer_name": layer_name,
+                        "tp_mapping": None,
+                        "remote_tp_size": 1,
+                    },
+                )()
+                if layer_name in self.state_layers:
+                    writer._prepare_mamba_transfer_plans(task, info)  # type: ignore[arg-type]
+                else:
+                    writer._prepare_transfer_plan(task, info, None)  # type: ignore[arg-type]
+        first_layer = next(iter(self.layers))
         return Write(
             num_prompt_tokens=len(tokens),
             decode_hit_tokens=decode_hit_tokens,
-            prefill_table=prefill_table,
-            decode_table=decode_table,
+            prefill_table=prefill_tables[0],
+            decode_table=decode_tables[0],
             message=sent,
-            pairs=worker.pairs,
+            pairs=worker.pairs.get(first_layer, []),
+            prefill_tables=prefill_tables,
+            decode_tables=decode_tables,
+            pairs_by_layer=worker.pairs,
         )
 
 
@@ -220,6 +272,15 @@ def build_write_pair(
         build_write_scheduler(model_dir, role, groups, block_size, num_blocks)
         for role in ("kv_producer", "kv_consumer")
     ]
-    pair = WritePair(SchedulerPair(legs[0], legs[1], block_size))
+    pair = WritePair(
+        SchedulerPair(legs[0], legs[1], block_size),
+        layers={name: g for g, (names, _) in enumerate(groups) for name in names},
+        state_layers={
+            name
+            for names, spec in groups
+            if isinstance(spec, MambaSpec)
+            for name in names
+        },
+    )
     monkeypatch.setattr(mc, "make_zmq_socket", lambda **kw: _Socket(pair.sent))
     return pair

@@ -376,10 +376,16 @@ class Router(msgspec.Struct, forbid_unknown_fields=True):
             )
 
 
+TransferMode = Literal["read", "write"]
+
+
 class MoRIIO(msgspec.Struct, forbid_unknown_fields=True):
     """`kv_connector_extra_config` beyond the per-server ports."""
 
-    read_mode: bool = True
+    # The transfer mode every server runs, sent as `read_mode` (vLLM runs
+    # WRITE without it); vLLM ignores the VLLM_MORIIO_CONNECTOR_READ_MODE
+    # environment variable.
+    mode: TransferMode = "read"
     backend: str = "rdma"
     qp_per_transfer: Positive | None = None
     post_batch_size: int | None = None

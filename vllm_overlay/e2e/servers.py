@@ -145,7 +145,8 @@ def router_address(config: RunConfig) -> str:
 
 
 def kv_transfer_config(config: RunConfig, server: Server) -> str:
-    """The `--kv-transfer-config` JSON of one server (MoRIIO READ)."""
+    """The `--kv-transfer-config` JSON of one server (MoRIIO in the
+    configured mode, named explicitly)."""
     m = config.moriio
     extra: dict[str, object] = {
         "proxy_ip": router_address(config),
@@ -154,7 +155,7 @@ def kv_transfer_config(config: RunConfig, server: Server) -> str:
         "handshake_port": server.handshake_port,
         "notify_port": server.notify_port,
         "host_ip": server.address,
-        "read_mode": m.read_mode,
+        "read_mode": m.mode == "read",
         "backend": m.backend,
     }
     optional = {

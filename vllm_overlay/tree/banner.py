@@ -6,17 +6,25 @@ next to the MoRIIO files, checks the files still match it, and logs one line
 through vLLM's own logger, so a server log proves what ran:
 
     vllm-moriio-overlay: series <id> (<patch ids>) on vLLM <version>
+
+and, in a process whose command line configures MoRIIO (`vllm serve`'s
+own; the config is not built yet when plugins load), the transfer mode:
+
+    vllm-moriio-overlay: MoRIIO mode WRITE (read_mode unset: vLLM's default)
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
+import sys
 from pathlib import Path
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.series.pin import MODULE_DIR, sha256_file
 from vllm_overlay.tree.manifest import MANIFEST_NAME, read_manifest
+from vllm_overlay.tree.moriio_mode import mode_line
 from vllm_overlay.tree.target import installed_vllm
 
 # A child of vLLM's "vllm" logger, so vLLM's handler and format apply.
@@ -62,3 +70,6 @@ def log_overlay() -> None:
     except (OSError, OverlayError) as e:
         level, text = logging.WARNING, f"vllm-moriio-overlay: cannot tell: {e}"
     logger.log(level, "%s", text)
+    mode = mode_line(sys.argv, os.environ)
+    if mode is not None:
+        logger.log(mode[0], "%s", mode[1])
