@@ -45,13 +45,18 @@ def build_write_scheduler(
     groups: Sequence[tuple[list[str], KVCacheSpec]],
     block_size: int,
     num_blocks: int,
+    disable_hma: bool = False,
 ) -> Scheduler:
-    """A real ``Scheduler`` (prefix caching on) with MoRIIO in WRITE mode."""
+    """A real ``Scheduler`` (prefix caching on) with MoRIIO in WRITE mode; a
+    failed load is recomputed (``kv_load_failure_policy``)."""
     vllm_config = make_vllm_config(
         model_dir,
         moriio_kv_transfer_config(kv_role, read_mode=False),
         block_size=block_size,
+        disable_hybrid_kv_cache_manager=disable_hma,
     )
+    assert vllm_config.kv_transfer_config is not None
+    vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
     kv_cache_config = make_kv_cache_config(groups, num_blocks)
     kv_cache_config.hash_block_size = block_size
     kv_cache_config.cache_hit_alignment_tokens = block_size
@@ -71,20 +76,32 @@ class _Socket:
 
 
 class _Worker:
-    """What ``_prepare_transfer_plan`` asks of the prefiller's worker."""
+    """What ``MoRIIOWriter._execute_write_task`` asks of the prefiller's
+    worker, one layer per KV cache group."""
 
-    def __init__(self) -> None:
-        self.kv_caches = {LAYER: torch.zeros(2, 4, 1)}
-        self.layer_to_group = {LAYER: 0}
+    def __init__(self, layers: Sequence[str], wrapper: Any) -> None:
+        self.kv_caches = {layer: torch.zeros(2, 4, 1) for layer in layers}
+        self.layer_to_group = {layer: g for g, layer in enumerate(layers)}
         self._has_mamba = False
         self.moriio_config = type("C", (), {"defer_timeout": 1.0})()
-        self.pairs: list[tuple[int, int]] = []
+        self.moriio_wrapper = wrapper
+        self.tp_rank = 0
+        self.pairs: dict[str, list[tuple[int, int]]] = {}
 
     def _check_peer_block_size(self, layer_name: str, meta: Any) -> None:
         pass
 
     def _region_session_indices(self, layer_name: str) -> list[int]:
         return [0]
+
+    def _is_mamba_layer(self, layer_name: str) -> bool:
+        return False
+
+    def get_engine_name_with_dp(self, engine_name: str, dp_rank: int) -> str:
+        return f"{engine_name}_dp{dp_rank}"
+
+    def _get_built_session(self, engine_id: str) -> tuple[list[Any], Any]:
+        return [None], None
 
     def _compute_block_transfer_offsets(
         self,
@@ -95,8 +112,15 @@ class _Worker:
         remote_engine_id: Any = None,
     ) -> tuple[list[int], list[int], list[int]]:
         # vLLM's layout pairs the lists by index and stops at the shorter.
-        self.pairs = list(zip(local_block_ids, remote_block_ids, strict=False))
+        self.pairs[layer_name] = list(
+            zip(local_block_ids, remote_block_ids, strict=False)
+        )
         return [], [], []
+
+
+class _Event:
+    def synchronize(self) -> None:
+        pass
 
 
 @dataclass
@@ -110,6 +134,16 @@ class Write:
     message: dict[str, Any]
     pairs: list[tuple[int, int]]
     """(prefill block, decode block) for every page the prefiller writes."""
+    prefill_tables: list[list[int]] = field(default_factory=list)
+    """Every group's prefill table once its prefill finished: the blocks it
+    holds while the write is in flight (null block: 0)."""
+    decode_tables: list[list[int]] = field(default_factory=list)
+    group_pairs: list[list[tuple[int, int]]] = field(default_factory=list)
+    """``pairs`` of every group."""
+    notices: list[str] = field(default_factory=list)
+    """Messages the prefiller's writer sent the decoder."""
+    released: bool = False
+    """The prefiller's writer released its blocks (no write to wait for)."""
 
 
 @dataclass
@@ -150,7 +184,9 @@ class WritePair:
         self.sent.clear()
         legs._finish_step(legs.decode, legs.decode.schedule())
         (sent,) = self.sent
-        decode_table = list(legs.decode.kv_cache_manager.get_block_ids(request_id)[0])
+        decode_tables = [
+            list(g) for g in legs.decode.kv_cache_manager.get_block_ids(request_id)
+        ]
 
         prefill_params = {**params, "do_remote_decode": True}
         legs.prefill.add_request(legs._request(request_id, tokens, prefill_params))
@@ -162,36 +198,63 @@ class WritePair:
                 legs.prefill.kv_cache_manager.get_block_ids(request_id)[0]
             )
             legs._finish_step(legs.prefill, output)
+        prefill_tables = [
+            list(g) for g in legs.prefill.kv_cache_manager.get_block_ids(request_id)
+        ]
 
         delivered = copy.deepcopy(sent)
         if message is not None:
             message(delivered)
+        notices: list[str] = []
+        layers = [f"{LAYER}.{g}" if g else LAYER for g in range(len(decode_tables))]
         with _role(moriio_common, moriio_common.ROLE.PRODUCER):
             wrapper = moriio_engine.MoRIIOWrapper()
+            wrapper.send_notify = lambda transfer_id, ip, port, message_type=None, **kw: (  # type: ignore[method-assign]
+                notices.append(message_type or "")
+            )
             wrapper._handle_message(msgpack.dumps(delivered))
-            info = wrapper.done_remote_allocate_req_dict[delivered["transfer_id"]]
-            worker = _Worker()
+            worker = _Worker(layers, wrapper)
             writer = moriio_engine.MoRIIOWriter(worker)  # type: ignore[arg-type]
-            task = type(
-                "Task",
-                (),
-                {
-                    "request_id": request_id,
-                    "transfer_id": delivered["transfer_id"],
-                    "dst_engine_id": "decode",
-                    "local_block_ids": [list(g) for g in saved.local_block_ids],
-                    "layer_name": LAYER,
-                    "tp_mapping": None,
-                },
-            )()
-            writer._prepare_transfer_plan(task, info, None)  # type: ignore[arg-type]
+            for layer in layers:
+                task = type(
+                    "Task",
+                    (),
+                    {
+                        "request_id": request_id,
+                        "transfer_id": delivered["transfer_id"],
+                        "dst_engine_id": "decode",
+                        "local_block_ids": [list(g) for g in saved.local_block_ids],
+                        "write_start_blocks": getattr(
+                            saved, "write_start_blocks", None
+                        ),
+                        "layer_name": layer,
+                        "tp_mapping": None,
+                        "event": _Event(),
+                        "remote_ip": "127.0.0.1",
+                        "remote_notify_port": 2,
+                        "multi_pod_hosts": [],
+                        "remote_dp_size_local": 0,
+                    },
+                )()
+                if not wrapper._is_transfer_terminal_locked(task.transfer_id):
+                    writer._execute_write_task(task)  # type: ignore[arg-type]
+            released = any(
+                ack.transfer_id == delivered["transfer_id"]
+                for ack in wrapper.done_req_ids
+            )
+        group_pairs = [worker.pairs.get(layer, []) for layer in layers]
         return Write(
             num_prompt_tokens=len(tokens),
             decode_hit_tokens=decode_hit_tokens,
             prefill_table=prefill_table,
-            decode_table=decode_table,
+            decode_table=decode_tables[0],
             message=sent,
-            pairs=worker.pairs,
+            pairs=group_pairs[0],
+            prefill_tables=prefill_tables,
+            decode_tables=decode_tables,
+            group_pairs=group_pairs,
+            notices=notices,
+            released=released,
         )
 
 
@@ -211,13 +274,16 @@ def build_write_pair(
     block_size: int,
     monkeypatch: pytest.MonkeyPatch,
     num_blocks: int = 1024,
+    disable_hma: bool = False,
 ) -> WritePair:
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
         moriio_connector as mc,
     )
 
     legs = [
-        build_write_scheduler(model_dir, role, groups, block_size, num_blocks)
+        build_write_scheduler(
+            model_dir, role, groups, block_size, num_blocks, disable_hma
+        )
         for role in ("kv_producer", "kv_consumer")
     ]
     pair = WritePair(SchedulerPair(legs[0], legs[1], block_size))
