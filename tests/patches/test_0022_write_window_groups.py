@@ -23,7 +23,16 @@ from vllm.v1.request import RequestStatus
 
 from tests.patches.builders import full_attention_spec, sliding_window_spec
 from tests.patches.scheduler_pair_0008 import model_runner_output, prompt
-from tests.patches.write_pair import LAYER, Write, WritePair, build_write_pair
+from tests.patches.write_pair import (
+    LAYER,
+    Write,
+    WritePair,
+    _Event,
+    _role,
+    _Worker,
+    build_write_pair,
+    record_notices,
+)
 
 NULL = 0
 
@@ -183,8 +192,7 @@ def _step(
     req_ids = list(output.num_scheduled_tokens)
     sampled = [
         [7]
-        if scheduler.requests[r].num_computed_tokens
-        + output.num_scheduled_tokens[r]
+        if scheduler.requests[r].num_computed_tokens + output.num_scheduled_tokens[r]
         >= scheduler.requests[r].num_tokens
         else []
         for r in req_ids
@@ -245,14 +253,10 @@ def test_null_page_falls_back_to_local_prefill_beside_a_write(
         moriio_engine,
     )
 
-    from tests.patches.write_pair import _Event, _role, _Worker
-
     notices: list[tuple[str, str]] = []
     with _role(moriio_common, moriio_common.ROLE.PRODUCER):
         wrapper = moriio_engine.MoRIIOWrapper()
-        wrapper.send_notify = lambda transfer_id, ip, port, message_type=None, **kw: (  # type: ignore[method-assign]
-            notices.append((transfer_id, message_type or ""))
-        )
+        wrapper.send_notify = record_notices(notices, with_transfer=True)  # type: ignore[method-assign]
         worker = _Worker([LAYER], wrapper)
         writer = moriio_engine.MoRIIOWriter(worker)  # type: ignore[arg-type]
         for name, tokens in (("ok", ok), ("bad", bad)):
@@ -305,9 +309,7 @@ def test_null_page_falls_back_to_local_prefill_beside_a_write(
         return stats
 
     connector.get_kv_connector_stats = spy  # type: ignore[method-assign]
-    scheduled = _step(
-        decode, finished_recving={"ok", "bad"}, failed_recving={"bad"}
-    )
+    scheduled = _step(decode, finished_recving={"ok", "bad"}, failed_recving={"bad"})
     assert fallbacks == [1]
     seen = dict(scheduled)
     while "ok" in decode.requests or "bad" in decode.requests:

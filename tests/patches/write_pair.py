@@ -118,6 +118,19 @@ class _Worker:
         return [], [], []
 
 
+def record_notices(notices: list[Any], with_transfer: bool = False) -> Any:
+    """A ``MoRIIOWrapper.send_notify`` that records each message's type (with
+    its transfer id) instead of sending it."""
+
+    def send_notify(
+        transfer_id: str, ip: str, port: int, message_type: str | None = None, **kw: Any
+    ) -> None:
+        kind = message_type or ""
+        notices.append((transfer_id, kind) if with_transfer else kind)
+
+    return send_notify
+
+
 class _Event:
     def synchronize(self) -> None:
         pass
@@ -209,9 +222,7 @@ class WritePair:
         layers = [f"{LAYER}.{g}" if g else LAYER for g in range(len(decode_tables))]
         with _role(moriio_common, moriio_common.ROLE.PRODUCER):
             wrapper = moriio_engine.MoRIIOWrapper()
-            wrapper.send_notify = lambda transfer_id, ip, port, message_type=None, **kw: (  # type: ignore[method-assign]
-                notices.append(message_type or "")
-            )
+            wrapper.send_notify = record_notices(notices)  # type: ignore[method-assign]
             wrapper._handle_message(msgpack.dumps(delivered))
             worker = _Worker(layers, wrapper)
             writer = moriio_engine.MoRIIOWriter(worker)  # type: ignore[arg-type]
