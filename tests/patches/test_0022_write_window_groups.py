@@ -21,7 +21,15 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from tests.patches.builders import full_attention_spec, sliding_window_spec
+from tests.patches.builders import (
+    full_attention_spec,
+    kda_mamba_spec,
+    make_kv_cache_config,
+    make_scheduler_connector,
+    make_vllm_config,
+    moriio_kv_transfer_config,
+    sliding_window_spec,
+)
 from tests.patches.scheduler_pair_0008 import model_runner_output, prompt
 from tests.patches.write_pair import (
     LAYER,
@@ -321,3 +329,26 @@ def test_null_page_falls_back_to_local_prefill_beside_a_write(
         r.status != RequestStatus.WAITING_FOR_REMOTE_KVS
         for r in decode.requests.values()
     )
+
+
+@pytest.mark.parametrize("layout", ["dcp2", "mamba"])
+def test_write_refuses_window_groups_it_cannot_pair(
+    llama_model_dir: Path, layout: str
+) -> None:
+    """Guard: a window group under DCP 2, or beside a Mamba state group, is
+    refused at start in one line naming the group."""
+    vllm_config = make_vllm_config(
+        llama_model_dir,
+        moriio_kv_transfer_config("kv_producer", read_mode=False),
+        block_size=64,
+    )
+    groups = [
+        ([LAYER], full_attention_spec(64)),
+        ([f"{LAYER}.1"], sliding_window_spec(64, 128)),
+    ]
+    if layout == "dcp2":
+        vllm_config.parallel_config.decode_context_parallel_size = 2
+    else:
+        groups.append(([f"{LAYER}.2"], kda_mamba_spec(64)))
+    with pytest.raises(NotImplementedError, match="sliding-window cache groups"):
+        make_scheduler_connector(vllm_config, make_kv_cache_config(groups))
