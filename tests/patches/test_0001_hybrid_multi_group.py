@@ -367,9 +367,11 @@ def test_hybrid_without_attention_group_is_rejected(plain_vllm_configs) -> None:
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["bare", "wrapped"])
 def test_write_mode_still_rejects_sliding_window(llama_model_dir, wrapped) -> None:
+    # DCP 2: the series later serves WRITE window groups with DCP 1 only.
     config = make_vllm_config(
         llama_model_dir, moriio_kv_transfer_config("kv_producer", read_mode=False)
     )
+    config.parallel_config.decode_context_parallel_size = 2
     with pytest.raises(NotImplementedError):
         make_scheduler_connector(
             config, make_kv_cache_config(wrapped_window_groups(wrapped))

@@ -225,12 +225,15 @@ def test_read_without_the_window_start_fails_closed(
 def test_write_refuses_a_window_group_without_hma(llama_model_dir: Path) -> None:
     """A model whose layers all use one window keeps its window group with the
     hybrid KV cache manager disabled; the prefill's scheduler frees the first
-    block of the decoder's window before a WRITE push can complete."""
+    block of the decoder's window before a WRITE push can complete. (The
+    series later serves such groups in WRITE with DCP 1; under DCP 2, the
+    layout here, they stay refused.)"""
     vllm_config = make_vllm_config(
         llama_model_dir,
         moriio_kv_transfer_config("kv_producer", read_mode=False),
         disable_hybrid_kv_cache_manager=True,
     )
+    vllm_config.parallel_config.decode_context_parallel_size = 2
     kv_cache_config = make_kv_cache_config(
         [(["model.layers.0.self_attn.attn"], sliding_window_spec(16, 64))]
     )
@@ -240,13 +243,16 @@ def test_write_refuses_a_window_group_without_hma(llama_model_dir: Path) -> None
 
 @pytest.mark.parametrize("disable_hma", [False, True], ids=["hma", "no_hma"])
 def test_write_full_and_window_layers(llama_model_dir: Path, disable_hma: bool):
-    """WRITE with full and window layers: refused with HMA; without it vLLM
-    gives the window layers full-attention groups, which free nothing."""
+    """WRITE with full and window layers: refused with HMA (under DCP 2, which
+    the series never serves in WRITE); without it vLLM gives the window
+    layers full-attention groups, which free nothing."""
     vllm_config = make_vllm_config(
         llama_model_dir,
         moriio_kv_transfer_config("kv_producer", read_mode=False),
         disable_hybrid_kv_cache_manager=disable_hma,
     )
+    if not disable_hma:
+        vllm_config.parallel_config.decode_context_parallel_size = 2
     groups = _groups(16, 64)
     if disable_hma:
         # What vLLM's planner makes of these layers without HMA.

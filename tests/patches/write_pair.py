@@ -46,15 +46,20 @@ def build_write_scheduler(
     groups: Sequence[tuple[list[str], KVCacheSpec]],
     block_size: int,
     num_blocks: int,
+    disable_hma: bool = False,
 ) -> Scheduler:
-    """A real ``Scheduler`` (prefix caching on) with MoRIIO in WRITE mode;
-    state groups cache a state per block ("align" mode), so a decoder hit
-    holds its state."""
+    """A real ``Scheduler`` (prefix caching on) with MoRIIO in WRITE mode; a
+    failed load is recomputed (``kv_load_failure_policy``); state groups
+    cache a state per block ("align" mode), so a decoder hit holds its
+    state."""
     vllm_config = make_vllm_config(
         model_dir,
         moriio_kv_transfer_config(kv_role, read_mode=False),
         block_size=block_size,
+        disable_hybrid_kv_cache_manager=disable_hma,
     )
+    assert vllm_config.kv_transfer_config is not None
+    vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
     if any(isinstance(spec, MambaSpec) for _, spec in groups):
         vllm_config.cache_config.mamba_cache_mode = "align"
     kv_cache_config = make_kv_cache_config(groups, num_blocks)
@@ -76,14 +81,19 @@ class _Socket:
 
 
 class _Worker:
-    """What the writer's layer planners ask of the prefiller's worker."""
+    """What ``MoRIIOWriter._execute_write_task`` asks of the prefiller's
+    worker."""
 
-    def __init__(self, layers: dict[str, int], state_layers: set[str]) -> None:
+    def __init__(
+        self, layers: dict[str, int], state_layers: set[str], wrapper: Any
+    ) -> None:
         self.kv_caches = {name: torch.zeros(2, 4, 1) for name in layers}
         self.layer_to_group = dict(layers)
         self._state_layers = state_layers
         self._has_mamba = bool(state_layers)
         self.moriio_config = type("C", (), {"defer_timeout": 1.0})()
+        self.moriio_wrapper = wrapper
+        self.tp_rank = 0
         self.pairs: dict[str, list[tuple[int, int]]] = {}
 
     def _check_peer_block_size(self, layer_name: str, meta: Any) -> None:
@@ -111,6 +121,12 @@ class _Worker:
         self.pairs[layer_name] = list(zip(local_slots, remote_slots, strict=True))
         return [], [], [], 0
 
+    def get_engine_name_with_dp(self, engine_name: str, dp_rank: int) -> str:
+        return f"{engine_name}_dp{dp_rank}"
+
+    def _get_built_session(self, engine_id: str) -> tuple[list[Any], Any]:
+        return [None], None
+
     def _compute_block_transfer_offsets(
         self,
         layer_name: str,
@@ -126,6 +142,24 @@ class _Worker:
         return [], [], []
 
 
+def record_notices(notices: list[Any], with_transfer: bool = False) -> Any:
+    """A ``MoRIIOWrapper.send_notify`` that records each message's type (with
+    its transfer id) instead of sending it."""
+
+    def send_notify(
+        transfer_id: str, ip: str, port: int, message_type: str | None = None, **kw: Any
+    ) -> None:
+        kind = message_type or ""
+        notices.append((transfer_id, kind) if with_transfer else kind)
+
+    return send_notify
+
+
+class _Event:
+    def synchronize(self) -> None:
+        pass
+
+
 @dataclass
 class Write:
     """One prompt's WRITE: both legs' tables and the pages written."""
@@ -137,20 +171,28 @@ class Write:
     message: dict[str, Any]
     pairs: list[tuple[int, int]]
     """(prefill block, decode block) for every page the prefiller writes
-    (the first layer's)."""
+    (the first group's)."""
     prefill_tables: list[list[int]] = field(default_factory=list)
+    """Every group's prefill table once its prefill finished: the blocks it
+    holds while the write is in flight (null block: 0)."""
     decode_tables: list[list[int]] = field(default_factory=list)
+    group_pairs: list[list[tuple[int, int]]] = field(default_factory=list)
+    """``pairs`` of every group (its first layer's)."""
     pairs_by_layer: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+    """Messages the prefiller's writer sent the decoder."""
+    released: bool = False
+    """The prefiller's writer released its blocks (no write to wait for)."""
 
 
 @dataclass
 class WritePair:
     legs: SchedulerPair
     sent: list[dict[str, Any]] = field(default_factory=list)
+    counter: Iterator[int] = field(default_factory=itertools.count)
     layers: dict[str, int] = field(default_factory=lambda: {LAYER: 0})
     """Each layer the prefiller writes and its transfer group."""
     state_layers: set[str] = field(default_factory=set)
-    counter: Iterator[int] = field(default_factory=itertools.count)
 
     def write(
         self, tokens: list[int], decode_hit_tokens: int = 0, message: Any = None
@@ -185,8 +227,7 @@ class WritePair:
         legs._finish_step(legs.decode, legs.decode.schedule())
         (sent,) = self.sent
         decode_tables = [
-            list(group)
-            for group in legs.decode.kv_cache_manager.get_block_ids(request_id)
+            list(g) for g in legs.decode.kv_cache_manager.get_block_ids(request_id)
         ]
 
         prefill_params = {**params, "do_remote_decode": True}
@@ -198,24 +239,31 @@ class WritePair:
             while saved is None:
                 output = legs.prefill.schedule()
                 saved = output.kv_connector_metadata.reqs_to_save.get(request_id)
-                prefill_tables = [
-                    list(group)
-                    for group in legs.prefill.kv_cache_manager.get_block_ids(
-                        request_id
-                    )
-                ]
+                prefill_table = list(
+                    legs.prefill.kv_cache_manager.get_block_ids(request_id)[0]
+                )
                 legs._finish_step(legs.prefill, output)
+        prefill_tables = [
+            list(g) for g in legs.prefill.kv_cache_manager.get_block_ids(request_id)
+        ]
 
         delivered = copy.deepcopy(sent)
         if message is not None:
             message(delivered)
+        notices: list[str] = []
+        layers = self.layers
+        if len(set(layers.values())) < len(decode_tables):
+            # One layer per group where the pair names none.
+            layers = {
+                f"{LAYER}.{g}" if g else LAYER: g for g in range(len(decode_tables))
+            }
         with _role(moriio_common, moriio_common.ROLE.PRODUCER):
             wrapper = moriio_engine.MoRIIOWrapper()
+            wrapper.send_notify = record_notices(notices)  # type: ignore[method-assign]
             wrapper._handle_message(msgpack.dumps(delivered))
-            info = wrapper.done_remote_allocate_req_dict[delivered["transfer_id"]]
-            worker = _Worker(self.layers, self.state_layers)
+            worker = _Worker(layers, self.state_layers, wrapper)
             writer = moriio_engine.MoRIIOWriter(worker)  # type: ignore[arg-type]
-            for layer_name in self.layers:
+            for layer in layers:
                 task = type(
                     "Task",
                     (),
@@ -224,26 +272,42 @@ class WritePair:
                         "transfer_id": delivered["transfer_id"],
                         "dst_engine_id": "decode",
                         "local_block_ids": [list(g) for g in saved.local_block_ids],
-                        "layer_name": layer_name,
+                        "write_start_blocks": getattr(
+                            saved, "write_start_blocks", None
+                        ),
+                        "layer_name": layer,
                         "tp_mapping": None,
-                        "remote_tp_size": 1,
+                        "event": _Event(),
+                        "remote_ip": "127.0.0.1",
+                        "remote_notify_port": 2,
+                        "multi_pod_hosts": [],
+                        "remote_dp_size_local": 0,
                     },
                 )()
-                if layer_name in self.state_layers:
-                    writer._prepare_mamba_transfer_plans(task, info)  # type: ignore[arg-type]
-                else:
-                    writer._prepare_transfer_plan(task, info, None)  # type: ignore[arg-type]
-        first_layer = next(iter(self.layers))
+                if not wrapper._is_transfer_terminal_locked(task.transfer_id):
+                    writer._execute_write_task(task)  # type: ignore[arg-type]
+            released = any(
+                ack.transfer_id == delivered["transfer_id"]
+                for ack in wrapper.done_req_ids
+            )
+        first_layers = {g: name for name, g in reversed(layers.items())}
+        group_pairs = [
+            worker.pairs.get(first_layers.get(g, ""), [])
+            for g in range(len(decode_tables))
+        ]
         return Write(
             num_prompt_tokens=len(tokens),
             decode_hit_tokens=decode_hit_tokens,
-            prefill_table=prefill_tables[0],
+            prefill_table=prefill_table,
             decode_table=decode_tables[0],
             message=sent,
-            pairs=worker.pairs.get(first_layer, []),
+            pairs=group_pairs[0],
             prefill_tables=prefill_tables,
             decode_tables=decode_tables,
+            group_pairs=group_pairs,
             pairs_by_layer=worker.pairs,
+            notices=notices,
+            released=released,
         )
 
 
@@ -263,13 +327,16 @@ def build_write_pair(
     block_size: int,
     monkeypatch: pytest.MonkeyPatch,
     num_blocks: int = 1024,
+    disable_hma: bool = False,
 ) -> WritePair:
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
         moriio_connector as mc,
     )
 
     legs = [
-        build_write_scheduler(model_dir, role, groups, block_size, num_blocks)
+        build_write_scheduler(
+            model_dir, role, groups, block_size, num_blocks, disable_hma
+        )
         for role in ("kv_producer", "kv_consumer")
     ]
     pair = WritePair(

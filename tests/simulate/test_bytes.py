@@ -43,9 +43,10 @@ SAMPLED = [
 # Group kinds the pinned connector may refuse and a later patch may carry
 # (the circular-buffer rings of DeepSeek-V4.1, GLM-5.3-Flash and Step5, the
 # last in its own 1 KB rows; chunked local attention; Qwen4-exp's one-array
-# PLE state): whatever the series holds, each is either refused at start with
-# MoRIIO's own error or moves every byte right.
+# PLE state; sliding-window WRITE): whatever the series holds, each is either
+# refused at start with MoRIIO's own error or moves every byte right.
 FAIL_CLOSED_OR_RIGHT = [
+    ConfigItem("gemma", "write", 1, 1, "LBNHC"),
     ConfigItem("deepseek-v4.1-BLNHC", "read", 1, 1, "BLNHC"),
     ConfigItem("glm5next-BLNHC", "read", 1, 1, "BLNHC"),
     ConfigItem("step5-mtp", "read", 1, 1, "LBNHC"),
@@ -53,7 +54,6 @@ FAIL_CLOSED_OR_RIGHT = [
     ConfigItem("qwen4-exp-mtp", "read", 1, 1, "LBNHC"),
 ]
 REFUSED = {
-    ConfigItem("gemma", "write", 1, 1, "LBNHC"): "does not support sliding-window",
     ConfigItem("llama", "read", 1, 2, "LBNHC"): "KV heads per rank",
     ConfigItem("kimi", "read", 1, 2, "LBNHC"): "heterogeneous-TP mamba/KDA",
 }
