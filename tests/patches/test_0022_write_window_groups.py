@@ -265,7 +265,7 @@ def test_null_page_falls_back_to_local_prefill_beside_a_write(
     with _role(moriio_common, moriio_common.ROLE.PRODUCER):
         wrapper = moriio_engine.MoRIIOWrapper()
         wrapper.send_notify = record_notices(notices, with_transfer=True)  # type: ignore[method-assign]
-        worker = _Worker([LAYER], wrapper)
+        worker = _Worker({LAYER: 0}, set(), wrapper)
         writer = moriio_engine.MoRIIOWriter(worker)  # type: ignore[arg-type]
         for name, tokens in (("ok", ok), ("bad", bad)):
             wrapper._handle_message(msgpack.dumps(messages[f"t-{name}"]))

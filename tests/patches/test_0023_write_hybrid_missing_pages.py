@@ -109,8 +109,7 @@ def test_hybrid_prefiller_writes_only_attention_pages_the_decoder_lacks(
 ) -> None:
     write = pair.write(prompt(1, num_tokens), decode_hit_tokens=hit_tokens)
     assert write.message["num_held_blocks"] == [
-        0 if layer in pair.state_layers else hit_tokens // B
-        for layer in pair.layers
+        0 if layer in pair.state_layers else hit_tokens // B for layer in pair.layers
     ]
     assert_write(pair, write, hit_tokens // B)
 

@@ -277,6 +277,7 @@ class WritePair:
                         ),
                         "layer_name": layer,
                         "tp_mapping": None,
+                        "remote_tp_size": 1,
                         "event": _Event(),
                         "remote_ip": "127.0.0.1",
                         "remote_notify_port": 2,
