@@ -36,6 +36,7 @@ from vllm_overlay.simulate.faults import (
     format_faults,
     parse_faults,
 )
+from vllm_overlay.simulate.families import family_layouts
 from vllm_overlay.simulate.layouts import BASE_LAYOUTS, all_layouts, expand
 from vllm_overlay.simulate.matrix import (
     MATRIX_JSON,
@@ -50,14 +51,14 @@ from vllm_overlay.simulate.report import (
     format_table,
     summary_line,
 )
-from vllm_overlay.simulate.run import (
+from vllm_overlay.simulate.plan import (
     DEFAULT_HITS,
     DEFAULT_LENGTHS,
     FAMILY_LENGTHS,
     parse_hits,
     parse_lengths,
-    run_sweep,
 )
+from vllm_overlay.simulate.run import run_sweep
 from vllm_overlay.simulate.verdict import (
     GAPS_FILE,
     SIMULATE_REPORT,
@@ -237,12 +238,6 @@ def register(sub: Subparsers) -> None:
     bytes_cli.add_arguments(p)
 
 
-def _family_layouts() -> list[str]:
-    from vllm_overlay.simulate.families import family_layouts
-
-    return list(family_layouts())
-
-
 def _run(app: App, args: argparse.Namespace) -> int:
     """CPU prefill/decode simulator: real schedulers, content-checked READ.
 
@@ -281,7 +276,7 @@ def _run(app: App, args: argparse.Namespace) -> int:
     if args.update_readme:
         if layouts or args.variant != DEFAULT_VARIANT or args.bytes:
             return app.fail("--update-readme runs every family, base and overlay")
-        layouts = _family_layouts()
+        layouts = list(family_layouts())
         variants = ["base", "overlay"]
     name = BYTES_REPORT if args.bytes else SIMULATE_REPORT
     full = app.checkout.root / REPORT_DIR / name

@@ -51,8 +51,14 @@ from vllm_overlay.simulate.bytes.content import (
     prefix_hashes,
     state_bytes,
 )
-from vllm_overlay.simulate.bytes.geometry import Geometry, layer_total_heads
-from vllm_overlay.simulate.bytes.kvmem import same_bytes
+from vllm_overlay.simulate.bytes.geometry import (
+    Geometry,
+    layer_total_heads,
+    model_json,
+    rank_specs,
+)
+from vllm_overlay.simulate.bytes.kvmem import SharedKV, same_bytes
+from vllm_overlay.simulate.bytes.shm import shm_path
 from vllm_overlay.simulate.check import (
     FULL,
     LOCAL_ONLY,
@@ -63,6 +69,9 @@ from vllm_overlay.simulate.check import (
     needs,
     past_hit,
 )
+from vllm_overlay.simulate.drive import Pair, group_infos
+from vllm_overlay.simulate.layouts import expand
+from vllm_overlay.simulate.legs import LegOptions, build_leg
 from vllm_overlay.simulate.outputs import model_runner_output
 
 READ, WRITE = "read", "write"
@@ -538,13 +547,6 @@ class Rank:
             init_distributed_environment,
             initialize_model_parallel,
         )
-
-        from vllm_overlay.simulate.bytes.geometry import model_json, rank_specs
-        from vllm_overlay.simulate.bytes.kvmem import SharedKV
-        from vllm_overlay.simulate.bytes.shm import shm_path
-        from vllm_overlay.simulate.drive import group_infos
-        from vllm_overlay.simulate.layouts import expand
-        from vllm_overlay.simulate.legs import LegOptions, build_leg
 
         if cfg.open_port is not None:
             os.environ["VLLM_PORT"] = str(cfg.open_port)
@@ -1177,8 +1179,6 @@ class Rank:
         )
 
     def _payload_groups(self) -> list[int]:
-        from vllm_overlay.simulate.drive import Pair
-
         return Pair._payload_groups(self.leg)
 
     def update(
