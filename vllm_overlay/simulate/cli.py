@@ -70,6 +70,10 @@ from vllm_overlay.simulate.verdict import (
 )
 
 BYTES_REPORT = "simulate-bytes.json"
+DEPRECATED_BYTES = (
+    "note: `vllm-overlay simulate --bytes` is deprecated; it runs "
+    "`vllm-overlay simulate-bytes` (the same options)"
+)
 DEFAULT_VARIANT = "all"
 """Both builds alone and both mixed pairs (a rolling upgrade's halves)."""
 
@@ -148,40 +152,7 @@ def report_name(full: str, chosen: list[tuple[str, str]]) -> str:
 
 def register(sub: Subparsers) -> None:
     p = add_command(sub, "simulate", _run)
-    p.add_argument(
-        "--layouts",
-        default="",
-        metavar="LIST",
-        help="comma list of "
-        + ", ".join(all_layouts())
-        + " (optionally name/dcpN); default: all, every DCP size they allow",
-    )
-    p.add_argument(
-        "--lengths",
-        default=None,
-        metavar="RANGES",
-        help="prompt lengths: ranges a-b, a-b/step, lists (default "
-        f"{DEFAULT_LENGTHS} for the mechanism layouts, {FAMILY_LENGTHS} for "
-        f"the model families; with --bytes {bytes_cli.DEFAULT_LENGTHS})",
-    )
-    p.add_argument(
-        "--hits",
-        metavar="PERCENTS",
-        help=f"decoder prefix-hit percentages (default {DEFAULT_HITS}; with "
-        f"--bytes {bytes_cli.DEFAULT_HITS})",
-    )
-    p.add_argument(
-        "--variant",
-        default=DEFAULT_VARIANT,
-        metavar="PAIRS",
-        help="which connector build each leg runs, a comma list of pairs: base, "
-        "overlay (one build on both legs), base->overlay (a base prefiller, an "
-        "overlaid decoder), overlay->base (a rolling upgrade's two halves); "
-        "both = base,overlay; mixed = base->overlay,overlay->base; all = the "
-        "four (default: %(default)s; every pair with an overlaid leg is "
-        "judged, a base decoder where the base pair reads right; with --bytes "
-        "the mixed pairs run the mechanism layouts only; --update-readme: both)",
-    )
+    _add_selection(p, own_bytes=False)
     p.add_argument(
         "--faults",
         nargs="?",
@@ -196,13 +167,6 @@ def register(sub: Subparsers) -> None:
         "an exception escaping the scheduler unless known-gaps lists it",
     )
     p.add_argument(
-        "--report",
-        type=Path,
-        metavar="JSON",
-        help=f"where the JSON report goes (default: {REPORT_DIR}/{SIMULATE_REPORT}, "
-        f"with --bytes {REPORT_DIR}/{BYTES_REPORT}, in the checkout)",
-    )
-    p.add_argument(
         "--markdown",
         action="store_true",
         help="print the model-family matrix as the README's Markdown table",
@@ -212,6 +176,76 @@ def register(sub: Subparsers) -> None:
         action="store_true",
         help="run every model family (base and overlay), write "
         f"{MATRIX_JSON} and the README's supported-models table",
+    )
+    p.add_argument(
+        "--whole",
+        action="store_true",
+        help="run every case through the schedulers (the reference; by default "
+        "a case a whole number of periods longer than a small one it matches "
+        "follows from it: simulate/shrink.py)",
+    )
+    bytes_cli.add_arguments(p, own_command=False)
+    p.set_defaults(bytes_command=False)
+    b = add_command(sub, "simulate-bytes", _run_bytes)
+    _add_selection(b, own_bytes=True)
+    b.set_defaults(
+        faults=None, markdown=False, update_readme=False, whole=False, bytes_command=True
+    )
+    bytes_cli.add_arguments(b, own_command=True)
+
+
+def _add_selection(p: argparse.ArgumentParser, *, own_bytes: bool) -> None:
+    """The options both simulators take (``own_bytes``: the help of
+    ``simulate-bytes``)."""
+    p.add_argument(
+        "--layouts",
+        default="",
+        metavar="LIST",
+        help="comma list of "
+        + ", ".join(all_layouts())
+        + " (optionally name/dcpN); default: all, every DCP size they allow",
+    )
+    lengths = (
+        f"{bytes_cli.DEFAULT_LENGTHS}"
+        if own_bytes
+        else f"{DEFAULT_LENGTHS} for the mechanism layouts, {FAMILY_LENGTHS} for "
+        "the model families"
+    )
+    p.add_argument(
+        "--lengths",
+        default=None,
+        metavar="RANGES",
+        help=f"prompt lengths: ranges a-b, a-b/step, lists (default {lengths})",
+    )
+    p.add_argument(
+        "--hits",
+        metavar="PERCENTS",
+        help="decoder prefix-hit percentages (default "
+        f"{bytes_cli.DEFAULT_HITS if own_bytes else DEFAULT_HITS})",
+    )
+    p.add_argument(
+        "--variant",
+        default=DEFAULT_VARIANT,
+        metavar="PAIRS",
+        help="which connector build each leg runs, a comma list of pairs: base, "
+        "overlay (one build on both legs), base->overlay (a base prefiller, an "
+        "overlaid decoder), overlay->base (a rolling upgrade's two halves); "
+        "both = base,overlay; mixed = base->overlay,overlay->base; all = the "
+        "four (default: %(default)s; every pair with an overlaid leg is "
+        "judged, a base decoder where the base pair reads right"
+        + (
+            "; the mixed pairs run the mechanism layouts only)"
+            if own_bytes
+            else "; --update-readme: both)"
+        ),
+    )
+    name = BYTES_REPORT if own_bytes else SIMULATE_REPORT
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="JSON",
+        help=f"where the JSON report goes (default: {REPORT_DIR}/{name} for "
+        "the full run, a name of its own for a selection, in the checkout)",
     )
     add_base_options(p, "the pinned base")
     p.add_argument(
@@ -225,17 +259,27 @@ def register(sub: Subparsers) -> None:
         "--processes",
         type=int,
         metavar="N",
-        help="worker processes per variant (default: cores / variants; "
-        "--bytes: zygotes per variant at a time, default 1)",
+        help="zygotes per variant at a time (default 1)"
+        if own_bytes
+        else "worker processes per variant (default: cores / variants)",
     )
-    p.add_argument(
-        "--whole",
-        action="store_true",
-        help="run every case through the schedulers (the reference; by default "
-        "a case a whole number of periods longer than a small one it matches "
-        "follows from it: simulate/shrink.py)",
-    )
-    bytes_cli.add_arguments(p)
+
+
+def _run_bytes(app: App, args: argparse.Namespace) -> int:
+    """Byte-level simulator: real MoRIIO workers move real KV bytes, base vs overlay.
+
+    Both legs' real MoRIIO workers (prefill and decode ranks as processes,
+    real KV cache tensors in vLLM's layout, the real handshake) move the KV
+    over a loopback stand-in for mori, in READ and WRITE mode, for every TP
+    pair and KV cache layout, and every byte the decoder attends to is
+    checked against what the prefiller computed.
+
+    Ends with a verdict on the overlay: exit status 1 when a configuration
+    that starts moves a wrong or stray byte, crashes or runs no case with
+    the overlay, unless docs/known-gaps.toml lists it with the issue or
+    patch that tracks it.
+    """
+    return _run(app, args)
 
 
 def _run(app: App, args: argparse.Namespace) -> int:
@@ -243,23 +287,20 @@ def _run(app: App, args: argparse.Namespace) -> int:
 
     Run both legs' real vLLM schedulers on CPU with the MoRIIO connector in
     READ mode, base against overlay, for every layout, prompt length and
-    decoder prefix hit, and check what the decoder reads.
+    decoder prefix hit, and check what the decoder reads. The byte level is
+    `vllm-overlay simulate-bytes` (`simulate --bytes` still runs it, with a
+    note on stderr).
 
-    With --bytes: both legs' real MoRIIO workers (prefill and decode ranks
-    as processes, real KV cache tensors in vLLM's layout, the real handshake)
-    move the KV over a loopback stand-in for mori, in READ and WRITE mode, for
-    every TP pair and KV cache layout, and every byte the decoder attends to
-    is checked against what the prefiller computed.
-
-    Ends with a verdict on the overlay: exit status 1 when a layout (with
-    --bytes: a configuration) that starts reads wrong KV (moves a wrong or
-    stray byte), crashes or runs no case with the overlay, unless
+    Ends with a verdict on the overlay: exit status 1 when a layout that
+    starts reads wrong KV, crashes or runs no case with the overlay, unless
     docs/known-gaps.toml lists it with the issue or patch that tracks it.
     """
+    if args.bytes and not args.bytes_command:
+        app.err.write(DEPRECATED_BYTES + "\n")
     if args.processes is not None and args.processes < 1:
         return app.fail(f"--processes {args.processes}: must be at least 1")
     if not args.bytes and (given := bytes_cli.given_without_bytes(args)):
-        return app.fail(f"{', '.join(given)}: only with --bytes")
+        return app.fail(f"{', '.join(given)}: only with simulate-bytes")
     try:
         variants = [pair.name for pair in parse_pairs(args.variant)]
     except ValueError as e:
@@ -272,6 +313,7 @@ def _run(app: App, args: argparse.Namespace) -> int:
         return app.fail("--faults: not with --bytes, --update-readme or --whole")
     layouts = [x for x in args.layouts.split(",") if x.strip()]
     _check_args(layouts, args.lengths, args.hits)
+    bytes_opts = bytes_cli.options_from(args) if args.bytes else None
     gaps = _gaps(app)
     if args.update_readme:
         if layouts or args.variant != DEFAULT_VARIANT or args.bytes:
@@ -291,13 +333,13 @@ def _run(app: App, args: argparse.Namespace) -> int:
         previous_seconds=previous_wall_seconds(out),
     )
     report: SweepReport | bytes_cli.BytesReport
-    if args.bytes:
+    if bytes_opts is not None:
         try:
-            report = _bytes_sweep(args, layouts, variants, options)
+            report = _bytes_sweep(bytes_opts, layouts, variants, options)
         except Interrupted as e:
             app.end_progress()
             app.fail(
-                f"simulate --bytes: interrupted by {e}; its zygote and rank "
+                f"simulate-bytes: interrupted by {e}; its zygote and rank "
                 "processes were stopped and their /dev/shm files removed"
             )
             return e.exit_code
@@ -369,7 +411,7 @@ def _run(app: App, args: argparse.Namespace) -> int:
 
 
 def _bytes_sweep(
-    args: argparse.Namespace,
+    opts: bytes_cli.BytesOptions,
     layouts: list[str],
     variants: list[str],
     options: SweepOptions,
@@ -379,7 +421,7 @@ def _bytes_sweep(
     ``nox -s simulate-bytes``), it also ends with that parent."""
     die_with_parent_from_env(signal.SIGTERM)
     with signals_raise():
-        return bytes_cli.sweep(args, layouts, variants, options)
+        return bytes_cli.sweep(opts, layouts, variants, options)
 
 
 def _gaps(app: App) -> list[KnownGap]:

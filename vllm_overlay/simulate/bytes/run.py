@@ -263,7 +263,7 @@ def run_bytes_sweep(
     )
     configs = sum(map(len, per_pair.values()))
     options.expect(
-        "simulate --bytes",
+        "simulate-bytes",
         f"{count(configs, 'configuration')}, {count(cases, 'case')}",
         cases,
         BYTES_CPU_PER_CASE,
