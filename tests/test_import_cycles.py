@@ -118,7 +118,9 @@ def test_relative_and_type_checking_imports(tmp_path: Path) -> None:
     (package / "sub" / "c.py").write_text("from ..d import y\nfrom . import e\n")
     (package / "sub" / "e.py").write_text("")
     (package / "d.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub.c import z\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from pkg.sub.c import z\n"
     )
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.sub.c"] == {"pkg.d", "pkg.sub.e"}

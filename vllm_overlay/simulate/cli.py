@@ -29,6 +29,7 @@ from vllm_overlay.simulate.bytes.lifetime import (
     signals_raise,
 )
 from vllm_overlay.simulate.bytes.verdict import judge as judge_bytes
+from vllm_overlay.simulate.families import family_layouts
 from vllm_overlay.simulate.faults import (
     DEFAULT_FAULT_HITS,
     DEFAULT_FAULT_LENGTHS,
@@ -36,7 +37,6 @@ from vllm_overlay.simulate.faults import (
     format_faults,
     parse_faults,
 )
-from vllm_overlay.simulate.families import family_layouts
 from vllm_overlay.simulate.layouts import BASE_LAYOUTS, all_layouts, expand
 from vllm_overlay.simulate.matrix import (
     MATRIX_JSON,
@@ -44,19 +44,19 @@ from vllm_overlay.simulate.matrix import (
     readme_section,
     replace_section,
 )
-from vllm_overlay.simulate.procs import SweepOptions
-from vllm_overlay.simulate.report import (
-    SweepReport,
-    format_pairs,
-    format_table,
-    summary_line,
-)
 from vllm_overlay.simulate.plan import (
     DEFAULT_HITS,
     DEFAULT_LENGTHS,
     FAMILY_LENGTHS,
     parse_hits,
     parse_lengths,
+)
+from vllm_overlay.simulate.procs import SweepOptions
+from vllm_overlay.simulate.report import (
+    SweepReport,
+    format_pairs,
+    format_table,
+    summary_line,
 )
 from vllm_overlay.simulate.run import run_sweep
 from vllm_overlay.simulate.verdict import (
@@ -189,7 +189,11 @@ def register(sub: Subparsers) -> None:
     b = add_command(sub, "simulate-bytes", _run_bytes)
     _add_selection(b, own_bytes=True)
     b.set_defaults(
-        faults=None, markdown=False, update_readme=False, whole=False, bytes_command=True
+        faults=None,
+        markdown=False,
+        update_readme=False,
+        whole=False,
+        bytes_command=True,
     )
     bytes_cli.add_arguments(b, own_command=True)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.check import CaseResult
 from vllm_overlay.simulate.faults import FaultReport
 from vllm_overlay.simulate.lines import Progress, count_case

@@ -26,14 +26,19 @@ from types import FrameType
 import msgspec
 
 from vllm_overlay import cpuplatform
+from vllm_overlay.simulate.bytes import driver
+from vllm_overlay.simulate.bytes.driver import (
+    Config,
+    reap_ranks,
+    retire_idle,
+    run_config,
+)
+from vllm_overlay.simulate.bytes.geometry import Geometry
 from vllm_overlay.simulate.bytes.lifetime import (
     STOP_SIGNALS,
     die_with_parent_from_env,
 )
 from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport, config_name
-from vllm_overlay.simulate.bytes import driver
-from vllm_overlay.simulate.bytes.driver import Config, reap_ranks, retire_idle, run_config
-from vllm_overlay.simulate.bytes.geometry import Geometry
 from vllm_overlay.simulate.bytes.shm import remove_shm
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.legs import LegOptions, build_leg
