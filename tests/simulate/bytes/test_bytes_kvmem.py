@@ -195,7 +195,7 @@ def test_byte_legs_fit_the_per_rank_budget(name):
     KV cache tensor sharing it."""
     from vllm_overlay.simulate.bytes.kvmem import MAX_BYTES
     from vllm_overlay.simulate.bytes.run import DEFAULT_LENGTHS
-    from vllm_overlay.simulate.run import parse_lengths
+    from vllm_overlay.simulate.plan import parse_lengths
 
     layout = expand([name])[0]
     max_len = max(parse_lengths(DEFAULT_LENGTHS)) + 64
