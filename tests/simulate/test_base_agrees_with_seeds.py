@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_overlay.simulate.plan import PlanItem
-from vllm_overlay.simulate.plan import base_files
+from vllm_overlay.simulate.plan import PlanItem, base_files
 from vllm_overlay.simulate.run import run_variant
 
 SEED_001_EXAMPLES = (251, 377, 384, 440, 447, 636, 832, 895)

@@ -15,8 +15,8 @@ from vllm_overlay.simulate.eta import (
     expected_seconds,
     seconds_left,
 )
-from vllm_overlay.simulate.procs import SweepOptions, Tally
 from vllm_overlay.simulate.lines import Progress
+from vllm_overlay.simulate.procs import SweepOptions, Tally
 
 
 @pytest.mark.parametrize(

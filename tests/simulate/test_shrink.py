@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 
 from vllm_overlay.simulate import shrink
 from vllm_overlay.simulate.check import FULL, WINDOW, CaseResult, GroupInfo
-from vllm_overlay.simulate.plan import PlanItem
-from vllm_overlay.simulate.plan import base_files
+from vllm_overlay.simulate.plan import PlanItem, base_files
 from vllm_overlay.simulate.run import run_variant
 
 HITS = [0.0, 0.5, 0.897, 1.0]
