@@ -299,8 +299,6 @@ def _run(app: App, args: argparse.Namespace) -> int:
     starts reads wrong KV, crashes or runs no case with the overlay, unless
     docs/known-gaps.toml lists it with the issue or patch that tracks it.
     """
-    if args.bytes and not args.bytes_command:
-        app.err.write(DEPRECATED_BYTES + "\n")
     if args.processes is not None and args.processes < 1:
         return app.fail(f"--processes {args.processes}: must be at least 1")
     if not args.bytes and (given := bytes_cli.given_without_bytes(args)):
@@ -338,6 +336,8 @@ def _run(app: App, args: argparse.Namespace) -> int:
     )
     report: SweepReport | bytes_cli.BytesReport
     if bytes_opts is not None:
+        if not args.bytes_command:  # the arguments are good: say it once
+            app.err.write(DEPRECATED_BYTES + "\n")
         try:
             report = _bytes_sweep(bytes_opts, layouts, variants, options)
         except Interrupted as e:

@@ -114,3 +114,13 @@ def test_a_bad_option_fails_before_the_known_gaps_are_read(
     argv = ["simulate-bytes", "--tp", "0-1", "--report", str(tmp_path / "r.json")]
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith("error: --tp '0-1'")
+
+
+def test_bad_input_to_simulate_dash_dash_bytes_is_still_one_line(capsys) -> None:
+    """The deprecation note comes once the arguments are good: an error
+    stays the one line on stderr."""
+    from vllm_overlay.cli import main
+
+    assert main(["simulate", "--bytes", "--tp", "0-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --tp '0-1'"), err
