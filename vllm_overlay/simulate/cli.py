@@ -362,18 +362,7 @@ def _run(app: App, args: argparse.Namespace) -> int:
             whole=args.whole,
             faults=faults,
         )
-        if args.markdown:
-            text = format_matrix(report, markdown=True)
-        elif faults:
-            text = format_faults(report.faults)
-        else:
-            text = format_table(report)
-            if any(BuildPair.parse(v).mixed for v in variants) or any(
-                r.escape_cases or r.fallback_cases for r in report.layouts
-            ):
-                text += "\n\nby pair of builds (prefill->decode):\n" + format_pairs(
-                    report
-                )
+        text = _scheduler_text(report, args.markdown, bool(faults), variants)
         summary = summary_line(report)
     app.end_progress()
     for variant, where in report.variants.items():
@@ -382,21 +371,14 @@ def _run(app: App, args: argparse.Namespace) -> int:
     if isinstance(report, bytes_cli.BytesReport) and report.family_lengths:
         app.say(f"model families: lengths {report.family_lengths}")
     app.say(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    safefile.replace_file(out, msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+    _write_json(out, report)
     if args.report or not chosen:
         app.say(f"report: {out}")
     else:
         app.say(f"report: {out} (this selection's; the full run's is {full.name})")
     if args.update_readme:
         assert isinstance(report, SweepReport)
-        root = app.checkout.root
-        safefile.replace_file(
-            root / MATRIX_JSON, msgspec.json.format(msgspec.json.encode(report)) + b"\n"
-        )
-        readme = root / "README.md"
-        readme.write_text(replace_section(readme.read_text(), readme_section(report)))
-        app.say(f"wrote {MATRIX_JSON} and the README's supported-models table")
+        _update_readme(app, report)
     app.say(summary)
     if not isinstance(report, SweepReport):
         bytes_verdict = judge_bytes(report, gaps)
@@ -412,6 +394,39 @@ def _run(app: App, args: argparse.Namespace) -> int:
     app.say(verdict.line())
     app.result(report)
     return verdict.exit_code
+
+
+def _scheduler_text(
+    report: SweepReport, markdown: bool, faults: bool, variants: list[str]
+) -> str:
+    """The scheduler sweep's table: the README's matrix (``markdown``), the
+    faults' rows, or one row per layout and pair, then by pair of builds
+    when a pair is mixed or a layout escaped or fell back."""
+    if markdown:
+        return format_matrix(report, markdown=True)
+    if faults:
+        return format_faults(report.faults)
+    text = format_table(report)
+    if any(BuildPair.parse(v).mixed for v in variants) or any(
+        r.escape_cases or r.fallback_cases for r in report.layouts
+    ):
+        text += "\n\nby pair of builds (prefill->decode):\n" + format_pairs(report)
+    return text
+
+
+def _write_json(path: Path, report: SweepReport | bytes_cli.BytesReport) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = msgspec.json.format(msgspec.json.encode(report))
+    safefile.replace_file(path, text + b"\n")
+
+
+def _update_readme(app: App, report: SweepReport) -> None:
+    """``--update-readme``: the matrix's JSON and the README's table."""
+    root = app.checkout.root
+    _write_json(root / MATRIX_JSON, report)
+    readme = root / "README.md"
+    readme.write_text(replace_section(readme.read_text(), readme_section(report)))
+    app.say(f"wrote {MATRIX_JSON} and the README's supported-models table")
 
 
 def _bytes_sweep(
