@@ -139,14 +139,14 @@ def simulate_bytes(session: nox.Session) -> None:
     Both legs' real MoRIIO workers move real KV cache tensors over a loopback
     stand-in for mori, base vs overlay, every layout, mode, TP pair and KV
     cache layout; prints the table. Arguments after `--` go to
-    `vllm-overlay simulate --bytes` (e.g. `-- --layouts llama --modes read`;
+    `vllm-overlay simulate-bytes` (e.g. `-- --layouts llama --modes read`;
     opt-in `-- --variant mixed`: mixed pairs of builds, docs/simulate-pairs.md).
     """
     # The JSON report: .nox-reports/simulate-bytes.json for the full run, a name
     # of its own for a targeted run (or --report's). The run ends with nox,
     # however nox ends (simulate/bytes/lifetime.py).
     parent = {"VLLM_OVERLAY_PARENT_PID": str(os.getpid())}
-    args = ("simulate", "--bytes", *session.posargs)
+    args = ("simulate-bytes", *session.posargs)
     overlay(session, cpu_python(session), *args, env=parent)
 
 

@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
 
-    from vllm_overlay.simulate.run import base_files, overlay_files
+    from vllm_overlay.simulate.plan import base_files, overlay_files
 
     start = time.monotonic()
     base, base_where = base_files()

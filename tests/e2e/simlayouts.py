@@ -16,7 +16,8 @@ import os
 import sys
 
 from vllm_overlay.simulate import worker
-from vllm_overlay.simulate.layouts import BASE_LAYOUTS, SpecSlots
+from vllm_overlay.simulate.layout_types import SpecSlots
+from vllm_overlay.simulate.layouts import BASE_LAYOUTS
 
 MTP9 = SpecSlots(num_lookahead_tokens=9)
 EXTRA = {

@@ -30,8 +30,8 @@ from vllm_overlay.e2e.expect import (
 from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import PIN_FILE, load_pin
 from vllm_overlay.simulate import procs
-from vllm_overlay.simulate.report import PlanItem
-from vllm_overlay.simulate.run import _DECODER, MARK, base_files, overlay_files
+from vllm_overlay.simulate.plan import PlanItem, base_files, overlay_files
+from vllm_overlay.simulate.run import _DECODER, MARK
 
 # The example: MTP x9 on both servers, 9 lookahead slots on each leg.
 DSV4 = Geometry.of(load_config(EXAMPLES / "dsv4-pro-1p1d.toml"))
@@ -52,10 +52,10 @@ def simulated() -> dict[tuple[str, str], object]:
     base, _ = base_files()
     over, _ = overlay_files(base)
     plan = [
-        PlanItem("dsv4", "1-1100", "0"),
-        PlanItem("dsv4-both/dcp1", "1-1100", "0"),
-        PlanItem("gemma", "500-660", "0"),
-        PlanItem("glm", "100", "0"),
+        PlanItem.of("dsv4", "1-1100", "0"),
+        PlanItem.of("dsv4-both/dcp1", "1-1100", "0"),
+        PlanItem.of("gemma", "500-660", "0"),
+        PlanItem.of("glm", "100", "0"),
     ]
 
     def run(variant: str, files: dict[str, str], port: int) -> list[Any]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_overlay.simulate.report import PlanItem
-from vllm_overlay.simulate.run import base_files, run_variant
+from vllm_overlay.simulate.plan import PlanItem, base_files
+from vllm_overlay.simulate.run import run_variant
 
 SEED_001_EXAMPLES = (251, 377, 384, 440, 447, 636, 832, 895)
 
@@ -18,10 +18,10 @@ SEED_001_EXAMPLES = (251, 377, 384, 440, 447, 636, 832, 895)
 def base_reports():
     files, _ = base_files()
     plan = [
-        PlanItem("dsv4", "1-1024", "0"),
-        PlanItem("kimi", "3001-4096/73", "89.7"),
-        PlanItem("glm", "100,300", "0,50"),
-        PlanItem("gemma", "500-620", "0"),
+        PlanItem.of("dsv4", "1-1024", "0"),
+        PlanItem.of("kimi", "3001-4096/73", "89.7"),
+        PlanItem.of("glm", "100,300", "0,50"),
+        PlanItem.of("gemma", "500-620", "0"),
     ]
     return {r.layout: r for r in run_variant("base", files, plan, port=46000)}
 

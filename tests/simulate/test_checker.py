@@ -24,6 +24,24 @@ def _computed(store: PageStore, table: list[int], uid: int, n: int, group=0):
             store.write_positions(block, group, uid, n, lo, hi)
 
 
+TABLE = [11, 12, 13]
+"""The decoder's block table of the 40-token request."""
+READS = [(0, 11), (0, 12), (0, 13)]
+
+
+def _prefilled() -> PageStore:
+    """The prefiller's pages 5, 6, 7 of the 40-token request 1."""
+    p = PageStore(0)
+    _computed(p, [5, 6, 7], uid=1, n=40)
+    return p
+
+
+def _copy(p: PageStore, d: PageStore, sources: list[int]) -> None:
+    """The transfer: prefiller page ``sources[i]`` into ``TABLE[i]``."""
+    for src, dst in zip(sources, TABLE, strict=True):
+        d.put(dst, p.get(src))
+
+
 def test_needs_full_window_state():
     assert [(x.index, x.lo, x.hi) for x in needs([FULL16], 33)] == [
         (0, 0, 16),
@@ -40,38 +58,29 @@ def test_needs_full_window_state():
 
 
 def test_exact_read_is_right_and_minimal():
-    p, d = PageStore(0), PageStore(0)
-    _computed(p, [5, 6, 7], uid=1, n=40)
-    table = [11, 12, 13]
-    check = ReadCheck([FULL16], [table], d, 40, uid=1)
-    for src, dst in zip([5, 6, 7], table, strict=True):
-        d.put(dst, p.get(src))
-    result = check.judge(d, [(0, 11), (0, 12), (0, 13)], 0.0, 0)
+    p, d = _prefilled(), PageStore(0)
+    check = ReadCheck([FULL16], [TABLE], d, 40, uid=1)
+    _copy(p, d, [5, 6, 7])
+    result = check.judge(d, READS, 0.0, 0)
     assert not result.wrong
     assert (result.pages_read, result.min_pages) == (3, 3)
     assert result.extra_reads == result.duplicate_reads == result.unread == 0
 
 
 def test_shifted_pairing_is_wrong_kv():
-    p, d = PageStore(0), PageStore(0)
-    _computed(p, [5, 6, 7], uid=1, n=40)
-    table = [11, 12, 13]
-    check = ReadCheck([FULL16], [table], d, 40, uid=1)
-    for src, dst in zip([6, 7, 5], table, strict=True):
-        d.put(dst, p.get(src))
-    result = check.judge(d, [(0, 11), (0, 12), (0, 13)], 0.0, 0)
+    p, d = _prefilled(), PageStore(0)
+    check = ReadCheck([FULL16], [TABLE], d, 40, uid=1)
+    _copy(p, d, [6, 7, 5])
+    result = check.judge(d, READS, 0.0, 0)
     assert result.wrong and result.wrong_groups == [0]
 
 
 def test_reading_a_cached_page_raises_the_byte_ratio():
-    p, d = PageStore(0), PageStore(0)
-    _computed(p, [5, 6, 7], uid=1, n=40)
-    table = [11, 12, 13]
+    p, d = _prefilled(), PageStore(0)
     _computed(d, [11], uid=1, n=40)  # the decoder's own prefix hit
-    check = ReadCheck([FULL16], [table], d, 40, uid=1)
-    for src, dst in zip([5, 6, 7], table, strict=True):
-        d.put(dst, p.get(src))
-    result = check.judge(d, [(0, 11), (0, 12), (0, 13)], 0.5, 16)
+    check = ReadCheck([FULL16], [TABLE], d, 40, uid=1)
+    _copy(p, d, [5, 6, 7])
+    result = check.judge(d, READS, 0.5, 16)
     assert not result.wrong
     assert (result.min_pages, result.min_bytes) == (2, 200)
     assert (result.pages_read, result.bytes_read) == (3, 300)
@@ -82,12 +91,10 @@ def test_a_page_past_the_local_hit_is_lacked_whatever_it_holds():
     """A freed block the decoder reallocates can still hold the same prompt's
     KV (a warm-up's partial tail page); past the local hit the load must
     fill it all the same."""
-    p, d = PageStore(0), PageStore(0)
-    _computed(p, [5, 6, 7], uid=1, n=40)
-    table = [11, 12, 13]
-    _computed(d, table, uid=1, n=40)  # stale pages of an identical prompt
-    assert ReadCheck([FULL16], [table], d, 40, uid=1).lacked == set()
-    check = ReadCheck([FULL16], [table], d, 40, uid=1, computed_tokens=32)
+    d = PageStore(0)
+    _computed(d, TABLE, uid=1, n=40)  # stale pages of an identical prompt
+    assert ReadCheck([FULL16], [TABLE], d, 40, uid=1).lacked == set()
+    check = ReadCheck([FULL16], [TABLE], d, 40, uid=1, computed_tokens=32)
     assert check.lacked == {(0, 13)}
     result = check.judge(d, [(0, 13)], 1.0, 32)
     assert not result.wrong and (result.pages_read, result.min_pages) == (1, 1)
@@ -99,10 +106,8 @@ def test_a_page_past_the_local_hit_is_lacked_whatever_it_holds():
 
 
 def test_duplicate_and_unread_pages_count():
-    p, d = PageStore(0), PageStore(0)
-    _computed(p, [5, 6, 7], uid=1, n=40)
-    table = [11, 12, 13]
-    check = ReadCheck([FULL16], [table], d, 40, uid=1)
+    p, d = _prefilled(), PageStore(0)
+    check = ReadCheck([FULL16], [TABLE], d, 40, uid=1)
     d.put(11, p.get(5))
     d.put(12, p.get(6))
     d.put(12, p.get(6))
@@ -112,15 +117,12 @@ def test_duplicate_and_unread_pages_count():
 
 
 def test_freed_or_reused_block_holds_nothing_of_the_request():
-    p = PageStore(0)
-    _computed(p, [5, 6, 7], uid=1, n=40)
+    p = _prefilled()
     p.write_positions(6, 0, 2, 40, 0, 16)  # block 6 reused by another prompt
     d = PageStore(0)
-    table = [11, 12, 13]
-    check = ReadCheck([FULL16], [table], d, 40, uid=1)
-    for src, dst in zip([5, 6, 7], table, strict=True):
-        d.put(dst, p.get(src))
-    assert check.judge(d, [(0, 11), (0, 12), (0, 13)], 0.0, 0).wrong
+    check = ReadCheck([FULL16], [TABLE], d, 40, uid=1)
+    _copy(p, d, [5, 6, 7])
+    assert check.judge(d, READS, 0.0, 0).wrong
     # The null block never holds anything.
     p.write_positions(0, 0, 1, 40, 0, 16)
     assert p.get(0) is None

@@ -15,8 +15,8 @@ from vllm_overlay.simulate.eta import (
     expected_seconds,
     seconds_left,
 )
+from vllm_overlay.simulate.lines import Progress
 from vllm_overlay.simulate.procs import SweepOptions, Tally
-from vllm_overlay.simulate.report import Progress
 
 
 @pytest.mark.parametrize(
@@ -84,9 +84,9 @@ def test_expect_says_the_plan_and_its_basis() -> None:
         "simulate: 10 cases; expected about 30 s (1 CPU-s per case on 1 process)"
     )
     options = SweepOptions(announce=said.append, previous_seconds=1190.0)
-    options.expect("simulate --bytes", "360 configurations", 6384, 0.4, 2)
+    options.expect("simulate-bytes", "360 configurations", 6384, 0.4, 2)
     assert said[-1] == (
-        "simulate --bytes: 360 configurations; expected about 20 min (the last "
+        "simulate-bytes: 360 configurations; expected about 20 min (the last "
         "run of this selection took 20 min)"
     )
 

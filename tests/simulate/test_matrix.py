@@ -53,7 +53,7 @@ def test_base_is_named_by_its_pin_not_by_a_path():
     whether the files came from a wheel or the installed package, never a
     directory of the machine that ran it."""
     from vllm_overlay.checkout import Checkout
-    from vllm_overlay.simulate.run import base_files
+    from vllm_overlay.simulate.plan import base_files
 
     _, where = base_files()
     vllm = Checkout.find().pin.vllm

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from vllm_overlay.simulate.bytes.driver import is_escape
-from vllm_overlay.simulate.bytes.rank import SchedulerEscape
 from vllm_overlay.simulate.bytes.report import BytesReport, ConfigItem, ConfigReport
+from vllm_overlay.simulate.bytes.steps import SchedulerEscape
 from vllm_overlay.simulate.bytes.verdict import judge as judge_bytes
 from vllm_overlay.simulate.faults import FaultReport
 from vllm_overlay.simulate.report import LayoutReport, SweepReport

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from vllm_overlay.simulate import shrink
 from vllm_overlay.simulate.check import FULL, WINDOW, CaseResult, GroupInfo
-from vllm_overlay.simulate.report import PlanItem
-from vllm_overlay.simulate.run import base_files, run_variant
+from vllm_overlay.simulate.plan import PlanItem, base_files
+from vllm_overlay.simulate.run import run_variant
 
 HITS = [0.0, 0.5, 0.897, 1.0]
 
@@ -171,7 +171,7 @@ def base_both_ways():
     files, _ = base_files()
     lengths = "1-600/7,601-4096/53"
     plan = [
-        PlanItem(name, lengths, "0,50,89.7,100", whole)
+        PlanItem.of(name, lengths, "0,50,89.7,100", whole)
         for name in ("dsv4", "gemma")
         for whole in (False, True)
     ]

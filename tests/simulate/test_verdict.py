@@ -220,6 +220,11 @@ def test_report_names(argv: tuple[str, ...], name: str) -> None:
     args = _args(*argv)
     full = "simulate-bytes.json" if args.bytes else "simulate.json"
     assert report_name(full, selection(args)) == name
+    if args.bytes:  # simulate-bytes names its reports as simulate --bytes did
+        own = build_parser().parse_args(
+            ["simulate-bytes", *(a for a in argv if a != "--bytes")]
+        )
+        assert report_name(full, selection(own)) == name
 
 
 def test_a_long_selection_is_cut_and_hashed() -> None:

@@ -426,7 +426,7 @@ def _groups(
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec, SlidingWindowSpec
     from vllm.v1.worker.utils import select_common_block_size
 
-    from vllm_overlay.simulate.layouts import Layout, SpecSlots
+    from vllm_overlay.simulate.layout_types import Layout, SpecSlots
     from vllm_overlay.simulate.legs import LegOptions, build_leg
 
     slots = SpecSlots(facts.num_speculative_tokens, facts.lookahead)

@@ -153,7 +153,7 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
             silent=True,
         ),
         Step(
-            ("simulate", "--bytes", *BYTES_GATE, "--variant", "overlay")
+            ("simulate-bytes", *BYTES_GATE, "--variant", "overlay")
             + ("--kv-layouts", "LBNHC")
             + ("--report", str(dirs.reports / "simulate-bytes-gate.json")),
             say="unit-base: every patch exports (ruff, git am in stack order)\n"

@@ -23,6 +23,7 @@ from vllm_overlay.simulate.bytes.lifetime import (
     signals_raise,
 )
 from vllm_overlay.simulate.bytes.verdict import judge as judge_bytes
+from vllm_overlay.simulate.families import family_layouts
 from vllm_overlay.simulate.faults import (
     DEFAULT_FAULT_HITS,
     DEFAULT_FAULT_LENGTHS,
@@ -37,6 +38,13 @@ from vllm_overlay.simulate.matrix import (
     readme_section,
     replace_section,
 )
+from vllm_overlay.simulate.plan import (
+    DEFAULT_HITS,
+    DEFAULT_LENGTHS,
+    FAMILY_LENGTHS,
+    parse_hits,
+    parse_lengths,
+)
 from vllm_overlay.simulate.procs import SweepOptions
 from vllm_overlay.simulate.report import (
     SweepReport,
@@ -44,14 +52,7 @@ from vllm_overlay.simulate.report import (
     format_table,
     summary_line,
 )
-from vllm_overlay.simulate.run import (
-    DEFAULT_HITS,
-    DEFAULT_LENGTHS,
-    FAMILY_LENGTHS,
-    parse_hits,
-    parse_lengths,
-    run_sweep,
-)
+from vllm_overlay.simulate.run import run_sweep
 from vllm_overlay.simulate.verdict import (
     GAPS_FILE,
     SIMULATE_REPORT,
@@ -64,6 +65,10 @@ from vllm_overlay.simulate.verdict import (
 from vllm_overlay.tree.baseopts import add_base_options, base_source
 
 BYTES_REPORT = "simulate-bytes.json"
+DEPRECATED_BYTES = (
+    "note: `vllm-overlay simulate --bytes` is deprecated; it runs "
+    "`vllm-overlay simulate-bytes` (the same options)"
+)
 DEFAULT_VARIANT = "all"
 """Both builds alone and both mixed pairs (a rolling upgrade's halves)."""
 
@@ -142,40 +147,7 @@ def report_name(full: str, chosen: list[tuple[str, str]]) -> str:
 
 def register(sub: Subparsers) -> None:
     p = add_command(sub, "simulate", _run)
-    p.add_argument(
-        "--layouts",
-        default="",
-        metavar="LIST",
-        help="comma list of "
-        + ", ".join(all_layouts())
-        + " (optionally name/dcpN); default: all, every DCP size they allow",
-    )
-    p.add_argument(
-        "--lengths",
-        default=None,
-        metavar="RANGES",
-        help="prompt lengths: ranges a-b, a-b/step, lists (default "
-        f"{DEFAULT_LENGTHS} for the mechanism layouts, {FAMILY_LENGTHS} for "
-        f"the model families; with --bytes {bytes_cli.DEFAULT_LENGTHS})",
-    )
-    p.add_argument(
-        "--hits",
-        metavar="PERCENTS",
-        help=f"decoder prefix-hit percentages (default {DEFAULT_HITS}; with "
-        f"--bytes {bytes_cli.DEFAULT_HITS})",
-    )
-    p.add_argument(
-        "--variant",
-        default=DEFAULT_VARIANT,
-        metavar="PAIRS",
-        help="which connector build each leg runs, a comma list of pairs: base, "
-        "overlay (one build on both legs), base->overlay (a base prefiller, an "
-        "overlaid decoder), overlay->base (a rolling upgrade's two halves); "
-        "both = base,overlay; mixed = base->overlay,overlay->base; all = the "
-        "four (default: %(default)s; every pair with an overlaid leg is "
-        "judged, a base decoder where the base pair reads right; with --bytes "
-        "the mixed pairs run the mechanism layouts only; --update-readme: both)",
-    )
+    _add_selection(p, own_bytes=False)
     p.add_argument(
         "--faults",
         nargs="?",
@@ -190,13 +162,6 @@ def register(sub: Subparsers) -> None:
         "an exception escaping the scheduler unless known-gaps lists it",
     )
     p.add_argument(
-        "--report",
-        type=Path,
-        metavar="JSON",
-        help=f"where the JSON report goes (default: {REPORT_DIR}/{SIMULATE_REPORT}, "
-        f"with --bytes {REPORT_DIR}/{BYTES_REPORT}, in the checkout)",
-    )
-    p.add_argument(
         "--markdown",
         action="store_true",
         help="print the model-family matrix as the README's Markdown table",
@@ -206,6 +171,80 @@ def register(sub: Subparsers) -> None:
         action="store_true",
         help="run every model family (base and overlay), write "
         f"{MATRIX_JSON} and the README's supported-models table",
+    )
+    p.add_argument(
+        "--whole",
+        action="store_true",
+        help="run every case through the schedulers (the reference; by default "
+        "a case a whole number of periods longer than a small one it matches "
+        "follows from it: simulate/shrink.py)",
+    )
+    bytes_cli.add_arguments(p, own_command=False)
+    p.set_defaults(bytes_command=False)
+    b = add_command(sub, "simulate-bytes", _run_bytes)
+    _add_selection(b, own_bytes=True)
+    b.set_defaults(
+        faults=None,
+        markdown=False,
+        update_readme=False,
+        whole=False,
+        bytes_command=True,
+    )
+    bytes_cli.add_arguments(b, own_command=True)
+
+
+def _add_selection(p: argparse.ArgumentParser, *, own_bytes: bool) -> None:
+    """The options both simulators take (``own_bytes``: the help of
+    ``simulate-bytes``)."""
+    p.add_argument(
+        "--layouts",
+        default="",
+        metavar="LIST",
+        help="comma list of "
+        + ", ".join(all_layouts())
+        + " (optionally name/dcpN); default: all, every DCP size they allow",
+    )
+    lengths = (
+        f"{bytes_cli.DEFAULT_LENGTHS}"
+        if own_bytes
+        else f"{DEFAULT_LENGTHS} for the mechanism layouts, {FAMILY_LENGTHS} for "
+        "the model families"
+    )
+    p.add_argument(
+        "--lengths",
+        default=None,
+        metavar="RANGES",
+        help=f"prompt lengths: ranges a-b, a-b/step, lists (default {lengths})",
+    )
+    p.add_argument(
+        "--hits",
+        metavar="PERCENTS",
+        help="decoder prefix-hit percentages (default "
+        f"{bytes_cli.DEFAULT_HITS if own_bytes else DEFAULT_HITS})",
+    )
+    p.add_argument(
+        "--variant",
+        default=DEFAULT_VARIANT,
+        metavar="PAIRS",
+        help="which connector build each leg runs, a comma list of pairs: base, "
+        "overlay (one build on both legs), base->overlay (a base prefiller, an "
+        "overlaid decoder), overlay->base (a rolling upgrade's two halves); "
+        "both = base,overlay; mixed = base->overlay,overlay->base; all = the "
+        "four (default: %(default)s; every pair with an overlaid leg is "
+        "judged, a base decoder where the base pair reads right"
+        + (
+            "; the mixed pairs run the mechanism layouts only)"
+            if own_bytes
+            else "; --update-readme: both)"
+        ),
+    )
+    name = BYTES_REPORT if own_bytes else SIMULATE_REPORT
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="JSON",
+        help=f"where the JSON report goes (default: {REPORT_DIR}/{name} for "
+        "the full run, a name of its own for a selection, in the checkout)",
     )
     add_base_options(p, "the pinned base")
     p.add_argument(
@@ -219,23 +258,27 @@ def register(sub: Subparsers) -> None:
         "--processes",
         type=int,
         metavar="N",
-        help="worker processes per variant (default: cores / variants; "
-        "--bytes: zygotes per variant at a time, default 1)",
+        help="zygotes per variant at a time (default 1)"
+        if own_bytes
+        else "worker processes per variant (default: cores / variants)",
     )
-    p.add_argument(
-        "--whole",
-        action="store_true",
-        help="run every case through the schedulers (the reference; by default "
-        "a case a whole number of periods longer than a small one it matches "
-        "follows from it: simulate/shrink.py)",
-    )
-    bytes_cli.add_arguments(p)
 
 
-def _family_layouts() -> list[str]:
-    from vllm_overlay.simulate.families import family_layouts
+def _run_bytes(app: App, args: argparse.Namespace) -> int:
+    """Byte-level simulator: real MoRIIO workers move real KV bytes, base vs overlay.
 
-    return list(family_layouts())
+    Both legs' real MoRIIO workers (prefill and decode ranks as processes,
+    real KV cache tensors in vLLM's layout, the real handshake) move the KV
+    over a loopback stand-in for mori, in READ and WRITE mode, for every TP
+    pair and KV cache layout, and every byte the decoder attends to is
+    checked against what the prefiller computed.
+
+    Ends with a verdict on the overlay: exit status 1 when a configuration
+    that starts moves a wrong or stray byte, crashes or runs no case with
+    the overlay, unless docs/known-gaps.toml lists it with the issue or
+    patch that tracks it.
+    """
+    return _run(app, args)
 
 
 def _run(app: App, args: argparse.Namespace) -> int:
@@ -243,23 +286,18 @@ def _run(app: App, args: argparse.Namespace) -> int:
 
     Run both legs' real vLLM schedulers on CPU with the MoRIIO connector in
     READ mode, base against overlay, for every layout, prompt length and
-    decoder prefix hit, and check what the decoder reads.
+    decoder prefix hit, and check what the decoder reads. The byte level is
+    `vllm-overlay simulate-bytes` (`simulate --bytes` still runs it, with a
+    note on stderr).
 
-    With --bytes: both legs' real MoRIIO workers (prefill and decode ranks
-    as processes, real KV cache tensors in vLLM's layout, the real handshake)
-    move the KV over a loopback stand-in for mori, in READ and WRITE mode, for
-    every TP pair and KV cache layout, and every byte the decoder attends to
-    is checked against what the prefiller computed.
-
-    Ends with a verdict on the overlay: exit status 1 when a layout (with
-    --bytes: a configuration) that starts reads wrong KV (moves a wrong or
-    stray byte), crashes or runs no case with the overlay, unless
+    Ends with a verdict on the overlay: exit status 1 when a layout that
+    starts reads wrong KV, crashes or runs no case with the overlay, unless
     docs/known-gaps.toml lists it with the issue or patch that tracks it.
     """
     if args.processes is not None and args.processes < 1:
         return app.fail(f"--processes {args.processes}: must be at least 1")
     if not args.bytes and (given := bytes_cli.given_without_bytes(args)):
-        return app.fail(f"{', '.join(given)}: only with --bytes")
+        return app.fail(f"{', '.join(given)}: only with simulate-bytes")
     try:
         variants = [pair.name for pair in parse_pairs(args.variant)]
     except ValueError as e:
@@ -272,11 +310,12 @@ def _run(app: App, args: argparse.Namespace) -> int:
         return app.fail("--faults: not with --bytes, --update-readme or --whole")
     layouts = [x for x in args.layouts.split(",") if x.strip()]
     _check_args(layouts, args.lengths, args.hits)
+    bytes_opts = bytes_cli.options_from(args) if args.bytes else None
     gaps = _gaps(app)
     if args.update_readme:
         if layouts or args.variant != DEFAULT_VARIANT or args.bytes:
             return app.fail("--update-readme runs every family, base and overlay")
-        layouts = _family_layouts()
+        layouts = list(family_layouts())
         variants = ["base", "overlay"]
     name = BYTES_REPORT if args.bytes else SIMULATE_REPORT
     full = app.checkout.root / REPORT_DIR / name
@@ -291,13 +330,15 @@ def _run(app: App, args: argparse.Namespace) -> int:
         previous_seconds=previous_wall_seconds(out),
     )
     report: SweepReport | bytes_cli.BytesReport
-    if args.bytes:
+    if bytes_opts is not None:
+        if not args.bytes_command:  # the arguments are good: say it once
+            app.err.write(DEPRECATED_BYTES + "\n")
         try:
-            report = _bytes_sweep(args, layouts, variants, options)
+            report = _bytes_sweep(bytes_opts, layouts, variants, options)
         except Interrupted as e:
             app.end_progress()
             app.fail(
-                f"simulate --bytes: interrupted by {e}; its zygote and rank "
+                f"simulate-bytes: interrupted by {e}; its zygote and rank "
                 "processes were stopped and their /dev/shm files removed"
             )
             return e.exit_code
@@ -316,18 +357,7 @@ def _run(app: App, args: argparse.Namespace) -> int:
             whole=args.whole,
             faults=faults,
         )
-        if args.markdown:
-            text = format_matrix(report, markdown=True)
-        elif faults:
-            text = format_faults(report.faults)
-        else:
-            text = format_table(report)
-            if any(BuildPair.parse(v).mixed for v in variants) or any(
-                r.escape_cases or r.fallback_cases for r in report.layouts
-            ):
-                text += "\n\nby pair of builds (prefill->decode):\n" + format_pairs(
-                    report
-                )
+        text = _scheduler_text(report, args.markdown, bool(faults), variants)
         summary = summary_line(report)
     app.end_progress()
     for variant, where in report.variants.items():
@@ -336,21 +366,14 @@ def _run(app: App, args: argparse.Namespace) -> int:
     if isinstance(report, bytes_cli.BytesReport) and report.family_lengths:
         app.say(f"model families: lengths {report.family_lengths}")
     app.say(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    safefile.replace_file(out, msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+    _write_json(out, report)
     if args.report or not chosen:
         app.say(f"report: {out}")
     else:
         app.say(f"report: {out} (this selection's; the full run's is {full.name})")
     if args.update_readme:
         assert isinstance(report, SweepReport)
-        root = app.checkout.root
-        safefile.replace_file(
-            root / MATRIX_JSON, msgspec.json.format(msgspec.json.encode(report)) + b"\n"
-        )
-        readme = root / "README.md"
-        readme.write_text(replace_section(readme.read_text(), readme_section(report)))
-        app.say(f"wrote {MATRIX_JSON} and the README's supported-models table")
+        _update_readme(app, report)
     app.say(summary)
     if not isinstance(report, SweepReport):
         bytes_verdict = judge_bytes(report, gaps)
@@ -368,8 +391,41 @@ def _run(app: App, args: argparse.Namespace) -> int:
     return verdict.exit_code
 
 
+def _scheduler_text(
+    report: SweepReport, markdown: bool, faults: bool, variants: list[str]
+) -> str:
+    """The scheduler sweep's table: the README's matrix (``markdown``), the
+    faults' rows, or one row per layout and pair, then by pair of builds
+    when a pair is mixed or a layout escaped or fell back."""
+    if markdown:
+        return format_matrix(report, markdown=True)
+    if faults:
+        return format_faults(report.faults)
+    text = format_table(report)
+    if any(BuildPair.parse(v).mixed for v in variants) or any(
+        r.escape_cases or r.fallback_cases for r in report.layouts
+    ):
+        text += "\n\nby pair of builds (prefill->decode):\n" + format_pairs(report)
+    return text
+
+
+def _write_json(path: Path, report: SweepReport | bytes_cli.BytesReport) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = msgspec.json.format(msgspec.json.encode(report))
+    safefile.replace_file(path, text + b"\n")
+
+
+def _update_readme(app: App, report: SweepReport) -> None:
+    """``--update-readme``: the matrix's JSON and the README's table."""
+    root = app.checkout.root
+    _write_json(root / MATRIX_JSON, report)
+    readme = root / "README.md"
+    readme.write_text(replace_section(readme.read_text(), readme_section(report)))
+    app.say(f"wrote {MATRIX_JSON} and the README's supported-models table")
+
+
 def _bytes_sweep(
-    args: argparse.Namespace,
+    opts: bytes_cli.BytesOptions,
     layouts: list[str],
     variants: list[str],
     options: SweepOptions,
@@ -379,7 +435,7 @@ def _bytes_sweep(
     ``nox -s simulate-bytes``), it also ends with that parent."""
     die_with_parent_from_env(signal.SIGTERM)
     with signals_raise():
-        return bytes_cli.sweep(args, layouts, variants, options)
+        return bytes_cli.sweep(opts, layouts, variants, options)
 
 
 def _gaps(app: App) -> list[KnownGap]:

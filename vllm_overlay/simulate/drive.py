@@ -33,10 +33,10 @@ from vllm_overlay.simulate.check import (
 )
 from vllm_overlay.simulate.faults import Fault, FaultCase, FaultContext, apply_payload
 from vllm_overlay.simulate.hashes import PromptHashes
-from vllm_overlay.simulate.layouts import Layout
+from vllm_overlay.simulate.layout_types import Layout
 from vllm_overlay.simulate.legs import Leg, build_leg
 from vllm_overlay.simulate.outputs import model_runner_output
-from vllm_overlay.simulate.pages import Page, PageStore
+from vllm_overlay.simulate.pages import Page, PageStore, holds_state
 
 Lists = list[list[int]]
 RewriteFn = Callable[[Lists, Lists, Lists], tuple[Lists, Lists]]
@@ -774,6 +774,4 @@ def _error_result(
 
 
 def _state_ok(store: PageStore, block_id: int, group: int, uid: int, t: int) -> bool:
-    from vllm_overlay.simulate.pages import holds_state
-
     return holds_state(store.get(block_id), group, uid, t)

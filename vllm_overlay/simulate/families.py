@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_overlay.simulate.layouts import Layout, Ring, SpecDecode
+from vllm_overlay.simulate.layout_types import Layout, Ring, SpecDecode
 
 Specs = dict[str, Any]
 Shapes = tuple[tuple[int, ...], ...]
@@ -140,8 +140,6 @@ def _hybrid_block(attn_page_per_token: int, mamba_page: int, alignment: int) -> 
 
 def _draft(spec: Any) -> Any:
     """``GPUModelRunner.get_kv_cache_spec`` marks a drafter's layers."""
-    from dataclasses import replace
-
     return replace(spec, is_draft=True)
 
 

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from vllm_overlay.simulate.check import FULL, WINDOW
+from vllm_overlay.simulate.tables import clip, table
 
 Lists = list[list[int]]
 
@@ -179,9 +180,6 @@ class FaultReport(msgspec.Struct, tag="fault"):
 def format_faults(reports: Sequence[FaultReport]) -> str:
     """One row per (layout, fault, pair): cases, escapes, the intact
     request right, the refused one served by local prefill."""
-    from vllm_overlay.simulate.procs import table
-    from vllm_overlay.simulate.report import clip
-
     rows = [
         (
             "layout",

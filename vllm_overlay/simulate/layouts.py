@@ -9,76 +9,11 @@ builds its specs. The specs go through vLLM's real planner
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
-
-@dataclass(frozen=True)
-class SpecSlots:
-    """Slot counts a leg's speculative config gives the scheduler/connector."""
-
-    num_speculative_tokens: int = 0
-    num_lookahead_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class SpecDecode:
-    """A real ``SpeculativeConfig`` for both legs (resolved offline)."""
-
-    method: str
-    num_speculative_tokens: int
-
-
-@dataclass(frozen=True)
-class Ring:
-    """What a ``CircularBufferSpec`` group holds for the checker.
-
-    The ring keeps the raw rows of the still-open compression group: the
-    decoder computing position p needs positions
-    ``[p // group_tokens * group_tokens, p)`` in it. ``capacity``: positions
-    the ring holds (slot = position % capacity); 0 means the block size the
-    model declares (the planner can give the group a larger one).
-    """
-
-    group_tokens: int
-    capacity: int = 0
-    row_bytes: int = 0
-    """Bytes of one row in a head's part of the page; 0 means one row of the
-    layer's ``[H, N, C]`` view (the model addresses rows of its own size
-    when they differ, as Step5's tail ring does)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    block_size: int
-    """The primary block size; 0 derives it from the first full-attention
-    spec (hybrids, whose block the platform sizes to the state page)."""
-    build_specs: Callable[[], dict[str, Any]]
-    """{layer name: KVCacheSpec}; DCP shards attention specs via the config."""
-    dcp: int = 1
-    has_state: bool = False
-    """Mamba/KDA state groups present (mamba_cache_mode="align"); also
-    derived from the specs."""
-    prefill_slots: SpecSlots = field(default_factory=SpecSlots)
-    decode_slots: SpecSlots = field(default_factory=SpecSlots)
-    note: str = ""
-    family: str = ""
-    """Model family (matrix row); empty for mechanism layouts."""
-    source: str = ""
-    """The vLLM file and function whose spec construction the layout follows."""
-    kv_cache_layout: str = "LBNHC"
-    speculative: SpecDecode | None = None
-    ring: Ring | None = None
-    prefix_caching: bool = True
-    hisparse: bool = False
-
-    def layer_specs(self) -> dict[str, Any]:
-        return self.build_specs()
-
-    def register_specs(self) -> None:
-        """Register spec classes vLLM does not ship (none at present)."""
+from vllm_overlay.simulate.families import family_dcp_sizes, family_layouts
+from vllm_overlay.simulate.layout_types import Layout, Ring, SpecSlots
 
 
 def _bf16() -> Any:
@@ -249,22 +184,16 @@ _MECHANISM_DCP: dict[str, tuple[int, ...]] = {
 
 def all_layouts() -> dict[str, Layout]:
     """Mechanism layouts, then one per model family and grouping layout."""
-    from vllm_overlay.simulate.families import family_layouts
-
     return {**BASE_LAYOUTS, **family_layouts()}
 
 
 def dcp_sizes() -> dict[str, tuple[int, ...]]:
     """DCP sizes each layout runs at by default."""
-    from vllm_overlay.simulate.families import family_dcp_sizes
-
     return {**_MECHANISM_DCP, **family_dcp_sizes()}
 
 
 def expand(names: list[str] | None = None) -> list[Layout]:
     """All layouts, one per allowed DCP size (``name`` or ``name/dcpN``)."""
-    from dataclasses import replace
-
     layouts = all_layouts()
     sizes_of = dcp_sizes()
     out: list[Layout] = []

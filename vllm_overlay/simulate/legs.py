@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_overlay.simulate.layouts import Layout, SpecDecode, SpecSlots
+from vllm_overlay.simulate.layout_types import Layout, SpecDecode, SpecSlots
 
 # Folders holding only a config.json: the scheduler and the connector read
 # the specs, the block sizes and the speculative config, not the model; the

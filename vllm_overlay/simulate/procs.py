@@ -26,18 +26,19 @@ import msgspec
 
 from vllm_overlay import cpuplatform
 from vllm_overlay.checkout import Checkout
-from vllm_overlay.simulate.builds import BuildPair, builds_of, load_pair
+from vllm_overlay.simulate.builds import BuildPair, load_pair
 from vllm_overlay.simulate.eta import (
     duration,
     eta_text,
     expected_line,
     expected_seconds,
 )
+from vllm_overlay.simulate.lines import Progress
+from vllm_overlay.simulate.plan import Sources, sources
 from vllm_overlay.text import count
 from vllm_overlay.tree.materialize import BaseSource
+from vllm_overlay.tree.variant import build_variant_dir
 
-Sources = dict[str, tuple[dict[str, str], str]]
-"""Variant name -> (its moriio files by name, where they came from)."""
 Started = tuple["subprocess.Popen[str]", str]
 """A started process and its label for errors."""
 
@@ -78,41 +79,10 @@ class SweepOptions:
             basis = f"{cpu_per_case:.3g} CPU-s per case on {on}"
         self.announce(expected_line(what, plan, seconds, basis))
 
-    @staticmethod
-    def where(sources: Sources) -> dict[str, str]:
-        """Variant name -> where its files came from (for reports)."""
-        return {variant: where for variant, (_, where) in sources.items()}
-
     def sources(self, variants: Sequence[str]) -> Sources:
-        """The files of every build the pairs ``variants`` run (``base``,
-        ``overlay``, ``base->overlay``...), by build."""
-        from vllm_overlay.simulate.run import base_files, overlay_files
-
-        builds = builds_of([BuildPair.parse(v) for v in variants])
-        sources: Sources = {}
-        base = base_files(self.base_source, self.checkout)
-        if "base" in builds:
-            sources["base"] = base
-        if "overlay" in builds:
-            sources["overlay"] = overlay_files(
-                base[0], self.overlay_source, self.checkout
-            )
-        return sources
-
-    @staticmethod
-    def where_pairs(sources: Sources, variants: Sequence[str]) -> dict[str, str]:
-        """Pair name -> where its builds' files came from (for reports)."""
-        out = {}
-        for variant in variants:
-            pair = BuildPair.parse(variant)
-            if pair.mixed:
-                out[variant] = (
-                    f"prefill {pair.prefill}: {sources[pair.prefill][1]}; "
-                    f"decode {pair.decode}: {sources[pair.decode][1]}"
-                )
-            else:
-                out[variant] = sources[pair.prefill][1]
-        return out
+        """The files of every build the pairs ``variants`` run, by build
+        (``plan.sources``)."""
+        return sources(variants, self.base_source, self.overlay_source, self.checkout)
 
 
 class Tally:
@@ -151,8 +121,6 @@ class Tally:
         return sorted(self.results, key=lambda r: (plan_index(r), where[r.variant]))
 
     def __call__(self, line: Any) -> None:
-        from vllm_overlay.simulate.report import Progress
-
         with self._lock:
             if isinstance(line, Progress):
                 self._busy[(line.variant, line.layout)] = (line.done, line.total)
@@ -324,24 +292,6 @@ def pair_dirs(variant: str, dirs: Mapping[str, Path]) -> dict[str, Path]:
     return {b: dirs[b] for b in dict.fromkeys((pair.prefill, pair.decode))}
 
 
-def ratio(num: int, den: int) -> str:
-    if den == 0:
-        return "-" if num == 0 else "inf"
-    return f"{num / den:.2f}"
-
-
-def table(rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns; a rule under the first row."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for i, row in enumerate(rows):
-        cells = (cell.ljust(w) for cell, w in zip(row, widths, strict=True))
-        lines.append("  ".join(cells).rstrip())
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def run_processes(
     sources: Mapping[str, tuple[dict[str, str] | None, str]],
     start: Callable[[str, dict[str, Path]], list[Started]],
@@ -368,8 +318,6 @@ def variant_dirs(
 ) -> Iterator[dict[str, Path]]:
     """Each variant's moriio directory (files None: the installed package),
     in a temporary directory removed on exit."""
-    from vllm_overlay.tree.variant import build_variant_dir
-
     root = Path(tempfile.mkdtemp(prefix="vllm-overlay-sim-"))
     try:
         yield {

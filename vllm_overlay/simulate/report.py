@@ -2,54 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import msgspec
 
-from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.check import CaseResult
 from vllm_overlay.simulate.faults import FaultReport
-from vllm_overlay.simulate.procs import ratio, table
+from vllm_overlay.simulate.lines import Progress, count_case
+from vllm_overlay.simulate.tables import TABLE_WIDTH, clip, ratio, table
 from vllm_overlay.text import count
-
-
-class CaseCounts(Protocol):
-    cases: int
-    error_cases: int
-    first_errors: list[str]
-
-
-def count_case(report: CaseCounts, error: str | None) -> bool:
-    """Count one case; True when it is an error (the first three distinct
-    errors are kept)."""
-    report.cases += 1
-    if error is None:
-        return False
-    report.error_cases += 1
-    if len(report.first_errors) < 3 and error not in report.first_errors:
-        report.first_errors.append(error)
-    return True
-
-
-class PlanItem(msgspec.Struct):
-    """One layout's share of a worker's job."""
-
-    layout: str
-    lengths: str
-    hits: str
-    whole: bool = False
-    """Run every case itself instead of from its small ones (``shrink.py``)."""
-    fault: str | None = None
-    """Run this fault mode's cases (``faults.py``) instead of the sweep's."""
-    pair: BuildPair | None = None
-    """The connector build of each leg; None: the process's one build."""
-
-
-class Progress(msgspec.Struct, tag="progress"):
-    variant: str
-    layout: str
-    done: int
-    total: int
 
 
 class LayoutReport(msgspec.Struct, tag="layout"):
@@ -143,22 +102,6 @@ WorkerLine = Progress | LayoutReport | FaultReport
 def _first(ns: list[int], k: int = 6) -> str:
     head = ", ".join(str(n) for n in ns[:k])
     return head + (", ..." if len(ns) > k else "")
-
-
-TABLE_WIDTH = 120
-
-
-def clip(text: str, width: int) -> str:
-    """``text`` on one line in at most ``width`` characters; when longer, cut
-    after a whole word and marked with "..." (the full text is in the JSON)."""
-    text = " ".join(text.split())
-    if len(text) <= width:
-        return text
-    room = max(width - 3, 1)
-    head = text[: room + 1]
-    cut = head.rfind(" ")
-    head = head[:cut] if cut > 0 else text[:room]
-    return head.rstrip(" ,;:") + "..."
 
 
 def format_table(report: SweepReport) -> str:

@@ -14,31 +14,23 @@ from pathlib import Path
 
 import msgspec
 
-from vllm_overlay.checkout import Checkout
-from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.simulate import procs
 from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.eta import SCHEDULER_CPU_PER_CASE
 from vllm_overlay.simulate.faults import FaultReport
 from vllm_overlay.simulate.layouts import expand
-from vllm_overlay.simulate.report import (
-    LayoutReport,
+from vllm_overlay.simulate.plan import (
     PlanItem,
-    SweepReport,
-    WorkerLine,
+    default_lengths,
+    parse_hits,
+    parse_lengths,
+    where_pairs,
 )
+from vllm_overlay.simulate.report import LayoutReport, SweepReport, WorkerLine
 from vllm_overlay.simulate.worker import MARK
 from vllm_overlay.text import count
-from vllm_overlay.tree.materialize import BaseSource
-from vllm_overlay.tree.variant import MORIIO_FILES
 
 _DECODER = msgspec.json.Decoder(WorkerLine)
-
-DEFAULT_LENGTHS = "1-4096/17"
-FAMILY_LENGTHS = "1-4096/67"
-"""Default for the model families: their real layer counts give up to ~50
-groups, and a case costs the real scheduler's time per group and page."""
-DEFAULT_HITS = "0,50,89.7,100"
 
 # Relative cost per case, to balance layouts across processes.
 _COST = {
@@ -53,129 +45,6 @@ _COST = {
     "deepseek-v4-pro-BLNHC": 4.0,
     "deepseek-v4-pro-mtp-BLNHC": 4.0,
 }
-
-
-def default_lengths(layout_names: list[str]) -> dict[str, str]:
-    """Lengths per layout when none are given: every 17th for the mechanism
-    layouts, every 67th for the model families."""
-    from vllm_overlay.simulate.layouts import BASE_LAYOUTS
-
-    return {
-        name: DEFAULT_LENGTHS if name.split("/")[0] in BASE_LAYOUTS else FAMILY_LENGTHS
-        for name in layout_names
-    }
-
-
-def _whole_number(value: str, part: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(
-            f"{part!r} is not a length, a range a-b or a range a-b/step"
-        ) from None
-
-
-def parse_lengths(text: str) -> list[int]:
-    """``1-4096``, ``1-4096/13`` (every 13th), ``251,377`` or a mix. A bad
-    value is a ValueError saying why."""
-    out: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        rng, _, step = part.partition("/")
-        lo, _, hi = rng.partition("-")
-        first = _whole_number(lo, part)
-        last = _whole_number(hi or lo, part)
-        every = _whole_number(step or "1", part)
-        if first < 1:
-            raise ValueError(f"a prompt length is at least 1, not {first}")
-        if last < first:
-            raise ValueError(f"a range a-b needs a <= b, not {first} > {last}")
-        if every < 1:
-            raise ValueError(f"a step is at least 1, not {every}")
-        out.update(range(first, last + 1, every))
-    if not out:
-        raise ValueError("no length given (e.g. 1-4096, 1-4096/17 or 251,377)")
-    return sorted(out)
-
-
-def parse_hits(text: str) -> list[float]:
-    """Percentages, e.g. ``0,50,89.7,100`` -> fractions. A bad value is a
-    ValueError saying why."""
-    hits = []
-    for part in (x.strip() for x in text.split(",")):
-        if not part:
-            continue
-        try:
-            percent = float(part)
-        except ValueError:
-            raise ValueError(f"{part!r} is not a percentage") from None
-        if not 0 <= percent <= 100:
-            raise ValueError(f"a hit is 0 to 100 %, not {part}")
-        hits.append(percent / 100)
-    if not hits:
-        raise ValueError("no hit given (e.g. 0,50,100)")
-    return hits
-
-
-def _by_name(texts: dict[str, str]) -> dict[str, str]:
-    return {Path(path).name: text for path, text in texts.items()}
-
-
-def base_files(
-    source: BaseSource | None = None, checkout: Checkout | None = None
-) -> tuple[dict[str, str], str]:
-    """The pinned base moriio files (by file name), checked against the pin,
-    and where they came from (see ``BaseSource``)."""
-    checkout = checkout or Checkout.find()
-    resolved = (source or BaseSource()).resolved()
-    bases = resolved.load(checkout.pin, checkout.series)
-    # Reports name the base by the pin its files were checked against, not
-    # by a path on the machine that ran them (the README quotes them).
-    vllm = checkout.pin.vllm
-    origin = f"wheel {resolved.wheel.name}" if resolved.wheel else "installed package"
-    return _by_name(bases.texts), f"vLLM {vllm.version} ({vllm.git_commit}, {origin})"
-
-
-def overlay_files(
-    base: dict[str, str], source: str | None = None, checkout: Checkout | None = None
-) -> tuple[dict[str, str], str]:
-    """Overlaid moriio files.
-
-    ``source``: ``series`` (default: this checkout's patch series applied to
-    ``base``), a directory holding the files, or ``REPO@REF`` (a patch-stack
-    branch, e.g. ``/work/scratch/stack@p0003``).
-    """
-    if source is None or source == "series":
-        from vllm_overlay.tree.apply import overlay_texts
-
-        checkout = checkout or Checkout.find()
-        pin, series = checkout.pin, checkout.series
-        full = {path: base[Path(path).name] for path in pin.files}
-        texts = dict(base)
-        texts.update(_by_name(overlay_texts(full, series)))
-        names = ", ".join(p.name.split("-")[0] for p in series.patches)
-        return texts, f"series {series.series_id} ({names or 'empty'})"
-    if Path(source).is_dir():
-        d = Path(source)
-        return {name: (d / name).read_text() for name in MORIIO_FILES}, str(d)
-    repo_s, _, ref = source.partition("@")
-    files = {
-        name: subprocess.run(
-            ["git", "-C", repo_s, "show", f"{ref}:{MODULE_DIR}/{name}"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        for name in MORIIO_FILES
-    }
-    commit = subprocess.run(
-        ["git", "-C", repo_s, "rev-parse", "--short", ref],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    return files, f"{repo_s}@{ref} ({commit})"
 
 
 def _split(layouts: list[str], parts: int) -> list[list[str]]:
@@ -236,14 +105,13 @@ def run_sweep(
     per_layout = (
         {name: lengths for name in names} if lengths else default_lengths(names)
     )
-    for text in set(per_layout.values()):
-        parse_lengths(text)
-    parse_hits(hits)
+    parsed = {text: tuple(parse_lengths(text)) for text in set(per_layout.values())}
+    hit_values = tuple(parse_hits(hits))
     pairs = [BuildPair.parse(v) for v in variants]
     sources = options.sources(variants)
     modes: list[str | None] = list(faults) if faults else [None]
     items_per_pair = [
-        PlanItem(name, per_layout[name], hits, whole, fault=fault)
+        PlanItem(name, parsed[per_layout[name]], hit_values, whole, fault=fault)
         for name in names
         for fault in modes
     ]
@@ -253,8 +121,8 @@ def run_sweep(
         processes_per_variant = max(1, (os.cpu_count() or 2) // len(pairs))
     chunks = _split_items(items_per_pair, processes_per_variant)
     ports = {p.name: 20000 + 4000 * i for i, p in enumerate(pairs)}
-    per_variant = sum(len(parse_lengths(item.lengths)) for item in items_per_pair)
-    cases = per_variant * len(parse_hits(hits)) * len(pairs)
+    per_variant = sum(len(item.lengths) for item in items_per_pair)
+    cases = per_variant * len(hit_values) * len(pairs)
     what = "simulate --faults" if faults else "simulate"
     options.expect(
         what,
@@ -286,8 +154,8 @@ def run_sweep(
     results = tally.ordered(lambda r: order.get(_key(r), 0), [p.name for p in pairs])
     return SweepReport(
         lengths=", ".join(sorted(set(per_layout.values()))),
-        hits=[h * 100 for h in parse_hits(hits)],
-        variants=options.where_pairs(sources, [p.name for p in pairs]),
+        hits=[h * 100 for h in hit_values],
+        variants=where_pairs(sources, [p.name for p in pairs]),
         layouts=[r for r in results if isinstance(r, LayoutReport)],
         wall_seconds=time.monotonic() - start,
         faults=[r for r in results if isinstance(r, FaultReport)],

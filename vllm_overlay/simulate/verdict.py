@@ -47,7 +47,7 @@ class KnownGap(msgspec.Struct, forbid_unknown_fields=True):
     """The issue or patch that tracks it (``issue 20``, a pull request URL)."""
     why: str
     scope: Literal["scheduler", "bytes", "faults"] = "scheduler"
-    """Which simulator the gap is for: ``simulate``, ``simulate --bytes``
+    """Which simulator the gap is for: ``simulate``, ``simulate-bytes``
     (``simulate/bytes/verdict.py`` says how a bytes gap names a
     configuration) or ``simulate --faults`` (a layout, or ``layout fault``)."""
     pair: str = "overlay"

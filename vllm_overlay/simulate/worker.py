@@ -11,13 +11,19 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
-from vllm_overlay.simulate.faults import FaultReport
+from vllm_overlay.simulate import shrink
+from vllm_overlay.simulate.drive import Pair
+from vllm_overlay.simulate.faults import FAULTS, FaultReport
+from vllm_overlay.simulate.layouts import expand
+from vllm_overlay.simulate.lines import Progress
+from vllm_overlay.simulate.plan import PlanItem
 from vllm_overlay.simulate.procs import Emitter, load_variant, variant_parser
-from vllm_overlay.simulate.report import LayoutReport, PlanItem, Progress
+from vllm_overlay.simulate.report import LayoutReport
 
 MARK = "@@simulate "
 emit = Emitter(MARK)
@@ -35,18 +41,14 @@ def refusal_origin(exc: BaseException) -> str:
 def run_layout(
     variant: str,
     layout_name: str,
-    lengths: list[int],
-    hits: list[float],
+    lengths: Sequence[int],
+    hits: Sequence[float],
     port: int,
     progress_every: int = 200,
     whole: bool = False,
 ) -> LayoutReport:
     """``whole``: run every case through the schedulers; otherwise most
     follow from small ones (``shrink.py``)."""
-    from vllm_overlay.simulate import shrink
-    from vllm_overlay.simulate.drive import Pair
-    from vllm_overlay.simulate.layouts import expand
-
     layout = expand([layout_name])[0]
     report = LayoutReport(
         variant=variant,
@@ -93,15 +95,11 @@ def run_faults(
     variant: str,
     layout_name: str,
     fault_name: str,
-    lengths: list[int],
-    hits: list[float],
+    lengths: Sequence[int],
+    hits: Sequence[float],
     port: int,
 ) -> FaultReport:
     """Every (length, hit) case of one fault mode on one layout."""
-    from vllm_overlay.simulate.drive import Pair
-    from vllm_overlay.simulate.faults import FAULTS
-    from vllm_overlay.simulate.layouts import expand
-
     fault = FAULTS[fault_name]
     layout = expand([layout_name])[0]
     report = FaultReport(variant, layout.name, fault.name, fault.covers)
@@ -125,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=40000)
     args = ap.parse_args(argv)
 
-    from vllm_overlay.simulate.run import parse_hits, parse_lengths
-
     pair = load_variant(args)
     plan = msgspec.json.decode(args.plan, type=list[PlanItem])
     for i, item in enumerate(plan):
@@ -136,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"this process runs {pair.name}"
             )
         port = args.port + 1000 * i
-        lengths, hits = parse_lengths(item.lengths), parse_hits(item.hits)
+        lengths, hits = item.lengths, item.hits
         if item.fault is not None:
             emit(run_faults(args.variant, item.layout, item.fault, lengths, hits, port))
             continue

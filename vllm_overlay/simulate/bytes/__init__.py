@@ -1,4 +1,4 @@
-"""Byte-level prefill/decode simulation (issue 19).
+"""Byte-level prefill/decode simulation (``vllm-overlay simulate-bytes``).
 
 Both legs' real MoRIIO workers (``MoRIIOConnectorWorker`` from the variant's
 moriio package, base or overlaid) run as prefill and decode rank processes,

@@ -1,10 +1,11 @@
-"""``vllm-overlay simulate --bytes``: both legs' real MoRIIO workers moving
+"""``vllm-overlay simulate-bytes``: both legs' real MoRIIO workers moving
 real KV cache tensors over the loopback ``mori`` stand-in, base vs overlay
 (the output is ``simulate/cli.py``'s, shared with the scheduler simulator)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from vllm_overlay.command import UsageError
 from vllm_overlay.simulate.builds import BuildPair
@@ -34,8 +35,10 @@ from vllm_overlay.simulate.procs import SweepOptions
 __all__ = [
     "DEFAULT_HITS",
     "DEFAULT_LENGTHS",
+    "BytesOptions",
     "BytesReport",
     "add_arguments",
+    "options_from",
     "given_without_bytes",
     "show",
     "summary_line",
@@ -43,24 +46,32 @@ __all__ = [
 ]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--bytes",
-        action="store_true",
-        help="byte level: real MoRIIO workers on both legs move real KV cache "
-        "tensors over a loopback stand-in for mori, every byte checked",
-    )
+def add_arguments(p: argparse.ArgumentParser, *, own_command: bool) -> None:
+    """The byte sweep's options: on ``simulate-bytes`` (``own_command``), or
+    on ``simulate`` behind the deprecated ``--bytes``."""
+    if own_command:
+        p.set_defaults(bytes=True)
+        only = ""
+    else:
+        p.add_argument(
+            "--bytes",
+            action="store_true",
+            help="deprecated: runs `vllm-overlay simulate-bytes` (the same "
+            "options), with a note on stderr",
+        )
+        only = "--bytes: "
     p.add_argument(
         "--modes",
         default=",".join(MODES),
         metavar="LIST",
-        help="--bytes: read, write or both (default %(default)s)",
+        help=only + "read, write or both (default %(default)s)",
     )
     p.add_argument(
         "--tp",
         default=None,
         metavar="PAIRS",
-        help="--bytes: prefill-decode TP pairs (default "
+        help=only
+        + "prefill-decode TP pairs (default "
         + ",".join(f"{p}-{d}" for p, d in TP_PAIRS)
         + " for the mechanism layouts, "
         + ",".join(f"{p}-{d}" for p, d in FAMILY_TP_PAIRS)
@@ -69,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--all-hits",
         action="store_true",
-        help="--bytes: every prompt length at every decoder prefix hit in every "
+        help=only + "every prompt length at every decoder prefix hit in every "
         "configuration (default: the mechanism layouts at TP 1->1 and with DCP; "
         "the other TP pairs and every model family run each length at one hit, "
         "in turn)",
@@ -78,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-layouts",
         default=",".join(KV_LAYOUTS),
         metavar="LIST",
-        help="--bytes: vLLM KV cache layouts (default %(default)s)",
+        help=only + "vLLM KV cache layouts (default %(default)s)",
     )
 
 
@@ -101,41 +112,69 @@ def given_without_bytes(args: argparse.Namespace) -> list[str]:
     return list(given_options(args))
 
 
-def sweep(
-    args: argparse.Namespace,
-    layouts: list[str],
-    variants: list[str],
-    options: SweepOptions,
-) -> BytesReport:
-    modes = [x for x in args.modes.split(",") if x.strip()]
+@dataclass(frozen=True)
+class BytesOptions:
+    """What a byte sweep runs, checked (``options_from``)."""
+
+    modes: tuple[str, ...]
+    kv_layouts: tuple[str, ...]
+    tp_pairs: tuple[tuple[int, int], ...] | None
+    """None: each layout's default (``TP_PAIRS``, ``FAMILY_TP_PAIRS``)."""
+    all_hits: bool = False
+    lengths: str | None = None
+    """``--lengths`` (None: ``DEFAULT_LENGTHS``, the families their own)."""
+    hits: str | None = None
+    zygotes: int = ZYGOTES
+
+
+def options_from(args: argparse.Namespace) -> BytesOptions:
+    """The byte sweep's options from the command line; a bad ``--modes``,
+    ``--kv-layouts`` or ``--tp`` is a one-line ``UsageError``."""
+    modes = tuple(x for x in args.modes.split(",") if x.strip())
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise UsageError(f"--modes: unknown {bad}; choose from {list(MODES)}")
-    kv_layouts = [x.strip() for x in args.kv_layouts.split(",") if x.strip()]
+    kv_layouts = tuple(x.strip() for x in args.kv_layouts.split(",") if x.strip())
     bad = [k for k in kv_layouts if k not in KV_LAYOUTS]
     if bad or not kv_layouts:
         raise UsageError(f"--kv-layouts: unknown {bad}; choose from {list(KV_LAYOUTS)}")
     try:
-        tp_pairs = parse_tp_pairs(args.tp) if args.tp else None
+        tp_pairs = tuple(parse_tp_pairs(args.tp)) if args.tp else None
     except ValueError as exc:
         raise UsageError(
             f"--tp {args.tp!r}: want PREFILL-DECODE pairs of positive integers, "
             "e.g. 1-1,2-1"
         ) from exc
+    return BytesOptions(
+        modes,
+        kv_layouts,
+        tp_pairs,
+        all_hits=bool(args.all_hits),
+        lengths=args.lengths,
+        hits=args.hits,
+        zygotes=getattr(args, "processes", None) or ZYGOTES,
+    )
+
+
+def sweep(
+    opts: BytesOptions,
+    layouts: list[str],
+    variants: list[str],
+    options: SweepOptions,
+) -> BytesReport:
     try:
         items = plan_items(
             layouts or [layout.name for layout in expand()],
-            modes,
-            tp_pairs,
-            kv_layouts,
-            None if args.lengths else DEFAULT_FAMILY_LENGTHS,
-            all_hits=args.all_hits,
+            list(opts.modes),
+            list(opts.tp_pairs) if opts.tp_pairs is not None else None,
+            list(opts.kv_layouts),
+            None if opts.lengths else DEFAULT_FAMILY_LENGTHS,
+            all_hits=opts.all_hits,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    lengths, hits = args.lengths or DEFAULT_LENGTHS, args.hits or DEFAULT_HITS
-    zygotes = getattr(args, "processes", None) or ZYGOTES
-    return run_bytes_sweep(items, lengths, hits, variants, options, zygotes)
+    lengths, hits = opts.lengths or DEFAULT_LENGTHS, opts.hits or DEFAULT_HITS
+    return run_bytes_sweep(items, lengths, hits, variants, options, opts.zygotes)
 
 
 def show(report: BytesReport) -> str:

@@ -41,7 +41,9 @@ from vllm_overlay.simulate.bytes.lifetime import (
     die_with_parent,
     stop_signals_blocked,
 )
-from vllm_overlay.simulate.bytes.rank import (
+from vllm_overlay.simulate.bytes.rank import serve
+from vllm_overlay.simulate.bytes.shm import remove_shm, shm_path
+from vllm_overlay.simulate.bytes.steps import (
     ESCAPED,
     READ,
     RankConfig,
@@ -50,9 +52,7 @@ from vllm_overlay.simulate.bytes.rank import (
     Verdict,
     Watch,
     aggregate,
-    serve,
 )
-from vllm_overlay.simulate.bytes.shm import remove_shm, shm_path
 from vllm_overlay.simulate.drive import prompt_tokens
 
 _REPLY_TIMEOUT = 120.0

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_overlay.simulate.layouts import Layout
+from vllm_overlay.simulate.layout_types import Layout
 
 
 @dataclass(frozen=True)

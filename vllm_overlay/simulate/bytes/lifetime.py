@@ -1,7 +1,7 @@
 """The byte simulator's process tree ends with its top process, however that
 one ends.
 
-``vllm-overlay simulate --bytes`` (the top process) starts its zygotes (one
+``vllm-overlay simulate-bytes`` (the top process) starts its zygotes (one
 per variant by default); each zygote forks rank processes, each backing its
 KV cache with a /dev/shm file. Every child asks the kernel for a signal when
 its parent ends (``PR_SET_PDEATHSIG``): the zygote SIGTERM, which it handles

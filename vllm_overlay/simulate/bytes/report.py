@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
-from vllm_overlay.simulate.procs import ratio, table
-from vllm_overlay.simulate.report import Progress
+from vllm_overlay.simulate.lines import Progress
+from vllm_overlay.simulate.tables import ratio, table
 from vllm_overlay.text import count
 
 

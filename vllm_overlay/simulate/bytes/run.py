@@ -33,7 +33,7 @@ from vllm_overlay.simulate.bytes.shm import remove_stale_shm
 from vllm_overlay.simulate.bytes.zygote import MARK
 from vllm_overlay.simulate.eta import BYTES_CPU_PER_CASE
 from vllm_overlay.simulate.layouts import all_layouts
-from vllm_overlay.simulate.run import parse_hits, parse_lengths
+from vllm_overlay.simulate.plan import parse_hits, parse_lengths, where_pairs
 from vllm_overlay.text import count
 
 STANDIN_DIR = Path(__file__).resolve().parent / "standin"
@@ -263,7 +263,7 @@ def run_bytes_sweep(
     )
     configs = sum(map(len, per_pair.values()))
     options.expect(
-        "simulate --bytes",
+        "simulate-bytes",
         f"{count(configs, 'configuration')}, {count(cases, 'case')}",
         cases,
         BYTES_CPU_PER_CASE,
@@ -301,7 +301,7 @@ def run_bytes_sweep(
         lengths=lengths_list,
         family_lengths=parse_lengths(own.pop()) if len(own) == 1 else None,
         hits=[h * 100 for h in hits_list],
-        variants=options.where_pairs(sources, variants),
+        variants=where_pairs(sources, variants),
         configs=results,
         wall_seconds=time.monotonic() - start,
         zygotes={v: dispatcher.started.count(v) for v in variants},

@@ -99,13 +99,13 @@ class BytesVerdict:
             more = len(self.failures) - 6
             shown += f"; and {more} more" if more > 0 else ""
             return (
-                f"simulate --bytes: FAILED: the overlay falls short in "
+                f"simulate-bytes: FAILED: the overlay falls short in "
                 f"{len(self.failures)} configuration(s): {shown}{known}"
             )
         if not self.judged:
-            return "simulate --bytes: no overlay configuration ran: nothing to judge"
+            return "simulate-bytes: no overlay configuration ran: nothing to judge"
         return (
-            f"simulate --bytes: ok: the overlay moves the right bytes in every "
+            f"simulate-bytes: ok: the overlay moves the right bytes in every "
             f"configuration that starts ({self.judged - self.refused} run, "
             f"{self.refused} refused at start){known}"
         )

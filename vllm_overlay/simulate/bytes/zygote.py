@@ -26,13 +26,25 @@ from types import FrameType
 import msgspec
 
 from vllm_overlay import cpuplatform
+from vllm_overlay.simulate.bytes import driver
+from vllm_overlay.simulate.bytes.driver import (
+    Config,
+    reap_ranks,
+    retire_idle,
+    run_config,
+)
+from vllm_overlay.simulate.bytes.geometry import Geometry
 from vllm_overlay.simulate.bytes.lifetime import (
     STOP_SIGNALS,
     die_with_parent_from_env,
 )
 from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport, config_name
+from vllm_overlay.simulate.bytes.shm import remove_shm
+from vllm_overlay.simulate.layouts import expand
+from vllm_overlay.simulate.legs import LegOptions, build_leg
+from vllm_overlay.simulate.lines import Progress, count_case
+from vllm_overlay.simulate.plan import parse_hits, parse_lengths
 from vllm_overlay.simulate.procs import Emitter, load_variant, variant_parser
-from vllm_overlay.simulate.report import Progress, count_case
 
 MARK = "@@bytes "
 emit = Emitter(MARK)
@@ -61,10 +73,6 @@ def warm_imports() -> None:
     )
     from vllm.model_executor.layers.mamba import mamba_utils  # noqa: F401
     from vllm.v1.attention import selector  # noqa: F401
-
-    from vllm_overlay.simulate.bytes import driver, rank  # noqa: F401
-    from vllm_overlay.simulate.layouts import expand
-    from vllm_overlay.simulate.legs import LegOptions, build_leg
 
     # The worker resolves its attention backend by name, which imports the
     # platform's backend module on first use: seconds per forked rank.
@@ -105,15 +113,10 @@ def run_item(
     lengths: list[int],
     hits: list[float],
 ) -> ConfigReport:
-    from vllm_overlay.simulate.bytes.driver import Config, run_config
-    from vllm_overlay.simulate.bytes.geometry import Geometry
-
     config = Config(
         item.layout, item.mode, item.p_tp, item.d_tp, item.kv_layout, item.fault
     )
     if item.lengths is not None:
-        from vllm_overlay.simulate.run import parse_lengths
-
         lengths = parse_lengths(item.lengths)
     cases = item.cases(lengths, hits)
     total = len(cases)
@@ -164,10 +167,7 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     """Kill the ranks, remove their files, exit 128 + ``signum``."""
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
-    driver = sys.modules.get("vllm_overlay.simulate.bytes.driver")
-    kill_ranks = getattr(driver, "kill_ranks", None)
-    if kill_ranks is not None:  # not imported yet: no rank started
-        kill_ranks()
+    driver.kill_ranks()
     os._exit(128 + signum)
 
 
@@ -185,20 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     # MoRIIO's KDA transfer needs the dim-first conv state layout.
     os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     check_standin()
-    from vllm_overlay.simulate.run import parse_hits, parse_lengths
-
     # Its pair's builds: a mixed pair's ranks each pick their leg's.
     load_variant(args)
     warm_imports()
     if args.ports:
-        from vllm_overlay.simulate.bytes import driver
-
         lo, _, hi = args.ports.partition("-")
         driver.PORT_RANGE = (int(lo), int(hi))
     lengths, hits = parse_lengths(args.lengths), parse_hits(args.hits)
-    from vllm_overlay.simulate.bytes.driver import reap_ranks, retire_idle
-    from vllm_overlay.simulate.bytes.shm import remove_shm
-
     for item in plan_of(args.plan):
         emit(run_item(args.variant, item, lengths, hits))
     retire_idle()

@@ -43,7 +43,7 @@ def test_a_bad_argument_is_one_line_before_anything_starts(
 
     monkeypatch.setattr(cli, "run_bytes_sweep", started)
     report = tmp_path / "r.json"
-    argv = ["simulate", "--bytes", "--variant", "overlay", "--report", str(report)]
+    argv = ["simulate-bytes", "--variant", "overlay", "--report", str(report)]
     assert main([*argv, *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and says in err, err

@@ -9,7 +9,7 @@ import pytest
 
 from vllm_overlay.simulate.bytes.report import ConfigItem
 from vllm_overlay.simulate.bytes.run import run_zygote
-from vllm_overlay.simulate.run import base_files
+from vllm_overlay.simulate.plan import base_files
 
 LENGTHS = range(230, 263)
 

@@ -121,29 +121,29 @@ def test_rows_that_are_not_whole_words_are_the_rows_prefix():
 
 
 def test_ring_and_compressed_rows_land_where_the_checker_looks():
-    from vllm_overlay.simulate.bytes.rank import _need_rows, _rows
+    from vllm_overlay.simulate.bytes.rows import forward_rows, need_rows
     from vllm_overlay.simulate.check import FULL, RING, GroupInfo, needs
 
     ring = GroupInfo(RING, 16, 16, 0, 1, 16)
     # Positions 30..33 of a 16-slot ring: slots 14, 15, 0, 1 of its one block.
-    ((block, slots, at),) = _rows(ring, [7], 30, 34)
+    ((block, slots, at),) = forward_rows(ring, [7], 30, 34)
     assert block == 7 and list(slots) == [14, 15, 0, 1] and list(at) == [30, 31, 32, 33]
     # A compressed cache of one row per 4 tokens, 8 rows (32 tokens) a block:
     # a forward over 6..41 completes rows 2..9 (row r: prefix up to 4r + 3).
     comp = GroupInfo(FULL, 32, 0, 0, 4)
-    rows = _rows(comp, [3, 9], 6, 42)
+    rows = forward_rows(comp, [3, 9], 6, 42)
     assert [(b, list(s), list(p)) for b, s, p in rows] == [
         (3, [1, 2, 3, 4, 5, 6, 7], [7, 11, 15, 19, 23, 27, 31]),
         (9, [0, 1], [35, 39]),
     ]
     # The checker needs only complete rows before N-1 = 41: rows 0..9.
-    got = [(n.index, *map(list, _need_rows(comp, n))) for n in needs([comp], 42)]
+    got = [(n.index, *map(list, need_rows(comp, n))) for n in needs([comp], 42)]
     assert got == [
         (0, list(range(8)), [4 * r + 3 for r in range(8)]),
         (1, [0, 1], [35, 39]),
     ]
     (need,) = needs([ring], 42)
-    slots, at = _need_rows(ring, need)
+    slots, at = need_rows(ring, need)
     assert list(at) == list(range(32, 41)) and list(slots) == list(range(0, 9))
 
 
@@ -152,19 +152,19 @@ def test_a_ring_of_byte_rows_is_viewed_in_its_own_rows():
     [1, N, C] rows of another size: row r is bytes [r KB, (r+1) KB)."""
     from types import SimpleNamespace
 
-    from vllm_overlay.simulate.bytes.rank import _slot_rows
+    from vllm_overlay.simulate.bytes.rows import slot_rows
     from vllm_overlay.simulate.check import RING, GroupInfo
 
     u8 = np.zeros((3, 1, 64, 4096), dtype=np.uint8)
     view = SimpleNamespace(u8=u8)
     ring = GroupInfo(RING, 64, 8, 0, 1, 256, 1024)
-    rows = _slot_rows(view, 2, ring)
+    rows = slot_rows(view, 2, ring)
     assert rows.shape == (1, 256, 1024)
     rows[0, 5, :] = 7
     assert np.count_nonzero(u8) == 1024
     assert np.all(u8[2, 0, 1, 1024:2048] == 7)
     # Without its own row size a ring is indexed in the view's rows.
-    assert _slot_rows(view, 2, ring._replace(ring_row_bytes=0)).shape == (1, 64, 4096)
+    assert slot_rows(view, 2, ring._replace(ring_row_bytes=0)).shape == (1, 64, 4096)
 
 
 def test_each_layer_keeps_its_own_compression_in_a_mixed_group():
@@ -173,15 +173,15 @@ def test_each_layer_keeps_its_own_compression_in_a_mixed_group():
     tokens_per_state."""
     from types import SimpleNamespace
 
-    from vllm_overlay.simulate.bytes.rank import _layer_info, _rows
+    from vllm_overlay.simulate.bytes.rows import forward_rows, layer_info
     from vllm_overlay.simulate.check import FULL, GroupInfo
 
     group = GroupInfo(FULL, 640, 0, 0, 1)
     indexer = SimpleNamespace(spec=SimpleNamespace(tokens_per_state=16))
     mla = SimpleNamespace(spec=SimpleNamespace(tokens_per_state=1))
-    assert _layer_info(group, mla) is group
-    info = _layer_info(group, indexer)
-    ((block, slots, at),) = _rows(info, [5], 0, 256)
+    assert layer_info(group, mla) is group
+    info = layer_info(group, indexer)
+    ((block, slots, at),) = forward_rows(info, [5], 0, 256)
     assert block == 5 and list(slots) == list(range(16))
     assert list(at) == [16 * r + 15 for r in range(16)]
 
@@ -195,7 +195,7 @@ def test_byte_legs_fit_the_per_rank_budget(name):
     KV cache tensor sharing it."""
     from vllm_overlay.simulate.bytes.kvmem import MAX_BYTES
     from vllm_overlay.simulate.bytes.run import DEFAULT_LENGTHS
-    from vllm_overlay.simulate.run import parse_lengths
+    from vllm_overlay.simulate.plan import parse_lengths
 
     layout = expand([name])[0]
     max_len = max(parse_lengths(DEFAULT_LENGTHS)) + 64
@@ -229,7 +229,7 @@ def test_dcp_ranks_keep_vllms_local_sequences(size, interleave):
     import torch
     from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
-    from vllm_overlay.simulate.bytes.rank import Shard
+    from vllm_overlay.simulate.bytes.rows import Shard
 
     block = 16
     for length in (1, 15, 16, 17, 63, 64, 65, 200, 531):

@@ -17,7 +17,7 @@ from vllm_overlay.simulate.bytes.run import (
     MODES,
     plan_items,
 )
-from vllm_overlay.simulate.run import parse_hits, parse_lengths
+from vllm_overlay.simulate.plan import parse_hits, parse_lengths
 
 LENGTHS = parse_lengths(DEFAULT_LENGTHS)
 FAMILY_LENGTHS = parse_lengths(DEFAULT_FAMILY_LENGTHS)
@@ -95,7 +95,7 @@ def test_the_command_rotates_by_default_and_not_with_all_hits(tmp_path, monkeypa
         raise SystemExit(0)
 
     monkeypatch.setattr(cli, "run_bytes_sweep", capture)
-    argv = ["simulate", "--bytes", "--layouts", "llama", "--variant", "overlay"]
+    argv = ["simulate-bytes", "--layouts", "llama", "--variant", "overlay"]
     argv += ["--report", str(tmp_path / "r.json")]
     for extra in ([], ["--all-hits"]):
         with contextlib.suppress(SystemExit):
@@ -119,7 +119,7 @@ def test_a_bytes_option_without_bytes_is_one_line_and_runs_nothing(
     argv = ["simulate", "--layouts", "llama", "--report", str(report)]
     assert main([*argv, "--all-hits", "--tp", "2-1"]) == 2
     err = capsys.readouterr().err
-    assert err == "error: --tp, --all-hits: only with --bytes\n"
+    assert err == "error: --tp, --all-hits: only with simulate-bytes\n"
     assert not report.exists()
 
 

@@ -12,17 +12,29 @@ WRITE" after 30 s. The other length of the configuration is a real WRITE
 
 from __future__ import annotations
 
-from vllm_overlay.simulate.bytes.report import ConfigItem
+from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport
 from vllm_overlay.simulate.bytes.run import run_zygote
 
 
-def test_a_write_with_no_external_token_is_judged_at_the_decoders_forward() -> None:
-    item = ConfigItem("kimi", "write", 1, 1, "LBNHC", lengths="65,100")
-    [report] = run_zygote("installed", None, [item], "65,100", "100")
+def _write(
+    layout: str, lengths: str, hits: str, fault: str | None = None
+) -> ConfigReport:
+    """One WRITE configuration at TP 1->1 on the installed build, started."""
+    item = ConfigItem(layout, "write", 1, 1, "LBNHC", fault=fault, lengths=lengths)
+    [report] = run_zygote("installed", None, [item], lengths, hits)
     assert report.refused_at_start is None, report.refused_at_start
-    assert report.cases == 2
+    return report
+
+
+def _right(report: ConfigReport, cases: int) -> ConfigReport:
+    assert report.cases == cases
     assert report.error_cases == 0, report.first_errors
     assert report.wrong_cases == 0, report.wrong_notes
+    return report
+
+
+def test_a_write_with_no_external_token_is_judged_at_the_decoders_forward() -> None:
+    report = _right(_write("kimi", "65,100", "100"), 2)
     # 100 is written (65 moves nothing).
     assert report.moved_bytes > 0
 
@@ -34,12 +46,7 @@ def test_a_write_minimum_counts_every_page_past_the_decoders_local_hit() -> None
     block after the hit, the warm-up's freed partial block holding the same
     bytes, was left out although the prefiller has to write it (llama at a
     full hit, lengths 2 and 56: one page each moved, a minimum of 0)."""
-    item = ConfigItem("llama", "write", 1, 1, "LBNHC", lengths="2,56")
-    [report] = run_zygote("installed", None, [item], "2,56", "100")
-    assert report.refused_at_start is None, report.refused_at_start
-    assert report.cases == 2
-    assert report.error_cases == 0, report.first_errors
-    assert report.wrong_cases == 0, report.wrong_notes
+    report = _right(_write("llama", "2,56", "100"), 2)
     assert report.moved_bytes == report.min_bytes > 0
 
 
@@ -47,9 +54,7 @@ def test_a_write_promised_and_never_received_is_still_an_error() -> None:
     """With the prefiller's WRITE dropped, the same KDA length at no hit
     (a WRITE promised) is a case error, while at a full hit (no WRITE
     promised) the decoder is judged on what it holds."""
-    item = ConfigItem("kimi", "write", 1, 1, "LBNHC", fault="drop-write", lengths="65")
-    [report] = run_zygote("installed", None, [item], "65", "0,100")
-    assert report.refused_at_start is None, report.refused_at_start
+    report = _write("kimi", "65", "0,100", fault="drop-write")
     assert report.cases == 2
     assert report.error_cases == 1
     assert report.first_errors == ["the decoder never received the WRITE"]

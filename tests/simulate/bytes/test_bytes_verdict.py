@@ -12,7 +12,7 @@ from vllm_overlay.simulate.bytes.report import BytesReport, ConfigItem, ConfigRe
 from vllm_overlay.simulate.bytes.verdict import judge, names
 from vllm_overlay.simulate.verdict import GAPS_FILE, KnownGap, load_gaps
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GLM = ConfigItem("glm", "read", 1, 2, "LBNHC")
 LLAMA = ConfigItem("llama", "read", 1, 1, "LBNHC")
 
@@ -32,7 +32,7 @@ def _gap(layout: str, problem: str = "errors", scope: str = "bytes") -> KnownGap
 def test_right_bytes_pass() -> None:
     verdict = judge(_report(_config(LLAMA, cases=3)), [])
     assert verdict.exit_code == 0
-    assert verdict.line().startswith("simulate --bytes: ok:")
+    assert verdict.line().startswith("simulate-bytes: ok:")
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,8 @@ import torch
 import vllm.distributed.parallel_state as ps
 from vllm.config import get_current_vllm_config_or_none
 from vllm_overlay.simulate.bytes.driver import free_port_block
-from vllm_overlay.simulate.bytes.rank import Rank, RankConfig
+from vllm_overlay.simulate.bytes.rank import Rank
+from vllm_overlay.simulate.bytes.steps import RankConfig
 from vllm_overlay.simulate.bytes.shm import remove_shm, shm_path
 
 event, stream = torch.cuda.Event, torch.cuda.current_stream

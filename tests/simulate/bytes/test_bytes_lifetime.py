@@ -1,4 +1,4 @@
-"""A `vllm-overlay simulate --bytes` run ends with its top process, however
+"""A `vllm-overlay simulate-bytes` run ends with its top process, however
 that ends: its zygote and rank processes go, and so do their /dev/shm files.
 
 A real run on one small configuration (a hundred cases: still running when
@@ -25,8 +25,7 @@ from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.shm import remove_shm, shm_files
 
 RUN = [
-    "simulate",
-    "--bytes",
+    "simulate-bytes",
     "--layouts=llama",
     "--modes=read",
     "--tp=1-1",
@@ -116,7 +115,7 @@ def test_sigterm_stops_the_ranks_and_removes_their_files(run):
     assert (
         err.strip()
         .splitlines()[-1]
-        .startswith("error: simulate --bytes: interrupted by SIGTERM;")
+        .startswith("error: simulate-bytes: interrupted by SIGTERM;")
     )
     assert run.leftovers(GONE_WITHIN) == ([], [])
 

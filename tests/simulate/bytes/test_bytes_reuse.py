@@ -63,30 +63,29 @@ def _pids(leg: _Leg) -> set[int]:
     return {p.pid for p in leg.procs}
 
 
+def _ready(ctx: _Ctx, *cfgs: Any, fresh: bool = False) -> _Leg:
+    """A leg of ``cfgs`` (default: one plain rank), its ranks started."""
+    leg = _Leg(ctx, list(cfgs) or [_cfg()], fresh=fresh)
+    leg.wait_ready()
+    return leg
+
+
 def test_a_released_process_takes_the_next_configuration(ctx: _Ctx) -> None:
-    first = _Leg(ctx, [_cfg(), _cfg()])
-    first.wait_ready()
+    first = _ready(ctx, _cfg(), _cfg())
     pids = _pids(first)
     first.close(reuse=True)
-    second = _Leg(ctx, [_cfg()])
-    second.wait_ready()
+    second = _ready(ctx)
     assert _pids(second) <= pids
     assert ctx.forks == 2
     second.close(reuse=True)
 
 
 def test_without_reuse_fresh_or_a_fault_the_processes_are_new(ctx: _Ctx) -> None:
-    leg = _Leg(ctx, [_cfg()])
-    leg.wait_ready()
-    leg.close(reuse=False)
+    _ready(ctx).close(reuse=False)
     assert driver._IDLE == []
-    leg = _Leg(ctx, [_cfg()])
-    leg.wait_ready()
-    leg.close(reuse=True)
-    fresh = _Leg(ctx, [_cfg()], fresh=True)
-    fault = _Leg(ctx, [_cfg(fault="shift-local")])
-    for leg in (fresh, fault):
-        leg.wait_ready()
+    _ready(ctx).close(reuse=True)
+    fresh = _ready(ctx, fresh=True)
+    fault = _ready(ctx, _cfg(fault="shift-local"))
     assert ctx.forks == 4
     fault.close(reuse=True)
     assert not _pids(fault) & {p.proc.pid for p in driver._IDLE}
@@ -98,9 +97,7 @@ def test_a_process_retires_after_rank_reuse_configurations(
 ) -> None:
     monkeypatch.setattr(driver, "RANK_REUSE", 3)
     for _ in range(7):
-        leg = _Leg(ctx, [_cfg()])
-        leg.wait_ready()
-        leg.close(reuse=True)
+        _ready(ctx).close(reuse=True)
     assert ctx.forks == 3
 
 
@@ -110,35 +107,29 @@ def test_a_rank_refused_at_start_keeps_its_process(ctx: _Ctx) -> None:
         leg.wait_ready()
     assert leg.ready == [True, True]
     leg.close(reuse=True)
-    again = _Leg(ctx, [_cfg(), _cfg()])
-    again.wait_ready()
+    again = _ready(ctx, _cfg(), _cfg())
     assert ctx.forks == 2
     again.close(reuse=True)
 
 
 def test_a_process_that_cannot_close_its_rank_is_replaced(ctx: _Ctx) -> None:
-    leg = _Leg(ctx, [_cfg(stuck=True)])
-    leg.wait_ready()
+    leg = _ready(ctx, _cfg(stuck=True))
     (stuck,) = _pids(leg)
     leg.close(reuse=True)
-    nxt = _Leg(ctx, [_cfg()])
-    nxt.wait_ready()
+    nxt = _ready(ctx)
     assert _pids(nxt) != {stuck}
     assert ctx.forks == 2
     nxt.close(reuse=True)
 
 
 def test_a_process_that_died_idle_is_replaced(ctx: _Ctx) -> None:
-    leg = _Leg(ctx, [_cfg()])
-    leg.wait_ready()
-    leg.close(reuse=True)
+    _ready(ctx).close(reuse=True)
     (idle,) = driver._IDLE
     assert driver._take_idle() is idle
     idle.proc.kill()
     idle.proc.join()
     driver._IDLE.append(idle)
-    nxt = _Leg(ctx, [_cfg()])
-    nxt.wait_ready()
+    nxt = _ready(ctx)
     assert _pids(nxt) != {idle.proc.pid}
     assert ctx.forks == 2
     nxt.close(reuse=True)
