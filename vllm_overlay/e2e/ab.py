@@ -20,6 +20,7 @@ from vllm_overlay.e2e.config import ConfigError, RunConfig
 from vllm_overlay.e2e.load import LoadResult
 from vllm_overlay.e2e.report import Report
 from vllm_overlay.e2e.runid import new_run_id
+from vllm_overlay.e2e.runner import run
 from vllm_overlay.safefile import replace_file
 
 LauncherKind = Literal["ssh", "slurm", "attach"]
@@ -235,7 +236,6 @@ def run_ab(
 ) -> AbReport:
     """The base, then the overlay, each a whole run under ``run_dir/SIDE``;
     an interruption of the base run starts no overlay run."""
-    from vllm_overlay.e2e.runner import run
 
     done: list[AbSide] = []
     for side, cfg in side_configs(config).items():

@@ -15,12 +15,21 @@ import msgspec
 
 from vllm_overlay.command import App, Subparsers, add_command
 from vllm_overlay.cpuplatform import cpu_environ
+from vllm_overlay.e2e.ab import run_ab, side_configs
+from vllm_overlay.e2e.ab import summary_line as ab_summary_line
 from vllm_overlay.e2e.config import RunConfig, load_config
+from vllm_overlay.e2e.deploy import serve_text
 from vllm_overlay.e2e.expect import Expectations, Geometry, prefix_read, sweep_lengths
+from vllm_overlay.e2e.lws import manifest
+from vllm_overlay.e2e.plan import build_plan, format_plan
 from vllm_overlay.e2e.preflight import Preflight, PreflightError
 from vllm_overlay.e2e.preflight import text_lines as preflight_lines
-from vllm_overlay.e2e.runid import with_run_id
+from vllm_overlay.e2e.preflight_vllm import preflight
+from vllm_overlay.e2e.reap import reap_containers, reap_jobs
+from vllm_overlay.e2e.runid import owner, run_name, run_prefix, with_run_id
+from vllm_overlay.e2e.runner import check_prerequisites, config_endpoints, run
 from vllm_overlay.e2e.servers import servers
+from vllm_overlay.e2e.slurm import SlurmJob, dry_run_lines
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.text import count
 
@@ -210,7 +219,6 @@ def ab_dry_run_text(
 ) -> str:
     """`--dry-run --ab`: the base's plan, the overlay's plan, what differs
     between them, and a summary of both images' expected failures."""
-    from vllm_overlay.e2e.ab import side_configs
 
     config = load_config(config_path)
     found = series_patches(app)
@@ -259,7 +267,6 @@ def ab_difference_lines(
     sides: dict[str, RunConfig], found: tuple[str, list[str]] | None
 ) -> list[str]:
     """What differs between the two runs of `--ab`, and why."""
-    from vllm_overlay.e2e.runid import run_name
 
     base, over = sides["base"], sides["overlay"]
     geo = Geometry.of(over)
@@ -309,8 +316,6 @@ def plan_text(
     found: tuple[str, list[str]] | None,
 ) -> str:
     if launcher == "slurm":
-        from vllm_overlay.e2e.slurm import SlurmJob, dry_run_lines
-
         job = SlurmJob(config, run_dir or Path("runs") / f"{config.name}-RUN")
         r = config.router
         front = f"http://<{'router' if r.container else r.address}>:{r.port}"
@@ -320,8 +325,6 @@ def plan_text(
         head = f"# e2e slurm plan {config.name}: image {config.container.image}"
         body = [*dry_run_lines(job), "## checks", *(f"- {x}" for x in checks)]
         return "\n".join([head, *body]) + "\n"
-    from vllm_overlay.e2e.plan import build_plan, format_plan
-    from vllm_overlay.e2e.runner import config_endpoints
 
     plan = build_plan(config)
     if launcher == "attach":
@@ -350,13 +353,9 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
     if args.reap:
         return reap(app, load_config(args.config), args.launcher)
     if args.print_serve:
-        from vllm_overlay.e2e.deploy import serve_text
-
         app.say(serve_text(load_config(args.config)).rstrip("\n"))
         return 0
     if args.emit == "lws":
-        from vllm_overlay.e2e.lws import manifest
-
         app.say(json.dumps(manifest(load_config(args.config)), indent=2))
         return 0
     if args.ab and args.launcher == "attach":
@@ -373,7 +372,6 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
         app.err.flush()
         app.say(summary)
         return 0
-    from vllm_overlay.e2e.runner import check_prerequisites, run
 
     config = with_run_id(load_config(args.config), args.run_id or "")
     if args.launcher != "slurm":
@@ -408,14 +406,12 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
     )
     found = series_patches(app)
     if args.ab:
-        from vllm_overlay.e2e.ab import run_ab, summary_line
-
         ab = run_ab(
             config, run_dir, found[0] if found else "", app.say, args.launcher,
             preflight,
         )  # fmt: skip
         app.result(ab)
-        app.say(summary_line(ab))
+        app.say(ab_summary_line(ab))
         return 0 if ab.ok else 1
     report = run(
         config, run_dir, found[0] if found else "", say=app.say,
@@ -428,8 +424,6 @@ def cmd_e2e(app: App, args: argparse.Namespace) -> int:
 def reap(app: App, config: RunConfig, launcher: str) -> int:
     """Remove the stale containers (Slurm: cancel the jobs) of this user's
     earlier runs of ``config``; exit 1 when a host could not be asked."""
-    from vllm_overlay.e2e.reap import reap_containers, reap_jobs
-    from vllm_overlay.e2e.runid import owner, run_prefix
 
     if launcher == "attach":
         raise OverlayError("--reap: the attach launcher starts nothing to reap")
@@ -463,8 +457,6 @@ def run_preflight(config_path: Path) -> Preflight:
     else in the Python ``$VLLM_OVERLAY_PREFLIGHT_PYTHON`` names or the
     checkout's ``.venv`` (``nox -s dev``), whose JSON result is read back."""
     if importlib.util.find_spec("vllm") is not None:
-        from vllm_overlay.e2e.preflight_vllm import preflight
-
         return preflight(config_path)
     python = os.environ.get("VLLM_OVERLAY_PREFLIGHT_PYTHON") or str(
         Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"

@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 
 from vllm_overlay.e2e.config import Layout, RunConfig
+from vllm_overlay.e2e.expect import Expectations, Geometry, sweep_lengths
 from vllm_overlay.errors import OverlayError
 
 
@@ -257,7 +258,6 @@ def checks_findings(config: RunConfig, page: int) -> list[str]:
 
 def sweep_findings(config: RunConfig) -> list[str]:
     """Every failing class of the base must be in the sweep."""
-    from vllm_overlay.e2e.expect import Expectations, Geometry, sweep_lengths
 
     geo = Geometry.of(config)
     lengths = sweep_lengths(geo, config.checks)

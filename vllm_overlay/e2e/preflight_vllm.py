@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vllm_overlay.e2e.config import RunConfig
+from vllm_overlay.e2e.config import RunConfig, load_config
 from vllm_overlay.e2e.preflight import (
     GroupFacts,
     LegFacts,
@@ -46,6 +46,11 @@ from vllm_overlay.e2e.preflight import (
     check,
     typed_layout_fields,
 )
+from vllm_overlay.e2e.servers import serve_command, servers
+from vllm_overlay.simulate import families as f
+from vllm_overlay.simulate.families import families
+from vllm_overlay.simulate.layout_types import Layout, SpecSlots
+from vllm_overlay.simulate.legs import LegOptions, build_leg
 
 # MI350X and MI355X: gfx950, device capability 9.5.
 ROCM_ARCH = "gfx950:sramecc+:xnack-"
@@ -61,8 +66,6 @@ class Model:
 
 
 def _models() -> dict[str, Model]:
-    from vllm_overlay.simulate import families as f
-
     return {
         "DeepseekV4ForCausalLM": Model(
             "deepseek-v4-pro", lambda n: f.deepseek_v4(mtp=n > 0), ("mtp",)
@@ -76,8 +79,6 @@ def _models() -> dict[str, Model]:
 
 
 def family_block(key: str) -> int:
-    from vllm_overlay.simulate.families import families
-
     return next(fam.block_size for fam in families() if fam.key == key)
 
 
@@ -426,9 +427,6 @@ def _groups(
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec, SlidingWindowSpec
     from vllm.v1.worker.utils import select_common_block_size
 
-    from vllm_overlay.simulate.layout_types import Layout, SpecSlots
-    from vllm_overlay.simulate.legs import LegOptions, build_leg
-
     slots = SpecSlots(facts.num_speculative_tokens, facts.lookahead)
     layout = Layout(
         name=f"preflight-{facts.family}",
@@ -518,8 +516,6 @@ def preflight(config_path: Path) -> Preflight:
     """Both legs of the run config at ``config_path`` (the first server of
     each side: every server of a side runs the same arguments but for its
     ports and addresses), checked."""
-    from vllm_overlay.e2e.config import load_config
-    from vllm_overlay.e2e.servers import serve_command, servers
 
     config = load_config(config_path)
     folder = model_folder(config, config_path)

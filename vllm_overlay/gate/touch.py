@@ -36,6 +36,7 @@ import pytest
 from vllm_overlay.gate import childhook
 from vllm_overlay.gate.evidence import Touches, encode
 from vllm_overlay.series.pin import MODULE_PACKAGE
+from vllm_overlay.tree.variant import installed_moriio_dir
 
 OPTION = "--touch-json"
 STARTUP = "startup"
@@ -52,7 +53,6 @@ def moriio_loaded() -> bool:
 def watched_dirs() -> tuple[str, ...]:
     """The installed MoRIIO package, as found and resolved (without importing
     vLLM)."""
-    from vllm_overlay.tree.variant import installed_moriio_dir
 
     found = str(installed_moriio_dir())
     return tuple(dict.fromkeys([os.path.abspath(found), os.path.realpath(found)]))
