@@ -13,13 +13,15 @@ from pathlib import Path
 import pytest
 
 from tests.patches.builders import (
+    MTP,
     TINY_DEEPSEEK_MTP_CONFIG,
     TINY_LLAMA_CONFIG,
+    B,
+    FakeWrapper,
     make_vllm_config,
     moriio_kv_transfer_config,
     write_model_dir,
 )
-from tests.patches.hybrid_0001 import MTP, B, FakeWrapper
 
 
 @pytest.fixture(scope="session")

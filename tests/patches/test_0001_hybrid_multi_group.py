@@ -42,17 +42,6 @@ from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 from vllm.v1.request import RequestStatus
 
 from tests.patches.builders import (
-    full_attention_spec,
-    kda_mamba_spec,
-    make_kv_cache_blocks,
-    make_kv_cache_config,
-    make_request,
-    make_scheduler_connector,
-    make_vllm_config,
-    mla_spec,
-    moriio_kv_transfer_config,
-)
-from tests.patches.hybrid_0001 import (
     GLM_ATTN,
     GLM_MAMBA,
     GLM_PAYLOAD,
@@ -71,7 +60,16 @@ from tests.patches.hybrid_0001 import (
     build_worker,
     connector_pair,
     decode_leg,
+    full_attention_spec,
     glm_like_groups,
+    kda_mamba_spec,
+    make_kv_cache_blocks,
+    make_kv_cache_config,
+    make_request,
+    make_scheduler_connector,
+    make_vllm_config,
+    mla_spec,
+    moriio_kv_transfer_config,
     prefill_leg,
     produce,
     read_pages,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.patches.pairing_0002 import (
+from tests.patches.builders import (
     SMALL,
     Layout,
     LegPair,

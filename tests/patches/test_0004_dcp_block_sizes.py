@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.patches.builders import (
+    Case,
+    Layout,
+    LegPair,
+    allocation,
+    cdiv,
     full_attention_spec,
+    leg_pair_cache,
     make_kv_cache_blocks,
     make_kv_cache_config,
     make_request,
@@ -24,14 +30,6 @@ from tests.patches.builders import (
     make_scheduler_output,
     make_vllm_config,
     moriio_kv_transfer_config,
-)
-from tests.patches.pairing_0002 import (
-    Case,
-    Layout,
-    LegPair,
-    allocation,
-    cdiv,
-    leg_pair_cache,
     prefill_id,
     prefiller_tail_errors,
     sweep,

@@ -17,13 +17,14 @@ import pytest
 from hypothesis import given, settings
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-from tests.patches.builders import make_kv_cache_config, make_scheduler_output
-from tests.patches.prefix_hit_0005 import (
+from tests.patches.builders import (
     Group,
     TransferCase,
     connector,
     finish_prefill,
     hashed_request,
+    make_kv_cache_config,
+    make_scheduler_output,
     next_request_id,
     run_case,
     transfer_cases,

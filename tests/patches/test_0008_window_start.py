@@ -28,6 +28,16 @@ from vllm.v1.core.kv_cache_planning import unify_hybrid_kv_cache_specs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from tests.patches.builders import (
+    MAX_PROMPT_TOKENS,
+    SWEEPS,
+    Case,
+    Layout,
+    LegPair,
+    Read,
+    SchedulerPair,
+    build_leg_pair,
+    build_scheduler_pair,
+    cdiv,
     full_attention_spec,
     make_kv_cache_blocks,
     make_kv_cache_config,
@@ -35,23 +45,9 @@ from tests.patches.builders import (
     make_scheduler_connector,
     make_vllm_config,
     moriio_kv_transfer_config,
-    sliding_window_spec,
-)
-from tests.patches.pairing_0002 import (
-    MAX_PROMPT_TOKENS,
-    SWEEPS,
-    Case,
-    Layout,
-    LegPair,
-    build_leg_pair,
-    cdiv,
-    sweep,
-)
-from tests.patches.scheduler_pair_0008 import (
-    Read,
-    SchedulerPair,
-    build_scheduler_pair,
     prompt,
+    sliding_window_spec,
+    sweep,
 )
 
 # ---------------------------------------------------------------------------

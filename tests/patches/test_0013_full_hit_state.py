@@ -17,18 +17,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
     MoRIIOError,
 )
 
-from tests.patches.builders import make_kv_cache_config
-from tests.patches.hybrid_0001 import (
+from tests.patches.builders import (
     GLM_MAMBA,
     GLM_PAYLOAD,
     TAIL_LAYERS,
     B,
+    Group,
+    TransferCase,
     build_worker,
     connector_pair,
     glm_like_groups,
+    make_kv_cache_config,
     run_transfer,
 )
-from tests.patches.prefix_hit_0005 import Group, TransferCase
 
 # Kimi-like: MLA (DCP-sharded) and two KDA groups.
 KIMI_LIKE = (Group("target", 64, dcp_sharded=True), Group("kda"), Group("kda"))

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.patches.builders import make_kv_cache_config
-from tests.patches.hybrid_0001 import (
+from tests.patches.builders import (
     GLM_PAYLOAD,
     B,
     build_worker,
     connector_pair,
     glm_like_groups,
+    make_kv_cache_config,
     run_transfer,
 )
 

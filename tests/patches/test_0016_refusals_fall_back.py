@@ -28,22 +28,18 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 
 from tests.patches.builders import (
-    full_attention_spec,
-    make_kv_cache_blocks,
-    make_request,
-    sliding_window_spec,
-)
-from tests.patches.prefix_hit_0005 import (
     Group,
+    SchedulerPair,
+    build_scheduler_pair,
     connector,
     decode_tables,
     finish_prefill,
+    full_attention_spec,
+    make_kv_cache_blocks,
+    make_request,
     next_request_id,
-)
-from tests.patches.scheduler_pair_0008 import (
-    SchedulerPair,
-    build_scheduler_pair,
     prompt,
+    sliding_window_spec,
 )
 from tests.patches.vllm_unit_utils import create_model_runner_output
 

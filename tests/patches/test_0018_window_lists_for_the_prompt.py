@@ -23,11 +23,12 @@ from typing import Any
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 
-from tests.patches.builders import full_attention_spec, sliding_window_spec
-from tests.patches.scheduler_pair_0008 import (
+from tests.patches.builders import (
     SchedulerPair,
     build_scheduler_pair,
+    full_attention_spec,
     prompt,
+    sliding_window_spec,
 )
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,16 +23,14 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
 from tests.patches.builders import (
+    Read,
+    SchedulerPair,
+    build_scheduler_pair,
     full_attention_spec,
     make_kv_cache_config,
     make_scheduler_connector,
     make_vllm_config,
     moriio_kv_transfer_config,
-)
-from tests.patches.scheduler_pair_0008 import (
-    Read,
-    SchedulerPair,
-    build_scheduler_pair,
     prompt,
 )
 

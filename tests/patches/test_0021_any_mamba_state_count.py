@@ -43,15 +43,16 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from tests.patches.builders import (
+    SchedulerPair,
     full_attention_spec,
     kda_mamba_spec,
     make_kv_cache_config,
     make_scheduler_connector,
     make_vllm_config,
     moriio_kv_transfer_config,
+    prompt,
     sliding_window_spec,
 )
-from tests.patches.scheduler_pair_0008 import SchedulerPair, prompt
 from tests.patches.vllm_unit_utils import create_scheduler
 
 B, W = 16, 64
