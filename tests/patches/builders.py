@@ -1821,6 +1821,91 @@ def hashed_request(
 
 
 @dataclass(frozen=True)
+class ManagerRead:
+    """A READ whose decoder hit comes from the real KV cache manager: the
+    hit per group (blocks held), the decoder's tables, and the pages READ
+    fills per transfer slot (``attn_group_ids[slot]`` is its group)."""
+
+    local_hit: int
+    diverged: bool
+    held: list[int]
+    tables: list[list[int]]
+    read: list[list[int]]
+    attn_group_ids: list[int]
+    num_prompt_tokens: int
+    block_size: int
+
+    def lacking(self, group: int) -> list[int]:
+        """The group's blocks past its hit, up to the recomputed token."""
+        end = cdiv(self.num_prompt_tokens - 1, self.block_size)
+        return list(self.tables[group][self.held[group] : end])
+
+
+def read_after_manager_hit(
+    model_dir: Path, groups: Sequence[Group], block: int, *, divergent: bool
+) -> ManagerRead:
+    """An earlier 200-token request leaves 160 shared tokens in the prefix
+    cache of a real ``KVCacheManager`` (EAGLE on); a 220-token prompt with
+    that prefix is then prefilled remotely and admitted by a READ consumer
+    with the manager's hit (``divergent``: the per-group hit the connector
+    path gets, else the common one)."""
+    manager = KVCacheManager(
+        make_kv_cache_config([g.group_spec(i) for i, g in enumerate(groups)], 512),
+        max_model_len=4096,
+        scheduler_block_size=block,
+        hash_block_size=block,
+        use_eagle=True,
+    )
+    num_prompt_tokens = 220
+    shared = list(range(1, 161))
+    earlier = hashed_request("earlier", [*shared, *[7] * 40], block)
+    no_hit = manager.get_computed_blocks(earlier)[0]
+    assert manager.allocate_slots(earlier, 200, 0, no_hit) is not None
+    earlier.num_computed_tokens = 200
+    manager.free(earlier)
+
+    request_id = next_request_id()
+    params = finish_prefill(model_dir, groups, 1, request_id, num_prompt_tokens)
+    decode = hashed_request(request_id, [*shared, *[9] * 60], block, params)
+    diverged = False
+    if divergent:
+        hit_blocks, local_hit, _, diverged = manager.get_computed_blocks_for_connector(
+            decode
+        )
+    else:
+        hit_blocks, local_hit, _ = manager.get_computed_blocks(decode)
+
+    consumer = connector(model_dir, groups, 1, "kv_consumer")
+    external, _ = consumer.get_num_new_matched_tokens(decode, local_hit)
+    assert external == num_prompt_tokens - 1 - local_hit
+    assert (
+        manager.allocate_slots(
+            decode,
+            num_prompt_tokens - local_hit - external,
+            num_new_computed_tokens=local_hit,
+            new_computed_blocks=hit_blocks,
+            num_external_computed_tokens=external,
+        )
+        is not None
+    )
+    allocated = manager.get_blocks(request_id)
+    consumer.update_state_after_alloc(decode, allocated, external)
+    scheduler = consumer.connector_scheduler
+    assert scheduler is not None
+    meta = consumer.build_connector_meta(make_scheduler_output())
+    return ManagerRead(
+        local_hit=local_hit,
+        diverged=bool(diverged),
+        held=[len(b) for b in hit_blocks.get_block_ids()],
+        tables=[list(t) for t in allocated.get_block_ids()],
+        read=[list(ids) for ids in meta.reqs_to_recv[request_id].local_block_ids],
+        attn_group_ids=list(scheduler._attn_group_ids),
+        num_prompt_tokens=num_prompt_tokens,
+        block_size=block,
+    )
+
+
+@dataclass(frozen=True)
 class TransferCase:
     """One transfer: the hybrid layout, the prompt, the decoder's local hit,
     and the run's options (``transfer_plan``'s keywords)."""
