@@ -353,6 +353,26 @@ def block_id_source(start: int = 1) -> Iterator[int]:
 # producer -> consumer flow through the real scheduler-side connectors, and
 # the mori transfer engine stubbed at its boundary for the worker.
 
+
+class DoneStatus:
+    """A mori transfer status that reports success at once."""
+
+    def Succeeded(self) -> bool:
+        return True
+
+    def Failed(self) -> bool:
+        return False
+
+    def InProgress(self) -> bool:
+        return False
+
+    def Code(self) -> int:
+        return 0
+
+    def Message(self) -> str:
+        return ""
+
+
 B = 64  # MLA / indexer / KDA block size
 TAIL_B = 8  # tail ring block size
 TAIL_W = 8  # tail ring window
@@ -615,14 +635,6 @@ def wrapped_window_groups(wrapped: bool) -> list[KVCacheGroupSpec]:
     ]
 
 
-class FakeStatus:
-    def Failed(self) -> bool:
-        return False
-
-    def Message(self) -> str:
-        return ""
-
-
 @dataclass(frozen=True)
 class FakeSession:
     layer: str
@@ -645,7 +657,7 @@ class FakeWrapper:
 
     def read_remote_data(self, sizes, local_offsets, remote_offsets, session):
         self.reads.append((session, list(local_offsets), list(remote_offsets)))
-        return FakeStatus()
+        return DoneStatus()
 
     def send_notify(self, *_: Any, **__: Any) -> None:
         pass
@@ -665,11 +677,17 @@ def build_worker(vllm_config: Any, kv_cache_config: KVCacheConfig) -> Any:
     worker.layer_name_to_local_kv_cache_metadata = {}
     sessions: list[FakeSession] = []
     for group in kv_cache_config.kv_cache_groups:
-        regions = 2 if isinstance(group.kv_cache_spec, MambaSpec) else 1
         for layer in group.layer_names:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[layer]
+            regions = 2 if isinstance(spec, MambaSpec) else 1
             worker.layer_name_to_local_kv_cache_metadata[layer] = [b""] * regions
             sessions += [FakeSession(layer, r) for r in range(regions)]
     worker._get_built_session = lambda engine_id: (sessions, object())
+    worker._region_session_indices = lambda layer: [
+        i for i, s in enumerate(sessions) if s.layer == layer
+    ]
 
     # Memory geometry stub: a block's byte offset is its id.
     def attention_offsets(layer, local, remote, *args, **kwargs):

@@ -43,6 +43,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from tests.patches.builders import (
+    DoneStatus,
     SchedulerPair,
     full_attention_spec,
     kda_mamba_spec,
@@ -262,23 +263,6 @@ def test_a_state_without_its_dtype_is_refused_at_start(llama_model_dir: Path) ->
 # --------------------------------------------------------------------------
 
 
-class _Status:
-    def Succeeded(self) -> bool:
-        return True
-
-    def Failed(self) -> bool:
-        return False
-
-    def InProgress(self) -> bool:
-        return False
-
-    def Code(self) -> int:
-        return 0
-
-    def Message(self) -> str:
-        return ""
-
-
 @dataclass(frozen=True)
 class _Region:
     """A registered tensor, standing for its memory metadata."""
@@ -316,7 +300,7 @@ class _CopyingWrapper:
         dst, src = local.tensor.view(torch.uint8), remote.tensor.view(torch.uint8)
         for lo, ro, size in zip(local_offsets, remote_offsets, sizes, strict=True):
             dst[lo : lo + size] = src[ro : ro + size]
-        return _Status()
+        return DoneStatus()
 
     def send_notify(self, *_: Any, **__: Any) -> None:
         pass
