@@ -666,6 +666,39 @@ class FakeWrapper:
         pass
 
 
+def read_blocks(
+    worker: Any,
+    local: list[list[int]],
+    remote: list[list[int]],
+    transfer_id: str = "t-read",
+) -> list[tuple[FakeSession, list[int], list[int]]]:
+    """Post one READ of ``remote`` into ``local`` (one list per payload
+    slot) from a loopback prefiller; the RDMA READs the wrapper recorded."""
+    worker._read_blocks(
+        local_block_ids=local,
+        remote_block_ids=remote,
+        dst_engine_id="127.0.0.1:1",
+        request_id=transfer_id.removeprefix("t-"),
+        transfer_id=transfer_id,
+        remote_host="127.0.0.1",
+        remote_notify_port=1,
+        remote_tp_size=1,
+    )
+    return worker.moriio_wrapper.reads
+
+
+def reads_by_layer(
+    reads: Sequence[tuple[FakeSession, list[int], list[int]]],
+) -> dict[str, list[tuple[int, list[int], list[int]]]]:
+    """Each layer's posted READs as (region, local offsets, remote offsets)."""
+    posted: dict[str, list[tuple[int, list[int], list[int]]]] = {}
+    for session, local_offs, remote_offs in reads:
+        posted.setdefault(session.layer, []).append(
+            (session.region, local_offs, remote_offs)
+        )
+    return posted
+
+
 def build_worker(vllm_config: Any, kv_cache_config: KVCacheConfig) -> Any:
     """The real worker __init__ on stubs; memory registration stubbed too."""
     worker = moriio_connector.MoRIIOConnectorWorker(

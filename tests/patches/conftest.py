@@ -8,6 +8,7 @@ The builders they use live in ``builders.py``.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ from tests.patches.builders import (
     TINY_LLAMA_CONFIG,
     B,
     FakeWrapper,
+    Layout,
+    LegPair,
+    leg_pair_cache,
     make_vllm_config,
     moriio_kv_transfer_config,
     write_model_dir,
@@ -34,6 +38,12 @@ def deepseek_mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(
         tmp_path_factory.mktemp("deepseek_mtp"), TINY_DEEPSEEK_MTP_CONFIG
     )
+
+
+@pytest.fixture(scope="module")
+def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
+    """READ producer and consumer connectors per layout, built once."""
+    return leg_pair_cache(llama_model_dir)
 
 
 @pytest.fixture(scope="module")

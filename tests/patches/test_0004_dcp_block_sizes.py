@@ -22,7 +22,6 @@ from tests.patches.builders import (
     allocation,
     cdiv,
     full_attention_spec,
-    leg_pair_cache,
     make_kv_cache_blocks,
     make_kv_cache_config,
     make_request,
@@ -35,11 +34,6 @@ from tests.patches.builders import (
     sweep,
     sweep_summary,
 )
-
-
-@pytest.fixture(scope="module")
-def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
-    return leg_pair_cache(llama_model_dir)
 
 
 @pytest.mark.slow

@@ -35,7 +35,6 @@ from tests.patches.builders import (
     LegPair,
     Read,
     SchedulerPair,
-    build_leg_pair,
     build_scheduler_pair,
     cdiv,
     full_attention_spec,
@@ -285,20 +284,6 @@ WINDOW_SWEEPS: dict[str, tuple[Case, ...]] = {
         Case("hybrid-b16-w40-p9d9", Layout(16, 40, mamba=True), 9, 9),
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
-    pairs: dict[Layout, LegPair] = {}
-
-    def get(layout: Layout) -> LegPair:
-        if layout not in pairs:
-            pairs[layout] = build_leg_pair(
-                llama_model_dir, layout, MAX_PROMPT_TOKENS + 64
-            )
-        return pairs[layout]
-
-    return get
 
 
 @pytest.mark.slow

@@ -61,6 +61,8 @@ from tests.patches.builders import (
     make_scheduler_output,
     make_vllm_config,
     moriio_kv_transfer_config,
+    read_blocks,
+    reads_by_layer,
 )
 
 BLOCK = 640
@@ -315,17 +317,7 @@ def test_workers_route_wrapped_kda_and_ring_layers(stub_mori, configs, num_spec)
     local = [[10 + g, 20 + g] if g == 3 else [10 + g] for g in payload]
     remote = [[50 + g, 60 + g] if g == 3 else [50 + g] for g in payload]
     try:
-        worker._read_blocks(
-            local_block_ids=local,
-            remote_block_ids=remote,
-            dst_engine_id="127.0.0.1:1",
-            request_id="route",
-            transfer_id="t-route",
-            remote_host="127.0.0.1",
-            remote_notify_port=1,
-            remote_tp_size=1,
-        )
-        reads = worker.moriio_wrapper.reads
+        reads = read_blocks(worker, local, remote, "t-route")
     finally:
         worker.shutdown()
     expected = {
@@ -333,11 +325,7 @@ def test_workers_route_wrapped_kda_and_ring_layers(stub_mori, configs, num_spec)
         for g, group in enumerate(grouping.worker.kv_cache_groups)
         for layer in group.layer_names
     }
-    posted: dict[str, list[tuple[int, list[int], list[int]]]] = {}
-    for session, local_offs, remote_offs in reads:
-        posted.setdefault(session.layer, []).append(
-            (session.region, local_offs, remote_offs)
-        )
+    posted = reads_by_layer(reads)
     assert set(posted) == set(expected)
     for layer, slot in expected.items():
         for _, local_offs, remote_offs in posted[layer]:

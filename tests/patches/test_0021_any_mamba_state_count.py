@@ -52,6 +52,7 @@ from tests.patches.builders import (
     make_vllm_config,
     moriio_kv_transfer_config,
     prompt,
+    read_blocks,
     sliding_window_spec,
 )
 from tests.patches.vllm_unit_utils import create_scheduler
@@ -443,15 +444,11 @@ def test_worker_registers_and_reads_every_state(
         num_attn = worker._num_attn_transfer_groups
         num_state = worker._num_mamba_transfer_groups
         local_slot, remote_slot = 5, 3
-        worker._read_blocks(
-            local_block_ids=[[1]] * num_attn + [[local_slot]] * num_state,
-            remote_block_ids=[[1]] * num_attn + [[remote_slot]] * num_state,
-            dst_engine_id="127.0.0.1:1",
-            request_id="states",
-            transfer_id="t-states",
-            remote_host="127.0.0.1",
-            remote_notify_port=1,
-            remote_tp_size=1,
+        read_blocks(
+            worker,
+            [[1]] * num_attn + [[local_slot]] * num_state,
+            [[1]] * num_attn + [[remote_slot]] * num_state,
+            "t-states",
         )
         expected = before.clone()
         for name, spec in state_layers.items():
