@@ -19,6 +19,7 @@ import functools
 import inspect
 import itertools
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -352,6 +353,17 @@ def block_id_source(start: int = 1) -> Iterator[int]:
 # real vLLM spec classes, position-indexed block tables for both legs, the
 # producer -> consumer flow through the real scheduler-side connectors, and
 # the mori transfer engine stubbed at its boundary for the worker.
+
+
+class WarningRecords(logging.Handler):
+    """Keeps every WARNING (and above) record it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 class DoneStatus:
@@ -888,6 +900,14 @@ class SchedulerPair:
     def prefill_payload(self, request_id: str, tokens: list[int]) -> Any:
         """Run ``tokens`` on the prefill leg; the payload its connector hands
         the decoder (``do_remote_prefill`` set, as a proxy forwards it)."""
+        return self.prefill_run(request_id, tokens)[0]
+
+    def prefill_run(
+        self, request_id: str, tokens: list[int]
+    ) -> tuple[Any, list[list[int]], int]:
+        """Run ``tokens`` on the prefill leg: the payload (as
+        ``prefill_payload``), the leg's block tables and the prompt tokens it
+        computed."""
         request = self._request(
             request_id, tokens, {"do_remote_decode": True, "transfer_id": request_id}
         )
@@ -895,9 +915,11 @@ class SchedulerPair:
         while True:
             for output in self._step(self.prefill):
                 if output.kv_transfer_params:
+                    tables = self.prefill.kv_cache_manager.get_block_ids(request_id)
                     params = copy.deepcopy(output.kv_transfer_params)
                     params["do_remote_prefill"] = True
-                    return params
+                    computed = request.num_computed_tokens
+                    return params, [list(t) for t in tables], computed
 
     def _run_local(self, scheduler: Scheduler, request: Request) -> None:
         scheduler.add_request(request)

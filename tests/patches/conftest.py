@@ -7,8 +7,9 @@ The builders they use live in ``builders.py``.
 
 from __future__ import annotations
 
+import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from tests.patches.builders import (
     FakeWrapper,
     Layout,
     LegPair,
+    WarningRecords,
     leg_pair_cache,
     make_vllm_config,
     moriio_kv_transfer_config,
@@ -62,6 +64,22 @@ def mtp_vllm_configs(deepseek_mtp_model_dir: Path):
             speculative_config=MTP,
         ),
     )
+
+
+@pytest.fixture
+def connector_warnings() -> Iterator[list[logging.LogRecord]]:
+    """The MoRIIO connector's warnings, from its own logger: vLLM's logging
+    config stops propagation at the ``vllm`` logger, so a root-level capture
+    sees nothing once another test in the process has configured it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_connector as mc,
+    )
+
+    handler = WarningRecords()
+    log = logging.getLogger(mc.__name__)
+    log.addHandler(handler)
+    yield handler.records
+    log.removeHandler(handler)
 
 
 @pytest.fixture

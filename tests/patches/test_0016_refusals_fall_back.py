@@ -96,27 +96,6 @@ class _Counted:
         conn.get_kv_connector_stats = spy  # type: ignore[method-assign]
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def connector_warnings() -> Any:
-    """The connector's warnings, from its own logger: vLLM's logging config
-    stops propagation at the ``vllm`` logger, so a root-level capture sees
-    nothing once another test in the process has configured it."""
-    handler = _Records()
-    log = logging.getLogger(moriio_connector.__name__)
-    log.addHandler(handler)
-    yield handler.records
-    log.removeHandler(handler)
-
-
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_refused_payload_is_prefilled_locally_beside_a_transfer(
     pair: SchedulerPair, fault: str, connector_warnings: list[logging.LogRecord]
