@@ -783,11 +783,15 @@ def build_scheduler(
     groups: Sequence[tuple[list[str], KVCacheSpec]],
     block_size: int,
     num_blocks: int,
+    *,
+    read_mode: bool = True,
 ) -> Scheduler:
     """A real ``Scheduler`` over ``groups`` (one block size, prefix caching on)
-    with the MoRIIO connector in READ mode."""
+    with the MoRIIO connector in READ mode (WRITE unless ``read_mode``)."""
     vllm_config = make_vllm_config(
-        model_dir, moriio_kv_transfer_config(kv_role), block_size=block_size
+        model_dir,
+        moriio_kv_transfer_config(kv_role, read_mode=read_mode),
+        block_size=block_size,
     )
     kv_cache_config = make_kv_cache_config(groups, num_blocks)
     kv_cache_config.hash_block_size = block_size
@@ -2085,26 +2089,6 @@ def run_case(model_dir: Path, case: TransferCase) -> ReadPlan:
 LAYER = "model.layers.0.self_attn.attn"
 
 
-def build_write_scheduler(
-    model_dir: Path,
-    kv_role: str,
-    groups: Sequence[tuple[list[str], KVCacheSpec]],
-    block_size: int,
-    num_blocks: int,
-) -> Scheduler:
-    """A real ``Scheduler`` (prefix caching on) with MoRIIO in WRITE mode."""
-    vllm_config = make_vllm_config(
-        model_dir,
-        moriio_kv_transfer_config(kv_role, read_mode=False),
-        block_size=block_size,
-    )
-    kv_cache_config = make_kv_cache_config(groups, num_blocks)
-    kv_cache_config.hash_block_size = block_size
-    kv_cache_config.cache_hit_alignment_tokens = block_size
-    with set_current_vllm_config(vllm_config):
-        return create_scheduler(vllm_config, num_blocks, kv_cache_config)
-
-
 class _Socket:
     def __init__(self, sent: list[dict[str, Any]]) -> None:
         self._sent = sent
@@ -2263,7 +2247,9 @@ def build_write_pair(
     )
 
     legs = [
-        build_write_scheduler(model_dir, role, groups, block_size, num_blocks)
+        build_scheduler(
+            model_dir, role, groups, block_size, num_blocks, read_mode=False
+        )
         for role in ("kv_producer", "kv_consumer")
     ]
     pair = WritePair(SchedulerPair(legs[0], legs[1], block_size))
