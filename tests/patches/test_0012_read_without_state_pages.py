@@ -17,7 +17,11 @@ from hypothesis import given, settings
 from tests.patches.builders import (
     Group,
     TransferCase,
+    build_scheduler_pair,
+    cdiv,
+    full_attention_spec,
     hit_tokens_for,
+    prompt,
     read_after_manager_hit,
     run_case,
     transfer_cases,
@@ -103,3 +107,23 @@ def test_property_pages_read_are_pages_missing(
     """Any layout of target groups without a state group, any hit, DCP and
     lookahead on either leg."""
     run_case(llama_model_dir, case)
+
+
+def test_scheduler_pair_reads_only_missing_pages(llama_model_dir: Path) -> None:
+    """Both legs are real vLLM schedulers with the MoRIIO connector (one
+    full-attention group); a decoder warm-up gives the prefix hit, and its
+    first step READs exactly the pages past the hit."""
+    block = 16
+    layers = [(["model.layers.0.self_attn.attn"], full_attention_spec(block))]
+    pair = build_scheduler_pair(llama_model_dir, layers, block)
+    wrong = []
+    for n in (97, 160, 161, 203):
+        hit = n // 2 // block * block
+        read = pair.read(prompt(300 + n, n), hit)
+        assert read.decode_hit_tokens == hit
+        local = [read.decode_tables[0].index(b) for b in read.local_block_ids[0]]
+        remote = [read.prefill_tables[0].index(b) for b in read.remote_block_ids[0]]
+        lacked = list(range(hit // block, cdiv(n - 1, block)))
+        if local != lacked or remote != lacked:
+            wrong.append(f"N={n}: decoder pages {local}, prefiller pages {remote}")
+    assert not wrong, wrong
