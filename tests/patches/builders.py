@@ -6,21 +6,34 @@ that holds only ``config.json``, a MoRIIO ``KVTransferConfig``, a
 ``MoRIIOConnector`` and the ``Request`` / ``KVCacheBlocks`` /
 ``SchedulerOutput`` objects its hooks take.
 
-Append-only: other patches' tests import from here (`conftest.py` beside
-it holds only the fixtures). Re-read before editing.
+Below them, by section: the hybrid READ harness, the READ and WRITE legs
+each on a real ``Scheduler``, the block pairing judge, the prefix-hit
+driver. Every patch's tests import their builders from here (``conftest.py``
+beside it holds only the fixtures); export inlines what a port needs.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import itertools
 import json
-from collections.abc import Iterator, Mapping, Sequence
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-import torch  # noqa: E402
-from vllm.config import (  # noqa: E402
+import msgpack
+import msgspec
+import pytest
+import torch
+from hypothesis import strategies as st
+from vllm.config import (
     CacheConfig,
     KVTransferConfig,
     ModelConfig,
@@ -29,26 +42,38 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
-    KVConnectorRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (
     MoRIIOConnector,
 )
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
 )
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from tests.patches.vllm_unit_utils import create_scheduler
 
 # --------------------------------------------------------------------------
 # Model folders (config.json only)
@@ -318,3 +343,2048 @@ def make_scheduler_output(
 def block_id_source(start: int = 1) -> Iterator[int]:
     """Distinct block ids, never 0 (vLLM's null block)."""
     return itertools.count(start)
+
+
+# ==========================================================================
+# Hybrid READ harness: a GLM-like layout, both legs' tables, stubbed engine
+# ==========================================================================
+#
+# A GLM-like hybrid layout built from
+# real vLLM spec classes, position-indexed block tables for both legs, the
+# producer -> consumer flow through the real scheduler-side connectors, and
+# the mori transfer engine stubbed at its boundary for the worker.
+
+
+class WarningRecords(logging.Handler):
+    """Keeps every WARNING (and above) record it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+class DoneStatus:
+    """A mori transfer status that reports success at once."""
+
+    def Succeeded(self) -> bool:
+        return True
+
+    def Failed(self) -> bool:
+        return False
+
+    def InProgress(self) -> bool:
+        return False
+
+    def Code(self) -> int:
+        return 0
+
+    def Message(self) -> str:
+        return ""
+
+
+B = 64  # MLA / indexer / KDA block size
+TAIL_B = 8  # tail ring block size
+TAIL_W = 8  # tail ring window
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+P_EXTRA_ROWS = 1  # prefiller lookahead rows past the (truncated) prompt
+D_EXTRA_ROWS = 2  # decoder rows past the prompt (spec padding + lookahead)
+UNRELATED_ZEROED_BLOCK = 999_999  # a block of some other request
+
+
+# --------------------------------------------------------------------------
+# Layouts
+# --------------------------------------------------------------------------
+
+MLA_LAYERS = ("layers.3.mla", "layers.3.indexer", "layers.7.mla", "layers.7.indexer")
+MTP_LAYERS = ("mtp.0.mla", "mtp.0.indexer")
+TAIL_LAYERS = ("layers.3.tail", "layers.7.tail", "mtp.0.tail")
+KDA0_LAYERS = ("layers.0.kda", "layers.2.kda", "layers.5.kda")
+KDA1_LAYERS = ("layers.1.kda", "layers.4.kda", "layers.6.kda")
+
+
+def indexer_spec(is_draft: bool = False, **kw: Any) -> MLAAttentionSpec:
+    """The kpool indexer: an MLA spec in the indexer cache role."""
+    return MLAAttentionSpec(
+        block_size=B,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=128,
+        dtype=torch.uint8,
+        cache_role=SparseCacheRole.INDEXER,
+        is_draft=is_draft,
+        **kw,
+    )
+
+
+def tail_spec(is_draft: bool = False) -> SlidingWindowMLASpec:
+    return SlidingWindowMLASpec(
+        block_size=TAIL_B,
+        sliding_window=TAIL_W,
+        bounded_replay=True,
+        num_kv_heads=1,
+        head_size=256,
+        dtype=torch.bfloat16,
+        dcp_sharded=False,
+        is_draft=is_draft,
+    )
+
+
+def uniform(specs: dict[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs:
+    spec = UniformTypeKVCacheSpecs.from_specs(specs)
+    assert spec is not None
+    return spec
+
+
+def glm_like_groups() -> list[KVCacheGroupSpec]:
+    """[KDA0, MLA+indexer+MTP, KDA1, tail ring] (see module docstring)."""
+    mla_specs: dict[str, KVCacheSpec] = {}
+    for name in (*MLA_LAYERS, *MTP_LAYERS):
+        draft = name.startswith("mtp.")
+        mla_specs[name] = (
+            indexer_spec(draft) if name.endswith("indexer") else mla_spec(B)
+        )
+    tail_specs: dict[str, KVCacheSpec] = {
+        name: tail_spec(name.startswith("mtp.")) for name in TAIL_LAYERS
+    }
+    kda = kda_mamba_spec(block_size=B, num_speculative_blocks=1)
+    return [
+        KVCacheGroupSpec(list(KDA0_LAYERS), kda),
+        KVCacheGroupSpec(list(mla_specs), uniform(mla_specs)),
+        KVCacheGroupSpec(list(KDA1_LAYERS), kda),
+        KVCacheGroupSpec(list(tail_specs), uniform(tail_specs)),
+    ]
+
+
+# transfer-group indices of the GLM-like layout, in payload order
+GLM_ATTN = (1, 3)
+GLM_MAMBA = (0, 2)
+GLM_PAYLOAD = (*GLM_ATTN, *GLM_MAMBA)
+
+
+def single_group_hybrid(attn: KVCacheSpec, num_mamba: int) -> list[KVCacheGroupSpec]:
+    """One attention group ahead of ``num_mamba`` KDA/GDN groups."""
+    mamba = kda_mamba_spec(block_size=attn.block_size)
+    return [KVCacheGroupSpec(["attn.0", "attn.1"], attn)] + [
+        KVCacheGroupSpec([f"mamba.{i}.0", f"mamba.{i}.1"], mamba)
+        for i in range(num_mamba)
+    ]
+
+
+# --------------------------------------------------------------------------
+# Position-indexed block tables
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Leg:
+    """One leg's tables (config group order) and each real block's page."""
+
+    tables: list[list[int]]
+    page_of: dict[int, int] = field(default_factory=dict)
+    fresh: list[int] = field(default_factory=list)  # newly allocated blocks
+    running_slot: dict[int, int] = field(default_factory=dict)  # Mamba group
+
+    def page(self, block_id: int) -> int:
+        return self.page_of[block_id]
+
+
+def is_window(spec: KVCacheSpec) -> bool:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = spec.first_spec
+    return isinstance(spec, SlidingWindowSpec)
+
+
+def build_leg(
+    groups: Sequence[KVCacheGroupSpec],
+    num_table_tokens: int,
+    last_token: int,
+    ids: Iterator[int],
+    hit_pages: int = 0,
+) -> Leg:
+    """Tables for a leg holding ``num_table_tokens`` rows.
+
+    ``last_token`` is the position the leg computes last (its window end);
+    the first ``hit_pages`` pages of prefix-cacheable attention groups are
+    local prefix-cache hits (not fresh).
+    """
+    leg = Leg(tables=[])
+    for group in groups:
+        spec = group.kv_cache_spec
+        bs = spec.block_size
+        num_pages = cdiv(num_table_tokens, bs)
+        table: list[int] = []
+        if isinstance(spec, MambaSpec):
+            run = next(ids)
+            scratch = [next(ids) for _ in range(spec.num_speculative_blocks)]
+            table = [0] * (num_pages - 1) + [run, *scratch]
+            leg.page_of[run] = num_pages - 1
+            leg.running_slot[len(leg.tables)] = run
+            leg.fresh += [run, *scratch]
+        else:
+            first_live = max(last_token - TAIL_W + 1, 0) // bs if is_window(spec) else 0
+            for page in range(num_pages):
+                if page < first_live:
+                    table.append(0)
+                    continue
+                block = next(ids)
+                table.append(block)
+                leg.page_of[block] = page
+                if not (spec.prefix_cacheable and page < hit_pages):
+                    leg.fresh.append(block)
+        leg.tables.append(table)
+    return leg
+
+
+def prefill_leg(groups: Sequence[KVCacheGroupSpec], n: int) -> Leg:
+    return build_leg(groups, n - 1 + P_EXTRA_ROWS, n - 2, block_id_source(1))
+
+
+def decode_leg(groups: Sequence[KVCacheGroupSpec], n: int, hit_pages: int = 0) -> Leg:
+    return build_leg(
+        groups, n + D_EXTRA_ROWS, n - 1, block_id_source(10_001), hit_pages
+    )
+
+
+# --------------------------------------------------------------------------
+# Producer -> consumer flow through the real scheduler-side connectors
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Transfer:
+    params: dict[str, Any]
+    p: Leg
+    d: Leg
+    local: list[list[int]]
+    remote: list[list[int]]
+    zero_before: list[int]
+    zero_after: list[int]
+
+
+def produce(p_conn: Any, groups: Sequence[KVCacheGroupSpec], n: int, rid: str):
+    p = prefill_leg(groups, n)
+    req = make_request(rid, n, {"do_remote_decode": True, "transfer_id": f"t-{rid}"})
+    p_conn.on_new_request(req)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay_free, params = p_conn.request_finished_all_groups(req, tuple(p.tables))
+    assert delay_free and params is not None
+    return p, params
+
+
+def run_transfer(
+    p_conn: Any,
+    d_conn: Any,
+    groups: Sequence[KVCacheGroupSpec],
+    n: int,
+    hit_pages: int,
+) -> Transfer:
+    rid = f"req-{n}-{hit_pages}"
+    p, params = produce(p_conn, groups, n, rid)
+    d = decode_leg(groups, n, hit_pages)
+    req = make_request(f"{rid}-d", n, params)
+    num_external, _ = d_conn.get_num_new_matched_tokens(req, hit_pages * B)
+    assert num_external == n - 1 - hit_pages * B
+    d_conn.update_state_after_alloc(req, make_kv_cache_blocks(d.tables), num_external)
+    zero_before = [*d.fresh, UNRELATED_ZEROED_BLOCK]
+    output = make_scheduler_output(zero_before)
+    meta = d_conn.build_connector_meta(output)
+    req_meta = meta.reqs_to_recv[req.request_id]
+    return Transfer(
+        params=params,
+        p=p,
+        d=d,
+        local=[list(g) for g in req_meta.local_block_ids],
+        remote=[list(g) for g in req_meta.remote_block_ids],
+        zero_before=zero_before,
+        zero_after=list(output.new_block_ids_to_zero or []),
+    )
+
+
+def assert_positional_pairs(t: Transfer, payload_index: int) -> list[tuple[int, int]]:
+    """Every (decode, prefill) pair holds the same page; nulls pair with nulls."""
+    local, remote = t.local[payload_index], t.remote[payload_index]
+    assert len(local) <= len(remote)
+    pairs = list(zip(local, remote[: len(local)], strict=True))
+    for d_block, p_block in pairs:
+        if d_block == 0 or p_block == 0:
+            assert d_block == p_block == 0, (d_block, p_block)
+            continue
+        assert t.d.page(d_block) == t.p.page(p_block), (d_block, p_block)
+    return pairs
+
+
+def read_pages(t: Transfer, payload_index: int) -> set[int]:
+    return {t.d.page(d) for d, _ in assert_positional_pairs(t, payload_index) if d}
+
+
+def tail_pages_needed(n: int) -> set[int]:
+    """Tail pages holding the decoder's window before its last token."""
+    first = max(n - TAIL_W, 0)
+    return set(range(first // TAIL_B, (n - 2) // TAIL_B + 1))
+
+
+def attention_read_destinations(t: Transfer, num_attn: int) -> set[int]:
+    return {b for group in t.local[:num_attn] for b in group if b}
+
+
+def connector_pair(configs: tuple[Any, Any], kv_cache_config: KVCacheConfig):
+    p_config, d_config = configs
+    return (
+        make_scheduler_connector(p_config, kv_cache_config),
+        make_scheduler_connector(d_config, kv_cache_config),
+    )
+
+
+def wrapped_window_groups(wrapped: bool) -> list[KVCacheGroupSpec]:
+    sw = {name: sliding_window_spec(16, 64) for name in ("sw.0", "sw.1")}
+    sw_spec: KVCacheSpec = uniform(dict(sw)) if wrapped else sw["sw.0"]
+    return [
+        KVCacheGroupSpec(["full.0", "full.1"], full_attention_spec(16)),
+        KVCacheGroupSpec(list(sw), sw_spec),
+    ]
+
+
+@dataclass(frozen=True)
+class FakeSession:
+    layer: str
+    region: int
+
+
+class FakeWrapper:
+    """Stands in for MoRIIOWrapper: records every posted RDMA READ."""
+
+    def __init__(self, **_: Any) -> None:
+        self.lock = threading.Lock()
+        self.reads: list[tuple[FakeSession, list[int], list[int]]] = []
+        self.notify_port = 0
+
+    def set_moriio_engine(self, engine: Any) -> None:
+        self.engine = engine
+
+    def set_backend_type(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def read_remote_data(self, sizes, local_offsets, remote_offsets, session):
+        self.reads.append((session, list(local_offsets), list(remote_offsets)))
+        return DoneStatus()
+
+    def send_notify(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def read_blocks(
+    worker: Any,
+    local: list[list[int]],
+    remote: list[list[int]],
+    transfer_id: str = "t-read",
+) -> list[tuple[FakeSession, list[int], list[int]]]:
+    """Post one READ of ``remote`` into ``local`` (one list per payload
+    slot) from a loopback prefiller; the RDMA READs the wrapper recorded."""
+    worker._read_blocks(
+        local_block_ids=local,
+        remote_block_ids=remote,
+        dst_engine_id="127.0.0.1:1",
+        request_id=transfer_id.removeprefix("t-"),
+        transfer_id=transfer_id,
+        remote_host="127.0.0.1",
+        remote_notify_port=1,
+        remote_tp_size=1,
+    )
+    return worker.moriio_wrapper.reads
+
+
+def reads_by_layer(
+    reads: Sequence[tuple[FakeSession, list[int], list[int]]],
+) -> dict[str, list[tuple[int, list[int], list[int]]]]:
+    """Each layer's posted READs as (region, local offsets, remote offsets)."""
+    posted: dict[str, list[tuple[int, list[int], list[int]]]] = {}
+    for session, local_offs, remote_offs in reads:
+        posted.setdefault(session.layer, []).append(
+            (session.region, local_offs, remote_offs)
+        )
+    return posted
+
+
+def build_worker(vllm_config: Any, kv_cache_config: KVCacheConfig) -> Any:
+    """The real worker __init__ on stubs; memory registration stubbed too."""
+    worker = moriio_connector.MoRIIOConnectorWorker(
+        vllm_config, "127.0.0.1:0", kv_cache_config
+    )
+    # What register_kv_caches would record: one region per attention layer,
+    # two (conv, ssm) per KDA layer, one session per region.
+    worker._has_mamba = True
+    worker.layer_name_to_local_kv_cache_metadata = {}
+    sessions: list[FakeSession] = []
+    for group in kv_cache_config.kv_cache_groups:
+        for layer in group.layer_names:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[layer]
+            regions = 2 if isinstance(spec, MambaSpec) else 1
+            worker.layer_name_to_local_kv_cache_metadata[layer] = [b""] * regions
+            sessions += [FakeSession(layer, r) for r in range(regions)]
+    worker._get_built_session = lambda engine_id: (sessions, object())
+    worker._region_session_indices = lambda layer: [
+        i for i, s in enumerate(sessions) if s.layer == layer
+    ]
+
+    # Memory geometry stub: a block's byte offset is its id.
+    def attention_offsets(layer, local, remote, *args, **kwargs):
+        return list(local), list(remote[: len(local)]), [1] * len(local)
+
+    def mamba_offsets(layer, local_slots, remote_slots, remote_tp_size=None):
+        sizes = [1] * (2 * len(local_slots))
+        return (
+            [*local_slots, *local_slots],
+            [*remote_slots, *remote_slots],
+            sizes,
+            len(local_slots),
+        )
+
+    worker._compute_read_attention_offsets = attention_offsets
+    worker._compute_mamba_transfer_offsets = mamba_offsets
+    return worker
+
+
+def base_single_group_payload(groups, tables) -> list[list[int]]:
+    """The base's hybrid READ layout, computed from the tables: the attention
+    group as allocated, then each Mamba group's running-state slot."""
+    spec_blocks = groups[1].kv_cache_spec.num_speculative_blocks
+    attn = list(tables[0])
+    mamba = [list(table[: len(table) - spec_blocks][-1:]) for table in tables[1:]]
+    return [attn, *mamba]
+
+
+# ==========================================================================
+# READ prefill and decode legs, each a real Scheduler
+# ==========================================================================
+#
+# A MoRIIO READ prefill and decode leg, each a real vLLM ``Scheduler``.
+#
+# Each leg owns a real KV cache manager; the scheduler builds the real MoRIIO
+# connector (READ mode opens no socket on the scheduler side). A prompt runs
+# on the prefill leg until its ``kv_transfer_params`` come back, then on the
+# decode leg, whose first step carries the READ in its connector metadata.
+# Forward passes are not modelled: a step only reports one sampled token for
+# each request whose prompt is complete.
+
+_SAMPLED_TOKEN = 7
+
+
+def build_scheduler(
+    model_dir: Path,
+    kv_role: str,
+    groups: Sequence[tuple[list[str], KVCacheSpec]],
+    block_size: int,
+    num_blocks: int,
+    *,
+    read_mode: bool = True,
+    disable_hma: bool = False,
+) -> Scheduler:
+    """A real ``Scheduler`` over ``groups`` (one block size, prefix caching on)
+    with the MoRIIO connector in READ mode (WRITE unless ``read_mode``). In
+    WRITE a failed load is recomputed (``kv_load_failure_policy``) and state
+    groups cache a state per block ("align" mode), so a decoder hit holds its
+    state."""
+    vllm_config = make_vllm_config(
+        model_dir,
+        moriio_kv_transfer_config(kv_role, read_mode=read_mode),
+        block_size=block_size,
+        disable_hybrid_kv_cache_manager=disable_hma,
+    )
+    if not read_mode:
+        assert vllm_config.kv_transfer_config is not None
+        vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+        if any(isinstance(spec, MambaSpec) for _, spec in groups):
+            vllm_config.cache_config.mamba_cache_mode = "align"
+    kv_cache_config = make_kv_cache_config(groups, num_blocks)
+    kv_cache_config.hash_block_size = block_size
+    kv_cache_config.cache_hit_alignment_tokens = block_size
+    with set_current_vllm_config(vllm_config):
+        return create_scheduler(vllm_config, num_blocks, kv_cache_config)
+
+
+_SEED_STRIDE = 50_021
+
+
+def model_runner_output(req_ids: list[str], **fields: Any) -> ModelRunnerOutput:
+    """The runner's output for ``req_ids`` in row order; ``req_id_to_index``
+    only where ``ModelRunnerOutput`` still takes it (vLLM 0.33.0 did)."""
+    if "req_id_to_index" in inspect.signature(ModelRunnerOutput).parameters:
+        fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **fields)
+
+
+def prompt(seed: int, num_tokens: int) -> list[int]:
+    """Tokens no other seed shares (its first one already differs), so only a
+    deliberate prefix is a hit. Token ids stay below 2**31: vLLM keeps a
+    request's tokens as int32."""
+    assert num_tokens < _SEED_STRIDE
+    tokens = [seed * _SEED_STRIDE + i for i in range(num_tokens)]
+    assert tokens[-1] < 2**31
+    return tokens
+
+
+@dataclass
+class Read:
+    """What the decoder's first step READs, with both legs' tables."""
+
+    num_prompt_tokens: int
+    num_prefilled_tokens: int
+    """Tokens the prefill leg computed."""
+    prefill_tables: list[list[int]]
+    """The prefill request's tables when it finished (null block: 0)."""
+    decode_tables: list[list[int]]
+    decode_hit_tokens: int
+    """Prompt tokens the decoder had in its prefix cache (N-1-E)."""
+    local_block_ids: list[list[int]]
+    remote_block_ids: list[list[int]]
+
+
+@dataclass
+class SchedulerPair:
+    prefill: Scheduler
+    decode: Scheduler
+    block_size: int
+    counter: itertools.count[int] = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(self.block_size, sha256)
+        self._external: dict[str, int] = {}
+        connector = self.decode.connector
+        assert connector is not None
+        update = connector.update_state_after_alloc
+
+        def record(request: Request, blocks: Any, num_external_tokens: int) -> Any:
+            self._external[request.request_id] = num_external_tokens
+            return update(request, blocks, num_external_tokens)
+
+        connector.update_state_after_alloc = record  # type: ignore[method-assign]
+
+    def _request(self, request_id: str, tokens: list[int], params: Any) -> Request:
+        extra = {"kv_transfer_params": params} if params is not None else None
+        return Request(
+            request_id,
+            list(tokens),
+            SamplingParams(max_tokens=1, ignore_eos=True, extra_args=extra),
+            None,
+            block_hasher=self._hasher,
+        )
+
+    @staticmethod
+    def _step(
+        scheduler: Scheduler, finished_sending: set[str] | None = None
+    ) -> list[Any]:
+        return SchedulerPair._finish_step(
+            scheduler, scheduler.schedule(), finished_sending
+        )
+
+    @staticmethod
+    def _finish_step(
+        scheduler: Scheduler, output: Any, finished_sending: set[str] | None = None
+    ) -> list[Any]:
+        """Report the step as run: one token for every complete prompt."""
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = [
+            [_SAMPLED_TOKEN]
+            if scheduler.requests[r].num_computed_tokens
+            >= scheduler.requests[r].num_tokens
+            else []
+            for r in req_ids
+        ]
+        result = scheduler.update_from_output(
+            output,
+            model_runner_output(
+                req_ids,
+                sampled_token_ids=sampled,
+                kv_connector_output=KVConnectorOutput(finished_sending=finished_sending)
+                if finished_sending
+                else None,
+            ),
+        )
+        return [o for eco in result.values() for o in eco.outputs]
+
+    def prefill_payload(self, request_id: str, tokens: list[int]) -> Any:
+        """Run ``tokens`` on the prefill leg; the payload its connector hands
+        the decoder (``do_remote_prefill`` set, as a proxy forwards it)."""
+        return self.prefill_run(request_id, tokens)[0]
+
+    def prefill_run(
+        self, request_id: str, tokens: list[int]
+    ) -> tuple[Any, list[list[int]], int]:
+        """Run ``tokens`` on the prefill leg: the payload (as
+        ``prefill_payload``), the leg's block tables and the prompt tokens it
+        computed."""
+        request = self._request(
+            request_id, tokens, {"do_remote_decode": True, "transfer_id": request_id}
+        )
+        self.prefill.add_request(request)
+        while True:
+            for output in self._step(self.prefill):
+                if output.kv_transfer_params:
+                    tables = self.prefill.kv_cache_manager.get_block_ids(request_id)
+                    params = copy.deepcopy(output.kv_transfer_params)
+                    params["do_remote_prefill"] = True
+                    computed = request.num_computed_tokens
+                    return params, [list(t) for t in tables], computed
+
+    def _run_local(self, scheduler: Scheduler, request: Request) -> None:
+        scheduler.add_request(request)
+        while request.request_id in scheduler.requests:
+            self._step(scheduler)
+
+    def read(self, tokens: list[int], decode_hit_tokens: int = 0) -> Read:
+        """Prefill ``tokens``, then admit them on the decode leg after it
+        cached their first ``decode_hit_tokens`` (a local prefix hit)."""
+        i = next(self.counter)
+        if decode_hit_tokens:
+            warm = [*tokens[:decode_hit_tokens], *prompt(10_000 + i, 1)]
+            self._run_local(self.decode, self._request(f"warm-{i}", warm, None))
+        request_id = f"req-{i}"
+        prefill_request = self._request(
+            request_id, tokens, {"do_remote_decode": True, "transfer_id": f"t-{i}"}
+        )
+        self.prefill.add_request(prefill_request)
+        params = None
+        while params is None:
+            outputs = self._step(self.prefill)
+            params = next(
+                (o.kv_transfer_params for o in outputs if o.kv_transfer_params), None
+            )
+        prefill_tables = [
+            list(group)
+            for group in self.prefill.kv_cache_manager.get_block_ids(request_id)
+        ]
+        num_prefilled_tokens = prefill_request.num_computed_tokens
+
+        decode_params = copy.deepcopy(params)
+        decode_params["do_remote_prefill"] = True
+        self.decode.add_request(self._request(request_id, tokens, decode_params))
+        output = self.decode.schedule()
+        decode_tables = [
+            list(group)
+            for group in self.decode.kv_cache_manager.get_block_ids(request_id)
+        ]
+        meta = output.kv_connector_metadata.reqs_to_recv[request_id]
+        self._finish_step(self.decode, output)
+        while request_id in self.decode.requests:
+            self._step(self.decode)
+        self._step(self.prefill, finished_sending={request_id})
+        assert request_id not in self.prefill.requests
+        return Read(
+            num_prompt_tokens=len(tokens),
+            num_prefilled_tokens=num_prefilled_tokens,
+            prefill_tables=prefill_tables,
+            decode_tables=decode_tables,
+            decode_hit_tokens=len(tokens) - 1 - self._external.pop(request_id),
+            local_block_ids=[list(g) for g in meta.local_block_ids],
+            remote_block_ids=[list(g) for g in meta.remote_block_ids],
+        )
+
+
+def build_scheduler_pair(
+    model_dir: Path,
+    groups: Sequence[tuple[list[str], KVCacheSpec]],
+    block_size: int,
+    num_blocks: int = 2048,
+) -> SchedulerPair:
+    legs = [
+        build_scheduler(model_dir, role, groups, block_size, num_blocks)
+        for role in ("kv_producer", "kv_consumer")
+    ]
+    return SchedulerPair(legs[0], legs[1], block_size)
+
+
+# ==========================================================================
+# READ block pairing by position between a producer and a consumer
+# ==========================================================================
+#
+# Exchange prompts between a real MoRIIO READ producer and consumer scheduler
+# side and judge the block pairing by position.
+#
+# A position-indexed block table holds positions ``[k*S, (k+1)*S)`` in block
+# ``k`` (``S``: the group's spec block size, times the DCP size when the group
+# is DCP-sharded). A pair (decoder block, prefiller block) is correct only when
+# both hold the same positions. The decoder recomputes the last prompt token
+# (position ``N-1``) and needs from the prefiller every position below it (full
+# attention) or every position of its window below it, ``[N-W, N-1)``.
+#
+# Tables are shaped as vLLM's KV cache manager leaves them: the prompt's blocks
+# plus the lookahead slots a leg reserves, and in a window group the null block
+# (id 0) wherever ``SlidingWindowManager.remove_skipped_blocks`` freed a block
+# below the window of the leg's next token. The prefiller's scheduler frees
+# them before ``request_finished`` (``Scheduler._connector_finished``), for the
+# tokens it computed (after ``on_new_request`` dropped any); the decoder's KV
+# cache manager frees them at allocation, for the ``N-1`` tokens it is given.
+# A pair that reads the null block holds no position of the prompt.
+#
+# ``run_sweep_request`` sweeps prompt lengths for the base-mechanism test,
+# which runs it against the pinned base files in a separate interpreter.
+
+# Block ids encode (leg, group, block index); 0 is vLLM's null block.
+_PREFILL_BASE = 1_000_000
+_DECODE_BASE = 2_000_000
+_GROUP_STRIDE = 100_000
+
+BlockLists = list[tuple[list[int], list[int]]]
+"""Per transfer group: the decoder's and the prefiller's block lists, which
+the workers pair element-wise."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Full attention, optionally with one sliding-window group, optionally
+    followed by one KDA-like Mamba group (hybrid READ).
+
+    ``dcp`` shards the full-attention group's positions; vLLM accepts a
+    sliding-window group under DCP only when it is replicated.
+    """
+
+    block_size: int
+    window: int | None
+    dcp: int = 1
+    mamba: bool = False
+
+    @property
+    def spans(self) -> tuple[int, ...]:
+        """Tokens one block holds, per transfer group."""
+        full = self.block_size * self.dcp
+        return (full,) if self.window is None else (full, self.block_size)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return (None,) if self.window is None else (None, self.window)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A layout plus the lookahead slots each leg allocates past the prompt."""
+
+    name: str
+    layout: Layout
+    prefill_tail: int
+    decode_tail: int
+
+
+class CaseSpec(msgspec.Struct, frozen=True):
+    name: str
+    block_size: int
+    window: int | None
+    dcp: int
+    prefill_tail: int
+    decode_tail: int
+
+
+class SweepRequest(msgspec.Struct, frozen=True):
+    """What the script sweeps: every prompt length 1..max_prompt_tokens."""
+
+    cases: list[CaseSpec]
+    max_prompt_tokens: int
+
+
+class SweepResult(msgspec.Struct, frozen=True):
+    """Wrong prompt lengths per case name (what the script prints)."""
+
+    wrong: dict[str, list[int]]
+
+
+def prefill_id(group: int, index: int) -> int:
+    return _PREFILL_BASE + group * _GROUP_STRIDE + index
+
+
+def decode_id(group: int, index: int) -> int:
+    return _DECODE_BASE + group * _GROUP_STRIDE + index
+
+
+def num_freed_blocks(window: int | None, span: int, num_computed_tokens: int) -> int:
+    """Leading blocks of a group that vLLM's KV cache manager has replaced by
+    the null block once ``num_computed_tokens`` are computed: those wholly
+    below the window of the next token (``get_num_skipped_tokens``)."""
+    if window is None:
+        return 0
+    return max(0, num_computed_tokens - window + 1) // span
+
+
+def allocation(
+    layout: Layout,
+    num_tokens: int,
+    make_id: Callable[[int, int], int],
+    num_computed_tokens: int = 0,
+) -> list[list[int]]:
+    """Position-indexed block ids for ``num_tokens`` slots, per group; a
+    Mamba group's table holds its running-state slot last. A window group's
+    blocks freed for ``num_computed_tokens`` computed tokens are the null
+    block (0)."""
+    tables = []
+    for g, (span, window) in enumerate(zip(layout.spans, layout.windows, strict=True)):
+        table = list(range(make_id(g, 0), make_id(g, cdiv(num_tokens, span))))
+        freed = min(num_freed_blocks(window, span, num_computed_tokens), len(table))
+        tables.append([0] * freed + table[freed:])
+    if layout.mamba:
+        pages = cdiv(num_tokens, layout.block_size)
+        tables.append([0] * (pages - 1) + [make_id(len(tables), pages - 1)])
+    return tables
+
+
+def needed_blocks(num_prompt_tokens: int, span: int, window: int | None) -> range:
+    """Block indices holding positions the last prompt token reads from P."""
+    if num_prompt_tokens < 2:
+        return range(0)
+    last = num_prompt_tokens - 2
+    first = 0 if window is None else max(0, num_prompt_tokens - window)
+    return range(first // span, last // span + 1)
+
+
+def pairing_errors(
+    layout: Layout,
+    num_prompt_tokens: int,
+    lists: Sequence[tuple[list[int], list[int]]],
+    *,
+    judge_null: bool = True,
+) -> list[str]:
+    """Why a pairing is wrong; empty when every pair is positional, none holds
+    the null block and every needed decoder block is paired.
+
+    ``judge_null=False`` judges only the pairs between live blocks: a pair
+    with the null block on either side is skipped, and a needed decoder block
+    paired with the prefiller's null block counts as paired. That block was
+    freed by vLLM's scheduler before the connector saw the table (the
+    window-start fix and its tests); the pairs between live blocks are
+    judged here.
+    """
+    num_groups = len(layout.spans) + layout.mamba
+    if len(lists) != num_groups:
+        return [f"{len(lists)} groups paired, layout has {num_groups}"]
+    errors: list[str] = []
+    if layout.mamba:
+        m = len(layout.spans)
+        local_ids, remote_ids = lists[m]
+        d_slot = [(b - decode_id(m, 0)) // _GROUP_STRIDE for b in local_ids]
+        p_slot = [(b - prefill_id(m, 0)) // _GROUP_STRIDE for b in remote_ids]
+        # A one-token prompt needs no state: nothing precedes the token the
+        # decoder computes (READ then reads none, once it skips held state).
+        slots = [([0], [0])] + ([([], [])] if num_prompt_tokens == 1 else [])
+        if (d_slot, p_slot) not in slots:
+            errors.append(f"Mamba: {local_ids} <- {remote_ids}, not one state slot")
+    for g, (span, window) in enumerate(zip(layout.spans, layout.windows, strict=True)):
+        local_ids, remote_ids = lists[g]
+        if local_ids and len(local_ids) != len(remote_ids):
+            errors.append(
+                f"group {g}: {len(local_ids)} decoder blocks, "
+                f"{len(remote_ids)} prefiller blocks"
+            )
+        # Decoder block indices whose prefiller block is the null block.
+        freed_at_source: set[int] = set()
+        if judge_null and (0 in local_ids or 0 in remote_ids):
+            errors.append(
+                f"group {g}: a pair reads the null block: {local_ids} <- {remote_ids}"
+            )
+        elif not judge_null:
+            pairs = list(zip(local_ids, remote_ids, strict=False))
+            freed_at_source = {lb - decode_id(g, 0) for lb, rb in pairs if rb == 0}
+            live = [(lb, rb) for lb, rb in pairs if lb != 0 and rb != 0]
+            local_ids, remote_ids = [lb for lb, _ in live], [rb for _, rb in live]
+        n = min(len(local_ids), len(remote_ids))
+        # Block index within this group's table (out of range: another group).
+        local = [b - decode_id(g, 0) for b in local_ids[:n]]
+        remote = [b - prefill_id(g, 0) for b in remote_ids[:n]]
+        in_group = not local or 0 <= min(local) <= max(local) < _GROUP_STRIDE
+        if local != remote or not in_group:
+            errors.extend(
+                f"group {g}: decoder block id {lb} <- prefiller block id {rb}"
+                for lb, rb, lk, rk in zip(
+                    local_ids[:n], remote_ids[:n], local, remote, strict=True
+                )
+                if lk != rk or not 0 <= lk < _GROUP_STRIDE
+            )
+        needed = needed_blocks(num_prompt_tokens, span, window)
+        if needed and not (
+            local
+            and local[0] <= needed.start
+            and needed.stop - 1 <= local[-1]
+            and local == list(range(local[0], local[0] + len(local)))
+        ):
+            missing = sorted(set(needed) - set(local) - freed_at_source)
+            if missing:
+                errors.append(f"group {g}: needed decoder blocks {missing} not read")
+    return errors
+
+
+def predicted_wrong_on_base(
+    layout: Layout,
+    num_prompt_tokens: int,
+    prefill_lens: Sequence[int],
+    decode_lens: Sequence[int],
+) -> bool:
+    """The base's mispairing, from the table lengths each leg hands over.
+
+    Each leg clips its own table: a sliding-window group to its last
+    ``cdiv(W, S) + 1`` blocks, a full-attention group not at all. The consumer
+    then pairs the lists from their ends: a longer consumer list keeps its
+    head, a longer producer list gives its suffix. So the pairs shift when the
+    decoder's table is the longer one and longer than the clip (both clipped
+    lists end one block apart), or whenever the prefiller's is the longer one
+    (its suffix starts one block later than the decoder's list). With equal
+    tables the pairs hold, but a clip counted from a table end past the
+    prompt's blocks can start after the window's first block. And the base
+    prefiller computes all N tokens, so its window group's blocks below
+    ``N-W+1`` are freed: a pair that reaches below that (the window's first
+    block when ``N-W`` ends its block), or below the decoder's own freed
+    blocks (``N-W``), reads the null block.
+    """
+    if num_prompt_tokens < 2:
+        return False
+    for span, window, p_len, d_len in zip(
+        layout.spans, layout.windows, prefill_lens, decode_lens, strict=True
+    ):
+        p_index, d_index = list(range(p_len)), list(range(d_len))
+        if window is not None:
+            clip = cdiv(window, span) + 1
+            p_index, d_index = p_index[-clip:], d_index[-clip:]
+        if len(d_index) > len(p_index):
+            d_index = d_index[: len(p_index)]
+        elif len(d_index) < len(p_index):
+            p_index = p_index[-len(d_index) :] if d_index else []
+        p_freed = num_freed_blocks(window, span, num_prompt_tokens)
+        d_freed = num_freed_blocks(window, span, num_prompt_tokens - 1)
+        needed = needed_blocks(num_prompt_tokens, span, window)
+        if (
+            d_index != p_index
+            or any(k < p_freed for k in p_index)
+            or any(k < d_freed for k in d_index)
+            or not set(needed) <= set(d_index)
+        ):
+            return True
+    return False
+
+
+def predicted(case: Case, prompt_lengths: Iterable[int]) -> list[int]:
+    spans = case.layout.spans
+    return [
+        n
+        for n in prompt_lengths
+        if predicted_wrong_on_base(
+            case.layout,
+            n,
+            [cdiv(n + case.prefill_tail, s) for s in spans],
+            [cdiv(n + case.decode_tail, s) for s in spans],
+        )
+    ]
+
+
+@functools.cache
+def _sampling_params() -> SamplingParams:
+    return SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def make_sweep_request(
+    request_id: str, num_prompt_tokens: int, params: dict[str, Any]
+) -> Request:
+    """A real ``Request`` whose kv_transfer_params (the attribute ``Request``
+    fills from ``SamplingParams.extra_args``) are ``params``. Sweeps build tens
+    of thousands, so they share one unchanging ``SamplingParams``."""
+    request = Request(request_id, [1] * num_prompt_tokens, _sampling_params(), None)
+    request.kv_transfer_params = params
+    return request
+
+
+@dataclass
+class LegPair:
+    """A real producer and consumer scheduler side for one layout."""
+
+    layout: Layout
+    producer: MoRIIOConnector
+    consumer: MoRIIOConnector
+    kv_cache_config: KVCacheConfig
+    decode_blocks: list[list[KVCacheBlock]]
+    counter: itertools.count[int] = field(default_factory=itertools.count)
+    # What the pair was built from (model directory, D's token capacity):
+    # with the layout, what its reads depend on in one process (`sweep`).
+    built_from: tuple[str, int] | None = None
+
+    def prefill(
+        self,
+        num_prompt_tokens: int,
+        prefill_tail: int = 0,
+        table: Sequence[Sequence[int]] | None = None,
+    ) -> dict[str, Any]:
+        """P's ``request_finished_all_groups``: the params D receives.
+
+        Without ``table``, P's table is allocated for the tokens P computes
+        (``on_new_request`` may drop the last one) plus ``prefill_tail``
+        lookahead slots, with its window group freed for those tokens."""
+        i = next(self.counter)
+        request = make_sweep_request(
+            f"p-{i}",
+            num_prompt_tokens,
+            {"do_remote_decode": True, "transfer_id": f"t-{i}"},
+        )
+        self.producer.on_new_request(request)
+        if table is None:
+            computed = request.num_prompt_tokens
+            table = allocation(
+                self.layout, computed + prefill_tail, prefill_id, computed
+            )
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = self.producer.request_finished_all_groups(
+            request, tuple(list(group) for group in table)
+        )
+        assert params is not None and "remote_block_ids" in params
+        return params
+
+    def decode(
+        self, num_prompt_tokens: int, params: dict[str, Any], decode_tail: int
+    ) -> str:
+        """D's admission with ``decode_tail`` lookahead slots; the request id."""
+        request = make_sweep_request(
+            f"d-{next(self.counter)}", num_prompt_tokens, params
+        )
+        num_external, _ = self.consumer.get_num_new_matched_tokens(request, 0)
+        num_tokens = num_prompt_tokens + decode_tail
+        groups = []
+        for group, span, window in zip(
+            self.decode_blocks, self.layout.spans, self.layout.windows, strict=True
+        ):
+            table = group[: cdiv(num_tokens, span)]
+            # D's KV cache manager is given N-1 computed tokens (READ).
+            freed = num_freed_blocks(window, span, num_prompt_tokens - 1)
+            groups.append([_null_block()] * freed + table[freed:])
+        if self.layout.mamba:
+            pages = cdiv(num_tokens, self.layout.block_size)
+            m = len(self.layout.spans)
+            groups.append(
+                [KVCacheBlock(block_id=0)] * (pages - 1)
+                + [KVCacheBlock(block_id=decode_id(m, pages - 1))]
+            )
+        blocks = KVCacheBlocks(tuple(groups))
+        self.consumer.update_state_after_alloc(request, blocks, num_external)
+        return request.request_id
+
+    def reads(self) -> dict[str, BlockLists]:
+        """D's ``build_connector_meta``: per request, the block lists READ."""
+        meta = self.consumer.build_connector_meta(SchedulerOutput.make_empty())
+        return {
+            req_id: [
+                (list(local), list(remote))
+                for local, remote in zip(
+                    req.local_block_ids, req.remote_block_ids, strict=True
+                )
+            ]
+            for req_id, req in meta.reqs_to_recv.items()  # type: ignore[attr-defined]
+        }
+
+    def exchange(
+        self,
+        num_prompt_tokens: int,
+        prefill_tail: int,
+        decode_tail: int,
+        prefill_table: Sequence[Sequence[int]] | None = None,
+    ) -> BlockLists:
+        params = self.prefill(num_prompt_tokens, prefill_tail, prefill_table)
+        req_id = self.decode(num_prompt_tokens, dict(params), decode_tail)
+        return self.reads()[req_id]
+
+
+def _null_block() -> KVCacheBlock:
+    block = KVCacheBlock(block_id=0)
+    block.is_null = True
+    return block
+
+
+def build_leg_pair(model_dir: Path, layout: Layout, max_tokens: int) -> LegPair:
+    """Producer and consumer for ``layout``; D's blocks cover ``max_tokens``."""
+    groups: list[tuple[list[str], Any]] = [
+        (["model.layers.0.self_attn.attn"], full_attention_spec(layout.block_size))
+    ]
+    if layout.window is not None:
+        sw = sliding_window_spec(
+            layout.block_size, layout.window, dcp_sharded=layout.dcp == 1
+        )
+        groups.append((["model.layers.1.self_attn.attn"], sw))
+    if layout.mamba:
+        groups.append(
+            (["model.layers.2.linear_attn"], kda_mamba_spec(layout.block_size))
+        )
+    kv_cache_config = make_kv_cache_config(groups)
+    legs = []
+    for role in ("kv_producer", "kv_consumer"):
+        vllm_config = make_vllm_config(
+            model_dir, moriio_kv_transfer_config(role), block_size=layout.block_size
+        )
+        # The scheduler side reads only the size; a real DCP config needs as
+        # many TP workers.
+        vllm_config.parallel_config.decode_context_parallel_size = layout.dcp
+        legs.append(make_scheduler_connector(vllm_config, kv_cache_config))
+    decode_blocks = [
+        [KVCacheBlock(block_id=decode_id(g, k)) for k in range(cdiv(max_tokens, span))]
+        for g, span in enumerate(layout.spans)
+    ]
+    pair = LegPair(layout, legs[0], legs[1], kv_cache_config, decode_blocks)
+    pair.built_from = (str(model_dir), max_tokens)
+    return pair
+
+
+def leg_pair_cache(model_dir: Path) -> Callable[[Layout], LegPair]:
+    """One real producer/consumer pair per layout, built on first use; D's
+    blocks cover every swept prompt plus a lookahead tail."""
+    pairs: dict[Layout, LegPair] = {}
+
+    def get(layout: Layout) -> LegPair:
+        if layout not in pairs:
+            pairs[layout] = build_leg_pair(model_dir, layout, MAX_PROMPT_TOKENS + 64)
+        return pairs[layout]
+
+    return get
+
+
+def scheduler_handoff(
+    pair: LegPair, table: Sequence[Sequence[int]], num_computed_tokens: int
+) -> list[list[int]]:
+    """P's table as vLLM's scheduler hands it to ``request_finished``: its own
+    clip to the computed tokens (``KVCacheManager.get_block_ids_for_computed_
+    tokens``), which divides by the spec block size without the DCP factor."""
+    manager = SimpleNamespace(
+        get_block_ids=lambda request_id: tuple(list(g) for g in table),
+        kv_cache_config=pair.kv_cache_config,
+    )
+    return [
+        list(g)
+        for g in KVCacheManager.get_block_ids_for_computed_tokens(
+            manager,  # type: ignore[arg-type]
+            request_id="p",
+            num_computed_tokens=num_computed_tokens,
+        )
+    ]
+
+
+def sweep_summary(
+    leg_pairs: Callable[[Layout], LegPair], sweep_name: str, *, judge_null: bool = True
+) -> dict[str, tuple[int, list[int]]]:
+    """Every prompt length 1..MAX_PROMPT_TOKENS of the named sweep: per case
+    with wrong lengths, their count and the first few."""
+    cases = SWEEPS[sweep_name]
+    wrong = sweep(
+        leg_pairs(cases[0].layout),
+        cases,
+        range(1, MAX_PROMPT_TOKENS + 1),
+        judge_null=judge_null,
+    )
+    return {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
+
+
+def prefiller_tail_errors(
+    pair: LegPair, handoff: str, prefill_tail: int = 8
+) -> list[str]:
+    """Full attention, only the prefiller holds ``prefill_tail`` lookahead
+    slots; ``handoff`` is "allocation" (P's table as allocated) or
+    "scheduler" (as vLLM's scheduler clips it). One line per wrong N."""
+    span = pair.layout.spans[0]
+    wrong: list[str] = []
+    for n in range(1, 4 * span + 1):
+        table = allocation(pair.layout, n + prefill_tail, prefill_id)
+        if handoff == "scheduler":
+            table = scheduler_handoff(pair, table, n)
+        errors = pairing_errors(pair.layout, n, pair.exchange(n, 0, 0, table))
+        if errors:
+            wrong.append(f"N={n}: {errors[0]}")
+    return wrong
+
+
+# The reads of a sweep already run in this process, per pair (layout, what
+# it was built from), cases and lengths: the connector is the same for the
+# whole process, so a second test sweeping the same cases (two modules' named
+# tests both sweep SWEEPS) judges the same reads, each
+# test with its own judgement.
+_SWEPT: dict[tuple[Any, ...], list[tuple[Case, int, BlockLists]]] = {}
+
+
+def sweep(
+    pair: LegPair,
+    cases: Sequence[Case],
+    prompt_lengths: Iterable[int],
+    *,
+    judge_null: bool = True,
+) -> dict[str, list[int]]:
+    """Wrong prompt lengths per case (``pairing_errors``), both legs' tables
+    shaped as the KV cache manager leaves them (prompt plus lookahead slots,
+    window blocks freed). Cases sharing a prefiller tail share its
+    ``request_finished``."""
+    assert all(c.layout == pair.layout for c in cases)
+    lengths = tuple(prompt_lengths)
+    key = (pair.layout, pair.built_from, tuple(cases), lengths)
+    swept = _SWEPT.get(key) if pair.built_from is not None else None
+    if swept is None:
+        swept = _sweep_reads(pair, cases, lengths)
+        if pair.built_from is not None:
+            _SWEPT[key] = swept
+    wrong: dict[str, list[int]] = {c.name: [] for c in cases}
+    for case, n, read in swept:
+        if pairing_errors(pair.layout, n, read, judge_null=judge_null):
+            wrong[case.name].append(n)
+    return {name: sorted(ns) for name, ns in wrong.items()}
+
+
+def _sweep_reads(
+    pair: LegPair, cases: Sequence[Case], prompt_lengths: Iterable[int]
+) -> list[tuple[Case, int, BlockLists]]:
+    """Each case's reads at each prompt length."""
+    by_tail: dict[int, list[Case]] = {}
+    for c in cases:
+        by_tail.setdefault(c.prefill_tail, []).append(c)
+    pending: list[tuple[Case, int, str]] = []
+    swept: list[tuple[Case, int, BlockLists]] = []
+
+    def collect() -> None:
+        reads = pair.reads()
+        swept.extend((case, n, reads[req_id]) for case, n, req_id in pending)
+        pending.clear()
+
+    for n in prompt_lengths:
+        for p_tail, tail_cases in by_tail.items():
+            params = pair.prefill(n, p_tail)
+            for case in tail_cases:
+                pending.append(
+                    (case, n, pair.decode(n, dict(params), case.decode_tail))
+                )
+        if len(pending) >= 512:
+            collect()
+    collect()
+    return swept
+
+
+def sweep_cases(
+    model_dir: Path, cases: Sequence[Case], max_prompt_tokens: int
+) -> dict[str, list[int]]:
+    """Every prompt length 1..max_prompt_tokens, one scheduler pair per layout."""
+    wrong: dict[str, list[int]] = {}
+    layouts = list(dict.fromkeys(c.layout for c in cases))
+    max_tail = max((max(c.prefill_tail, c.decode_tail) for c in cases), default=0)
+    for layout in layouts:
+        pair = build_leg_pair(model_dir, layout, max_prompt_tokens + max_tail)
+        layout_cases = [c for c in cases if c.layout == layout]
+        wrong.update(sweep(pair, layout_cases, range(1, max_prompt_tokens + 1)))
+    return wrong
+
+
+def encode_request(cases: Sequence[Case], max_prompt_tokens: int) -> str:
+    specs = [
+        CaseSpec(
+            c.name,
+            c.layout.block_size,
+            c.layout.window,
+            c.layout.dcp,
+            c.prefill_tail,
+            c.decode_tail,
+        )
+        for c in cases
+    ]
+    return msgspec.json.encode(SweepRequest(specs, max_prompt_tokens)).decode()
+
+
+MAX_PROMPT_TOKENS = 4096
+# Prompt lengths upstream saw answered wrongly on DeepSeek-V4-Pro (block 64,
+# window 128, 9 decode lookahead slots).
+UPSTREAM_WRONG_LENGTHS = (251, 377, 384, 440, 447, 636, 832, 895)
+
+DSV4 = Layout(block_size=64, window=128)
+SMALL = Layout(block_size=16, window=32)
+
+SWEEPS: dict[str, tuple[Case, ...]] = {
+    "b64-w128": (
+        Case("b64-w128-d9", DSV4, 0, 9),
+        Case("b64-w128-p9d9", DSV4, 9, 9),
+    ),
+    "b16-w32-d1to8": tuple(Case(f"b16-w32-d{k}", SMALL, 0, k) for k in range(1, 9)),
+    **{
+        f"dcp{dcp}-b64-w128": (
+            Case(f"dcp{dcp}-b64-w128-d9", Layout(64, 128, dcp), 0, 9),
+            Case(f"dcp{dcp}-b64-w128-p9", Layout(64, 128, dcp), 9, 0),
+        )
+        for dcp in (2, 4)
+    },
+}
+ALL_SWEEP_CASES = tuple(c for cases in SWEEPS.values() for c in cases)
+
+
+def run_sweep_request(model_dir: Path, request: str) -> str:
+    """Run a JSON ``SweepRequest``; return the ``SweepResult`` as JSON. The
+    base-mechanism test calls it in an interpreter whose MoRIIO package was
+    redirected to the base files first."""
+    spec = msgspec.json.decode(request, type=SweepRequest)
+    cases = [
+        Case(
+            c.name, Layout(c.block_size, c.window, c.dcp), c.prefill_tail, c.decode_tail
+        )
+        for c in spec.cases
+    ]
+    wrong = sweep_cases(model_dir, cases, spec.max_prompt_tokens)
+    return msgspec.json.encode(SweepResult(wrong)).decode()
+
+
+# ==========================================================================
+# READ with a decoder prefix hit: the pages paired
+# ==========================================================================
+#
+# Drive a READ transfer with a decoder prefix hit through the real
+# scheduler-side MoRIIO connector, and read back the pages it pairs.
+#
+# A producer finishes the prefill (``request_finished_all_groups``), a consumer
+# admits the same prompt (``get_num_new_matched_tokens``,
+# ``update_state_after_alloc``, ``build_connector_meta``) with
+# position-indexed tables as the KV cache manager hands them over: page k of a
+# group holds tokens [k*P, (k+1)*P), P the group's block size times the DCP
+# size when the spec is DCP-sharded.
+
+# Block ids encode (leg, group, page); 0 is vLLM's null block.
+_HIT_PREFILL_BASE = 10_000_000
+_HIT_DECODE_BASE = 20_000_000
+_GROUP_STRIDE = 100_000
+
+
+@dataclass(frozen=True)
+class Group:
+    """One KV cache group of a layout.
+
+    kind: "target" (the model's MLA group; every target group has the same
+    spec, so they share one prefix hit), "full" (a Llama-like full-attention
+    group), "drafter" (an EAGLE drafter owning a full-attention group of its
+    own spec), "kda" (recurrent state), "wrapped" (the target's MLA layers and
+    an fp8 indexer cache, a full-attention group in
+    ``UniformTypeKVCacheSpecs`` as the workers' configs hold it).
+    """
+
+    kind: str
+    block_size: int = 16
+    dcp_sharded: bool = False
+    host_resident: bool = False
+
+    def layer_specs(self, index: int) -> dict[str, KVCacheSpec]:
+        if self.kind != "wrapped":
+            return {f"layer.{index}": self.spec()}
+        return {
+            f"layer.{index}.attn": mla_spec(
+                self.block_size, dcp_sharded=self.dcp_sharded
+            ),
+            f"layer.{index}.indexer": mla_spec(
+                self.block_size,
+                head_size=132,
+                dtype=torch.uint8,
+                dcp_sharded=self.dcp_sharded,
+            ),
+        }
+
+    def spec(self) -> KVCacheSpec:
+        if self.kind == "target":
+            return mla_spec(self.block_size, dcp_sharded=self.dcp_sharded)
+        if self.kind == "full":
+            return full_attention_spec(self.block_size, dcp_sharded=self.dcp_sharded)
+        if self.kind == "drafter":
+            return full_attention_spec(
+                self.block_size, head_size=128, dcp_sharded=self.dcp_sharded
+            )
+        assert self.kind == "kda"
+        return kda_mamba_spec(16)
+
+    def group_spec(self, index: int) -> KVCacheGroupSpec:
+        specs = self.layer_specs(index)
+        spec = (
+            UniformTypeKVCacheSpecs.from_specs(specs)
+            if self.kind == "wrapped"
+            else self.spec()
+        )
+        assert spec is not None
+        return KVCacheGroupSpec(
+            list(specs),
+            spec,
+            is_eagle_group=self.kind == "drafter",
+            host_resident=self.host_resident,
+        )
+
+    def page_tokens(self, dcp: int) -> int:
+        return self.block_size * (dcp if self.dcp_sharded else 1)
+
+
+def connector(
+    model_dir: Path, groups: Sequence[Group], dcp: int, role: str
+) -> MoRIIOConnector:
+    vllm_config = make_vllm_config(model_dir, moriio_kv_transfer_config(role))
+    vllm_config.parallel_config.decode_context_parallel_size = dcp
+    kv_cache_config = make_kv_cache_config(
+        [group.group_spec(i) for i, group in enumerate(groups)]
+    )
+    return make_scheduler_connector(vllm_config, kv_cache_config)
+
+
+def table(base: int, index: int, group: Group, num_tokens: int, dcp: int) -> list[int]:
+    """A position-indexed table covering ``num_tokens`` (one slot for KDA)."""
+    if group.kind == "kda":
+        return [base + index * _GROUP_STRIDE]
+    num_pages = max(-(-num_tokens // group.page_tokens(dcp)), 0)
+    return [base + index * _GROUP_STRIDE + page for page in range(num_pages)]
+
+
+_request_ids = itertools.count()
+
+
+def next_request_id() -> str:
+    return f"req-{next(_request_ids)}"
+
+
+def decode_tables(
+    groups: Sequence[Group], num_tokens: int, dcp: int
+) -> list[list[int]]:
+    """The decoder's position-indexed tables covering ``num_tokens``."""
+    return [
+        table(_HIT_DECODE_BASE, i, g, num_tokens, dcp) for i, g in enumerate(groups)
+    ]
+
+
+@dataclass
+class ReadPlan:
+    """The consumer's READ pairs per attention group, as (local, remote) page
+    indices, and the state slots per KDA group, as (local, remote) lists of
+    slot indices; both keyed by KV cache group index."""
+
+    pairs: dict[int, list[tuple[int, int]]]
+    states: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+    def pages(self, group_index: int) -> list[int]:
+        assert all(local == remote for local, remote in self.pairs[group_index])
+        return [local for local, _ in self.pairs[group_index]]
+
+
+def finish_prefill(
+    model_dir: Path,
+    groups: Sequence[Group],
+    dcp: int,
+    request_id: str,
+    num_prompt_tokens: int,
+    prefill_tail_pages: int = 0,
+) -> dict:
+    producer = connector(model_dir, groups, dcp, "kv_producer")
+    prefill = make_request(
+        request_id,
+        num_prompt_tokens,
+        {"do_remote_decode": True, "transfer_id": request_id},
+    )
+    producer.on_new_request(prefill)
+    # A hybrid prefiller leaves the last prompt token to the decoder.
+    hybrid = any(group.kind == "kda" for group in groups)
+    truncated = hybrid and num_prompt_tokens > 1
+    expected = num_prompt_tokens - 1 if truncated else num_prompt_tokens
+    assert prefill.num_prompt_tokens == expected
+    prefill.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    tables = tuple(
+        table(
+            _HIT_PREFILL_BASE,
+            i,
+            group,
+            prefill.num_prompt_tokens + prefill_tail_pages * group.page_tokens(dcp),
+            dcp,
+        )
+        for i, group in enumerate(groups)
+    )
+    delay_free, params = producer.request_finished_all_groups(prefill, tables)
+    assert delay_free and params is not None
+    return params
+
+
+def read_plan(
+    consumer: MoRIIOConnector, groups: Sequence[Group], request_id: str
+) -> ReadPlan:
+    meta = consumer.build_connector_meta(make_scheduler_output())
+    req_meta = meta.reqs_to_recv[request_id]
+    scheduler = consumer.connector_scheduler
+    assert scheduler is not None
+    payload_groups = [*scheduler._attn_group_ids, *scheduler._mamba_group_ids]
+    assert len(req_meta.local_block_ids) == len(payload_groups)
+    assert len(req_meta.remote_block_ids) == len(payload_groups)
+    plan = ReadPlan({})
+    for slot, group_index in enumerate(payload_groups):
+        local = list(req_meta.local_block_ids[slot])
+        remote = list(req_meta.remote_block_ids[slot])
+        if groups[group_index].kind == "kda":
+            plan.states[group_index] = (
+                [b % _GROUP_STRIDE for b in local],
+                [b % _GROUP_STRIDE for b in remote],
+            )
+            continue
+        assert len(local) == len(remote)
+        first = _HIT_DECODE_BASE // _GROUP_STRIDE + group_index
+        assert all(b // _GROUP_STRIDE == first for b in local)
+        plan.pairs[group_index] = [
+            (lb % _GROUP_STRIDE, rb % _GROUP_STRIDE)
+            for lb, rb in zip(local, remote, strict=True)
+        ]
+    return plan
+
+
+def transfer_plan(
+    model_dir: Path,
+    groups: Sequence[Group],
+    *,
+    dcp: int,
+    num_prompt_tokens: int,
+    local_hit_tokens: int,
+    final_external_tokens: int | None = None,
+    decode_tail_tokens: int = 1,
+    prefill_tail_pages: int = 0,
+    short_local_group: int | None = None,
+) -> ReadPlan:
+    """Finish a prefill on a producer and admit it on a consumer.
+
+    ``local_hit_tokens`` is the decoder's local hit as the scheduler reports it
+    to ``get_num_new_matched_tokens``; ``final_external_tokens`` overrides the
+    count the scheduler finally passes to ``update_state_after_alloc``.
+    ``short_local_group`` gives that group's decoder table one page too few.
+    """
+    request_id = next_request_id()
+    params = finish_prefill(
+        model_dir, groups, dcp, request_id, num_prompt_tokens, prefill_tail_pages
+    )
+    consumer = connector(model_dir, groups, dcp, "kv_consumer")
+    # The connector's own hooks (its fail-closed checks raise there; the
+    # MoRIIOConnector hooks turn a refusal into a local-prefill fallback).
+    scheduler = consumer.connector_scheduler
+    assert scheduler is not None
+    decode = make_request(request_id, num_prompt_tokens, params)
+    reported, load_async = scheduler.get_num_new_matched_tokens(
+        decode, local_hit_tokens
+    )
+    assert not load_async
+    external = reported if final_external_tokens is None else final_external_tokens
+    tables = decode_tables(groups, num_prompt_tokens + decode_tail_tokens, dcp)
+    if short_local_group is not None:
+        tables[short_local_group] = tables[short_local_group][:-1]
+    scheduler.update_state_after_alloc(decode, make_kv_cache_blocks(tables), external)
+    return read_plan(consumer, groups, request_id)
+
+
+def missing_pages(num_prompt_tokens: int, hit_tokens: int, page: int) -> list[int]:
+    """Pages holding a position in [hit, N-1): not held locally, computed by P."""
+    end = num_prompt_tokens - 1
+    if hit_tokens >= end:
+        return []
+    return list(range(hit_tokens // page, -(-end // page)))
+
+
+HITS = ["none", "partial", "page_aligned", "one_short_of_full"]
+
+
+def hit_tokens_for(hit: str, page: int, num_prompt_tokens: int) -> int:
+    full_pages = (num_prompt_tokens - 1) // page
+    return {
+        "none": 0,
+        "partial": page * (full_pages // 2),
+        "page_aligned": page * 2,
+        # The last page the decoder could hold, with E > 0.
+        "one_short_of_full": page * full_pages
+        if (num_prompt_tokens - 1) % page
+        else page * (full_pages - 1),
+    }[hit]
+
+
+def hashed_request(
+    request_id: str, tokens: list[int], block_size: int, params: dict | None = None
+) -> Request:
+    init_none_hash(sha256)
+    return Request(
+        request_id,
+        tokens,
+        SamplingParams(
+            max_tokens=1,
+            extra_args={"kv_transfer_params": params} if params is not None else None,
+        ),
+        None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+
+
+@dataclass(frozen=True)
+class ManagerRead:
+    """A READ whose decoder hit comes from the real KV cache manager: the
+    hit per group (blocks held), the decoder's tables, and the pages READ
+    fills per transfer slot (``attn_group_ids[slot]`` is its group)."""
+
+    local_hit: int
+    diverged: bool
+    held: list[int]
+    tables: list[list[int]]
+    read: list[list[int]]
+    attn_group_ids: list[int]
+    num_prompt_tokens: int
+    block_size: int
+
+    def lacking(self, group: int) -> list[int]:
+        """The group's blocks past its hit, up to the recomputed token."""
+        end = cdiv(self.num_prompt_tokens - 1, self.block_size)
+        return list(self.tables[group][self.held[group] : end])
+
+
+def read_after_manager_hit(
+    model_dir: Path, groups: Sequence[Group], block: int, *, divergent: bool
+) -> ManagerRead:
+    """An earlier 200-token request leaves 160 shared tokens in the prefix
+    cache of a real ``KVCacheManager`` (EAGLE on); a 220-token prompt with
+    that prefix is then prefilled remotely and admitted by a READ consumer
+    with the manager's hit (``divergent``: the per-group hit the connector
+    path gets, else the common one)."""
+    manager = KVCacheManager(
+        make_kv_cache_config([g.group_spec(i) for i, g in enumerate(groups)], 512),
+        max_model_len=4096,
+        scheduler_block_size=block,
+        hash_block_size=block,
+        use_eagle=True,
+    )
+    num_prompt_tokens = 220
+    shared = list(range(1, 161))
+    earlier = hashed_request("earlier", [*shared, *[7] * 40], block)
+    no_hit = manager.get_computed_blocks(earlier)[0]
+    assert manager.allocate_slots(earlier, 200, 0, no_hit) is not None
+    earlier.num_computed_tokens = 200
+    manager.free(earlier)
+
+    request_id = next_request_id()
+    params = finish_prefill(model_dir, groups, 1, request_id, num_prompt_tokens)
+    decode = hashed_request(request_id, [*shared, *[9] * 60], block, params)
+    diverged = False
+    if divergent:
+        hit_blocks, local_hit, _, diverged = manager.get_computed_blocks_for_connector(
+            decode
+        )
+    else:
+        hit_blocks, local_hit, _ = manager.get_computed_blocks(decode)
+
+    consumer = connector(model_dir, groups, 1, "kv_consumer")
+    external, _ = consumer.get_num_new_matched_tokens(decode, local_hit)
+    assert external == num_prompt_tokens - 1 - local_hit
+    assert (
+        manager.allocate_slots(
+            decode,
+            num_prompt_tokens - local_hit - external,
+            num_new_computed_tokens=local_hit,
+            new_computed_blocks=hit_blocks,
+            num_external_computed_tokens=external,
+        )
+        is not None
+    )
+    allocated = manager.get_blocks(request_id)
+    consumer.update_state_after_alloc(decode, allocated, external)
+    scheduler = consumer.connector_scheduler
+    assert scheduler is not None
+    meta = consumer.build_connector_meta(make_scheduler_output())
+    return ManagerRead(
+        local_hit=local_hit,
+        diverged=bool(diverged),
+        held=[len(b) for b in hit_blocks.get_block_ids()],
+        tables=[list(t) for t in allocated.get_block_ids()],
+        read=[list(ids) for ids in meta.reqs_to_recv[request_id].local_block_ids],
+        attn_group_ids=list(scheduler._attn_group_ids),
+        num_prompt_tokens=num_prompt_tokens,
+        block_size=block,
+    )
+
+
+@dataclass(frozen=True)
+class TransferCase:
+    """One transfer: the hybrid layout, the prompt, the decoder's local hit,
+    and the run's options (``transfer_plan``'s keywords)."""
+
+    groups: tuple[Group, ...]
+    num_prompt_tokens: int
+    hit_tokens: int
+    dcp: int = 1
+    final_external_tokens: int | None = None
+    decode_tail_tokens: int = 1
+    prefill_tail_pages: int = 0
+    short_local_group: int | None = None
+    lag_pages: int = 0  # how many pages a drafter's own hit lags the target's
+
+    def plan(self, model_dir: Path) -> ReadPlan:
+        return transfer_plan(
+            model_dir,
+            self.groups,
+            dcp=self.dcp,
+            num_prompt_tokens=self.num_prompt_tokens,
+            local_hit_tokens=self.hit_tokens,
+            final_external_tokens=self.final_external_tokens,
+            decode_tail_tokens=self.decode_tail_tokens,
+            prefill_tail_pages=self.prefill_tail_pages,
+            short_local_group=self.short_local_group,
+        )
+
+    def missing(self, group_index: int, hit_tokens: int | None = None) -> list[int]:
+        """The pages of the group that a hit of ``hit_tokens`` (default: the
+        local hit) leaves missing."""
+        hit = self.hit_tokens if hit_tokens is None else hit_tokens
+        page = self.groups[group_index].page_tokens(self.dcp)
+        return missing_pages(self.num_prompt_tokens, hit, page)
+
+
+@st.composite
+def transfer_cases(
+    draw: st.DrawFn, with_drafter: bool, with_state: bool = True
+) -> TransferCase:
+    """Target groups (one spec) and KDA groups in any order; without state,
+    MLA or Llama-like target groups and no KDA group; with a drafter, an
+    EAGLE drafter group after the first target group (draft layers follow
+    the model's), whose hit lags the target's by 0-2 pages."""
+    dcp = draw(st.sampled_from([1, 2, 4, 8]))
+    target = Group(
+        draw(st.sampled_from(["target", "full"])) if not with_state else "target",
+        draw(st.sampled_from([16, 32, 64, 128, 192, 256])),
+        dcp_sharded=draw(st.booleans()),
+    )
+    groups = draw(
+        st.permutations(
+            [target] * draw(st.integers(1, 3))
+            + [Group("kda")] * draw(st.integers(1, 2) if with_state else st.just(0))
+        )
+    )
+    if with_drafter:
+        drafter = Group(
+            "drafter",
+            draw(st.sampled_from([16, 64, 128])),
+            dcp_sharded=draw(st.booleans()),
+        )
+        first_target = groups.index(target)
+        at = draw(st.integers(first_target + 1, len(groups)))
+        groups = [*groups[:at], drafter, *groups[at:]]
+    page = target.page_tokens(dcp)
+    num_prompt_tokens = draw(st.integers(2, 6000))
+    return TransferCase(
+        groups=tuple(groups),
+        dcp=dcp,
+        num_prompt_tokens=num_prompt_tokens,
+        hit_tokens=page * draw(st.integers(0, (num_prompt_tokens - 2) // page)),
+        lag_pages=draw(st.integers(0, 2)),
+        decode_tail_tokens=draw(st.integers(1, 40)),
+        prefill_tail_pages=draw(st.integers(0, 1)),
+    )
+
+
+def run_case(model_dir: Path, case: TransferCase) -> ReadPlan:
+    """The transfer of ``case``; the target groups read only the pages the
+    decoder lacks (whatever either leg's lookahead tail)."""
+    plan = case.plan(model_dir)
+    for index, group in enumerate(case.groups):
+        if group.kind in ("target", "full"):
+            assert plan.pages(index) == case.missing(index)
+    return plan
+
+
+# ==========================================================================
+# WRITE prefill and decode legs and the prefiller's write planner
+# ==========================================================================
+#
+# A MoRIIO WRITE prefill and decode leg, each a real vLLM ``Scheduler``, and
+# the prefiller's real write planner.
+#
+# The decode leg allocates the request's blocks and sends the prefiller its
+# "remote_blocks" message (captured at the ZMQ socket); the prefill leg runs
+# the prompt until its connector metadata carries the blocks it saves. The
+# prefiller's ``MoRIIOWrapper`` takes the captured message as its notify
+# listener does, and ``MoRIIOWriter._prepare_transfer_plan`` plans one layer's
+# write against a worker stand-in that records the block pairs it is asked to
+# copy (the offsets are vLLM's layout arithmetic, tested elsewhere). Forward
+# passes are not modelled.
+
+LAYER = "model.layers.0.self_attn.attn"
+
+
+class _Socket:
+    def __init__(self, sent: list[dict[str, Any]]) -> None:
+        self._sent = sent
+
+    def send(self, data: bytes) -> None:
+        self._sent.append(msgpack.loads(data))
+
+    def close(self, linger: int = 0) -> None:
+        pass
+
+
+class _Worker:
+    """What ``MoRIIOWriter._execute_write_task`` asks of the prefiller's
+    worker."""
+
+    def __init__(
+        self, layers: dict[str, int], state_layers: set[str], wrapper: Any
+    ) -> None:
+        self.kv_caches = {name: torch.zeros(2, 4, 1) for name in layers}
+        self.layer_to_group = dict(layers)
+        self._state_layers = state_layers
+        self._has_mamba = bool(state_layers)
+        self.moriio_config = type("C", (), {"defer_timeout": 1.0})()
+        self.moriio_wrapper = wrapper
+        self.tp_rank = 0
+        self.pairs: dict[str, list[tuple[int, int]]] = {}
+
+    def _check_peer_block_size(self, layer_name: str, meta: Any) -> None:
+        pass
+
+    def _is_mamba_layer(self, layer_name: str) -> bool:
+        return layer_name in self._state_layers
+
+    def _region_session_indices(self, layer_name: str) -> list[int]:
+        return [0, 1] if self._is_mamba_layer(layer_name) else [0]
+
+    def _mamba_blocks_for_layer(
+        self, layer_name: str, block_groups: Sequence[Sequence[int]]
+    ) -> list[int]:
+        # WRITE lists are in transfer-group order on both legs.
+        return list(block_groups[self.layer_to_group[layer_name]])
+
+    def _compute_mamba_transfer_offsets(
+        self,
+        layer_name: str,
+        local_slots: list[int],
+        remote_slots: list[int],
+        remote_tp_size: int | None = None,
+    ) -> tuple[list[int], list[int], list[int], int]:
+        self.pairs[layer_name] = list(zip(local_slots, remote_slots, strict=True))
+        return [], [], [], 0
+
+    def get_engine_name_with_dp(self, engine_name: str, dp_rank: int) -> str:
+        return f"{engine_name}_dp{dp_rank}"
+
+    def _get_built_session(self, engine_id: str) -> tuple[list[Any], Any]:
+        return [None], None
+
+    def _compute_block_transfer_offsets(
+        self,
+        layer_name: str,
+        local_block_ids: list[int],
+        remote_block_ids: list[int],
+        remote_moriio_meta: Any,
+        remote_engine_id: Any = None,
+    ) -> tuple[list[int], list[int], list[int]]:
+        # vLLM's layout pairs the lists by index and stops at the shorter.
+        self.pairs[layer_name] = list(
+            zip(local_block_ids, remote_block_ids, strict=False)
+        )
+        return [], [], []
+
+
+def record_notices(notices: list[Any], with_transfer: bool = False) -> Any:
+    """A ``MoRIIOWrapper.send_notify`` that records each message's type (with
+    its transfer id) instead of sending it."""
+
+    def send_notify(
+        transfer_id: str, ip: str, port: int, message_type: str | None = None, **kw: Any
+    ) -> None:
+        kind = message_type or ""
+        notices.append((transfer_id, kind) if with_transfer else kind)
+
+    return send_notify
+
+
+class _Event:
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass
+class Write:
+    """One prompt's WRITE: both legs' tables and the pages written."""
+
+    num_prompt_tokens: int
+    decode_hit_tokens: int
+    prefill_table: list[int]
+    decode_table: list[int]
+    message: dict[str, Any]
+    pairs: list[tuple[int, int]]
+    """(prefill block, decode block) for every page the prefiller writes
+    (the first group's)."""
+    prefill_tables: list[list[int]] = field(default_factory=list)
+    """Every group's prefill table once its prefill finished: the blocks it
+    holds while the write is in flight (null block: 0)."""
+    decode_tables: list[list[int]] = field(default_factory=list)
+    group_pairs: list[list[tuple[int, int]]] = field(default_factory=list)
+    """``pairs`` of every group (its first layer's)."""
+    pairs_by_layer: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+    """Messages the prefiller's writer sent the decoder."""
+    released: bool = False
+    """The prefiller's writer released its blocks (no write to wait for)."""
+
+
+@dataclass
+class WritePair:
+    legs: SchedulerPair
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    counter: Iterator[int] = field(default_factory=itertools.count)
+    layers: dict[str, int] = field(default_factory=lambda: {LAYER: 0})
+    """Each layer the prefiller writes and its transfer group."""
+    state_layers: set[str] = field(default_factory=set)
+
+    def write(
+        self, tokens: list[int], decode_hit_tokens: int = 0, message: Any = None
+    ) -> Write:
+        """Admit ``tokens`` on the decode leg after it cached their first
+        ``decode_hit_tokens``, prefill them, and plan the prefiller's write
+        from the decoder's message (``message`` edits it first)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+            moriio_common,
+            moriio_engine,
+        )
+
+        legs = self.legs
+        i = next(self.counter)
+        if decode_hit_tokens:
+            warm = [*tokens[:decode_hit_tokens], *prompt(20_000 + i, 1)]
+            legs._run_local(legs.decode, legs._request(f"warm-{i}", warm, None))
+        request_id = f"req-{i}"
+        params = {
+            "transfer_id": f"t-{i}",
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": "127.0.0.1",
+            "remote_handshake_port": 1,
+            "remote_notify_port": 2,
+            "remote_tp_size": 1,
+            "remote_dp_size": 1,
+        }
+        decode_params = {**params, "do_remote_prefill": True}
+        legs.decode.add_request(legs._request(request_id, tokens, decode_params))
+        self.sent.clear()
+        legs._finish_step(legs.decode, legs.decode.schedule())
+        (sent,) = self.sent
+        decode_tables = [
+            list(g) for g in legs.decode.kv_cache_manager.get_block_ids(request_id)
+        ]
+
+        prefill_params = {**params, "do_remote_decode": True}
+        legs.prefill.add_request(legs._request(request_id, tokens, prefill_params))
+        saved = None
+        # The connector's role is one per process (the last leg built): the
+        # prefiller finds its final chunk of a split prompt only as producer.
+        with _role(moriio_common, moriio_common.ROLE.PRODUCER):
+            while saved is None:
+                output = legs.prefill.schedule()
+                saved = output.kv_connector_metadata.reqs_to_save.get(request_id)
+                prefill_table = list(
+                    legs.prefill.kv_cache_manager.get_block_ids(request_id)[0]
+                )
+                legs._finish_step(legs.prefill, output)
+        prefill_tables = [
+            list(g) for g in legs.prefill.kv_cache_manager.get_block_ids(request_id)
+        ]
+
+        delivered = copy.deepcopy(sent)
+        if message is not None:
+            message(delivered)
+        notices: list[str] = []
+        layers = self.layers
+        if len(set(layers.values())) < len(decode_tables):
+            # One layer per group where the pair names none.
+            layers = {
+                f"{LAYER}.{g}" if g else LAYER: g for g in range(len(decode_tables))
+            }
+        with _role(moriio_common, moriio_common.ROLE.PRODUCER):
+            wrapper = moriio_engine.MoRIIOWrapper()
+            wrapper.send_notify = record_notices(notices)  # type: ignore[method-assign]
+            wrapper._handle_message(msgpack.dumps(delivered))
+            worker = _Worker(layers, self.state_layers, wrapper)
+            writer = moriio_engine.MoRIIOWriter(worker)  # type: ignore[arg-type]
+            for layer in layers:
+                task = type(
+                    "Task",
+                    (),
+                    {
+                        "request_id": request_id,
+                        "transfer_id": delivered["transfer_id"],
+                        "dst_engine_id": "decode",
+                        "local_block_ids": [list(g) for g in saved.local_block_ids],
+                        "write_start_blocks": getattr(
+                            saved, "write_start_blocks", None
+                        ),
+                        "layer_name": layer,
+                        "tp_mapping": None,
+                        "remote_tp_size": 1,
+                        "event": _Event(),
+                        "remote_ip": "127.0.0.1",
+                        "remote_notify_port": 2,
+                        "multi_pod_hosts": [],
+                        "remote_dp_size_local": 0,
+                    },
+                )()
+                if not wrapper._is_transfer_terminal_locked(task.transfer_id):
+                    writer._execute_write_task(task)  # type: ignore[arg-type]
+            released = any(
+                ack.transfer_id == delivered["transfer_id"]
+                for ack in wrapper.done_req_ids
+            )
+        first_layers = {g: name for name, g in reversed(layers.items())}
+        group_pairs = [
+            worker.pairs.get(first_layers.get(g, ""), [])
+            for g in range(len(decode_tables))
+        ]
+        return Write(
+            num_prompt_tokens=len(tokens),
+            decode_hit_tokens=decode_hit_tokens,
+            prefill_table=prefill_table,
+            decode_table=decode_tables[0],
+            message=sent,
+            pairs=group_pairs[0],
+            prefill_tables=prefill_tables,
+            decode_tables=decode_tables,
+            group_pairs=group_pairs,
+            pairs_by_layer=worker.pairs,
+            notices=notices,
+            released=released,
+        )
+
+
+@contextmanager
+def _role(moriio_common: Any, role: Any) -> Iterator[None]:
+    before = moriio_common.get_role()
+    moriio_common.set_role(role)
+    try:
+        yield
+    finally:
+        moriio_common.set_role(before)
+
+
+def build_write_pair(
+    model_dir: Path,
+    groups: Sequence[tuple[list[str], KVCacheSpec]],
+    block_size: int,
+    monkeypatch: pytest.MonkeyPatch,
+    num_blocks: int = 1024,
+    disable_hma: bool = False,
+) -> WritePair:
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_connector as mc,
+    )
+
+    legs = [
+        build_scheduler(
+            model_dir,
+            role,
+            groups,
+            block_size,
+            num_blocks,
+            read_mode=False,
+            disable_hma=disable_hma,
+        )
+        for role in ("kv_producer", "kv_consumer")
+    ]
+    pair = WritePair(
+        SchedulerPair(legs[0], legs[1], block_size),
+        layers={name: g for g, (names, _) in enumerate(groups) for name in names},
+        state_layers={
+            name
+            for names, spec in groups
+            if isinstance(spec, MambaSpec)
+            for name in names
+        },
+    )
+    monkeypatch.setattr(mc, "make_zmq_socket", lambda **kw: _Socket(pair.sent))
+    return pair

@@ -7,19 +7,27 @@ The builders they use live in ``builders.py``.
 
 from __future__ import annotations
 
+import logging
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.patches.builders import (
+    MTP,
     TINY_DEEPSEEK_MTP_CONFIG,
     TINY_LLAMA_CONFIG,
+    B,
+    FakeWrapper,
+    Layout,
+    LegPair,
+    WarningRecords,
+    leg_pair_cache,
     make_vllm_config,
     moriio_kv_transfer_config,
     write_model_dir,
 )
-from tests.patches.hybrid_0001 import MTP, B, FakeWrapper
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +40,12 @@ def deepseek_mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(
         tmp_path_factory.mktemp("deepseek_mtp"), TINY_DEEPSEEK_MTP_CONFIG
     )
+
+
+@pytest.fixture(scope="module")
+def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
+    """READ producer and consumer connectors per layout, built once."""
+    return leg_pair_cache(llama_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +64,22 @@ def mtp_vllm_configs(deepseek_mtp_model_dir: Path):
             speculative_config=MTP,
         ),
     )
+
+
+@pytest.fixture
+def connector_warnings() -> Iterator[list[logging.LogRecord]]:
+    """The MoRIIO connector's warnings, from its own logger: vLLM's logging
+    config stops propagation at the ``vllm`` logger, so a root-level capture
+    sees nothing once another test in the process has configured it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_connector as mc,
+    )
+
+    handler = WarningRecords()
+    log = logging.getLogger(mc.__name__)
+    log.addHandler(handler)
+    yield handler.records
+    log.removeHandler(handler)
 
 
 @pytest.fixture

@@ -42,17 +42,6 @@ from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 from vllm.v1.request import RequestStatus
 
 from tests.patches.builders import (
-    full_attention_spec,
-    kda_mamba_spec,
-    make_kv_cache_blocks,
-    make_kv_cache_config,
-    make_request,
-    make_scheduler_connector,
-    make_vllm_config,
-    mla_spec,
-    moriio_kv_transfer_config,
-)
-from tests.patches.hybrid_0001 import (
     GLM_ATTN,
     GLM_MAMBA,
     GLM_PAYLOAD,
@@ -71,10 +60,21 @@ from tests.patches.hybrid_0001 import (
     build_worker,
     connector_pair,
     decode_leg,
+    full_attention_spec,
     glm_like_groups,
+    kda_mamba_spec,
+    make_kv_cache_blocks,
+    make_kv_cache_config,
+    make_request,
+    make_scheduler_connector,
+    make_vllm_config,
+    mla_spec,
+    moriio_kv_transfer_config,
     prefill_leg,
     produce,
+    read_blocks,
     read_pages,
+    reads_by_layer,
     run_transfer,
     single_group_hybrid,
     tail_pages_needed,
@@ -257,25 +257,11 @@ def test_read_blocks_routes_each_hybrid_layer_to_its_group(
     try:
         local = [[101, 102], [201, 202], [301], [401]]
         remote = [[111, 112], [211, 212], [311], [411]]
-        worker._read_blocks(
-            local_block_ids=local,
-            remote_block_ids=remote,
-            dst_engine_id="127.0.0.1:1",
-            request_id="route",
-            transfer_id="t-route",
-            remote_host="127.0.0.1",
-            remote_notify_port=1,
-            remote_tp_size=1,
-        )
-        reads = worker.moriio_wrapper.reads
+        reads = read_blocks(worker, local, remote, "t-route")
     finally:
         worker.shutdown()
 
-    by_layer: dict[str, list[tuple[int, list[int], list[int]]]] = {}
-    for session, local_offs, remote_offs in reads:
-        by_layer.setdefault(session.layer, []).append(
-            (session.region, local_offs, remote_offs)
-        )
+    by_layer = reads_by_layer(reads)
     expected_payload = {
         **{layer: 0 for layer in (*MLA_LAYERS, *MTP_LAYERS)},
         **{layer: 1 for layer in TAIL_LAYERS},

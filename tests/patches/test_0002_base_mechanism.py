@@ -1,7 +1,7 @@
 """Patch 0002's model of the bug, checked against the pinned base itself.
 
 The base's wrong prompt lengths must be exactly the ones the mechanism of
-seed 001 predicts (``pairing_0002.predicted_wrong_on_base``). The sweep runs
+seed 001 predicts (``predicted_wrong_on_base``). The sweep runs
 the base MoRIIO files in a separate interpreter, so this file is ours only:
 `vllm-overlay export` ports the patch's own tests, not this one.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.patches.pairing_0002 import (
+from tests.patches.builders import (
     ALL_SWEEP_CASES,
     MAX_PROMPT_TOKENS,
     UPSTREAM_WRONG_LENGTHS,
@@ -57,7 +57,7 @@ def sweep_base(
         "import sys; from pathlib import Path; "
         "from vllm_overlay.tree.variant import use_moriio_dir; "
         "use_moriio_dir(Path(sys.argv[1])); "
-        "from tests.patches.pairing_0002 import run_sweep_request; "
+        "from tests.patches.builders import run_sweep_request; "
         "print(run_sweep_request(Path(sys.argv[2]), sys.argv[3]))"
     )
     proc = subprocess.run(

@@ -16,25 +16,18 @@ by the window-start tests.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from tests.patches.pairing_0002 import (
+from tests.patches.builders import (
     SMALL,
     Layout,
     LegPair,
     cdiv,
-    leg_pair_cache,
     pairing_errors,
     prefiller_tail_errors,
     sweep_summary,
 )
-
-
-@pytest.fixture(scope="module")
-def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
-    return leg_pair_cache(llama_model_dir)
 
 
 def assert_paired(pair: LegPair, n: int, prefill_tail: int, decode_tail: int) -> None:

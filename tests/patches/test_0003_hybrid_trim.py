@@ -12,25 +12,18 @@ window-start tests.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from tests.patches.pairing_0002 import (
+from tests.patches.builders import (
     Case,
     Layout,
     LegPair,
     allocation,
     cdiv,
-    leg_pair_cache,
     prefill_id,
     sweep,
 )
-
-
-@pytest.fixture(scope="module")
-def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
-    return leg_pair_cache(llama_model_dir)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.patches.builders import (
+    Case,
+    Layout,
+    LegPair,
+    allocation,
+    cdiv,
     full_attention_spec,
     make_kv_cache_blocks,
     make_kv_cache_config,
@@ -24,24 +29,11 @@ from tests.patches.builders import (
     make_scheduler_output,
     make_vllm_config,
     moriio_kv_transfer_config,
-)
-from tests.patches.pairing_0002 import (
-    Case,
-    Layout,
-    LegPair,
-    allocation,
-    cdiv,
-    leg_pair_cache,
     prefill_id,
     prefiller_tail_errors,
     sweep,
     sweep_summary,
 )
-
-
-@pytest.fixture(scope="module")
-def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
-    return leg_pair_cache(llama_model_dir)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
     MoRIIOError,
 )
 
-from tests.patches.prefix_hit_0005 import (
+from tests.patches.builders import (
     HITS,
     Group,
     TransferCase,

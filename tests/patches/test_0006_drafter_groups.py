@@ -15,16 +15,11 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-from tests.patches.builders import make_kv_cache_config, make_scheduler_output
-from tests.patches.prefix_hit_0005 import (
+from tests.patches.builders import (
     Group,
     TransferCase,
-    connector,
-    finish_prefill,
-    hashed_request,
-    next_request_id,
+    read_after_manager_hit,
     run_case,
     transfer_cases,
 )
@@ -59,60 +54,15 @@ def test_drafter_own_group_reads_every_page_it_lacks(
 def test_drafter_hit_from_the_kv_cache_manager(llama_model_dir: Path):
     """The real KV cache manager gives the EAGLE drafter's own group a hit one
     page shorter than the target's; the pages it lacks are all read."""
-    block = 16
-    groups = [Group("target", block), Group("drafter", block), Group("kda")]
-    manager = KVCacheManager(
-        make_kv_cache_config([g.group_spec(i) for i, g in enumerate(groups)], 512),
-        max_model_len=4096,
-        scheduler_block_size=block,
-        hash_block_size=block,
-        use_eagle=True,
-    )
-    num_prompt_tokens = 220
-    shared = list(range(1, 161))
-    earlier = hashed_request("earlier", [*shared, *[7] * 40], block)
-    no_hit = manager.get_computed_blocks(earlier)[0]
-    assert manager.allocate_slots(earlier, 200, 0, no_hit) is not None
-    earlier.num_computed_tokens = 200
-    manager.free(earlier)
-
-    request_id = next_request_id()
-    params = finish_prefill(llama_model_dir, groups, 1, request_id, num_prompt_tokens)
-    decode = hashed_request(request_id, [*shared, *[9] * 60], block, params)
-    hit_blocks, local_hit, _, diverged = manager.get_computed_blocks_for_connector(
-        decode
-    )
-    held = [len(b) for b in hit_blocks.get_block_ids()]
-    assert diverged and local_hit == 160 and held[:2] == [10, 9]
-
-    consumer = connector(llama_model_dir, groups, 1, "kv_consumer")
-    external, _ = consumer.get_num_new_matched_tokens(decode, local_hit)
-    assert external == num_prompt_tokens - 1 - local_hit
-    assert (
-        manager.allocate_slots(
-            decode,
-            num_prompt_tokens - local_hit - external,
-            num_new_computed_tokens=local_hit,
-            new_computed_blocks=hit_blocks,
-            num_external_computed_tokens=external,
-        )
-        is not None
-    )
-    allocated = manager.get_blocks(request_id)
-    consumer.update_state_after_alloc(decode, allocated, external)
-
-    scheduler = consumer.connector_scheduler
-    assert scheduler is not None
-    meta = consumer.build_connector_meta(make_scheduler_output())
-    req_meta = meta.reqs_to_recv[request_id]
-    for slot, group_index in enumerate(scheduler._attn_group_ids):
-        table_ids = allocated.get_block_ids()[group_index]
-        read = set(req_meta.local_block_ids[slot])
-        end = -(-(num_prompt_tokens - 1) // block)
-        lacking = set(table_ids[held[group_index] : end])
-        assert lacking <= read, f"group {group_index} leaves pages unread"
+    groups = [Group("target", 16), Group("drafter", 16), Group("kda")]
+    read = read_after_manager_hit(llama_model_dir, groups, 16, divergent=True)
+    assert read.diverged and read.local_hit == 160 and read.held[:2] == [10, 9]
+    for slot, group_index in enumerate(read.attn_group_ids):
+        pages = set(read.read[slot])
+        lacking = set(read.lacking(group_index))
+        assert lacking <= pages, f"group {group_index} leaves pages unread"
         if group_index == 0:
-            assert read == lacking
+            assert pages == lacking
 
 
 @settings(max_examples=100, deadline=None)

@@ -28,6 +28,15 @@ from vllm.v1.core.kv_cache_planning import unify_hybrid_kv_cache_specs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from tests.patches.builders import (
+    MAX_PROMPT_TOKENS,
+    SWEEPS,
+    Case,
+    Layout,
+    LegPair,
+    Read,
+    SchedulerPair,
+    build_scheduler_pair,
+    cdiv,
     full_attention_spec,
     make_kv_cache_blocks,
     make_kv_cache_config,
@@ -35,23 +44,9 @@ from tests.patches.builders import (
     make_scheduler_connector,
     make_vllm_config,
     moriio_kv_transfer_config,
-    sliding_window_spec,
-)
-from tests.patches.pairing_0002 import (
-    MAX_PROMPT_TOKENS,
-    SWEEPS,
-    Case,
-    Layout,
-    LegPair,
-    build_leg_pair,
-    cdiv,
-    sweep,
-)
-from tests.patches.scheduler_pair_0008 import (
-    Read,
-    SchedulerPair,
-    build_scheduler_pair,
     prompt,
+    sliding_window_spec,
+    sweep,
 )
 
 # ---------------------------------------------------------------------------
@@ -295,20 +290,6 @@ WINDOW_SWEEPS: dict[str, tuple[Case, ...]] = {
         Case("hybrid-b16-w40-p9d9", Layout(16, 40, mamba=True), 9, 9),
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def leg_pairs(llama_model_dir: Path) -> Callable[[Layout], LegPair]:
-    pairs: dict[Layout, LegPair] = {}
-
-    def get(layout: Layout) -> LegPair:
-        if layout not in pairs:
-            pairs[layout] = build_leg_pair(
-                llama_model_dir, layout, MAX_PROMPT_TOKENS + 64
-            )
-        return pairs[layout]
-
-    return get
 
 
 @pytest.mark.slow

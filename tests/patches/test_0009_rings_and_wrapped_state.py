@@ -24,7 +24,6 @@ each with its speculative lookahead.
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,6 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
     moriio_common,
-    moriio_connector,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
@@ -53,6 +51,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import RequestStatus
 
 from tests.patches.builders import (
+    build_worker,
     full_attention_spec,
     kda_mamba_spec,
     make_kv_cache_blocks,
@@ -62,6 +61,8 @@ from tests.patches.builders import (
     make_scheduler_output,
     make_vllm_config,
     moriio_kv_transfer_config,
+    read_blocks,
+    reads_by_layer,
 )
 
 BLOCK = 640
@@ -309,107 +310,14 @@ def test_full_local_hit_reads_the_ring_and_the_state(configs, num_spec) -> None:
 # --------------------------------------------------------------------------
 
 
-class _Status:
-    def Succeeded(self) -> bool:
-        return True
-
-    def Failed(self) -> bool:
-        return False
-
-    def InProgress(self) -> bool:
-        return False
-
-    def Code(self) -> int:
-        return 0
-
-    def Message(self) -> str:
-        return ""
-
-
-class _Wrapper:
-    """Stands in for MoRIIOWrapper: records every posted RDMA READ."""
-
-    def __init__(self, **_: Any) -> None:
-        self.lock = threading.Lock()
-        self.reads: list[tuple[str, int, list[int], list[int]]] = []
-        self.notify_port = 0
-
-    def set_moriio_engine(self, engine: Any) -> None:
-        self.engine = engine
-
-    def set_backend_type(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def read_remote_data(self, sizes, local_offsets, remote_offsets, session):
-        layer, region = session
-        self.reads.append((layer, region, list(local_offsets), list(remote_offsets)))
-        return _Status()
-
-    def send_notify(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
-
-@pytest.fixture
-def recording_mori(stub_mori: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``stub_mori`` with a wrapper that records each READ by layer and region."""
-    monkeypatch.setattr(moriio_connector, "MoRIIOWrapper", _Wrapper)
-
-
-def _worker(vllm_config: Any, kv_cache_config: KVCacheConfig) -> Any:
-    """The real worker __init__ on stubs; memory registration stubbed: one
-    region per attention layer, two (conv, ssm) per KDA layer; a block's byte
-    offset is its id."""
-    worker = moriio_connector.MoRIIOConnectorWorker(
-        vllm_config, "127.0.0.1:0", kv_cache_config
-    )
-    worker._has_mamba = True
-    worker.layer_name_to_local_kv_cache_metadata = {}
-    sessions: list[tuple[str, int]] = []
-    for group in kv_cache_config.kv_cache_groups:
-        for layer in group.layer_names:
-            state = isinstance(worker.layer_to_spec[layer], MambaSpec)
-            regions = 2 if state else 1
-            worker.layer_name_to_local_kv_cache_metadata[layer] = [b""] * regions
-            sessions += [(layer, r) for r in range(regions)]
-    worker._get_built_session = lambda engine_id: (sessions, object())
-    worker._region_session_indices = lambda layer: [
-        i for i, (name, _) in enumerate(sessions) if name == layer
-    ]
-
-    def attention_offsets(layer, local, remote, *args, **kwargs):
-        return list(local), list(remote[: len(local)]), [1] * len(local)
-
-    def state_offsets(layer, local_slots, remote_slots, remote_tp_size=None):
-        sizes = [1] * (2 * len(local_slots))
-        both = ([*local_slots, *local_slots], [*remote_slots, *remote_slots])
-        return (*both, sizes, len(local_slots))
-
-    worker._compute_read_attention_offsets = attention_offsets
-    worker._compute_mamba_transfer_offsets = state_offsets
-    return worker
-
-
-def test_workers_route_wrapped_kda_and_ring_layers(recording_mori, configs, num_spec):
+def test_workers_route_wrapped_kda_and_ring_layers(stub_mori, configs, num_spec):
     grouping = real_grouping(configs[0], num_spec)
-    worker = _worker(configs[1], grouping.worker)
+    worker = build_worker(configs[1], grouping.worker)
     payload = [3, 4, 0, 1, 2]
     local = [[10 + g, 20 + g] if g == 3 else [10 + g] for g in payload]
     remote = [[50 + g, 60 + g] if g == 3 else [50 + g] for g in payload]
     try:
-        worker._read_blocks(
-            local_block_ids=local,
-            remote_block_ids=remote,
-            dst_engine_id="127.0.0.1:1",
-            request_id="route",
-            transfer_id="t-route",
-            remote_host="127.0.0.1",
-            remote_notify_port=1,
-            remote_tp_size=1,
-        )
-        reads = worker.moriio_wrapper.reads
+        reads = read_blocks(worker, local, remote, "t-route")
     finally:
         worker.shutdown()
     expected = {
@@ -417,9 +325,7 @@ def test_workers_route_wrapped_kda_and_ring_layers(recording_mori, configs, num_
         for g, group in enumerate(grouping.worker.kv_cache_groups)
         for layer in group.layer_names
     }
-    posted: dict[str, list[tuple[int, list[int], list[int]]]] = {}
-    for layer, region, local_offs, remote_offs in reads:
-        posted.setdefault(layer, []).append((region, local_offs, remote_offs))
+    posted = reads_by_layer(reads)
     assert set(posted) == set(expected)
     for layer, slot in expected.items():
         for _, local_offs, remote_offs in posted[layer]:

@@ -13,17 +13,16 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-from tests.patches.builders import make_kv_cache_config, make_scheduler_output
-from tests.patches.prefix_hit_0005 import (
+from tests.patches.builders import (
     Group,
     TransferCase,
-    connector,
-    finish_prefill,
-    hashed_request,
+    build_scheduler_pair,
+    cdiv,
+    full_attention_spec,
     hit_tokens_for,
-    next_request_id,
+    prompt,
+    read_after_manager_hit,
     run_case,
     transfer_cases,
 )
@@ -79,52 +78,11 @@ def test_no_hit_reads_every_prompt_page(llama_model_dir: Path, layout: str):
 def test_eagle_hit_from_the_kv_cache_manager(llama_model_dir: Path):
     """The real KV cache manager gives the target and the EAGLE drafter's own
     group one hit; each group reads exactly the pages it lacks."""
-    block = 16
-    groups = [Group("target", block), Group("drafter", block)]
-    manager = KVCacheManager(
-        make_kv_cache_config([g.group_spec(i) for i, g in enumerate(groups)], 512),
-        max_model_len=4096,
-        scheduler_block_size=block,
-        hash_block_size=block,
-        use_eagle=True,
-    )
-    num_prompt_tokens = 220
-    shared = list(range(1, 161))
-    earlier = hashed_request("earlier", [*shared, *[7] * 40], block)
-    no_hit = manager.get_computed_blocks(earlier)[0]
-    assert manager.allocate_slots(earlier, 200, 0, no_hit) is not None
-    earlier.num_computed_tokens = 200
-    manager.free(earlier)
-
-    request_id = next_request_id()
-    params = finish_prefill(llama_model_dir, groups, 1, request_id, num_prompt_tokens)
-    decode = hashed_request(request_id, [*shared, *[9] * 60], block, params)
-    hit_blocks, local_hit, _ = manager.get_computed_blocks(decode)
-    held = [len(b) for b in hit_blocks.get_block_ids()]
-    assert local_hit == 144 and held == [9, 9]
-
-    consumer = connector(llama_model_dir, groups, 1, "kv_consumer")
-    external, _ = consumer.get_num_new_matched_tokens(decode, local_hit)
-    assert external == num_prompt_tokens - 1 - local_hit
-    assert (
-        manager.allocate_slots(
-            decode,
-            num_prompt_tokens - local_hit - external,
-            num_new_computed_tokens=local_hit,
-            new_computed_blocks=hit_blocks,
-            num_external_computed_tokens=external,
-        )
-        is not None
-    )
-    allocated = manager.get_blocks(request_id)
-    consumer.update_state_after_alloc(decode, allocated, external)
-
-    meta = consumer.build_connector_meta(make_scheduler_output())
-    req_meta = meta.reqs_to_recv[request_id]
-    end = -(-(num_prompt_tokens - 1) // block)
-    for group_index, table in enumerate(allocated.get_block_ids()):
-        lacking = list(table[held[group_index] : end])
-        assert list(req_meta.local_block_ids[group_index]) == lacking, group_index
+    groups = [Group("target", 16), Group("drafter", 16)]
+    read = read_after_manager_hit(llama_model_dir, groups, 16, divergent=False)
+    assert read.local_hit == 144 and read.held == [9, 9]
+    for group_index in range(len(groups)):
+        assert read.read[group_index] == read.lacking(group_index), group_index
 
 
 def test_capped_external_count_reads_the_loaded_pages(llama_model_dir: Path):
@@ -149,3 +107,23 @@ def test_property_pages_read_are_pages_missing(
     """Any layout of target groups without a state group, any hit, DCP and
     lookahead on either leg."""
     run_case(llama_model_dir, case)
+
+
+def test_scheduler_pair_reads_only_missing_pages(llama_model_dir: Path) -> None:
+    """Both legs are real vLLM schedulers with the MoRIIO connector (one
+    full-attention group); a decoder warm-up gives the prefix hit, and its
+    first step READs exactly the pages past the hit."""
+    block = 16
+    layers = [(["model.layers.0.self_attn.attn"], full_attention_spec(block))]
+    pair = build_scheduler_pair(llama_model_dir, layers, block)
+    wrong = []
+    for n in (97, 160, 161, 203):
+        hit = n // 2 // block * block
+        read = pair.read(prompt(300 + n, n), hit)
+        assert read.decode_hit_tokens == hit
+        local = [read.decode_tables[0].index(b) for b in read.local_block_ids[0]]
+        remote = [read.prefill_tables[0].index(b) for b in read.remote_block_ids[0]]
+        lacked = list(range(hit // block, cdiv(n - 1, block)))
+        if local != lacked or remote != lacked:
+            wrong.append(f"N={n}: decoder pages {local}, prefiller pages {remote}")
+    assert not wrong, wrong

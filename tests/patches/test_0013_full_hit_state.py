@@ -17,18 +17,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
     MoRIIOError,
 )
 
-from tests.patches.builders import make_kv_cache_config
-from tests.patches.hybrid_0001 import (
+from tests.patches.builders import (
     GLM_MAMBA,
     GLM_PAYLOAD,
     TAIL_LAYERS,
     B,
+    Group,
+    TransferCase,
     build_worker,
     connector_pair,
     glm_like_groups,
+    make_kv_cache_config,
+    read_blocks,
     run_transfer,
 )
-from tests.patches.prefix_hit_0005 import Group, TransferCase
 
 # Kimi-like: MLA (DCP-sharded) and two KDA groups.
 KIMI_LIKE = (Group("target", 64, dcp_sharded=True), Group("kda"), Group("kda"))
@@ -78,24 +80,10 @@ def test_glm_full_local_hit_reads_no_state(mtp_vllm_configs, n) -> None:
         assert t.local[payload_index] == t.remote[payload_index] == []
 
 
-def _read(worker, local, remote) -> list:
-    worker._read_blocks(
-        local_block_ids=local,
-        remote_block_ids=remote,
-        dst_engine_id="127.0.0.1:1",
-        request_id="full-hit",
-        transfer_id="t-full-hit",
-        remote_host="127.0.0.1",
-        remote_notify_port=1,
-        remote_tp_size=1,
-    )
-    return worker.moriio_wrapper.reads
-
-
 def test_worker_reads_the_ring_without_state(stub_mori, mtp_vllm_configs) -> None:
     worker = build_worker(mtp_vllm_configs[1], make_kv_cache_config(glm_like_groups()))
     try:
-        reads = _read(worker, [[], [201, 202], [], []], [[], [211, 212], [], []])
+        reads = read_blocks(worker, [[], [201, 202], [], []], [[], [211, 212], [], []])
     finally:
         worker.shutdown()
     posted = [(session.layer, local) for session, local, _ in reads if local]
@@ -107,7 +95,7 @@ def test_worker_refuses_a_state_slot_on_one_leg(stub_mori, mtp_vllm_configs) -> 
     worker = build_worker(mtp_vllm_configs[1], make_kv_cache_config(glm_like_groups()))
     try:
         with pytest.raises(MoRIIOError, match="missing mamba recurrent-state"):
-            _read(worker, [[], [201], [], [401]], [[], [211], [], []])
+            read_blocks(worker, [[], [201], [], [401]], [[], [211], [], []])
     finally:
         worker.shutdown()
 

@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 from vllm.utils.math_utils import cdiv
 
-from tests.patches.builders import full_attention_spec, sliding_window_spec
-from tests.patches.scheduler_pair_0008 import (
+from tests.patches.builders import (
     Read,
     SchedulerPair,
     build_scheduler_pair,
+    full_attention_spec,
     prompt,
+    sliding_window_spec,
 )
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.patches.builders import make_kv_cache_config
-from tests.patches.hybrid_0001 import (
+from tests.patches.builders import (
     GLM_PAYLOAD,
     B,
     build_worker,
     connector_pair,
     glm_like_groups,
+    make_kv_cache_config,
+    read_blocks,
     run_transfer,
 )
 
@@ -58,15 +59,8 @@ def test_worker_only_releases_when_every_list_is_empty(
         (transfer_id, host)
     )
     try:
-        worker._read_blocks(
-            local_block_ids=[[] for _ in GLM_PAYLOAD],
-            remote_block_ids=[[] for _ in GLM_PAYLOAD],
-            dst_engine_id="127.0.0.1:1",
-            request_id="nothing",
-            transfer_id="t-nothing",
-            remote_host="127.0.0.1",
-            remote_notify_port=1,
-            remote_tp_size=1,
+        read_blocks(
+            worker, [[] for _ in GLM_PAYLOAD], [[] for _ in GLM_PAYLOAD], "t-nothing"
         )
     finally:
         worker.shutdown()

@@ -28,22 +28,18 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 
 from tests.patches.builders import (
-    full_attention_spec,
-    make_kv_cache_blocks,
-    make_request,
-    sliding_window_spec,
-)
-from tests.patches.prefix_hit_0005 import (
     Group,
+    SchedulerPair,
+    build_scheduler_pair,
     connector,
     decode_tables,
     finish_prefill,
+    full_attention_spec,
+    make_kv_cache_blocks,
+    make_request,
     next_request_id,
-)
-from tests.patches.scheduler_pair_0008 import (
-    SchedulerPair,
-    build_scheduler_pair,
     prompt,
+    sliding_window_spec,
 )
 from tests.patches.vllm_unit_utils import create_model_runner_output
 
@@ -98,27 +94,6 @@ class _Counted:
             return stats
 
         conn.get_kv_connector_stats = spy  # type: ignore[method-assign]
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def connector_warnings() -> Any:
-    """The connector's warnings, from its own logger: vLLM's logging config
-    stops propagation at the ``vllm`` logger, so a root-level capture sees
-    nothing once another test in the process has configured it."""
-    handler = _Records()
-    log = logging.getLogger(moriio_connector.__name__)
-    log.addHandler(handler)
-    yield handler.records
-    log.removeHandler(handler)
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))

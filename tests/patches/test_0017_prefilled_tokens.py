@@ -17,18 +17,18 @@ statement.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 
-from tests.patches.builders import full_attention_spec, sliding_window_spec
-from tests.patches.scheduler_pair_0008 import (
+from tests.patches.builders import (
     SchedulerPair,
     build_scheduler_pair,
+    full_attention_spec,
     prompt,
+    sliding_window_spec,
 )
 
 B, W = 16, 64
@@ -45,22 +45,6 @@ def _groups(window: bool) -> list[tuple[list[str], Any]]:
 @pytest.fixture(scope="module")
 def gemma_pair(llama_model_dir: Path) -> SchedulerPair:
     return build_scheduler_pair(llama_model_dir, _groups(True), B)
-
-
-def _prefill(pair: SchedulerPair, request_id: str, tokens: list[int]) -> Any:
-    """Run ``tokens`` on the prefill leg; its payload, tables and the prompt
-    tokens it computed."""
-    request = pair._request(
-        request_id, tokens, {"do_remote_decode": True, "transfer_id": request_id}
-    )
-    pair.prefill.add_request(request)
-    while True:
-        for output in pair._step(pair.prefill):
-            if output.kv_transfer_params:
-                tables = pair.prefill.kv_cache_manager.get_block_ids(request_id)
-                params = copy.deepcopy(output.kv_transfer_params)
-                params["do_remote_prefill"] = True
-                return params, [list(t) for t in tables], request.num_computed_tokens
 
 
 def _decode(pair: SchedulerPair, request_id: str, tokens: list[int], params: Any):
@@ -111,7 +95,7 @@ def test_prefiller_states_what_it_computed(
 ) -> None:
     pair = build_scheduler_pair(llama_model_dir, _groups(window), B)
     n = 95
-    params, _, computed = _prefill(pair, "stated", prompt(1, n))
+    params, _, computed = pair.prefill_run("stated", prompt(1, n))
     assert computed == n - dropped
     assert params["moriio_protocol"] == moriio_connector.MORIIO_PROTOCOL_VERSION
     assert params["prefilled_tokens"] == n - dropped
@@ -132,7 +116,7 @@ def test_prefiller_without_the_statement_is_paired_by_what_it_sent(
     assert conn is not None and conn.connector_scheduler is not None
     conn.connector_scheduler._prefill_drops_last_token = False
     try:
-        params, p_tables, computed = _prefill(pair, f"old-{i}", prompt(i + 1, n))
+        params, p_tables, computed = pair.prefill_run(f"old-{i}", prompt(i + 1, n))
     finally:
         conn.connector_scheduler._prefill_drops_last_token = True
     assert computed == n
@@ -158,7 +142,7 @@ def test_unusable_statement_is_prefilled_locally(
     pair = gemma_pair
     i = next(pair.counter)
     n = 95
-    params, _, _ = _prefill(pair, f"bad-{i}", prompt(i + 1, n))
+    params, _, _ = pair.prefill_run(f"bad-{i}", prompt(i + 1, n))
     params.update(statement)
     meta, _, scheduled = _decode(pair, f"bad-{i}", prompt(i + 1, n), params)
     assert scheduled == n

@@ -16,18 +16,18 @@ decoder admitting both in one step.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 
-from tests.patches.builders import full_attention_spec, sliding_window_spec
-from tests.patches.scheduler_pair_0008 import (
+from tests.patches.builders import (
     SchedulerPair,
     build_scheduler_pair,
+    full_attention_spec,
     prompt,
+    sliding_window_spec,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,19 +54,6 @@ def gemma_pair(llama_model_dir: Path) -> SchedulerPair:
     return build_scheduler_pair(llama_model_dir, groups, B)
 
 
-def _prefill(pair: SchedulerPair, request_id: str, tokens: list[int]) -> Any:
-    request = pair._request(
-        request_id, tokens, {"do_remote_decode": True, "transfer_id": request_id}
-    )
-    pair.prefill.add_request(request)
-    while True:
-        for output in pair._step(pair.prefill):
-            if output.kv_transfer_params:
-                tables = pair.prefill.kv_cache_manager.get_block_ids(request_id)
-                params = copy.deepcopy(output.kv_transfer_params)
-                return params, [list(t) for t in tables]
-
-
 def _toy_proxy(params: dict[str, Any]) -> dict[str, Any]:
     out = {k: params[k] for k in TOY_PROXY_FIELDS if k in params}
     out.update(do_remote_prefill=True, do_remote_decode=False)
@@ -85,7 +72,7 @@ def test_decoder_without_the_statement_pairs_by_position(
     i = next(pair.counter)
     rids = {"toy": f"toy-{i}", "full": f"full-{i}"}
     tokens = {k: prompt(2 * i + j + 1, n) for j, k in enumerate(rids)}
-    prefilled = {k: _prefill(pair, rids[k], tokens[k]) for k in rids}
+    prefilled = {k: pair.prefill_run(rids[k], tokens[k]) for k in rids}
     params = {
         "toy": _toy_proxy(prefilled["toy"][0]),
         "full": {**prefilled["full"][0], "do_remote_prefill": True},
@@ -121,7 +108,7 @@ def test_window_lists_end_with_the_prompts_last_page(
     pair = gemma_pair
     i = next(pair.counter)
     n = 5 * B + 1
-    params, tables = _prefill(pair, f"layout-{i}", prompt(i + 1, n))
+    params, tables, _ = pair.prefill_run(f"layout-{i}", prompt(i + 1, n))
     assert params["moriio_protocol"] == moriio_connector.MORIIO_PROTOCOL_VERSION
     assert params["prefilled_tokens"] == n - 1
     full, window = params["remote_block_ids"]

@@ -16,9 +16,14 @@ from typing import Any
 import pytest
 from vllm.utils.math_utils import cdiv
 
-from tests.patches.builders import full_attention_spec
-from tests.patches.scheduler_pair_0008 import prompt
-from tests.patches.write_pair import LAYER, Write, WritePair, build_write_pair
+from tests.patches.builders import (
+    LAYER,
+    Write,
+    WritePair,
+    build_write_pair,
+    full_attention_spec,
+    prompt,
+)
 
 B = 16
 

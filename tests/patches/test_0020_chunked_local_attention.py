@@ -18,21 +18,18 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
 from tests.patches.builders import (
+    Read,
+    SchedulerPair,
+    build_scheduler_pair,
     full_attention_spec,
     make_kv_cache_config,
     make_scheduler_connector,
     make_vllm_config,
     moriio_kv_transfer_config,
-)
-from tests.patches.scheduler_pair_0008 import (
-    Read,
-    SchedulerPair,
-    build_scheduler_pair,
     prompt,
 )
 
@@ -146,24 +143,6 @@ def test_prefiller_sends_the_chunk_of_the_recomputed_token(
     assert _pages(read, 0) == chunk_pages
     assert all(read.prefill_tables[0][p] != NULL_BLOCK for p in chunk_pages)
     assert set(read.prefill_tables[0][: chunk // block_size]) == {NULL_BLOCK}
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def connector_warnings() -> Any:
-    handler = _Records()
-    log = logging.getLogger(moriio_connector.__name__)
-    log.addHandler(handler)
-    yield handler.records
-    log.removeHandler(handler)
 
 
 def test_freed_chunk_page_is_prefilled_locally(

@@ -43,15 +43,18 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from tests.patches.builders import (
+    DoneStatus,
+    SchedulerPair,
     full_attention_spec,
     kda_mamba_spec,
     make_kv_cache_config,
     make_scheduler_connector,
     make_vllm_config,
     moriio_kv_transfer_config,
+    prompt,
+    read_blocks,
     sliding_window_spec,
 )
-from tests.patches.scheduler_pair_0008 import SchedulerPair, prompt
 from tests.patches.vllm_unit_utils import create_scheduler
 
 B, W = 16, 64
@@ -261,23 +264,6 @@ def test_a_state_without_its_dtype_is_refused_at_start(llama_model_dir: Path) ->
 # --------------------------------------------------------------------------
 
 
-class _Status:
-    def Succeeded(self) -> bool:
-        return True
-
-    def Failed(self) -> bool:
-        return False
-
-    def InProgress(self) -> bool:
-        return False
-
-    def Code(self) -> int:
-        return 0
-
-    def Message(self) -> str:
-        return ""
-
-
 @dataclass(frozen=True)
 class _Region:
     """A registered tensor, standing for its memory metadata."""
@@ -315,7 +301,7 @@ class _CopyingWrapper:
         dst, src = local.tensor.view(torch.uint8), remote.tensor.view(torch.uint8)
         for lo, ro, size in zip(local_offsets, remote_offsets, sizes, strict=True):
             dst[lo : lo + size] = src[ro : ro + size]
-        return _Status()
+        return DoneStatus()
 
     def send_notify(self, *_: Any, **__: Any) -> None:
         pass
@@ -458,15 +444,11 @@ def test_worker_registers_and_reads_every_state(
         num_attn = worker._num_attn_transfer_groups
         num_state = worker._num_mamba_transfer_groups
         local_slot, remote_slot = 5, 3
-        worker._read_blocks(
-            local_block_ids=[[1]] * num_attn + [[local_slot]] * num_state,
-            remote_block_ids=[[1]] * num_attn + [[remote_slot]] * num_state,
-            dst_engine_id="127.0.0.1:1",
-            request_id="states",
-            transfer_id="t-states",
-            remote_host="127.0.0.1",
-            remote_notify_port=1,
-            remote_tp_size=1,
+        read_blocks(
+            worker,
+            [[1]] * num_attn + [[local_slot]] * num_state,
+            [[1]] * num_attn + [[remote_slot]] * num_state,
+            "t-states",
         )
         expected = before.clone()
         for name, spec in state_layers.items():

@@ -22,16 +22,6 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from tests.patches.builders import (
-    full_attention_spec,
-    kda_mamba_spec,
-    make_kv_cache_config,
-    make_scheduler_connector,
-    make_vllm_config,
-    moriio_kv_transfer_config,
-    sliding_window_spec,
-)
-from tests.patches.scheduler_pair_0008 import model_runner_output, prompt
-from tests.patches.write_pair import (
     LAYER,
     Write,
     WritePair,
@@ -39,7 +29,16 @@ from tests.patches.write_pair import (
     _role,
     _Worker,
     build_write_pair,
+    full_attention_spec,
+    kda_mamba_spec,
+    make_kv_cache_config,
+    make_scheduler_connector,
+    make_vllm_config,
+    model_runner_output,
+    moriio_kv_transfer_config,
+    prompt,
     record_notices,
+    sliding_window_spec,
 )
 
 NULL = 0

@@ -24,9 +24,15 @@ import torch
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from tests.patches.builders import full_attention_spec, kda_mamba_spec, mla_spec
-from tests.patches.scheduler_pair_0008 import prompt
-from tests.patches.write_pair import Write, WritePair, build_write_pair
+from tests.patches.builders import (
+    Write,
+    WritePair,
+    build_write_pair,
+    full_attention_spec,
+    kda_mamba_spec,
+    mla_spec,
+    prompt,
+)
 
 B = 16
 ATTN = "model.layers.1.self_attn.attn"

@@ -324,18 +324,27 @@ def test_an_empty_field_is_an_error_not_an_optional_one(ws: Workspace) -> None:
     ]
 
 
-def test_description_or_subject_not_both(ws: Workspace) -> None:
+def test_description_or_subject_exactly_one(ws: Workspace) -> None:
+    """DEP-3's description field is Description or Subject: one, not both."""
     _with_header(ws, Subject="[Bugfix] a title")
     assert _problems(ws) == [
-        "0001-a.patch: Subject: DEP-3 takes Description or Subject, and this "
-        "series writes Description (the PR title as its first line, the long "
-        "description in its continuation lines)"
+        "0001-a.patch: Description and Subject: DEP-3 takes one of them, not both"
     ]
-    _with_header(ws, "0002-b.patch", Description="[Bugfix] only a title")
+    _with_header(ws, "0002-b.patch", Description=None)
+    _with_header(ws, "0003-c.patch", Description="[Bugfix] only a title")
     assert _problems(ws)[1:] == [
-        "0002-b.patch: Description holds only its first line (the PR title); "
-        "its continuation lines are the long description"
+        "0002-b.patch: header lacks Description (or Subject)",
+        "0003-c.patch: Description holds only its first line (the PR title); "
+        "its continuation lines are the long description",
     ]
+
+
+def test_a_subject_alone_is_the_title(ws: Workspace) -> None:
+    """DEP-3 expects a Subject's long description outside the fields."""
+    _with_header(ws, Description=None, Subject="[Bugfix] The title")
+    assert _problems(ws) == []
+    header = load_series(ws.repo).patches[0].header
+    assert (header.subject, header.description) == ("[Bugfix] The title", "")
 
 
 def test_the_title_is_the_first_line_of_description(ws: Workspace) -> None:

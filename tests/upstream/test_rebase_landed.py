@@ -72,6 +72,16 @@ def _rebase(
     return rc, json.loads((tmp_path / "r.json").read_text())
 
 
+def _rebase_to_patched(
+    tmp_path: Path, make_repo: MakeRepo, base: dict[str, str], patched: str
+) -> tuple[int, dict[str, Any]]:
+    """One patch taking the connector from ``base`` to ``patched``, rebased
+    onto a newer tree that already holds ``patched``."""
+    change = diff(CONNECTOR, base[CONNECTOR], patched)
+    root = make_repo({"0001-x.patch": patch_text("x", [change])})
+    return _rebase(root, tmp_path, base, _newer_tree(tmp_path, base, patched))
+
+
 def _wheel(tmp_path: Path, base: dict[str, str], connector: str) -> Path:
     files = {**base, CONNECTOR: connector}
     return write_wheel(tmp_path / WHEEL, files, NEWER, "0a1b2c3d4")
@@ -299,15 +309,7 @@ def test_a_hunk_without_evidence_is_never_upstream_by_itself(
     )
     line = {"blank": "\n", "paren": "        )\n", "existing": existing}[added]
     patched = edit(base, CLAMP, CLAMP + line)
-    root = make_repo(
-        {"0001-x.patch": patch_text("x", [diff(CONNECTOR, base, patched)])}
-    )
-    rc, report = _rebase(
-        root,
-        tmp_path,
-        base_texts,
-        _newer_tree(tmp_path, base_texts, patched),
-    )
+    rc, report = _rebase_to_patched(tmp_path, make_repo, base_texts, patched)
     assert rc == 1
     assert _results(report) == ["conflict"]
     (note,) = report["rows"][0]["hunks"]
@@ -326,15 +328,7 @@ def test_a_hunk_without_evidence_follows_its_patch(
         line for line in base.splitlines(keepends=True) if line.startswith("class ")
     )
     patched = edit(edit(base, CLAMP, CLAMP_NEW), anchor, "\n" + anchor)
-    root = make_repo(
-        {"0001-x.patch": patch_text("x", [diff(CONNECTOR, base, patched)])}
-    )
-    rc, report = _rebase(
-        root,
-        tmp_path,
-        base_texts,
-        _newer_tree(tmp_path, base_texts, patched),
-    )
+    rc, report = _rebase_to_patched(tmp_path, make_repo, base_texts, patched)
     assert rc == 0
     assert _results(report) == ["upstream"]
     notes = report["rows"][0]["hunks"]

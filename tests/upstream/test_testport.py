@@ -337,3 +337,40 @@ def test_vllms_unit_helpers_are_imported_not_inlined(tmp_path: Path) -> None:
     assert "from .utils import create_scheduler\n" in text
     assert "def create_scheduler" not in text
     assert "def build_pair" in text
+
+
+def test_a_name_a_function_binds_pulls_no_builder_in(tmp_path: Path) -> None:
+    """One helper module holds every builder: a local variable, a loop
+    variable or a parameter named like another builder is not that builder."""
+    helpers = (
+        "def table() -> list[int]:\n    return [9]\n\n\n"
+        "def connector(x: int) -> int:\n    return x\n\n\n"
+        "def build(table: int) -> int:\n"
+        "    connector = table + 1\n"
+        "    return sum(connector for _ in [0])\n"
+    )
+    d = _layout(
+        tmp_path,
+        builders=helpers,
+        test_0042_x=(
+            "from builders import build\n\n\n"
+            "def test_x() -> None:\n    assert build(1) == 2\n"
+        ),
+    )
+    text = port_test(d / "test_0042_x.py")
+    assert "def build" in text
+    assert "def table" not in text and "def connector" not in text
+
+
+def test_a_parameter_names_a_conftest_fixture(tmp_path: Path) -> None:
+    conftest = (
+        "import pytest\n\n\n@pytest.fixture\ndef model_dir() -> str:\n"
+        "    return 'm'\n\n\ndef unrelated() -> int:\n    return 0\n"
+    )
+    d = _layout(
+        tmp_path,
+        conftest=conftest,
+        test_0042_x="def test_x(model_dir: str) -> None:\n    assert model_dir\n",
+    )
+    text = port_test(d / "test_0042_x.py")
+    assert "def model_dir" in text and "def unrelated" not in text

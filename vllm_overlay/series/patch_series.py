@@ -36,12 +36,12 @@ DEP3_FIELDS = (
     "Last-Update",
 )
 PROJECT_FIELDS = ("Builds-On", "Remove-When", "Tests", "Guards")
-# DEP-3's description field is "Description or Subject", one of the two:
-# this series writes Description, whose first line is the short description
-# (the upstream PR title) and whose continuation lines are the long one.
-# Subject would put the long description outside the fields.
+# DEP-3's description field is "Description or Subject": exactly one of the
+# two. Its first line is the short description (the upstream PR title), its
+# continuation lines the long one (a Description needs them; DEP-3 expects a
+# Subject's long description outside the fields, so a Subject may stand alone).
+DESCRIPTION_FIELDS = ("Description", "Subject")
 REQUIRED_FIELDS = (
-    "Description",
     "Origin",
     "Author",
     "Forwarded",
@@ -69,7 +69,7 @@ class SeriesError(OverlayError):
 
 
 class PatchHeader(msgspec.Struct, forbid_unknown_fields=True):
-    subject: str  # Description's first line: the upstream PR title
+    subject: str  # Description's (or Subject's) first line: the PR title
     description: str  # its long description: a summary line, then paragraphs
     origin: str
     author: str
@@ -259,11 +259,12 @@ def header_problems(text: str, name: str) -> tuple[PatchHeader | None, list[str]
         for f, value in fields.items()
         if not value and f in (*REQUIRED_FIELDS, *OPTIONAL_FIELDS)
     )
-    if "Subject" in fields:
+    given = [f for f in DESCRIPTION_FIELDS if f in fields]
+    if not given:
+        problems.append(f"{name}: header lacks Description (or Subject)")
+    elif len(given) > 1:
         problems.append(
-            f"{name}: Subject: DEP-3 takes Description or Subject, and this "
-            "series writes Description (the PR title as its first line, the "
-            "long description in its continuation lines)"
+            f"{name}: Description and Subject: DEP-3 takes one of them, not both"
         )
     description = fields.get("Description", [])
     if description and len(description) < 2:
@@ -314,9 +315,10 @@ def header_problems(text: str, name: str) -> tuple[PatchHeader | None, list[str]
     )
     if problems:
         return None, problems
+    summary = fields.get("Description") or fields["Subject"]
     header = PatchHeader(
-        subject=fields["Description"][0],
-        description="\n".join(fields["Description"][1:]),
+        subject=summary[0],
+        description="\n".join(summary[1:]),
         origin=joined("Origin"),
         author=joined("Author"),
         forwarded=forwarded,

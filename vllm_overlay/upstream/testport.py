@@ -119,24 +119,68 @@ def _bound_names(stmt: ast.stmt) -> list[str]:
 
 
 def _referenced(node: ast.AST) -> set[str]:
-    """Names a statement uses: loads, parameter names (fixtures), and names
-    inside string annotations."""
-    out: set[str] = set()
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Name):
-            out.add(sub.id)
-        elif isinstance(sub, ast.arg):
-            out.add(sub.arg)
-            if isinstance(sub.annotation, ast.Constant):
-                out |= _names_in_string(sub.annotation.value)
-        elif isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef):
-            if isinstance(sub.returns, ast.Constant):
-                out |= _names_in_string(sub.returns.value)
-        elif isinstance(sub, ast.AnnAssign) and isinstance(
-            sub.annotation, ast.Constant
-        ):
-            out |= _names_in_string(sub.annotation.value)
+    """Names a statement reads from the module: loads and names inside string
+    annotations. A function's own names (its parameters and what its body
+    binds) are not references: a local variable called like a builder does
+    not pull the builder in."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        args = node.args
+        outer: list[ast.AST] = [*args.defaults, *(d for d in args.kw_defaults if d)]
+        every = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+        every += [a for a in (args.vararg, args.kwarg) if a is not None]
+        out = {n for a in every for n in _annotation_names(a.annotation)}
+        if isinstance(node, ast.Lambda):
+            body: list[ast.AST] = [node.body]
+        else:
+            outer += node.decorator_list
+            out |= _annotation_names(node.returns)
+            body = list(node.body)
+        own = {a.arg for a in every} | {n for b in body for n in _bound_in(b)}
+        for sub in outer:
+            out |= _referenced(sub)
+        out |= {n for b in body for n in _referenced(b)} - own
+        return out
+    out = set()
+    if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
+        out.add(node.id)
+    elif isinstance(node, ast.AnnAssign):
+        out |= _annotation_names(node.annotation)
+    for child in ast.iter_child_nodes(node):
+        out |= _referenced(child)
     return out
+
+
+def _annotation_names(annotation: ast.expr | None) -> set[str]:
+    if annotation is None:
+        return set()
+    if isinstance(annotation, ast.Constant):
+        return _names_in_string(annotation.value)
+    return _referenced(annotation)
+
+
+def _bound_in(node: ast.AST) -> set[str]:
+    """The names a function body binds (stores, nested definitions, imports),
+    its nested functions' bodies aside."""
+    out: set[str] = set()
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return {node.name}
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        out.add(node.id)
+    elif isinstance(node, ast.Import | ast.ImportFrom):
+        out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    elif isinstance(node, ast.ExceptHandler) and node.name:
+        out.add(node.name)
+    elif isinstance(node, ast.Lambda):
+        return out
+    for child in ast.iter_child_nodes(node):
+        out |= _bound_in(child)
+    return out
+
+
+def _parameters(node: ast.AST) -> set[str]:
+    """The parameter names of the functions in a statement: pytest fixtures
+    when a conftest defines them."""
+    return {sub.arg for sub in ast.walk(node) if isinstance(sub, ast.arg)}
 
 
 def _names_in_string(value: object) -> set[str]:
@@ -394,11 +438,13 @@ class _Porter:
         needed: _Needed = {}
         imported: _Imported = set()
         todo = [(test, n) for n in sorted({n for s in body for n in _referenced(s)})]
+        todo.extend(self._fixtures(body))
         for mod in self.modules.values():
             for stmt in mod.tree.body:
                 if mod is not self.test and _is_autouse_fixture(stmt):
                     needed[id(stmt)] = (mod.name, stmt)
                     todo.extend((mod.name, n) for n in _referenced(stmt))
+                    todo.extend(self._fixtures([stmt]))
         seen: set[tuple[str, str]] = set()
         while todo:
             module, name = todo.pop()
@@ -414,7 +460,17 @@ class _Porter:
             elif where != test and id(what) not in needed:
                 needed[id(what)] = (where, what)
                 todo.extend((where, n) for n in _referenced(what))
+                todo.extend(self._fixtures([what]))
         return needed, imported
+
+    def _fixtures(self, stmts: list[ast.stmt]) -> list[tuple[str, str]]:
+        """The conftest fixtures the statements' parameters name."""
+        fixtures = self.defs.get("conftest", {})
+        return [
+            ("conftest", n)
+            for n in sorted({n for s in stmts for n in _parameters(s)})
+            if n in fixtures
+        ]
 
     def check(self, needed: _Needed, body: list[ast.stmt]) -> None:
         """No name comes from two local modules; nothing reads a local
