@@ -2099,6 +2099,22 @@ def run_case(model_dir: Path, case: TransferCase) -> ReadPlan:
 LAYER = "model.layers.0.self_attn.attn"
 
 
+def write_params(transfer_id: str, **flags: Any) -> dict[str, Any]:
+    """A WRITE request's ``kv_transfer_params`` before its proxy fills in the
+    peer (both legs on this host, TP 1); ``flags`` add or override fields."""
+    return {
+        "transfer_id": transfer_id,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": "127.0.0.1",
+        "remote_handshake_port": 1,
+        "remote_notify_port": 2,
+        "remote_tp_size": 1,
+        "remote_dp_size": 1,
+        **flags,
+    }
+
+
 class _Socket:
     def __init__(self, sent: list[dict[str, Any]]) -> None:
         self._sent = sent
@@ -2241,16 +2257,7 @@ class WritePair:
             warm = [*tokens[:decode_hit_tokens], *prompt(20_000 + i, 1)]
             legs._run_local(legs.decode, legs._request(f"warm-{i}", warm, None))
         request_id = f"req-{i}"
-        params = {
-            "transfer_id": f"t-{i}",
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": "127.0.0.1",
-            "remote_handshake_port": 1,
-            "remote_notify_port": 2,
-            "remote_tp_size": 1,
-            "remote_dp_size": 1,
-        }
+        params = write_params(f"t-{i}")
         decode_params = {**params, "do_remote_prefill": True}
         legs.decode.add_request(legs._request(request_id, tokens, decode_params))
         self.sent.clear()

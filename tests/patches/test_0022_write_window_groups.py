@@ -129,7 +129,7 @@ def test_all_window_model_writes_the_decoders_window(
 def test_full_and_window_groups_with_hma(
     llama_model_dir: Path, monkeypatch: pytest.MonkeyPatch, num_tokens: int
 ) -> None:
-    """The full-attention group keeps 0019's pages [0, N - 1), the window
+    """The full-attention group gets the pages it lacks, [0, N - 1); the window
     group gets [N - W, N - 1)."""
     pair = _window_pair(llama_model_dir, monkeypatch, 16, 512, True)
     write = pair.write(prompt(2, num_tokens))

@@ -32,6 +32,7 @@ from tests.patches.builders import (
     kda_mamba_spec,
     mla_spec,
     prompt,
+    write_params,
 )
 
 B = 16
@@ -162,17 +163,7 @@ def test_full_hit_writes_nothing_and_releases(pair: WritePair) -> None:
     tokens = prompt(4, 49)
     warm = [*tokens[:48], *prompt(20_500, 1)]
     legs._run_local(legs.decode, legs._request("warm-full", warm, None))
-    params = {
-        "transfer_id": "t-full",
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": "127.0.0.1",
-        "remote_handshake_port": 1,
-        "remote_notify_port": 2,
-        "remote_tp_size": 1,
-        "remote_dp_size": 1,
-        "do_remote_prefill": True,
-    }
+    params = write_params("t-full", do_remote_prefill=True)
     legs.decode.add_request(legs._request("req-full", tokens, params))
     pair.sent.clear()
     legs._finish_step(legs.decode, legs.decode.schedule())
