@@ -54,7 +54,11 @@ FAMILY_TP_PAIRS = ((1, 1),)
 """By default a model family runs TP 1->1 only: the mechanism layouts cover
 every TP pair, and each configuration costs its own rank processes."""
 KV_LAYOUTS = ("LBNHC", "BLNHC")
-_MLA_LAYOUTS = frozenset({"kimi", "glm"})
+_NO_GQA_LAYOUTS = frozenset({"kimi"})
+"""Layouts without a GQA layer: the KV heads change none of their bytes, and
+they keep the default's. GLM's kpool tail ring is laid out as a GQA layer: at
+unequal-TP READ it runs with one KV head, as ``Glm5NextTailCache`` declares
+it (``layouts._tail_ring``), replicated on every rank."""
 ZYGOTES = 1
 """Zygotes per variant at a time by default (``--processes``), each on its
 own ports (``ports.port_ranges``) and /dev/shm files. More than one helps
@@ -123,7 +127,7 @@ def plan_items(
         for mode in modes:
             for p_tp, d_tp in pairs:
                 heads = 1 if (mode == "read" and p_tp != d_tp) or size > 1 else 4
-                if key in _MLA_LAYOUTS:
+                if key in _NO_GQA_LAYOUTS:
                     heads = 4
                 offset = None
                 if not all_hits and layout.family:

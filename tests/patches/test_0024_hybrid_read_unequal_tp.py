@@ -1,0 +1,416 @@
+"""Patch 0024: hybrid READ between unequal prefill and decode TP sizes.
+
+vLLM shards a KDA/GDN layer's conv sub-projections (Q, K, V) and its SSM
+state by head: rank ``i`` of ``tp`` holds the ``i``-th of ``tp`` equal slices
+of each. MoRIIO's READ refused every hybrid request between unequal TP sizes
+at its first transfer ("heterogeneous-TP mamba/KDA transfer is not supported
+yet"), after the server reported ready.
+
+Each leg's ranks are real ``MoRIIOConnectorWorker``s over stubbed mori that
+register KV cache tensors vLLM's ``allocate_kv_cache`` lays out (both KV
+cache layouts), each rank with its own TP size's state shapes; a decode
+rank's READ is carried out byte by byte from the prefill ranks' tensors.
+The expected state is assembled here from vLLM's sharding rule alone.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import threading
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+    moriio_common,
+    moriio_connector,
+)
+from vllm.model_executor.layers.mamba import mamba_utils
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.core.kv_cache_planning import get_kv_cache_configs, get_kv_cache_groups
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from tests.patches.builders import (
+    full_attention_spec,
+    kda_mamba_spec,
+    make_vllm_config,
+    moriio_kv_transfer_config,
+)
+
+B = 16
+HEADS, HEAD_DIM, CONV_KERNEL = 4, 16, 4
+"""Four KDA heads: split over up to four TP ranks."""
+PAGE = full_attention_spec(B).page_size_bytes
+ATTN, KDA = "model.layers.1.self_attn.attn", "model.layers.0.linear_attn"
+PEER = "127.0.0.1:7000"
+TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2)]
+
+
+def kda_spec(tp_size: int) -> MambaSpec:
+    """A KDA layer's per-rank state as vLLM shapes it at ``tp_size``."""
+    return kda_mamba_spec(
+        block_size=B,
+        shapes=MambaStateShapeCalculator.kda_state_shape(
+            tp_size, HEADS, HEAD_DIM, conv_kernel_size=CONV_KERNEL
+        ),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=PAGE,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+    )
+
+
+def specs(tp_size: int, hybrid: bool = True) -> dict[str, KVCacheSpec]:
+    """The attention layer keeps one KV head on every rank: fewer than the
+    model's two (``TINY_LLAMA_CONFIG``), as GLM-5's kpool tail ring beside
+    its MLA layers."""
+    attention = full_attention_spec(B, num_kv_heads=1, head_size=128)
+    return {ATTN: attention, KDA: kda_spec(tp_size)} if hybrid else {ATTN: attention}
+
+
+class _Status:
+    def Succeeded(self) -> bool:
+        return True
+
+    def Failed(self) -> bool:
+        return False
+
+    def InProgress(self) -> bool:
+        return False
+
+    def Code(self) -> int:
+        return 0
+
+    def Message(self) -> str:
+        return ""
+
+
+@dataclass(frozen=True)
+class _Region:
+    tensor: torch.Tensor
+
+
+class _CopyingWrapper:
+    """Stands in for MoRIIOWrapper: a READ on a session (local region, remote
+    region) copies the bytes; notifications are recorded."""
+
+    def __init__(self, **_: Any) -> None:
+        self.lock = threading.Lock()
+        self.notify_port = 0
+        self.notified: list[str] = []
+
+    def set_moriio_engine(self, engine: Any) -> None:
+        pass
+
+    def set_backend_type(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def register_local_tensor(self, tensor: torch.Tensor) -> _Region:
+        return _Region(tensor)
+
+    def get_agent_metadata(self) -> bytes:
+        return b""
+
+    def async_wait_reqid(self) -> None:
+        pass
+
+    def read_remote_data(self, sizes, local_offsets, remote_offsets, session):
+        local, remote = session
+        dst, src = local.tensor.view(torch.uint8), remote.tensor.view(torch.uint8)
+        for lo, ro, size in zip(local_offsets, remote_offsets, sizes, strict=True):
+            dst[lo : lo + size] = src[ro : ro + size]
+        return _Status()
+
+    def send_notify(self, transfer_id, host, port, **_: Any) -> None:
+        self.notified.append(str(port))
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def copying_mori(stub_mori: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moriio_connector, "MoRIIOWrapper", _CopyingWrapper)
+
+    def listener(metadata, ready_event, *args: Any) -> None:
+        ready_event.set()
+
+    monkeypatch.setattr(
+        moriio_connector.MoRIIOConnectorWorker,
+        "_moriio_handshake_listener",
+        staticmethod(listener),
+    )
+    # KDA conv sub-projections are sliced in the dim-first layout.
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    mamba_utils.get_conv_state_layout.cache_clear()
+    yield
+    mamba_utils.get_conv_state_layout.cache_clear()
+
+
+@dataclass
+class Rank:
+    worker: Any
+    kv_cache_config: KVCacheConfig
+    kv_caches: dict[str, torch.Tensor]
+    buffer: torch.Tensor
+
+
+def _rank(
+    monkeypatch: pytest.MonkeyPatch,
+    model_dir: Path,
+    role: str,
+    tp_size: int,
+    tp_rank: int,
+    kv_layout: str,
+    hybrid: bool = True,
+) -> Rank:
+    """One rank of a leg of ``tp_size`` ranks, its caches filled at random."""
+    world = lambda: tp_size  # noqa: E731
+    monkeypatch.setattr(moriio_connector, "get_tensor_model_parallel_world_size", world)
+    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_world_size", world)
+    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_rank", lambda: tp_rank)
+    vllm_config = make_vllm_config(
+        model_dir, moriio_kv_transfer_config(role), block_size=B
+    )
+    vllm_config.cache_config.kv_cache_layout = kv_layout
+    vllm_config.model_config.max_model_len = 256
+    layer_specs = specs(tp_size, hybrid)
+    with set_current_vllm_config(vllm_config):
+        groups = get_kv_cache_groups(vllm_config, layer_specs)
+        kv_cache_config = get_kv_cache_configs(
+            vllm_config, [layer_specs], [2 * 1024 * 1024], groups
+        )[0]
+    kv_cache_config.kv_cache_layout = kv_layout
+    buffers: list[torch.Tensor] = []
+
+    def allocate(size: int) -> torch.Tensor:
+        pages = mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        buffers.append(torch.frombuffer(pages, dtype=torch.int8))
+        return buffers[-1]
+
+    kv_caches = allocate_kv_cache(
+        kv_cache_config,
+        torch.device("cpu"),
+        KVCacheLayout[kv_layout],
+        allocate=allocate,
+    )
+    (buffer,) = buffers
+    buffer = buffer.view(torch.uint8)
+    generator = torch.Generator().manual_seed(1000 * tp_size + 10 * tp_rank + len(role))
+    buffer.copy_(torch.randint(0, 256, buffer.shape, generator=generator).to(torch.uint8))
+    with set_current_vllm_config(vllm_config):
+        worker = moriio_connector.MoRIIOConnectorWorker(
+            vllm_config, f"127.0.0.1:{role}{tp_rank}", kv_cache_config
+        )
+        worker.register_kv_caches(kv_caches)
+    assert (worker.tp_rank, worker.world_size) == (tp_rank, tp_size)
+    return Rank(worker, kv_cache_config, kv_caches, buffer)
+
+
+def _leg(monkeypatch, model_dir, role, tp_size, kv_layout, hybrid=True) -> list[Rank]:
+    return [
+        _rank(monkeypatch, model_dir, role, tp_size, r, kv_layout, hybrid)
+        for r in range(tp_size)
+    ]
+
+
+def _state(rank: Rank, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv, ssm) of one slot, as vLLM's ``MambaBase.bind_kv_cache`` views
+    them: the conv state is (Q, K, V rows, kernel - 1) dim-first."""
+    spec = rank.worker.layer_to_spec[KDA]
+    pages = rank.kv_caches[KDA].squeeze(dim=(1, 2))
+    views, offset = [], 0
+    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        size = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        views.append(pages[:, offset : offset + size].view(dtype).view(-1, *shape))
+        offset += size
+    conv, ssm = views
+    return conv[slot], ssm[slot]
+
+
+def _global_state(leg: list[Rank], slot: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The whole layer's state of ``slot``: each of Q, K, V and the SSM heads
+    gathered over the ranks in rank order."""
+    parts: list[list[torch.Tensor]] = [[], [], []]
+    ssm = []
+    for rank in leg:
+        conv, rank_ssm = _state(rank, slot)
+        for i, part in enumerate(conv.chunk(3, dim=0)):
+            parts[i].append(part)
+        ssm.append(rank_ssm)
+    return [torch.cat(p) for p in parts], torch.cat(ssm)
+
+
+def _remote_meta(rank: Rank) -> Any:
+    w = rank.worker
+    return types.SimpleNamespace(
+        mamba_state_layouts={n: x.to_wire() for n, x in w.mamba_state_layouts.items()},
+        kv_head_layouts={n: x.to_wire() for n, x in w.kv_head_layouts.items()},
+        num_blocks=w.num_blocks,
+    )
+
+
+def _serve_sessions(
+    decoder: Rank, prefill: list[Rank], stub_attention: bool = True
+) -> list[str]:
+    """Sessions of ``decoder`` to the prefill rank each engine key names: a
+    ``_tp<r>`` key names rank r, a DP-only key the rank the handshake dials
+    (``_remote_tp_rank``). Returns the keys asked for."""
+    asked: list[str] = []
+    worker = decoder.worker
+
+    def built(engine_id: str) -> tuple[list[Any], Any]:
+        asked.append(engine_id)
+        match = re.search(r"_tp(\d+)$", engine_id)
+        source = prefill[
+            int(match.group(1)) if match else worker._remote_tp_rank(len(prefill))
+        ]
+        sessions = [
+            (local, remote)
+            for layer, metas in worker.layer_name_to_local_kv_cache_metadata.items()
+            for local, remote in zip(
+                metas,
+                source.worker.layer_name_to_local_kv_cache_metadata[layer],
+                strict=True,
+            )
+        ]
+        return sessions, _remote_meta(source)
+
+    worker._get_built_session = built
+    if stub_attention:
+        worker._compute_read_attention_offsets = lambda *a, **k: ([], [], [])
+    return asked
+
+
+@pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), TP_PAIRS, ids=lambda v: str(v))
+def test_each_decode_rank_reads_its_heads_of_the_state(
+    copying_mori, monkeypatch, llama_model_dir, p_tp, d_tp, kv_layout
+) -> None:
+    """Every decode rank's state slot ends up holding exactly its heads'
+    slice of the prefill ranks' state (each conv sub-projection and the SSM
+    state), read from the prefill ranks that hold them; no other byte of
+    the decoder's cache changes, and every holder is released."""
+    prefill = _leg(monkeypatch, llama_model_dir, "kv_producer", p_tp, kv_layout)
+    decode = _leg(monkeypatch, llama_model_dir, "kv_consumer", d_tp, kv_layout)
+    local_slot, remote_slot = 5, 3
+    try:
+        want_parts, want_ssm = _global_state(prefill, remote_slot)
+        for d, rank in enumerate(decode):
+            before = rank.buffer.clone()
+            _serve_sessions(rank, prefill)
+            rank.worker._read_blocks(
+                local_block_ids=[[1], [local_slot]],
+                remote_block_ids=[[1], [remote_slot]],
+                dst_engine_id=PEER,
+                request_id=f"r{d}",
+                transfer_id=f"t{d}",
+                remote_host="127.0.0.1",
+                remote_notify_port=100,
+                remote_tp_size=p_tp,
+            )
+            conv, ssm = _state(rank, local_slot)
+            for got, whole in zip(conv.chunk(3, dim=0), want_parts, strict=True):
+                want = whole.chunk(d_tp, dim=0)[d]
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            want = want_ssm.chunk(d_tp, dim=0)[d]
+            assert torch.equal(ssm.view(torch.uint8), want.view(torch.uint8))
+            # Only the state slot changed.
+            changed = (rank.buffer != before).nonzero().flatten()
+            conv_all, ssm_all = _state(rank, local_slot)
+            slot_bytes = {
+                t.data_ptr() - rank.buffer.data_ptr() + i
+                for t in (conv_all, ssm_all)
+                for i in range(t.numel() * t.element_size())
+            }
+            assert set(changed.tolist()) <= slot_bytes
+            holders = range(
+                d * p_tp // d_tp, max(d * p_tp // d_tp + 1, (d + 1) * p_tp // d_tp)
+            )
+            assert sorted(rank.worker._recving_transfers_callback_addr[f"r{d}"][1]) == [
+                str(100 + h) for h in holders
+            ]
+    finally:
+        for rank in (*prefill, *decode):
+            rank.worker.shutdown()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (4, 2)], ids=lambda v: str(v))
+def test_eager_handshake_reaches_every_holder_of_the_state(
+    copying_mori, monkeypatch, llama_model_dir, p_tp, d_tp
+) -> None:
+    """With more prefill than decode ranks, the handshake before the forward
+    pass reaches each prefill rank holding a share of the decode rank's
+    heads, so that no read handshakes on the read path."""
+    decode = _leg(monkeypatch, llama_model_dir, "kv_consumer", d_tp, "LBNHC")
+    dialed: dict[int, list[int | None]] = {}
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+    try:
+        for d, rank in enumerate(decode):
+            worker = rank.worker
+            worker.tp_group = types.SimpleNamespace(cpu_group=None)
+
+            def handshake(host, port, tp_size, eid, dp, tp, d=d):
+                dialed.setdefault(d, []).append(tp)
+                return {eid}
+
+            worker._moriio_handshake = handshake
+            meta = types.SimpleNamespace(
+                remote_host="127.0.0.1",
+                remote_handshake_port=7000,
+                remote_dp_size=1,
+                tp_size=p_tp,
+            )
+            worker._eager_handshake_all_dp_ranks(
+                types.SimpleNamespace(reqs_to_recv={"r": meta})
+            )
+        ratio = p_tp // d_tp
+        assert dialed == {
+            d: list(range(d * ratio, (d + 1) * ratio)) for d in range(d_tp)
+        }
+    finally:
+        for rank in decode:
+            rank.worker.shutdown()
+
+
+@pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)], ids=lambda v: str(v))
+def test_a_layer_with_one_head_on_every_rank_is_read_whole(
+    copying_mori, monkeypatch, llama_model_dir, p_tp, d_tp, kv_layout
+) -> None:
+    """An attention layer holding as many KV heads per rank on both sides is
+    replicated: its pages are read whole between unequal TP sizes, although
+    the model's own KV heads are split."""
+    prefill = _leg(monkeypatch, llama_model_dir, "kv_producer", p_tp, kv_layout, False)
+    decode = _leg(monkeypatch, llama_model_dir, "kv_consumer", d_tp, kv_layout, False)
+    local_block, remote_block = 2, 3
+    try:
+        for d, rank in enumerate(decode):
+            before = rank.kv_caches[ATTN].clone()
+            _serve_sessions(rank, prefill, stub_attention=False)
+            rank.worker._read_blocks(
+                local_block_ids=[[local_block]],
+                remote_block_ids=[[remote_block]],
+                dst_engine_id=PEER,
+                request_id=f"r{d}",
+                transfer_id=f"t{d}",
+                remote_host="127.0.0.1",
+                remote_notify_port=100,
+                remote_tp_size=p_tp,
+            )
+            got = rank.kv_caches[ATTN]
+            dim = got.shape.index(rank.worker.num_blocks)
+            source = prefill[rank.worker._remote_tp_rank(p_tp)].kv_caches[ATTN]
+            expected = before.clone()
+            expected.select(dim, local_block).copy_(source.select(dim, remote_block))
+            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    finally:
+        for rank in (*prefill, *decode):
+            rank.worker.shutdown()
