@@ -282,9 +282,9 @@ def test_drafted_hybrid_writes_attention_pages_the_decoder_lacks_and_the_state(
             assert decode_slot == write.message["block_notify_list"][group][-1]
         else:
             prefill, decode = write.prefill_tables[group], write.decode_tables[group]
-            assert pairs == [
-                (prefill[k], decode[k]) for k in range(hit_pages, last)
-            ], layer
+            assert pairs == [(prefill[k], decode[k]) for k in range(hit_pages, last)], (
+                layer
+            )
             assert all(NULL not in p for p in pairs)
 
 
