@@ -1,14 +1,15 @@
 """Patch 0025: WRITE serves the layouts READ serves: chunked local attention
-groups (Llama 4) and hybrids with an MTP or EAGLE drafter.
+groups (Llama 4) and hybrids with an MTP drafter.
 
 A chunked local attention group of chunk C is paired as 0022 pairs a window
 group: the prefiller computes N - 1 tokens and writes, page by page into the
 same positions, the pages of positions [S, N - 1) past the decoder's prefix
 hit L, S = C * ((N - 1) // C) the start of the chunk of the token the
 decoder recomputes; the full-attention group keeps 0019's [L, N - 1). A
-hybrid (KDA/Mamba) with an MTP drafter in the target's group, or an EAGLE3
-drafter owning its group, is written as 0023 writes a hybrid: every
-attention group's pages past the hit, the running state slot.
+hybrid (KDA/Mamba) with an MTP drafter, in the target's group or in a group
+of the target's spec of its own, is written as 0023 writes a hybrid: every
+attention group's pages past the hit, the running state slot. EAGLE
+drafters (KV heads of their own) stay refused.
 
 Both legs are real vLLM ``Scheduler``s with prefix caching; the prefiller's
 pairs come from its real message handling and write task (write_pair.py).
@@ -189,27 +190,20 @@ def _mtp_in_target_group() -> list[tuple[list[str], KVCacheSpec]]:
     return [([ATTN, DRAFT], mla_spec(B, page_size_padded=PAGE)), ([KDA], _kda_spec())]
 
 
-def _eagle3_own_group() -> list[tuple[list[str], KVCacheSpec]]:
-    """Qwen3.5-EAGLE3-like: the drafter owns a full-attention group of its
-    own spec, after the state group."""
+def _mtp_own_group() -> list[tuple[list[str], KVCacheSpec]]:
+    """Qwen3.5-MTP-like with the drafter's layer in a group of its own (an
+    equal spec in another group), after the state group."""
     full = full_attention_spec(B)
-    return [
-        ([ATTN], full),
-        ([KDA], _kda_spec()),
-        ([DRAFT], replace(full, head_size=32, page_size_padded=PAGE)),
-    ]
+    return [([ATTN], full), ([KDA], _kda_spec()), ([DRAFT], replace(full))]
 
 
 def _drafted_pair(
     model_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
     groups: Sequence[tuple[list[str], KVCacheSpec]],
-    method: str,
+    speculative_config: dict[str, Any],
 ) -> WritePair:
-    """build_write_pair's legs with a drafter proposing one token. The
-    configuration resolves offline as MTP (no draft checkpoint); an EAGLE3
-    one then names its method, which is all the scheduler and the connector
-    read of it (MTP and EAGLE3 both drop the trailing hit page)."""
+    """build_write_pair's legs with a drafter proposing one token."""
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
         moriio_connector as mc,
     )
@@ -220,10 +214,8 @@ def _drafted_pair(
             model_dir,
             moriio_kv_transfer_config(role, read_mode=False),
             block_size=B,
-            speculative_config=MTP,
+            speculative_config=speculative_config,
         )
-        assert vllm_config.speculative_config is not None
-        vllm_config.speculative_config.method = method  # type: ignore[assignment]
         assert vllm_config.kv_transfer_config is not None
         vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
         vllm_config.cache_config.mamba_cache_mode = "align"
@@ -241,9 +233,9 @@ def _drafted_pair(
     return pair
 
 
-DRAFTED: dict[str, tuple[Any, str]] = {
-    "mtp_in_target_group": (_mtp_in_target_group, "mtp"),
-    "eagle3_own_group": (_eagle3_own_group, "eagle3"),
+DRAFTED: dict[str, Any] = {
+    "mtp_in_target_group": _mtp_in_target_group,
+    "mtp_own_group": _mtp_own_group,
 }
 
 
@@ -260,15 +252,14 @@ def test_drafted_hybrid_writes_attention_pages_the_decoder_lacks_and_the_state(
     num_tokens: int,
     hit_tokens: int,
 ) -> None:
-    build, method = DRAFTED[layout]
-    groups = build()
-    pair = _drafted_pair(deepseek_mtp_model_dir, monkeypatch, groups, method)
+    groups = DRAFTED[layout]()
+    pair = _drafted_pair(deepseek_mtp_model_dir, monkeypatch, groups, MTP)
     write = pair.write(prompt(2, num_tokens), decode_hit_tokens=hit_tokens)
     assert write.notices == []
     held = write.message["num_held_blocks"]
     # Every attention group holds the request's hit (the drafter's own group
     # too: WRITE's coordinator reconciles one hit), a state group none. With
-    # a drafter the KV cache manager drops the trailing page of a hit.
+    # an MTP drafter the KV cache manager drops the trailing page of a hit.
     hit_pages = max(hit_tokens // B - 1, 0)
     attention = [g for g, (names, _) in enumerate(groups) if KDA not in names]
     assert {held[g] for g in attention} == {hit_pages}
@@ -288,11 +279,15 @@ def test_drafted_hybrid_writes_attention_pages_the_decoder_lacks_and_the_state(
             assert all(NULL not in p for p in pairs)
 
 
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_other_speculative_methods_stay_refused_in_one_line(
-    deepseek_mtp_model_dir: Path,
+    deepseek_mtp_model_dir: Path, method: str
 ) -> None:
-    """Guard: a hybrid WRITE with a drafter of another method (here n-gram,
-    whose transfer nothing checks) is refused at start naming it."""
+    """Guard: a hybrid WRITE with a drafter of another method is refused at
+    start naming it: n-gram, whose transfer nothing checks, and EAGLE3,
+    whose drafter's KV heads the write's TP mapping does not follow. (The
+    EAGLE3 configuration resolves offline as MTP, then names its method:
+    the connector reads nothing else of it.)"""
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
         MoRIIOError,
     )
@@ -301,9 +296,11 @@ def test_other_speculative_methods_stay_refused_in_one_line(
         deepseek_mtp_model_dir,
         moriio_kv_transfer_config("kv_producer", read_mode=False),
         block_size=B,
-        speculative_config=NGRAM,
+        speculative_config=NGRAM if method == "ngram" else MTP,
     )
-    with pytest.raises(MoRIIOError, match="method='ngram'"):
+    assert vllm_config.speculative_config is not None
+    vllm_config.speculative_config.method = method  # type: ignore[assignment]
+    with pytest.raises(MoRIIOError, match=f"method='{method}'"):
         make_scheduler_connector(
             vllm_config, make_kv_cache_config(_mtp_in_target_group())
         )
