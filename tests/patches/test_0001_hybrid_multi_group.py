@@ -48,7 +48,6 @@ from tests.patches.builders import (
     KDA0_LAYERS,
     KDA1_LAYERS,
     MLA_LAYERS,
-    MTP,
     MTP_LAYERS,
     TAIL_B,
     TAIL_LAYERS,
@@ -364,13 +363,19 @@ def test_write_mode_still_rejects_sliding_window(llama_model_dir, wrapped) -> No
         )
 
 
-def test_write_mode_hybrid_still_rejects_mtp(deepseek_mtp_model_dir) -> None:
+def test_write_mode_hybrid_still_rejects_other_drafters(deepseek_mtp_model_dir) -> None:
+    # n-gram: the series later serves hybrid WRITE with MTP and EAGLE drafters.
     config = make_vllm_config(
         deepseek_mtp_model_dir,
         moriio_kv_transfer_config("kv_producer", read_mode=False),
         block_size=B,
-        speculative_config=MTP,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
     )
     groups = single_group_hybrid(mla_spec(B), num_mamba=1)
-    with pytest.raises(MoRIIOError, match="DSpark"):
+    with pytest.raises(MoRIIOError, match="DSpark.*method='ngram'"):
         make_scheduler_connector(config, make_kv_cache_config(groups))

@@ -175,7 +175,9 @@ def _rank(
     world = lambda: tp_size  # noqa: E731
     monkeypatch.setattr(moriio_connector, "get_tensor_model_parallel_world_size", world)
     monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_world_size", world)
-    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_rank", lambda: tp_rank)
+    monkeypatch.setattr(
+        moriio_common, "get_tensor_model_parallel_rank", lambda: tp_rank
+    )
     vllm_config = make_vllm_config(
         model_dir, moriio_kv_transfer_config(role), block_size=B
     )
@@ -204,7 +206,9 @@ def _rank(
     (buffer,) = buffers
     buffer = buffer.view(torch.uint8)
     generator = torch.Generator().manual_seed(1000 * tp_size + 10 * tp_rank + len(role))
-    buffer.copy_(torch.randint(0, 256, buffer.shape, generator=generator).to(torch.uint8))
+    buffer.copy_(
+        torch.randint(0, 256, buffer.shape, generator=generator).to(torch.uint8)
+    )
     with set_current_vllm_config(vllm_config):
         worker = moriio_connector.MoRIIOConnectorWorker(
             vllm_config, f"127.0.0.1:{role}{tp_rank}", kv_cache_config
@@ -235,7 +239,9 @@ def _state(rank: Rank, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     return conv[slot], ssm[slot]
 
 
-def _global_state(leg: list[Rank], slot: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _global_state(
+    leg: list[Rank], slot: int
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The whole layer's state of ``slot``: each of Q, K, V and the SSM heads
     gathered over the ranks in rank order."""
     parts: list[list[torch.Tensor]] = [[], [], []]
