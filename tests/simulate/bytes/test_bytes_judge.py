@@ -44,6 +44,14 @@ def _judge(kv: SharedKV) -> ByteJudge:
     return judge
 
 
+def _fill_others(kv: SharedKV, group: int, block: int, byte: int) -> None:
+    """Bytes of the layers of every group but ``group`` in ``block``, noted."""
+    for v in kv.layers.values():
+        if v.group != group:
+            v.u8[block] = byte
+            kv.touch(v, [block])
+
+
 def _plan(zero: list[int]) -> StepPlan:
     return StepPlan(None, zero, [], [], False, set(), {}, [])
 
@@ -64,20 +72,14 @@ def test_write_verdict_takes_the_zeroed_tile_of_a_new_block_as_the_decoders(
         tables[small] = [4, 5]
         watch = Watch("r", 17, [], dest="table")
         layers = list(kv.layers.values())
-        # Another group's layers held bytes in block 5 (a freed block).
-        for v in layers:
-            if v.group != small:
-                v.u8[5] ^= 0x11
-        kv.touch(layers[0], [5])
+        # Other groups' layers held bytes in block 5 (a freed block).
+        _fill_others(kv, small, 5, 0x11)
         kv.snapshot(skip=judge._destination(watch, [[0]] * len(groups), None))
         kv.zero_blocks([5])
         assert kv.stray_bytes(judge._destination(watch, tables, None)).size > 0
         kv.snapshot()
         # The same step, judged: the zeroed tile is the decoder's.
-        for v in layers:
-            if v.group != small:
-                v.u8[5] ^= 0x22
-        kv.touch(layers[0], [5])
+        _fill_others(kv, small, 5, 0x22)
         kv.snapshot(skip=judge._destination(watch, tables, _plan([])))
         kv.zero_blocks([5])
         other = next(v for v in layers if v.group != small)
