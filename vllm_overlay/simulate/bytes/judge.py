@@ -354,7 +354,9 @@ class ByteJudge:
                     "synchronous load (no external tokens): it lands after the "
                     "forward"
                 )
-        stray = self.kv.stray_bytes(self._destination(watch, tables, plan))
+        stray = self.kv.stray_bytes(
+            self._destination(watch, tables, plan, judging=True)
+        )
         verdict.stray_bytes = int(stray.size)
         if stray.size:
             verdict.notes.append(
@@ -366,11 +368,21 @@ class ByteJudge:
         return verdict
 
     def _destination(
-        self, watch: Watch, tables: list[list[int]], plan: StepPlan | None
+        self,
+        watch: Watch,
+        tables: list[list[int]],
+        plan: StepPlan | None,
+        judging: bool = False,
     ) -> list[tuple[Any, int]]:
         """The pages the watched request's transfer may write: a READ's
         ``ReqMeta`` local lists (READ arms and judges in one step), the
-        request's table for WRITE (a table only grows from arm to judge)."""
+        request's table for WRITE (a table only grows from arm to judge).
+
+        WRITE judges (``judging``) on the decoder's first step, after vLLM
+        zeroed the blocks allocated in it: every layer's page of such a block
+        of the request's table (vLLM's ``KVBlockZeroer``: a new block owns its whole
+        tile, which other groups' layers overlay when the groups differ in
+        bytes per block) is the decoder's own write, not the transfer's."""
         pages = []
         if watch.dest == "meta":
             assert plan is not None
@@ -384,6 +396,14 @@ class ByteJudge:
             for g, blocks in enumerate(tables):
                 pages += [
                     (v, b) for b in blocks if b != 0 for v in self.kv.layers_of(g)
+                ]
+            if judging and plan is not None:
+                owned = {b for blocks in tables for b in blocks if b != 0}
+                pages += [
+                    (v, b)
+                    for b in plan.zero
+                    if b in owned
+                    for v in self.kv.layers.values()
                 ]
         return pages
 
