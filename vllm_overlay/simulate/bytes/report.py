@@ -10,6 +10,9 @@ from vllm_overlay.simulate.lines import Progress
 from vllm_overlay.simulate.tables import ratio, table
 from vllm_overlay.text import count
 
+# What starts a zygote's report line on its stdout (the driver reads only those).
+MARK = "@@bytes "
+
 
 class ConfigItem(msgspec.Struct, frozen=True):
     """One configuration of a zygote's plan."""

@@ -23,6 +23,7 @@ from vllm_overlay.simulate.bytes.dispatch import Dispatcher, variant_orders
 from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.ports import port_ranges
 from vllm_overlay.simulate.bytes.report import (
+    MARK,
     BytesReport,
     ConfigItem,
     ConfigReport,
@@ -30,7 +31,6 @@ from vllm_overlay.simulate.bytes.report import (
     config_name,
 )
 from vllm_overlay.simulate.bytes.shm import remove_stale_shm
-from vllm_overlay.simulate.bytes.zygote import MARK
 from vllm_overlay.simulate.eta import BYTES_CPU_PER_CASE
 from vllm_overlay.simulate.layouts import all_layouts
 from vllm_overlay.simulate.plan import parse_hits, parse_lengths, where_pairs

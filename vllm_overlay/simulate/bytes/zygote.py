@@ -38,7 +38,12 @@ from vllm_overlay.simulate.bytes.lifetime import (
     STOP_SIGNALS,
     die_with_parent_from_env,
 )
-from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport, config_name
+from vllm_overlay.simulate.bytes.report import (
+    MARK,
+    ConfigItem,
+    ConfigReport,
+    config_name,
+)
 from vllm_overlay.simulate.bytes.shm import remove_shm
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.legs import LegOptions, build_leg
@@ -46,7 +51,6 @@ from vllm_overlay.simulate.lines import Progress, count_case
 from vllm_overlay.simulate.plan import parse_hits, parse_lengths
 from vllm_overlay.simulate.procs import Emitter, load_variant, variant_parser
 
-MARK = "@@bytes "
 emit = Emitter(MARK)
 
 
