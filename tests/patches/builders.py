@@ -1002,6 +1002,34 @@ def build_scheduler_pair(
     return SchedulerPair(legs[0], legs[1], block_size)
 
 
+def scheduler_pair_cache(
+    model_dir: Path,
+    groups: Callable[[int, int], Sequence[tuple[list[str], KVCacheSpec]]],
+) -> Callable[[int, int], SchedulerPair]:
+    """Scheduler pairs by block size and the layout's other size (a window,
+    a chunk): ``groups(block_size, size)``'s layout, each pair built once
+    (a module-scoped fixture hands this out)."""
+
+    @functools.cache
+    def get(block_size: int, size: int) -> SchedulerPair:
+        return build_scheduler_pair(model_dir, groups(block_size, size), block_size)
+
+    return get
+
+
+def full_and_window_groups(
+    block_size: int, window: int
+) -> list[tuple[list[str], KVCacheSpec]]:
+    """A full-attention group and a sliding-window group of ``window``."""
+    return [
+        (["model.layers.0.self_attn.attn"], full_attention_spec(block_size)),
+        (
+            ["model.layers.1.self_attn.attn"],
+            sliding_window_spec(block_size, window),
+        ),
+    ]
+
+
 # ==========================================================================
 # READ block pairing by position between a producer and a consumer
 # ==========================================================================

@@ -35,9 +35,8 @@ from tests.patches.builders import (
     LegPair,
     Read,
     SchedulerPair,
-    build_scheduler_pair,
     cdiv,
-    full_attention_spec,
+    full_and_window_groups,
     make_kv_cache_blocks,
     make_kv_cache_config,
     make_request,
@@ -45,6 +44,7 @@ from tests.patches.builders import (
     make_vllm_config,
     moriio_kv_transfer_config,
     prompt,
+    scheduler_pair_cache,
     sliding_window_spec,
     sweep,
 )
@@ -52,16 +52,6 @@ from tests.patches.builders import (
 # ---------------------------------------------------------------------------
 # Real prefill and decode schedulers
 # ---------------------------------------------------------------------------
-
-
-def _groups(block_size: int, window: int) -> list[tuple[list[str], Any]]:
-    return [
-        (["model.layers.0.self_attn.attn"], full_attention_spec(block_size)),
-        (
-            ["model.layers.1.self_attn.attn"],
-            sliding_window_spec(block_size, window),
-        ),
-    ]
 
 
 def read_errors(
@@ -100,19 +90,8 @@ def read_errors(
 
 
 @pytest.fixture(scope="module")
-def scheduler_pairs(
-    llama_model_dir: Path,
-) -> Callable[[int, int], SchedulerPair]:
-    pairs: dict[tuple[int, int], SchedulerPair] = {}
-
-    def get(block_size: int, window: int) -> SchedulerPair:
-        if (block_size, window) not in pairs:
-            pairs[block_size, window] = build_scheduler_pair(
-                llama_model_dir, _groups(block_size, window), block_size
-            )
-        return pairs[block_size, window]
-
-    return get
+def scheduler_pairs(llama_model_dir: Path) -> Callable[[int, int], SchedulerPair]:
+    return scheduler_pair_cache(llama_model_dir, full_and_window_groups)
 
 
 def _window_lengths(block_size: int, window: int, count: int) -> list[int]:
@@ -171,7 +150,7 @@ def _consumer(model_dir: Path, block_size: int, window: int) -> Any:
         model_dir, moriio_kv_transfer_config("kv_consumer"), block_size=block_size
     )
     return make_scheduler_connector(
-        vllm_config, make_kv_cache_config(_groups(block_size, window))
+        vllm_config, make_kv_cache_config(full_and_window_groups(block_size, window))
     )
 
 
@@ -248,7 +227,7 @@ def test_write_full_and_window_layers(llama_model_dir: Path, disable_hma: bool):
     )
     if not disable_hma:
         vllm_config.parallel_config.decode_context_parallel_size = 2
-    groups = _groups(16, 64)
+    groups = full_and_window_groups(16, 64)
     if disable_hma:
         # What vLLM's planner makes of these layers without HMA.
         specs = {names[0]: spec for names, spec in groups}

@@ -24,13 +24,13 @@ from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 from tests.patches.builders import (
     Read,
     SchedulerPair,
-    build_scheduler_pair,
     full_attention_spec,
     make_kv_cache_config,
     make_scheduler_connector,
     make_vllm_config,
     moriio_kv_transfer_config,
     prompt,
+    scheduler_pair_cache,
 )
 
 NULL_BLOCK = 0
@@ -55,16 +55,7 @@ def _groups(block_size: int, chunk: int) -> list[tuple[list[str], Any]]:
 
 @pytest.fixture(scope="module")
 def scheduler_pairs(llama_model_dir: Path) -> Callable[[int, int], SchedulerPair]:
-    pairs: dict[tuple[int, int], SchedulerPair] = {}
-
-    def get(block_size: int, chunk: int) -> SchedulerPair:
-        if (block_size, chunk) not in pairs:
-            pairs[block_size, chunk] = build_scheduler_pair(
-                llama_model_dir, _groups(block_size, chunk), block_size
-            )
-        return pairs[block_size, chunk]
-
-    return get
+    return scheduler_pair_cache(llama_model_dir, _groups)
 
 
 def _pages(read: Read, group: int) -> list[int]:
