@@ -935,6 +935,25 @@ class SchedulerPair:
                     computed = request.num_computed_tokens
                     return params, [list(t) for t in tables], computed
 
+    def schedule_beside_refused(
+        self,
+        ok: str,
+        bad: str,
+        tokens: Mapping[str, list[int]],
+        params: Mapping[str, Any],
+    ) -> SchedulerOutput:
+        """The decoder's step for an intact payload ``ok`` and a refused one
+        ``bad``: ``ok`` READs its pages and computes one token, ``bad`` reads
+        nothing and prefills its whole prompt locally."""
+        for rid in (ok, bad):
+            self.decode.add_request(self._request(rid, tokens[rid], params[rid]))
+        output = self.decode.schedule()
+        meta = output.kv_connector_metadata.reqs_to_recv
+        assert output.num_scheduled_tokens == {ok: 1, bad: len(tokens[bad])}
+        assert all(meta[ok].local_block_ids)
+        assert meta[bad].local_block_ids == [[]] * len(meta[ok].local_block_ids)
+        return output
+
     def _run_local(self, scheduler: Scheduler, request: Request) -> None:
         scheduler.add_request(request)
         while request.request_id in scheduler.requests:

@@ -154,13 +154,7 @@ def test_freed_chunk_page_is_prefilled_locally(
     first = len(chunk_list) - (cdiv(n, block_size) - chunk // block_size)
     assert chunk_list[first] != NULL_BLOCK
     chunk_list[first] = NULL_BLOCK
-    for rid in (ok, bad):
-        pair.decode.add_request(pair._request(rid, tokens[rid], params[rid]))
-    output = pair.decode.schedule()
-    meta = output.kv_connector_metadata.reqs_to_recv
-    assert output.num_scheduled_tokens == {ok: 1, bad: n}
-    assert all(meta[ok].local_block_ids)
-    assert meta[bad].local_block_ids == [[], []]
+    output = pair.schedule_beside_refused(ok, bad, tokens, params)
     pair._finish_step(pair.decode, output)
     while {ok, bad} & set(pair.decode.requests):
         pair._step(pair.decode)
