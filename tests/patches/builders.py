@@ -638,6 +638,16 @@ def connector_pair(configs: tuple[Any, Any], kv_cache_config: KVCacheConfig):
     )
 
 
+def glm_transfer(configs: tuple[Any, Any], n: int, hit_pages: int) -> Transfer:
+    """One READ of ``n`` tokens between real GLM-like scheduler connectors,
+    the decoder holding ``hit_pages`` pages; one list per payload group."""
+    groups = glm_like_groups()
+    p_conn, d_conn = connector_pair(configs, make_kv_cache_config(groups))
+    t = run_transfer(p_conn, d_conn, groups, n, hit_pages)
+    assert len(t.local) == len(t.remote) == len(GLM_PAYLOAD)
+    return t
+
+
 def wrapped_window_groups(wrapped: bool) -> list[KVCacheGroupSpec]:
     sw = {name: sliding_window_spec(16, 64) for name in ("sw.0", "sw.1")}
     sw_spec: KVCacheSpec = uniform(dict(sw)) if wrapped else sw["sw.0"]

@@ -62,6 +62,7 @@ from tests.patches.builders import (
     decode_leg,
     full_attention_spec,
     glm_like_groups,
+    glm_transfer,
     kda_mamba_spec,
     make_kv_cache_blocks,
     make_kv_cache_config,
@@ -135,12 +136,8 @@ def test_scheduler_accepts_glm_groups_with_mtp(mtp_vllm_configs) -> None:
 
 @pytest.mark.parametrize("n", PROMPT_LENGTHS)
 def test_glm_mtp_read_pairs_every_group_on_partial_hit(mtp_vllm_configs, n) -> None:
-    groups = glm_like_groups()
-    p_conn, d_conn = connector_pair(mtp_vllm_configs, make_kv_cache_config(groups))
     hit_pages = (n - 1) // B - 1
-    t = run_transfer(p_conn, d_conn, groups, n, hit_pages)
-
-    assert len(t.local) == len(t.remote) == len(GLM_PAYLOAD)
+    t = glm_transfer(mtp_vllm_configs, n, hit_pages)
     # MLA/indexer: every prompt page the decoder misses is read in place.
     assert set(range(hit_pages, cdiv(n - 1, B))) <= read_pages(t, 0)
     # Tail ring: the decoder's window pages are read in place.
@@ -160,11 +157,7 @@ def test_glm_mtp_read_pairs_every_group_on_partial_hit(mtp_vllm_configs, n) -> N
 
 @pytest.mark.parametrize("n", PROMPT_LENGTHS)
 def test_glm_mtp_full_local_hit_reads_only_tail_and_kda(mtp_vllm_configs, n) -> None:
-    groups = glm_like_groups()
-    p_conn, d_conn = connector_pair(mtp_vllm_configs, make_kv_cache_config(groups))
-    t = run_transfer(p_conn, d_conn, groups, n, hit_pages=(n - 1) // B)
-
-    assert len(t.local) == len(t.remote) == len(GLM_PAYLOAD)
+    t = glm_transfer(mtp_vllm_configs, n, (n - 1) // B)
     assert t.local[0] == []  # MLA/indexer: a prefix-cacheable full hit
     if not any(t.local):
         # Nothing external to load: nothing read on either leg.
