@@ -1046,6 +1046,14 @@ def scheduler_pair_cache(
     return get
 
 
+WINDOW_LAYOUTS = [
+    pytest.param(16, 64, id="b16-w64"),
+    pytest.param(16, 40, id="b16-w40"),
+    pytest.param(64, 128, id="b64-w128"),
+]
+"""(block size, window) of the full+window layouts the window tests run."""
+
+
 def full_and_window_groups(
     block_size: int, window: int
 ) -> list[tuple[list[str], KVCacheSpec]]:

@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from tests.patches.builders import (
     MAX_PROMPT_TOKENS,
     SWEEPS,
+    WINDOW_LAYOUTS,
     Case,
     Layout,
     LegPair,
@@ -100,11 +101,7 @@ def _window_lengths(block_size: int, window: int, count: int) -> list[int]:
 
 
 @pytest.mark.parametrize("hit", [0.0, 0.5, 0.9], ids=["no_hit", "hit50", "hit90"])
-@pytest.mark.parametrize(
-    ("block_size", "window"),
-    [(16, 64), (16, 40), (64, 128)],
-    ids=["b16-w64", "b16-w40", "b64-w128"],
-)
+@pytest.mark.parametrize(("block_size", "window"), WINDOW_LAYOUTS)
 def test_real_schedulers_read_the_whole_window(
     scheduler_pairs: Callable[[int, int], SchedulerPair],
     block_size: int,

@@ -16,6 +16,7 @@ import pytest
 from vllm.utils.math_utils import cdiv
 
 from tests.patches.builders import (
+    WINDOW_LAYOUTS,
     Read,
     SchedulerPair,
     full_and_window_groups,
@@ -47,11 +48,7 @@ def _lacked(read: Read, block_size: int, window: int | None) -> list[int]:
 
 
 @pytest.mark.parametrize("hit", [0.5, 0.9], ids=["hit50", "hit90"])
-@pytest.mark.parametrize(
-    ("block_size", "window"),
-    [(16, 64), (16, 40), (64, 128)],
-    ids=["b16-w64", "b16-w40", "b64-w128"],
-)
+@pytest.mark.parametrize(("block_size", "window"), WINDOW_LAYOUTS)
 def test_window_pages_read_are_pages_lacked(
     scheduler_pairs: Callable[[int, int], SchedulerPair],
     block_size: int,
