@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -223,17 +224,26 @@ def alive(pid: int) -> bool:
     return True
 
 
+def record_of(name: str, kind: str) -> dict[str, Any] | None:
+    """The container's record, or None after docker's error for no such
+    ``kind`` (an object, a container)."""
+    info = state() / f"{name}.json"
+    if not info.exists():
+        print(f"Error: No such {kind}: {name}", file=sys.stderr)
+        return None
+    return json.loads(info.read_text())
+
+
 def cmd_inspect(args: list[str]) -> int:
     flags, rest = parse(args)
     name = rest[0]
-    info = state() / f"{name}.json"
-    if not info.exists():
-        print(f"Error: No such object: {name}", file=sys.stderr)
+    record = record_of(name, "object")
+    if record is None:
         return 1
     exit_file = state() / f"{name}.exit"
     if exit_file.exists():
         print(f"exited {exit_file.read_text().strip()} false")
-    elif alive(json.loads(info.read_text())["pid"]):
+    elif alive(record["pid"]):
         print("running 0 false")
     else:
         print("dead 137 false")
@@ -242,10 +252,9 @@ def cmd_inspect(args: list[str]) -> int:
 
 def cmd_logs(args: list[str]) -> int:
     flags, rest = parse(args)
-    log = state() / f"{rest[0]}.log"
-    if not (state() / f"{rest[0]}.json").exists():
-        print(f"Error: No such container: {rest[0]}", file=sys.stderr)
+    if record_of(rest[0], "container") is None:
         return 1
+    log = state() / f"{rest[0]}.log"
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     if "--tail" in flags:
         lines = lines[-int(flags["--tail"][0]) :]
@@ -256,12 +265,10 @@ def cmd_logs(args: list[str]) -> int:
 def cmd_rm(args: list[str]) -> int:
     flags, rest = parse(args)
     name = rest[0]
-    info = state() / f"{name}.json"
-    if not info.exists():
-        print(f"Error: No such container: {name}", file=sys.stderr)
+    record = record_of(name, "container")
+    if record is None:
         return 1
     # Like docker: SIGKILL, at once, to everything in the container.
-    record = json.loads(info.read_text())
     group = record.get("group")
     if group is not None:
         with contextlib.suppress(ProcessLookupError):
