@@ -224,20 +224,22 @@ def alive(pid: int) -> bool:
     return True
 
 
-def record_of(name: str, kind: str) -> dict[str, Any] | None:
-    """The container's record, or None after docker's error for no such
-    ``kind`` (an object, a container)."""
+def lookup(
+    args: list[str], kind: str
+) -> tuple[dict[str, list[str]], str, dict[str, Any] | None]:
+    """A command's flags, the container it names and that container's record,
+    or None after docker's error for no such ``kind`` (object, container)."""
+    flags, rest = parse(args)
+    name = rest[0]
     info = state() / f"{name}.json"
     if not info.exists():
         print(f"Error: No such {kind}: {name}", file=sys.stderr)
-        return None
-    return json.loads(info.read_text())
+        return flags, name, None
+    return flags, name, json.loads(info.read_text())
 
 
 def cmd_inspect(args: list[str]) -> int:
-    flags, rest = parse(args)
-    name = rest[0]
-    record = record_of(name, "object")
+    flags, name, record = lookup(args, "object")
     if record is None:
         return 1
     exit_file = state() / f"{name}.exit"
@@ -251,10 +253,10 @@ def cmd_inspect(args: list[str]) -> int:
 
 
 def cmd_logs(args: list[str]) -> int:
-    flags, rest = parse(args)
-    if record_of(rest[0], "container") is None:
+    flags, name, record = lookup(args, "container")
+    if record is None:
         return 1
-    log = state() / f"{rest[0]}.log"
+    log = state() / f"{name}.log"
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     if "--tail" in flags:
         lines = lines[-int(flags["--tail"][0]) :]
@@ -263,9 +265,7 @@ def cmd_logs(args: list[str]) -> int:
 
 
 def cmd_rm(args: list[str]) -> int:
-    flags, rest = parse(args)
-    name = rest[0]
-    record = record_of(name, "container")
+    flags, name, record = lookup(args, "container")
     if record is None:
         return 1
     # Like docker: SIGKILL, at once, to everything in the container.
