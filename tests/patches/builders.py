@@ -1544,6 +1544,15 @@ def sweep_summary(
     return {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
 
 
+def assert_sweep_reads_every_needed_block(
+    leg_pairs: Callable[[Layout], LegPair], sweep_name: str
+) -> None:
+    """Every prompt length of the named sweep reads every block the decoder
+    needs (a pair with the null block is left to the window-start tests)."""
+    summary = sweep_summary(leg_pairs, sweep_name, judge_null=False)
+    assert not summary, f"wrong prompt lengths (count, first): {summary}"
+
+
 def prefiller_tail_errors(
     pair: LegPair, handoff: str, prefill_tail: int = 8
 ) -> list[str]:
