@@ -279,17 +279,25 @@ def test_read_blocks_routes_each_hybrid_layer_to_its_group(
 
 
 SINGLE_GROUP_LAYOUTS = [
-    pytest.param(mla_spec(B), 2, id="kimi-k3-like-mla-kda"),
-    pytest.param(full_attention_spec(B), 3, id="qwen3.5-like-gqa-gdn"),
+    pytest.param((mla_spec(B), 2), id="kimi-k3-like-mla-kda"),
+    pytest.param((full_attention_spec(B), 3), id="qwen3.5-like-gqa-gdn"),
 ]
 
 
-@pytest.mark.parametrize(("attn", "num_mamba"), SINGLE_GROUP_LAYOUTS)
-def test_single_attention_group_payload_is_byte_identical_to_base(
-    plain_vllm_configs, attn, num_mamba
-) -> None:
+@pytest.fixture(params=SINGLE_GROUP_LAYOUTS)
+def single_group(request: pytest.FixtureRequest, plain_vllm_configs):
+    """A single-attention-group hybrid layout (attention spec, number of
+    mamba groups): its groups, its mamba group count, both legs' connectors."""
+    attn, num_mamba = request.param
     groups = single_group_hybrid(attn, num_mamba)
-    p_conn, _ = connector_pair(plain_vllm_configs, make_kv_cache_config(groups))
+    p_conn, d_conn = connector_pair(plain_vllm_configs, make_kv_cache_config(groups))
+    return groups, num_mamba, p_conn, d_conn
+
+
+def test_single_attention_group_payload_is_byte_identical_to_base(
+    single_group,
+) -> None:
+    groups, num_mamba, p_conn, _ = single_group
     n = 100  # the prefiller's rows fit its prompt pages
     p, params = produce(p_conn, groups, n, f"bytes-{num_mamba}")
     expected = dict(params)
@@ -298,12 +306,8 @@ def test_single_attention_group_payload_is_byte_identical_to_base(
     assert json.dumps(params) == json.dumps(expected)
 
 
-@pytest.mark.parametrize(("attn", "num_mamba"), SINGLE_GROUP_LAYOUTS)
-def test_single_attention_group_read_unchanged(
-    plain_vllm_configs, attn, num_mamba
-) -> None:
-    groups = single_group_hybrid(attn, num_mamba)
-    p_conn, d_conn = connector_pair(plain_vllm_configs, make_kv_cache_config(groups))
+def test_single_attention_group_read_unchanged(single_group) -> None:
+    groups, num_mamba, p_conn, d_conn = single_group
     n = 2 * B + 36
     partial = run_transfer(p_conn, d_conn, groups, n, hit_pages=1)
     assert set(range(1, cdiv(n - 1, B))) <= read_pages(partial, 0)
