@@ -53,19 +53,24 @@ def _overlaid(tree: FakeTree) -> FakeTree:
     return tree
 
 
+@pytest.fixture(params=["apply", "revert"])
+def overlaid_command(request: pytest.FixtureRequest, tree: FakeTree) -> str:
+    """``apply`` or ``revert``, to run on ``tree`` once it is overlaid."""
+    _overlaid(tree)
+    return request.param
+
+
 # -- 3: tracebacks that are now one line ----------------------------------------
 
 
-@pytest.mark.parametrize("command", ["apply", "revert"])
 def test_non_utf8_byte_in_an_overlaid_file(
-    tree: FakeTree, capsys: pytest.CaptureFixture[str], command: str
+    tree: FakeTree, capsys: pytest.CaptureFixture[str], overlaid_command: str
 ) -> None:
-    _overlaid(tree)
     path = tree.site / CONNECTOR
     path.chmod(0o644)
     path.write_bytes(path.read_bytes().replace(b"line 7", b"line \xff"))
     before = tree.snapshot()
-    err = _one_error(capsys, tree.argv(command))
+    err = _one_error(capsys, tree.argv(overlaid_command))
     assert "not UTF-8 text" in err and "moriio_connector.py" in err
     assert tree.snapshot() == before
     # status reports it, in text and as JSON, and exits 1.
@@ -101,16 +106,14 @@ def test_patch_retargeted_to_an_unpinned_path(
     assert tree.snapshot() == before
 
 
-@pytest.mark.parametrize("command", ["apply", "revert"])
 def test_directory_at_the_manifest_path(
-    tree: FakeTree, capsys: pytest.CaptureFixture[str], command: str
+    tree: FakeTree, capsys: pytest.CaptureFixture[str], overlaid_command: str
 ) -> None:
-    _overlaid(tree)
     manifest = tree.module / MANIFEST_NAME
     manifest.unlink()
     manifest.mkdir()
     before = tree.snapshot()
-    err = _one_error(capsys, tree.argv(command))
+    err = _one_error(capsys, tree.argv(overlaid_command))
     assert f"{MANIFEST_NAME}: is a directory" in err
     assert tree.snapshot() == before
     assert tree.cli("status") == 1

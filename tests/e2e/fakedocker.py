@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -223,17 +224,28 @@ def alive(pid: int) -> bool:
     return True
 
 
-def cmd_inspect(args: list[str]) -> int:
+def lookup(
+    args: list[str], kind: str
+) -> tuple[dict[str, list[str]], str, dict[str, Any] | None]:
+    """A command's flags, the container it names and that container's record,
+    or None after docker's error for no such ``kind`` (object, container)."""
     flags, rest = parse(args)
     name = rest[0]
     info = state() / f"{name}.json"
     if not info.exists():
-        print(f"Error: No such object: {name}", file=sys.stderr)
+        print(f"Error: No such {kind}: {name}", file=sys.stderr)
+        return flags, name, None
+    return flags, name, json.loads(info.read_text())
+
+
+def cmd_inspect(args: list[str]) -> int:
+    flags, name, record = lookup(args, "object")
+    if record is None:
         return 1
     exit_file = state() / f"{name}.exit"
     if exit_file.exists():
         print(f"exited {exit_file.read_text().strip()} false")
-    elif alive(json.loads(info.read_text())["pid"]):
+    elif alive(record["pid"]):
         print("running 0 false")
     else:
         print("dead 137 false")
@@ -241,11 +253,10 @@ def cmd_inspect(args: list[str]) -> int:
 
 
 def cmd_logs(args: list[str]) -> int:
-    flags, rest = parse(args)
-    log = state() / f"{rest[0]}.log"
-    if not (state() / f"{rest[0]}.json").exists():
-        print(f"Error: No such container: {rest[0]}", file=sys.stderr)
+    flags, name, record = lookup(args, "container")
+    if record is None:
         return 1
+    log = state() / f"{name}.log"
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     if "--tail" in flags:
         lines = lines[-int(flags["--tail"][0]) :]
@@ -254,14 +265,10 @@ def cmd_logs(args: list[str]) -> int:
 
 
 def cmd_rm(args: list[str]) -> int:
-    flags, rest = parse(args)
-    name = rest[0]
-    info = state() / f"{name}.json"
-    if not info.exists():
-        print(f"Error: No such container: {name}", file=sys.stderr)
+    flags, name, record = lookup(args, "container")
+    if record is None:
         return 1
     # Like docker: SIGKILL, at once, to everything in the container.
-    record = json.loads(info.read_text())
     group = record.get("group")
     if group is not None:
         with contextlib.suppress(ProcessLookupError):

@@ -133,11 +133,13 @@ def test_an_ab_run_reports_the_base_failures_as_expected(
     assert not list(fake_docker.glob("*.json"))  # every container removed
 
 
+@pytest.mark.usefixtures("fake_docker", "overlay_banner")
 def test_an_unexpected_failure_fails_the_ab_run(
-    fake_docker: Path, tokenizer_json: Path, tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-    overlay_banner: str,
-) -> None:  # fmt: skip
+    tokenizer_json: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     config = ab_config(tokenizer_json)
     lengths = sweep_lengths(Geometry.of(config), config.checks)
     wrong = base_predicted(config)

@@ -86,14 +86,23 @@ def local_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm
         yield cluster
 
 
+@pytest.fixture
+def on_slurm(
+    local_slurm: LocalSlurm, fake_docker: Path, monkeypatch: pytest.MonkeyPatch
+) -> LocalSlurm:
+    """The module's cluster, which this test's Slurm commands talk to, its
+    nodes running containers with the fake docker."""
+    monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))
+    return local_slurm
+
+
 def test_two_prefill_one_decode_through_a_real_slurm(
-    local_slurm: LocalSlurm,
+    on_slurm: LocalSlurm,
     fake_docker: Path,
     tokenizer_json: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))
     config = slurm_config(tokenizer_json, **standin_nics(tmp_path, monkeypatch))
     lines: list[str] = []
     report = run(
@@ -131,21 +140,17 @@ def test_two_prefill_one_decode_through_a_real_slurm(
     # The job left the queue and its containers are gone.
     job_id = submitted.split("submitted job ")[1].split(":")[0]
     queue = subprocess.run(
-        ["squeue", "--noheader", "--jobs", job_id], env=local_slurm.env,
+        ["squeue", "--noheader", "--jobs", job_id], env=on_slurm.env,
         capture_output=True, text=True,
     )  # fmt: skip
     assert queue.stdout.strip() == ""
     assert not list(fake_docker.glob("*.json"))
 
 
+@pytest.mark.usefixtures("on_slurm")
 def test_a_server_that_dies_on_its_node_fails_the_slurm_run(
-    local_slurm: LocalSlurm,
-    fake_docker: Path,
-    tokenizer_json: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    tokenizer_json: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))
     monkeypatch.setenv("FAKE_DOCKER_DIE", "decode-0")
     config = slurm_config(tokenizer_json, prefill=1)
     config = msgspec.structs.replace(

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.child import run_python
 from tests.image.conftest import COMMON
 from vllm_overlay import cpuplatform
 from vllm_overlay.e2e.checks import BANNER
@@ -60,27 +59,29 @@ def test_files_changed_after_apply_are_unknown(
     assert overlay_line(site / "vllm", "0.33.0")[0] == logging.INFO
 
 
+_LOAD_PLUGINS = (
+    "from vllm.config.logging import LoggingConfig\n"
+    "from vllm.logger import configure_logging\n"
+    "from vllm.plugins import load_general_plugins\n"
+    "configure_logging(LoggingConfig())\n"
+    "load_general_plugins()\n"
+)
+
+
+def _load_plugins_as_vllm_serves(*argv: str) -> str:
+    """vLLM's own general-plugin loading, with logging configured as `vllm
+    serve` does, in a process whose command line ends in ``argv``: its output."""
+    env = {**cpuplatform.cpu_environ(), "VLLM_LOGGING_LEVEL": "INFO"}
+    result = run_python(_LOAD_PLUGINS, *argv, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout + result.stderr
+
+
 def test_vllm_plugin_loader_logs_the_banner() -> None:
     """With logging configured as `vllm serve` does, vLLM's own general-plugin
     loading runs the entry point and the line reaches vLLM's log output."""
-    code = (
-        "from vllm.config.logging import LoggingConfig\n"
-        "from vllm.logger import configure_logging\n"
-        "from vllm.plugins import load_general_plugins\n"
-        "configure_logging(LoggingConfig())\n"
-        "load_general_plugins()\n"
-    )
-    env = {**cpuplatform.cpu_environ(), "VLLM_LOGGING_LEVEL": "INFO"}
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
+    out = _load_plugins_as_vllm_serves()
     _, expected = overlay_line(installed_vllm(), installed_version())
-    out = result.stdout + result.stderr
     assert expected in out, out[-2000:]
 
 
@@ -129,21 +130,5 @@ def test_mode_line_only_for_moriio() -> None:
 def test_vllm_plugin_loader_logs_the_mode(extra: dict[str, object], mode: str) -> None:
     """Through vLLM's own plugin loading, in a process whose command line
     configures MoRIIO (as `vllm serve`'s does), the banner names the mode."""
-    code = (
-        "from vllm.config.logging import LoggingConfig\n"
-        "from vllm.logger import configure_logging\n"
-        "from vllm.plugins import load_general_plugins\n"
-        "configure_logging(LoggingConfig())\n"
-        "load_general_plugins()\n"
-    )
-    env = {**cpuplatform.cpu_environ(), "VLLM_LOGGING_LEVEL": "INFO"}
-    result = subprocess.run(
-        [sys.executable, "-c", code, "--kv-transfer-config", _kv(extra)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    out = result.stdout + result.stderr
+    out = _load_plugins_as_vllm_serves("--kv-transfer-config", _kv(extra))
     assert f"vllm-moriio-overlay: MoRIIO mode {mode}" in out, out[-2000:]

@@ -64,6 +64,14 @@ def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
+@pytest.fixture
+def docker_without_base(tmp_path: Path, env: pytest.MonkeyPatch) -> Path:
+    """A fake docker in ``tmp_path`` that does not hold the base image yet."""
+    docker = fake_engine.install(tmp_path, "docker")
+    env.setenv("FAKE_BASE", "absent")
+    return docker
+
+
 def test_build_args_come_from_pin_series_and_git() -> None:
     pin, series = load_pin(REPO / PIN_FILE), load_series(REPO)
     args = build_args(REPO, pin, series, base_reference(pin, None).with_digest(DIGEST))
@@ -184,10 +192,9 @@ def test_cli_exits_non_zero_without_engine(
 
 
 def test_pull_digest_build_labels_verify_push(
-    tmp_path: Path, env: pytest.MonkeyPatch
+    tmp_path: Path, docker_without_base: Path
 ) -> None:
-    docker = fake_engine.install(tmp_path, "docker")
-    env.setenv("FAKE_BASE", "absent")
+    docker = docker_without_base
     lines: list[str] = []
     report = build(tmp_path, lines, tag="r/i", push=True)
     assert report is not None and report.ok and report.pushed
@@ -230,10 +237,9 @@ def test_pull_digest_build_labels_verify_push(
 
 
 def test_a_base_with_a_pinned_digest_is_pulled_by_digest(
-    tmp_path: Path, env: pytest.MonkeyPatch
+    tmp_path: Path, docker_without_base: Path
 ) -> None:
-    docker = fake_engine.install(tmp_path, "docker")
-    env.setenv("FAKE_BASE", "absent")
+    docker = docker_without_base
     lines: list[str] = []
     build(tmp_path, lines, tag="r/i:t", base=f"reg:5000/team/rocm:v1@{DIGEST}")
     by_call = fake_engine.calls(docker)
@@ -295,10 +301,9 @@ def test_a_failed_build_fails_and_does_not_push(
 
 
 def test_an_unpullable_base_is_its_own_error(
-    tmp_path: Path, env: pytest.MonkeyPatch
+    tmp_path: Path, env: pytest.MonkeyPatch, docker_without_base: Path
 ) -> None:
-    docker = fake_engine.install(tmp_path, "docker")
-    env.setenv("FAKE_BASE", "absent")
+    docker = docker_without_base
     env.setenv("FAKE_PULL", "fail")
     with pytest.raises(ImageError, match=f"cannot pull the base {BASE} with docker"):
         build(tmp_path, [], tag="r/i:t")

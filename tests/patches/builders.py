@@ -638,6 +638,16 @@ def connector_pair(configs: tuple[Any, Any], kv_cache_config: KVCacheConfig):
     )
 
 
+def glm_transfer(configs: tuple[Any, Any], n: int, hit_pages: int) -> Transfer:
+    """One READ of ``n`` tokens between real GLM-like scheduler connectors,
+    the decoder holding ``hit_pages`` pages; one list per payload group."""
+    groups = glm_like_groups()
+    p_conn, d_conn = connector_pair(configs, make_kv_cache_config(groups))
+    t = run_transfer(p_conn, d_conn, groups, n, hit_pages)
+    assert len(t.local) == len(t.remote) == len(GLM_PAYLOAD)
+    return t
+
+
 def wrapped_window_groups(wrapped: bool) -> list[KVCacheGroupSpec]:
     sw = {name: sliding_window_spec(16, 64) for name in ("sw.0", "sw.1")}
     sw_spec: KVCacheSpec = uniform(dict(sw)) if wrapped else sw["sw.0"]
@@ -935,6 +945,25 @@ class SchedulerPair:
                     computed = request.num_computed_tokens
                     return params, [list(t) for t in tables], computed
 
+    def schedule_beside_refused(
+        self,
+        ok: str,
+        bad: str,
+        tokens: Mapping[str, list[int]],
+        params: Mapping[str, Any],
+    ) -> SchedulerOutput:
+        """The decoder's step for an intact payload ``ok`` and a refused one
+        ``bad``: ``ok`` READs its pages and computes one token, ``bad`` reads
+        nothing and prefills its whole prompt locally."""
+        for rid in (ok, bad):
+            self.decode.add_request(self._request(rid, tokens[rid], params[rid]))
+        output = self.decode.schedule()
+        meta = output.kv_connector_metadata.reqs_to_recv
+        assert output.num_scheduled_tokens == {ok: 1, bad: len(tokens[bad])}
+        assert all(meta[ok].local_block_ids)
+        assert meta[bad].local_block_ids == [[]] * len(meta[ok].local_block_ids)
+        return output
+
     def _run_local(self, scheduler: Scheduler, request: Request) -> None:
         scheduler.add_request(request)
         while request.request_id in scheduler.requests:
@@ -1000,6 +1029,42 @@ def build_scheduler_pair(
         for role in ("kv_producer", "kv_consumer")
     ]
     return SchedulerPair(legs[0], legs[1], block_size)
+
+
+def scheduler_pair_cache(
+    model_dir: Path,
+    groups: Callable[[int, int], Sequence[tuple[list[str], KVCacheSpec]]],
+) -> Callable[[int, int], SchedulerPair]:
+    """Scheduler pairs by block size and the layout's other size (a window,
+    a chunk): ``groups(block_size, size)``'s layout, each pair built once
+    (a module-scoped fixture hands this out)."""
+
+    @functools.cache
+    def get(block_size: int, size: int) -> SchedulerPair:
+        return build_scheduler_pair(model_dir, groups(block_size, size), block_size)
+
+    return get
+
+
+WINDOW_LAYOUTS = [
+    pytest.param(16, 64, id="b16-w64"),
+    pytest.param(16, 40, id="b16-w40"),
+    pytest.param(64, 128, id="b64-w128"),
+]
+"""(block size, window) of the full+window layouts the window tests run."""
+
+
+def full_and_window_groups(
+    block_size: int, window: int
+) -> list[tuple[list[str], KVCacheSpec]]:
+    """A full-attention group and a sliding-window group of ``window``."""
+    return [
+        (["model.layers.0.self_attn.attn"], full_attention_spec(block_size)),
+        (
+            ["model.layers.1.self_attn.attn"],
+            sliding_window_spec(block_size, window),
+        ),
+    ]
 
 
 # ==========================================================================
@@ -1477,6 +1542,15 @@ def sweep_summary(
         judge_null=judge_null,
     )
     return {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
+
+
+def assert_sweep_reads_every_needed_block(
+    leg_pairs: Callable[[Layout], LegPair], sweep_name: str
+) -> None:
+    """Every prompt length of the named sweep reads every block the decoder
+    needs (a pair with the null block is left to the window-start tests)."""
+    summary = sweep_summary(leg_pairs, sweep_name, judge_null=False)
+    assert not summary, f"wrong prompt lengths (count, first): {summary}"
 
 
 def prefiller_tail_errors(

@@ -61,6 +61,7 @@ from tests.patches.builders import (
     decode_leg,
     full_attention_spec,
     glm_like_groups,
+    glm_transfer,
     kda_mamba_spec,
     make_kv_cache_blocks,
     make_kv_cache_config,
@@ -134,12 +135,8 @@ def test_scheduler_accepts_glm_groups_with_mtp(mtp_vllm_configs) -> None:
 
 @pytest.mark.parametrize("n", PROMPT_LENGTHS)
 def test_glm_mtp_read_pairs_every_group_on_partial_hit(mtp_vllm_configs, n) -> None:
-    groups = glm_like_groups()
-    p_conn, d_conn = connector_pair(mtp_vllm_configs, make_kv_cache_config(groups))
     hit_pages = (n - 1) // B - 1
-    t = run_transfer(p_conn, d_conn, groups, n, hit_pages)
-
-    assert len(t.local) == len(t.remote) == len(GLM_PAYLOAD)
+    t = glm_transfer(mtp_vllm_configs, n, hit_pages)
     # MLA/indexer: every prompt page the decoder misses is read in place.
     assert set(range(hit_pages, cdiv(n - 1, B))) <= read_pages(t, 0)
     # Tail ring: the decoder's window pages are read in place.
@@ -159,11 +156,7 @@ def test_glm_mtp_read_pairs_every_group_on_partial_hit(mtp_vllm_configs, n) -> N
 
 @pytest.mark.parametrize("n", PROMPT_LENGTHS)
 def test_glm_mtp_full_local_hit_reads_only_tail_and_kda(mtp_vllm_configs, n) -> None:
-    groups = glm_like_groups()
-    p_conn, d_conn = connector_pair(mtp_vllm_configs, make_kv_cache_config(groups))
-    t = run_transfer(p_conn, d_conn, groups, n, hit_pages=(n - 1) // B)
-
-    assert len(t.local) == len(t.remote) == len(GLM_PAYLOAD)
+    t = glm_transfer(mtp_vllm_configs, n, (n - 1) // B)
     assert t.local[0] == []  # MLA/indexer: a prefix-cacheable full hit
     if not any(t.local):
         # Nothing external to load: nothing read on either leg.
@@ -285,17 +278,25 @@ def test_read_blocks_routes_each_hybrid_layer_to_its_group(
 
 
 SINGLE_GROUP_LAYOUTS = [
-    pytest.param(mla_spec(B), 2, id="kimi-k3-like-mla-kda"),
-    pytest.param(full_attention_spec(B), 3, id="qwen3.5-like-gqa-gdn"),
+    pytest.param((mla_spec(B), 2), id="kimi-k3-like-mla-kda"),
+    pytest.param((full_attention_spec(B), 3), id="qwen3.5-like-gqa-gdn"),
 ]
 
 
-@pytest.mark.parametrize(("attn", "num_mamba"), SINGLE_GROUP_LAYOUTS)
-def test_single_attention_group_payload_is_byte_identical_to_base(
-    plain_vllm_configs, attn, num_mamba
-) -> None:
+@pytest.fixture(params=SINGLE_GROUP_LAYOUTS)
+def single_group(request: pytest.FixtureRequest, plain_vllm_configs):
+    """A single-attention-group hybrid layout (attention spec, number of
+    mamba groups): its groups, its mamba group count, both legs' connectors."""
+    attn, num_mamba = request.param
     groups = single_group_hybrid(attn, num_mamba)
-    p_conn, _ = connector_pair(plain_vllm_configs, make_kv_cache_config(groups))
+    p_conn, d_conn = connector_pair(plain_vllm_configs, make_kv_cache_config(groups))
+    return groups, num_mamba, p_conn, d_conn
+
+
+def test_single_attention_group_payload_is_byte_identical_to_base(
+    single_group,
+) -> None:
+    groups, num_mamba, p_conn, _ = single_group
     n = 100  # the prefiller's rows fit its prompt pages
     p, params = produce(p_conn, groups, n, f"bytes-{num_mamba}")
     expected = dict(params)
@@ -304,12 +305,8 @@ def test_single_attention_group_payload_is_byte_identical_to_base(
     assert json.dumps(params) == json.dumps(expected)
 
 
-@pytest.mark.parametrize(("attn", "num_mamba"), SINGLE_GROUP_LAYOUTS)
-def test_single_attention_group_read_unchanged(
-    plain_vllm_configs, attn, num_mamba
-) -> None:
-    groups = single_group_hybrid(attn, num_mamba)
-    p_conn, d_conn = connector_pair(plain_vllm_configs, make_kv_cache_config(groups))
+def test_single_attention_group_read_unchanged(single_group) -> None:
+    groups, num_mamba, p_conn, d_conn = single_group
     n = 2 * B + 36
     partial = run_transfer(p_conn, d_conn, groups, n, hit_pages=1)
     assert set(range(1, cdiv(n - 1, B))) <= read_pages(partial, 0)

@@ -30,14 +30,14 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from tests.patches.builders import (
     MAX_PROMPT_TOKENS,
     SWEEPS,
+    WINDOW_LAYOUTS,
     Case,
     Layout,
     LegPair,
     Read,
     SchedulerPair,
-    build_scheduler_pair,
     cdiv,
-    full_attention_spec,
+    full_and_window_groups,
     make_kv_cache_blocks,
     make_kv_cache_config,
     make_request,
@@ -45,6 +45,7 @@ from tests.patches.builders import (
     make_vllm_config,
     moriio_kv_transfer_config,
     prompt,
+    scheduler_pair_cache,
     sliding_window_spec,
     sweep,
 )
@@ -52,16 +53,6 @@ from tests.patches.builders import (
 # ---------------------------------------------------------------------------
 # Real prefill and decode schedulers
 # ---------------------------------------------------------------------------
-
-
-def _groups(block_size: int, window: int) -> list[tuple[list[str], Any]]:
-    return [
-        (["model.layers.0.self_attn.attn"], full_attention_spec(block_size)),
-        (
-            ["model.layers.1.self_attn.attn"],
-            sliding_window_spec(block_size, window),
-        ),
-    ]
 
 
 def read_errors(
@@ -100,19 +91,8 @@ def read_errors(
 
 
 @pytest.fixture(scope="module")
-def scheduler_pairs(
-    llama_model_dir: Path,
-) -> Callable[[int, int], SchedulerPair]:
-    pairs: dict[tuple[int, int], SchedulerPair] = {}
-
-    def get(block_size: int, window: int) -> SchedulerPair:
-        if (block_size, window) not in pairs:
-            pairs[block_size, window] = build_scheduler_pair(
-                llama_model_dir, _groups(block_size, window), block_size
-            )
-        return pairs[block_size, window]
-
-    return get
+def scheduler_pairs(llama_model_dir: Path) -> Callable[[int, int], SchedulerPair]:
+    return scheduler_pair_cache(llama_model_dir, full_and_window_groups)
 
 
 def _window_lengths(block_size: int, window: int, count: int) -> list[int]:
@@ -121,11 +101,7 @@ def _window_lengths(block_size: int, window: int, count: int) -> list[int]:
 
 
 @pytest.mark.parametrize("hit", [0.0, 0.5, 0.9], ids=["no_hit", "hit50", "hit90"])
-@pytest.mark.parametrize(
-    ("block_size", "window"),
-    [(16, 64), (16, 40), (64, 128)],
-    ids=["b16-w64", "b16-w40", "b64-w128"],
-)
+@pytest.mark.parametrize(("block_size", "window"), WINDOW_LAYOUTS)
 def test_real_schedulers_read_the_whole_window(
     scheduler_pairs: Callable[[int, int], SchedulerPair],
     block_size: int,
@@ -171,7 +147,7 @@ def _consumer(model_dir: Path, block_size: int, window: int) -> Any:
         model_dir, moriio_kv_transfer_config("kv_consumer"), block_size=block_size
     )
     return make_scheduler_connector(
-        vllm_config, make_kv_cache_config(_groups(block_size, window))
+        vllm_config, make_kv_cache_config(full_and_window_groups(block_size, window))
     )
 
 
@@ -248,7 +224,7 @@ def test_write_full_and_window_layers(llama_model_dir: Path, disable_hma: bool):
     )
     if not disable_hma:
         vllm_config.parallel_config.decode_context_parallel_size = 2
-    groups = _groups(16, 64)
+    groups = full_and_window_groups(16, 64)
     if disable_hma:
         # What vLLM's planner makes of these layers without HMA.
         specs = {names[0]: spec for names, spec in groups}

@@ -19,17 +19,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
 
 from tests.patches.builders import (
     GLM_MAMBA,
-    GLM_PAYLOAD,
     TAIL_LAYERS,
     B,
     Group,
     TransferCase,
     build_worker,
-    connector_pair,
     glm_like_groups,
+    glm_transfer,
     make_kv_cache_config,
     read_blocks,
-    run_transfer,
 )
 
 # Kimi-like: MLA (DCP-sharded) and two KDA groups.
@@ -71,10 +69,7 @@ def test_state_is_read_one_page_short_of_a_full_hit(llama_model_dir: Path):
 @pytest.mark.parametrize("n", FULL_HIT_LENGTHS)
 def test_glm_full_local_hit_reads_no_state(mtp_vllm_configs, n) -> None:
     """No state slot and no prefix-cacheable attention page is read."""
-    groups = glm_like_groups()
-    p_conn, d_conn = connector_pair(mtp_vllm_configs, make_kv_cache_config(groups))
-    t = run_transfer(p_conn, d_conn, groups, n, hit_pages=(n - 1) // B)
-    assert len(t.local) == len(t.remote) == len(GLM_PAYLOAD)
+    t = glm_transfer(mtp_vllm_configs, n, (n - 1) // B)
     assert t.local[0] == t.remote[0] == []
     for payload_index in (2, 3):
         assert t.local[payload_index] == t.remote[payload_index] == []
@@ -101,10 +96,8 @@ def test_worker_refuses_a_state_slot_on_one_leg(stub_mori, mtp_vllm_configs) -> 
 
 
 def test_state_is_read_when_tokens_are_loaded(mtp_vllm_configs) -> None:
-    groups = glm_like_groups()
-    p_conn, d_conn = connector_pair(mtp_vllm_configs, make_kv_cache_config(groups))
     n = FULL_HIT_LENGTHS[0]
-    t = run_transfer(p_conn, d_conn, groups, n, hit_pages=1)
+    t = glm_transfer(mtp_vllm_configs, n, 1)
     for payload_index, group_id in ((2, GLM_MAMBA[0]), (3, GLM_MAMBA[1])):
         assert t.local[payload_index] == [t.d.running_slot[group_id]]
         assert t.remote[payload_index] == [t.p.running_slot[group_id]]

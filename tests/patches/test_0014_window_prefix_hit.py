@@ -11,43 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from vllm.utils.math_utils import cdiv
 
 from tests.patches.builders import (
+    WINDOW_LAYOUTS,
     Read,
     SchedulerPair,
-    build_scheduler_pair,
-    full_attention_spec,
+    full_and_window_groups,
     prompt,
-    sliding_window_spec,
+    scheduler_pair_cache,
 )
-
-
-def _full_and_window(block_size: int, window: int) -> list[tuple[list[str], Any]]:
-    return [
-        (["model.layers.0.self_attn.attn"], full_attention_spec(block_size)),
-        (
-            ["model.layers.1.self_attn.attn"],
-            sliding_window_spec(block_size, window),
-        ),
-    ]
 
 
 @pytest.fixture(scope="module")
 def scheduler_pairs(llama_model_dir: Path) -> Callable[[int, int], SchedulerPair]:
-    pairs: dict[tuple[int, int], SchedulerPair] = {}
-
-    def get(block_size: int, window: int) -> SchedulerPair:
-        if (block_size, window) not in pairs:
-            pairs[block_size, window] = build_scheduler_pair(
-                llama_model_dir, _full_and_window(block_size, window), block_size
-            )
-        return pairs[block_size, window]
-
-    return get
+    return scheduler_pair_cache(llama_model_dir, full_and_window_groups)
 
 
 def _pages(read: Read, group: int) -> list[int]:
@@ -68,11 +48,7 @@ def _lacked(read: Read, block_size: int, window: int | None) -> list[int]:
 
 
 @pytest.mark.parametrize("hit", [0.5, 0.9], ids=["hit50", "hit90"])
-@pytest.mark.parametrize(
-    ("block_size", "window"),
-    [(16, 64), (16, 40), (64, 128)],
-    ids=["b16-w64", "b16-w40", "b64-w128"],
-)
+@pytest.mark.parametrize(("block_size", "window"), WINDOW_LAYOUTS)
 def test_window_pages_read_are_pages_lacked(
     scheduler_pairs: Callable[[int, int], SchedulerPair],
     block_size: int,

@@ -18,11 +18,10 @@ from tests.patches.builders import (
     GLM_PAYLOAD,
     B,
     build_worker,
-    connector_pair,
     glm_like_groups,
+    glm_transfer,
     make_kv_cache_config,
     read_blocks,
-    run_transfer,
 )
 
 # N - 1 a multiple of B: a full local hit exists.
@@ -33,10 +32,7 @@ FULL_HIT_LENGTHS = (3 * B + 1, 7 * B + 1)
 def test_full_local_hit_reads_no_group(mtp_vllm_configs, n) -> None:
     """Every group pairs an empty list on both legs, the tail ring (never a
     prefix hit) included."""
-    groups = glm_like_groups()
-    p_conn, d_conn = connector_pair(mtp_vllm_configs, make_kv_cache_config(groups))
-    t = run_transfer(p_conn, d_conn, groups, n, hit_pages=(n - 1) // B)
-    assert len(t.local) == len(t.remote) == len(GLM_PAYLOAD)
+    t = glm_transfer(mtp_vllm_configs, n, (n - 1) // B)
     assert t.local == [[] for _ in GLM_PAYLOAD]
     assert t.remote == [[] for _ in GLM_PAYLOAD]
 
@@ -44,9 +40,7 @@ def test_full_local_hit_reads_no_group(mtp_vllm_configs, n) -> None:
 @pytest.mark.parametrize("n", FULL_HIT_LENGTHS)
 def test_full_local_hit_zeroes_as_without_a_transfer(mtp_vllm_configs, n) -> None:
     """No READ destination: vLLM zeroes the request's fresh blocks as usual."""
-    groups = glm_like_groups()
-    p_conn, d_conn = connector_pair(mtp_vllm_configs, make_kv_cache_config(groups))
-    t = run_transfer(p_conn, d_conn, groups, n, hit_pages=(n - 1) // B)
+    t = glm_transfer(mtp_vllm_configs, n, (n - 1) // B)
     assert sorted(t.zero_after) == sorted(t.zero_before)
 
 

@@ -109,14 +109,8 @@ def test_refused_payload_is_prefilled_locally_beside_a_transfer(
     params = {rid: pair.prefill_payload(rid, toks) for rid, toks in tokens.items()}
     params[bad]["remote_block_ids"] = FAULTS[fault](params[bad]["remote_block_ids"])
     counted = _Counted(pair)
-    for rid in (ok, bad):
-        pair.decode.add_request(pair._request(rid, tokens[rid], params[rid]))
-
-    output = pair.decode.schedule()
+    output = pair.schedule_beside_refused(ok, bad, tokens, params)
     meta = output.kv_connector_metadata.reqs_to_recv
-    assert output.num_scheduled_tokens == {ok: 1, bad: N}
-    assert all(meta[ok].local_block_ids)
-    assert meta[bad].local_block_ids == [[], []]
     assert meta[bad].remote_block_ids == [[], []]
     finished = set()
     for out in pair._finish_step(pair.decode, output):

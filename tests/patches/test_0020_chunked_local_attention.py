@@ -24,7 +24,6 @@ from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 from tests.patches.builders import (
     Read,
     SchedulerPair,
-    build_scheduler_pair,
     full_attention_spec,
     kda_mamba_spec,
     make_kv_cache_config,
@@ -32,6 +31,7 @@ from tests.patches.builders import (
     make_vllm_config,
     moriio_kv_transfer_config,
     prompt,
+    scheduler_pair_cache,
 )
 
 NULL_BLOCK = 0
@@ -56,16 +56,7 @@ def _groups(block_size: int, chunk: int) -> list[tuple[list[str], Any]]:
 
 @pytest.fixture(scope="module")
 def scheduler_pairs(llama_model_dir: Path) -> Callable[[int, int], SchedulerPair]:
-    pairs: dict[tuple[int, int], SchedulerPair] = {}
-
-    def get(block_size: int, chunk: int) -> SchedulerPair:
-        if (block_size, chunk) not in pairs:
-            pairs[block_size, chunk] = build_scheduler_pair(
-                llama_model_dir, _groups(block_size, chunk), block_size
-            )
-        return pairs[block_size, chunk]
-
-    return get
+    return scheduler_pair_cache(llama_model_dir, _groups)
 
 
 def _pages(read: Read, group: int) -> list[int]:
@@ -164,13 +155,7 @@ def test_freed_chunk_page_is_prefilled_locally(
     first = len(chunk_list) - (cdiv(n, block_size) - chunk // block_size)
     assert chunk_list[first] != NULL_BLOCK
     chunk_list[first] = NULL_BLOCK
-    for rid in (ok, bad):
-        pair.decode.add_request(pair._request(rid, tokens[rid], params[rid]))
-    output = pair.decode.schedule()
-    meta = output.kv_connector_metadata.reqs_to_recv
-    assert output.num_scheduled_tokens == {ok: 1, bad: n}
-    assert all(meta[ok].local_block_ids)
-    assert meta[bad].local_block_ids == [[], []]
+    output = pair.schedule_beside_refused(ok, bad, tokens, params)
     pair._finish_step(pair.decode, output)
     while {ok, bad} & set(pair.decode.requests):
         pair._step(pair.decode)

@@ -228,6 +228,12 @@ def _site(tmp_path: Path, base: dict[str, str]) -> Path:
 
 
 @pytest.fixture
+def site(tmp_path: Path, base_texts: dict[str, str]) -> Path:
+    """A vLLM site tree holding the base files, to export from."""
+    return _site(tmp_path, base_texts)
+
+
+@pytest.fixture
 def repo(make_repo: MakeRepo, base_texts: dict[str, str]) -> Path:
     root = make_repo(_series(base_texts))
     _write_tests(root)
@@ -458,11 +464,9 @@ def test_oversized_body_and_bad_subject(
 def test_cli_export_and_run_tests_on_the_stack(
     monkeypatch: pytest.MonkeyPatch,
     repo: Path,
-    tmp_path: Path,
-    base_texts: dict[str, str],
+    site: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    site = _site(tmp_path, base_texts)
     monkeypatch.chdir(repo.parent)  # a relative --repo, as `--repo .` gives
     argv = ["--repo", repo.name, "export", "--from", str(site), "--ruff", _ruff()]
     argv += ["--signoff", SIGNER]
@@ -561,13 +565,12 @@ def _no_git_identity(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
 
 def test_export_without_an_identity_to_sign_off_with_stops(
     monkeypatch: pytest.MonkeyPatch,
-    repo: Path,
     tmp_path: Path,
-    base_texts: dict[str, str],
+    repo: Path,
+    site: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     _no_git_identity(monkeypatch, tmp_path / "home")
-    site = _site(tmp_path, base_texts)
     argv = ["--repo", str(repo), "export", "--from", str(site), "--ruff", _ruff()]
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -143,6 +143,11 @@ def _labels(report: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
     return [(r["patch"][:4], r["result"], r["set_aside"]) for r in report["rows"]]
 
 
+def _alone(*results: str) -> list[tuple[str, str, list[str]]]:
+    """The labels of 0001, 0002, ... with ``results``, none of them set aside."""
+    return [(f"{i:04d}", result, []) for i, result in enumerate(results, 1)]
+
+
 def _states(row: dict[str, Any]) -> dict[int, str]:
     return {h["hunk"]: h["state"] for h in row["hunks"] if h["state"]}
 
@@ -256,11 +261,7 @@ def test_a_genuine_conflict_stays_a_conflict(
     root = make_repo(_series(), _pin(pin))
     rc, report = _rebase(root, tmp_path, _rewritten(c, e, a_landed))
     assert rc == 1
-    assert _labels(report) == [
-        ("0001", "conflict", []),
-        ("0002", "blocked", []),
-        ("0003", "blocked", []),
-    ]
+    assert _labels(report) == _alone("conflict", "blocked", "blocked")
     row = report["rows"][0]
     assert row["hand"] == ""
     expected = {
@@ -301,11 +302,7 @@ def test_a_hand_refreshed_remainder_is_carried_and_written(
     given = _refreshed(tmp_path)
     rc, report = _rebase(root, tmp_path, FORM, "--refreshed", str(given), "--write")
     assert rc == 0
-    assert _labels(report) == [
-        ("0001", "partly upstream", []),
-        ("0002", "clean", []),
-        ("0003", "clean", []),
-    ]
+    assert _labels(report) == _alone("partly upstream", "clean", "clean")
     row = report["rows"][0]
     assert row["hand"] == "" and row["refreshed"] == str(given)
     assert row["detail"].startswith(
@@ -451,11 +448,7 @@ def test_a_refreshed_remainder_that_does_not_apply_is_a_conflict(
     given.write_text(put_header_field(text, "Applied-Upstream", f"{NEWER} (in part)"))
     rc, report = _rebase(root, tmp_path, FORM, "--refreshed", str(given), "--write")
     assert rc == 1
-    assert _labels(report) == [
-        ("0001", "conflict", []),
-        ("0002", "blocked", []),
-        ("0003", "blocked", []),
-    ]
+    assert _labels(report) == _alone("conflict", "blocked", "blocked")
     row = report["rows"][0]
     assert row["refreshed"] == str(given) and row["hand"] == ""
     assert row["detail"].startswith(

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+from tests.child import run_python
 from vllm_overlay.simulate.bytes.run import STANDIN_DIR
 
 _SCRIPT = r"""
@@ -76,13 +75,7 @@ def test_a_closed_rank_leaves_its_process_ready_for_the_next() -> None:
         [str(STANDIN_DIR), *filter(None, [env.get("PYTHONPATH")])]
     )
     env["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_python(_SCRIPT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     *runs, file_left = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(runs) == 3
