@@ -132,7 +132,13 @@ def _apply_fault(fault: str | None) -> None:
     elif fault == "swap-heads":
         from dataclasses import replace
 
-        original_mapping = mc.compute_write_tp_mapping
+        # The overlay maps each layer by its own KV heads (0026).
+        name = (
+            "compute_layer_write_tp_mapping"
+            if hasattr(mc, "compute_layer_write_tp_mapping")
+            else "compute_write_tp_mapping"
+        )
+        original_mapping = getattr(mc, name)
 
         def swapped(*args: Any, **kwargs: Any) -> Any:
             mapping = original_mapping(*args, **kwargs)
@@ -152,7 +158,7 @@ def _apply_fault(fault: str | None) -> None:
                 )
             return replace(mapping, targets=targets)
 
-        mc.compute_write_tp_mapping = swapped
+        setattr(mc, name, swapped)
     elif fault == "drop-write":
         # The prefiller never posts its WRITE: a decoder promised one must
         # report it missing, not judge what it holds.
