@@ -38,7 +38,7 @@ def test_the_steps_run_in_the_gates_order(tmp_path: Path) -> None:
         "levels",
         "revert-red",
         "export",
-        "simulate",
+        "simulate-bytes",
     ]
     assert [s.phase for s in todo if s.phase] == [
         "overlay",
