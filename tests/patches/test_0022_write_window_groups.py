@@ -39,6 +39,7 @@ from tests.patches.builders import (
     prompt,
     record_notices,
     sliding_window_spec,
+    write_params,
 )
 
 NULL = 0
@@ -231,22 +232,11 @@ def test_null_page_falls_back_to_local_prefill_beside_a_write(
     decode = legs.decode
     messages = {}
 
-    def params(name: str, **flags: bool) -> dict[str, Any]:
-        return {
-            "transfer_id": f"t-{name}",
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": "127.0.0.1",
-            "remote_handshake_port": 1,
-            "remote_notify_port": 2,
-            "remote_tp_size": 1,
-            "remote_dp_size": 1,
-            **flags,
-        }
-
     for name, tokens in (("ok", ok), ("bad", bad)):
         decode.add_request(
-            legs._request(name, tokens, params(name, do_remote_prefill=True))
+            legs._request(
+                name, tokens, write_params(f"t-{name}", do_remote_prefill=True)
+            )
         )
     pair.sent.clear()
     assert _step(decode) == {}
@@ -269,7 +259,9 @@ def test_null_page_falls_back_to_local_prefill_beside_a_write(
         for name, tokens in (("ok", ok), ("bad", bad)):
             wrapper._handle_message(msgpack.dumps(messages[f"t-{name}"]))
             saved = None
-            request = legs._request(name, tokens, params(name, do_remote_decode=True))
+            request = legs._request(
+                name, tokens, write_params(f"t-{name}", do_remote_decode=True)
+            )
             legs.prefill.add_request(request)
             while saved is None:
                 output = legs.prefill.schedule()

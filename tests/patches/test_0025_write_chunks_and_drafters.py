@@ -1,18 +1,18 @@
 """Patch 0025: WRITE serves the layouts READ serves: chunked local attention
 groups (Llama 4) and hybrids with an MTP drafter.
 
-A chunked local attention group of chunk C is paired as 0022 pairs a window
-group: the prefiller computes N - 1 tokens and writes, page by page into the
-same positions, the pages of positions [S, N - 1) past the decoder's prefix
-hit L, S = C * ((N - 1) // C) the start of the chunk of the token the
-decoder recomputes; the full-attention group keeps 0019's [L, N - 1). A
-hybrid (KDA/Mamba) with an MTP drafter, in the target's group or in a group
-of the target's spec of its own, is written as 0023 writes a hybrid: every
-attention group's pages past the hit, the running state slot. EAGLE
-drafters (KV heads of their own) stay refused.
+A chunked local attention group of chunk C is paired as a window group is:
+the prefiller computes N - 1 tokens and writes, page by page into the same
+positions, the pages of positions [S, N - 1) past the decoder's prefix hit
+L, S = C * ((N - 1) // C) the start of the chunk of the token the decoder
+recomputes; the full-attention group gets [L, N - 1). A hybrid (KDA/Mamba)
+with an MTP drafter, in the target's group or in a group of the target's
+spec of its own, is written as any hybrid is: every attention group's pages
+past the hit, the running state slot. EAGLE drafters (KV heads of their
+own) stay refused.
 
 Both legs are real vLLM ``Scheduler``s with prefix caching; the prefiller's
-pairs come from its real message handling and write task (write_pair.py).
+pairs come from its real message handling and write task.
 """
 
 from __future__ import annotations
