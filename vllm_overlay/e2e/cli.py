@@ -24,7 +24,6 @@ from vllm_overlay.e2e.lws import manifest
 from vllm_overlay.e2e.plan import build_plan, format_plan
 from vllm_overlay.e2e.preflight import Preflight, PreflightError
 from vllm_overlay.e2e.preflight import text_lines as preflight_lines
-from vllm_overlay.e2e.preflight_vllm import preflight
 from vllm_overlay.e2e.reap import reap_containers, reap_jobs
 from vllm_overlay.e2e.runid import owner, run_name, run_prefix, with_run_id
 from vllm_overlay.e2e.runner import check_prerequisites, config_endpoints, run
@@ -457,6 +456,10 @@ def run_preflight(config_path: Path) -> Preflight:
     else in the Python ``$VLLM_OVERLAY_PREFLIGHT_PYTHON`` names or the
     checkout's ``.venv`` (``nox -s dev``), whose JSON result is read back."""
     if importlib.util.find_spec("vllm") is not None:
+        # The one import of ours inside a function: the e2e CLI runs where
+        # vLLM is absent, and only the preflight module may reach for it.
+        from vllm_overlay.e2e.preflight_vllm import preflight
+
         return preflight(config_path)
     python = os.environ.get("VLLM_OVERLAY_PREFLIGHT_PYTHON") or str(
         Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"

@@ -28,6 +28,7 @@ SAMPLED = [
     ConfigItem("gemma", "read", 2, 2, "LBNHC"),
     ConfigItem("dsv4", "read", 1, 1, "BLNHC"),
     ConfigItem("kimi", "read", 2, 2, "LBNHC"),
+    ConfigItem("kimi", "read", 1, 2, "LBNHC"),
     ConfigItem("kimi", "write", 1, 2, "BLNHC"),
     ConfigItem("glm", "read", 1, 1, "BLNHC"),
     # Model families of the matrix, in their own head geometry: MLA with
@@ -55,7 +56,6 @@ FAIL_CLOSED_OR_RIGHT = [
 ]
 REFUSED = {
     ConfigItem("llama", "read", 1, 2, "LBNHC"): "KV heads per rank",
-    ConfigItem("kimi", "read", 1, 2, "LBNHC"): "heterogeneous-TP mamba/KDA",
 }
 FAULTS = {
     "shift-remote": ConfigItem("llama", "read", 1, 1, "LBNHC", fault="shift-remote"),
