@@ -89,7 +89,6 @@ def unit_base(session: nox.Session) -> None:
     """
     python = cpu_python(session)
     env = noxenv.suite_env(session)
-    env["VLLM_OVERLAY_PARENT_PID"] = str(os.getpid())  # the byte sweep ends with nox
     posargs = " ".join(shlex.quote(a) for a in session.posargs)
     args = ("--run", GATE_RUN, f"--pytest-args={posargs}")
     overlay(session, python, "gate", *args, env=env)

@@ -4,6 +4,9 @@ a failed or interrupted base run, each step's environment, and `--plan`."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,8 +116,25 @@ def test_each_step_gets_the_environment_it_had_under_the_noxfile() -> None:
     assert "VLLM_OVERLAY_WHEEL" not in step_env(
         steps(Dirs(Path("/r")), "", "O")[0], env
     )
-    assert step_env(todo["bytes"], env)[PARENT_ENV] == "1"
+    # The byte sweep ends with its parent, the gate (this process), whatever
+    # process the gate's own environment names.
+    assert step_env(todo["bytes"], env)[PARENT_ENV] == str(os.getpid())
     assert step_env(todo["levels"], env)["VLLM_OVERLAY_CPU_PLATFORM"] == "1"
+
+
+def test_the_byte_step_outlives_its_start_under_a_nested_parent() -> None:
+    """The gate runs under nox, which names itself as the sweep's parent; the
+    step the gate starts must still run (not exit 128 + SIGTERM at once)."""
+    todo = {s.phase: s for s in steps(Dirs(Path("/r")), "", "OUT") if s.phase}
+    env = step_env(todo["bytes"], {**os.environ, PARENT_ENV: str(os.getppid())})
+    arm = (
+        "import signal; from vllm_overlay.simulate.bytes.lifetime import "
+        "die_with_parent_from_env as d; d(signal.SIGTERM); print('ran')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", arm], env=env, capture_output=True, text=True
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "ran"), done.stderr
 
 
 def test_prepare_keeps_the_last_times_and_removes_the_last_outputs(

@@ -36,7 +36,8 @@ SUITE_TIMES = Path("ci") / "suite-times.json"
 WHEEL_ENV = "VLLM_OVERLAY_WHEEL"
 OLD_WHEEL_ENV = "VLLM_OVERLAY_TEST_OLD_WHEEL"
 TEST_WHEELS = (WHEEL_ENV, OLD_WHEEL_ENV)
-# The process whose end ends the byte sweep (simulate/bytes/lifetime.py reads it).
+# The process whose end ends the byte sweep (simulate/bytes/lifetime.py reads it):
+# the step's own parent, this process, or the step exits at once.
 PARENT_ENV = "VLLM_OVERLAY_PARENT_PID"
 # Every step runs vLLM on the overlay's CPU platform, writing no bytecode.
 STEP_ENV = {cpuplatform.ENV: "1", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -186,7 +187,7 @@ def step_env(step: Step, env: Mapping[str, str]) -> dict[str, str]:
         if name not in step.wheels:
             out.pop(name, None)
     if step.parent:
-        out.setdefault(PARENT_ENV, str(os.getpid()))
+        out[PARENT_ENV] = str(os.getpid())
     else:
         out.pop(PARENT_ENV, None)
     return out
