@@ -3,10 +3,20 @@ boundary (``simulate/plan.py``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
-from vllm_overlay.simulate.plan import PlanItem, parse_hits, parse_lengths
+from vllm_overlay.simulate.plan import (
+    OverlaySourceError,
+    PlanItem,
+    overlay_files,
+    parse_hits,
+    parse_lengths,
+)
+
+PINNED = ("moriio_connector.py", "moriio_engine.py", "moriio_tp_mapping.py")
 
 
 def test_an_item_carries_parsed_values() -> None:
@@ -46,3 +56,19 @@ def test_a_bad_value_says_why(lengths: str, hits: str, says: str) -> None:
 def test_the_parsers() -> None:
     assert parse_lengths("3,1-2") == [1, 2, 3]
     assert parse_hits("50, 100") == [0.5, 1.0]
+
+
+def test_an_overlay_directory_gives_every_file_the_pin_names(tmp_path: Path) -> None:
+    # The series patches the engine and the TP mapping too: a build taken
+    # from a directory carries them, not the installed ones.
+    for name in PINNED:
+        (tmp_path / name).write_text(f"# {name} as built\n")
+    files, origin = overlay_files(dict.fromkeys(PINNED, "base"), str(tmp_path))
+    assert files == {name: f"# {name} as built\n" for name in PINNED}
+    assert origin == str(tmp_path)
+
+
+def test_an_overlay_directory_missing_a_pinned_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / PINNED[0]).write_text("")
+    with pytest.raises(OverlaySourceError, match="holds no moriio_engine.py"):
+        overlay_files(dict.fromkeys(PINNED, "base"), str(tmp_path))

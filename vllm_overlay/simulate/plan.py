@@ -14,12 +14,12 @@ from pathlib import Path
 import msgspec
 
 from vllm_overlay.checkout import Checkout
+from vllm_overlay.errors import OverlayError
 from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.simulate.builds import BuildPair, builds_of
 from vllm_overlay.simulate.layouts import BASE_LAYOUTS
 from vllm_overlay.tree.apply import overlay_texts
 from vllm_overlay.tree.materialize import BaseSource
-from vllm_overlay.tree.variant import MORIIO_FILES
 
 Sources = dict[str, tuple[dict[str, str], str]]
 """Variant name -> (its moriio files by name, where they came from)."""
@@ -128,6 +128,10 @@ def parse_hits(text: str) -> list[float]:
     return hits
 
 
+class OverlaySourceError(OverlayError):
+    """``--overlay-from`` names no complete build of the moriio package."""
+
+
 def _by_name(texts: dict[str, str]) -> dict[str, str]:
     return {Path(path).name: text for path, text in texts.items()}
 
@@ -164,19 +168,29 @@ def overlay_files(
         texts.update(_by_name(overlay_texts(full, series)))
         names = ", ".join(p.name.split("-")[0] for p in series.patches)
         return texts, f"series {series.series_id} ({names or 'empty'})"
+    # Every file the pin names (the series may touch any of them): a build
+    # of the connector with another build's engine is not a build.
     if Path(source).is_dir():
         d = Path(source)
-        return {name: (d / name).read_text() for name in MORIIO_FILES}, str(d)
+        missing = [name for name in base if not (d / name).is_file()]
+        if missing:
+            raise OverlaySourceError(
+                f"--overlay-from {d}: holds no {missing[0]} (a file the pin names)"
+            )
+        return {name: (d / name).read_text() for name in base}, str(d)
     repo_s, _, ref = source.partition("@")
-    files = {
-        name: subprocess.run(
+    files = {}
+    for name in base:
+        shown = subprocess.run(
             ["git", "-C", repo_s, "show", f"{ref}:{MODULE_DIR}/{name}"],
-            check=True,
             capture_output=True,
             text=True,
-        ).stdout
-        for name in MORIIO_FILES
-    }
+        )
+        if shown.returncode:
+            raise OverlaySourceError(
+                f"--overlay-from {source}: {shown.stderr.strip() or 'git show failed'}"
+            )
+        files[name] = shown.stdout
     commit = subprocess.run(
         ["git", "-C", repo_s, "rev-parse", "--short", ref],
         capture_output=True,

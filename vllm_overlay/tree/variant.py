@@ -18,7 +18,8 @@ from pathlib import Path
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.series.pin import MODULE_PACKAGE
 
-# The files a variant replaces: the two the series touches.
+# The connector and its common module, by file name (tests build variants
+# replacing them; a simulated build replaces every file the pin names).
 MORIIO_FILES = ("moriio_connector.py", "moriio_common.py")
 
 
