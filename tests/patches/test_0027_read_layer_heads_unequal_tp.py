@@ -291,7 +291,8 @@ def test_unsplittable_drafter_heads_are_refused_at_the_handshake(
 ) -> None:
     """Three drafter heads cannot be split over two prefill ranks: the
     decoder's handshake refuses before it dials the peer, in one line
-    naming the layer and both TP sizes."""
+    naming the layer and both TP sizes, and the eager handshake before the
+    forward pass fails the step with that line."""
     rank = _rank(
         monkeypatch,
         gqa_model_dir,
@@ -316,5 +317,20 @@ def test_unsplittable_drafter_heads_are_refused_at_the_handshake(
         assert "\n" not in message
         assert DRAFT in message
         assert "tp_size=2" in message and "tp_size=1" in message
+
+        monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+        rank.worker.tp_group = types.SimpleNamespace(cpu_group=None)
+        meta = types.SimpleNamespace(
+            remote_host="127.0.0.1",
+            remote_handshake_port=7000,
+            remote_dp_size=1,
+            tp_size=2,
+        )
+        with pytest.raises(moriio_common.HandshakeError) as failed:
+            rank.worker._eager_handshake_all_dp_ranks(
+                types.SimpleNamespace(reqs_to_recv={"r": meta})
+            )
+        assert "\n" not in str(failed.value)
+        assert message in str(failed.value)
     finally:
         rank.worker.shutdown()
