@@ -1,0 +1,336 @@
+"""Patch 0027: READ between unequal TP sizes maps each layer by its own KV heads.
+
+A GQA model's KV heads are split over the TP ranks, and an EAGLE3 drafter
+(llama_eagle3.py / deepseek_eagle3.py: 8 KV heads) holds heads of its own
+beside the target's. MoRIIO's READ copied one prefill rank's block of each
+layer whole, so between unequal TP sizes a layer whose ranks hold other
+heads on the two sides was refused when the first request arrived ("holds
+4 KV heads per rank here and 8 on the peer"), after the server reported
+ready.
+
+Each leg's ranks are real ``MoRIIOConnectorWorker``s over stubbed mori that
+register KV cache tensors vLLM's ``allocate_kv_cache`` lays out (both KV
+cache layouts), each rank with its TP size's share of the heads; a decode
+rank's READ is carried out byte by byte from the prefill ranks' tensors.
+The heads each decode rank must hold come from vLLM's sharding rule alone:
+rank ``i`` of ``tp`` holds heads ``[i * n, (i + 1) * n)``, ``n = heads //
+tp``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+    moriio_common,
+    moriio_connector,
+)
+from vllm.v1.core.kv_cache_planning import get_kv_cache_configs, get_kv_cache_groups
+from vllm.v1.kv_cache_interface import KVCacheSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from tests.patches.builders import (
+    TINY_LLAMA_CONFIG,
+    full_attention_spec,
+    make_vllm_config,
+    moriio_kv_transfer_config,
+    write_model_dir,
+)
+from tests.patches.test_0024_hybrid_read_unequal_tp import (
+    PEER,
+    Rank,
+    _CopyingWrapper,
+    _remote_meta,
+)
+
+B = 16
+MODEL_HEADS, DRAFT_HEADS = 4, 8
+"""The target's KV heads (4 x 128) and the EAGLE3 drafter's (8 x 64): the
+same page size at every TP size, so both share one KV cache group."""
+ATTN, DRAFT = "model.layers.0.self_attn.attn", "drafter.model.layers.0.self_attn.attn"
+TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2)]
+
+
+@pytest.fixture(scope="module")
+def gqa_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(
+        tmp_path_factory.mktemp("gqa4"),
+        {
+            **TINY_LLAMA_CONFIG,
+            "num_attention_heads": 2 * MODEL_HEADS,
+            "num_key_value_heads": MODEL_HEADS,
+        },
+    )
+
+
+@pytest.fixture
+def copying_mori(stub_mori: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(moriio_connector, "MoRIIOWrapper", _CopyingWrapper)
+
+    def listener(metadata, ready_event, *args: Any) -> None:
+        ready_event.set()
+
+    monkeypatch.setattr(
+        moriio_connector.MoRIIOConnectorWorker,
+        "_moriio_handshake_listener",
+        staticmethod(listener),
+    )
+    yield
+
+
+def specs(
+    tp_size: int, draft_heads: int = DRAFT_HEADS, draft_head_size: int = 64
+) -> dict[str, KVCacheSpec]:
+    return {
+        ATTN: full_attention_spec(
+            B, num_kv_heads=MODEL_HEADS // tp_size, head_size=128
+        ),
+        DRAFT: full_attention_spec(
+            B, num_kv_heads=draft_heads // tp_size, head_size=draft_head_size
+        ),
+    }
+
+
+def _rank(
+    monkeypatch: pytest.MonkeyPatch,
+    model_dir: Path,
+    role: str,
+    tp_size: int,
+    tp_rank: int,
+    kv_layout: str,
+    layer_specs: dict[str, KVCacheSpec],
+) -> Rank:
+    """One rank of a leg of ``tp_size`` ranks, its caches filled at random."""
+    world = lambda: tp_size  # noqa: E731
+    monkeypatch.setattr(moriio_connector, "get_tensor_model_parallel_world_size", world)
+    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_world_size", world)
+    monkeypatch.setattr(
+        moriio_common, "get_tensor_model_parallel_rank", lambda: tp_rank
+    )
+    vllm_config = make_vllm_config(
+        model_dir, moriio_kv_transfer_config(role), block_size=B
+    )
+    vllm_config.cache_config.kv_cache_layout = kv_layout
+    vllm_config.model_config.max_model_len = 256
+    with set_current_vllm_config(vllm_config):
+        groups = get_kv_cache_groups(vllm_config, layer_specs)
+        kv_cache_config = get_kv_cache_configs(
+            vllm_config, [layer_specs], [2 * 1024 * 1024], groups
+        )[0]
+    kv_cache_config.kv_cache_layout = kv_layout
+    buffers: list[torch.Tensor] = []
+
+    def allocate(size: int) -> torch.Tensor:
+        pages = mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        buffers.append(torch.frombuffer(pages, dtype=torch.int8))
+        return buffers[-1]
+
+    kv_caches = allocate_kv_cache(
+        kv_cache_config,
+        torch.device("cpu"),
+        KVCacheLayout[kv_layout],
+        allocate=allocate,
+    )
+    (buffer,) = buffers
+    buffer = buffer.view(torch.uint8)
+    generator = torch.Generator().manual_seed(1000 * tp_size + 10 * tp_rank + len(role))
+    buffer.copy_(
+        torch.randint(0, 256, buffer.shape, generator=generator).to(torch.uint8)
+    )
+    with set_current_vllm_config(vllm_config):
+        worker = moriio_connector.MoRIIOConnectorWorker(
+            vllm_config, f"127.0.0.1:{role}{tp_rank}", kv_cache_config
+        )
+        worker.register_kv_caches(kv_caches)
+    assert (worker.tp_rank, worker.world_size) == (tp_rank, tp_size)
+    return Rank(worker, kv_cache_config, kv_caches, buffer)
+
+
+def _leg(monkeypatch, model_dir, role, tp_size, kv_layout) -> list[Rank]:
+    return [
+        _rank(monkeypatch, model_dir, role, tp_size, r, kv_layout, specs(tp_size))
+        for r in range(tp_size)
+    ]
+
+
+def _serve_sessions(decoder: Rank, prefill: list[Rank]) -> None:
+    """Sessions of ``decoder`` to the prefill rank each engine key names: a
+    ``_tp<r>`` key names rank r, a DP-only key the rank the handshake dials
+    (``_remote_tp_rank``). The layers of a rank share one registered region;
+    each layer's offset in the peer's is the one its handshake advertises."""
+    worker = decoder.worker
+
+    def built(engine_id: str) -> tuple[list[Any], Any]:
+        match = re.search(r"_tp(\d+)$", engine_id)
+        source = prefill[
+            int(match.group(1)) if match else worker._remote_tp_rank(len(prefill))
+        ]
+        sessions = [
+            (local, remote)
+            for layer, metas in worker.layer_name_to_local_kv_cache_metadata.items()
+            for local, remote in zip(
+                metas,
+                source.worker.layer_name_to_local_kv_cache_metadata[layer],
+                strict=True,
+            )
+        ]
+        meta = _remote_meta(source)
+        meta.layer_offsets = source.worker.kv_layer_mr_offset
+        return sessions, meta
+
+    worker._get_built_session = built
+    worker._remote_layer_mr_offset = lambda layer, meta, _: meta.layer_offsets[layer]
+
+
+def _heads(rank: Rank, layer: str, block: int) -> torch.Tensor:
+    """A block of ``layer`` by head: the CPU attention backend lays a layer
+    out (blocks, heads, tokens, K|V) in both KV cache layouts."""
+    cache = rank.kv_caches[layer]
+    heads = rank.worker.layer_to_spec[layer].num_kv_heads
+    assert cache.shape[:2] == (rank.worker.num_blocks, heads), cache.shape
+    return cache[block].view(torch.uint8)
+
+
+def _global_heads(leg: list[Rank], layer: str, block: int) -> torch.Tensor:
+    """Every KV head of ``layer`` in ``block``, gathered over the ranks."""
+    return torch.cat([_heads(rank, layer, block) for rank in leg])
+
+
+@pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), TP_PAIRS, ids=lambda v: str(v))
+def test_each_decode_rank_reads_its_kv_heads_of_every_layer(
+    copying_mori, monkeypatch, gqa_model_dir, p_tp, d_tp, kv_layout
+) -> None:
+    """Every decode rank's block ends up holding exactly its own KV heads of
+    the target's layer and of the drafter's, read from the prefill ranks
+    that hold them; no other byte of the decoder's cache changes."""
+    prefill = _leg(monkeypatch, gqa_model_dir, "kv_producer", p_tp, kv_layout)
+    decode = _leg(monkeypatch, gqa_model_dir, "kv_consumer", d_tp, kv_layout)
+    local_block, remote_block = 2, 3
+    try:
+        want = {
+            layer: _global_heads(prefill, layer, remote_block) for layer in specs(1)
+        }
+        for d, rank in enumerate(decode):
+            before = {layer: rank.kv_caches[layer].clone() for layer in specs(1)}
+            _serve_sessions(rank, prefill)
+            rank.worker._read_blocks(
+                local_block_ids=[[local_block]],
+                remote_block_ids=[[remote_block]],
+                dst_engine_id=PEER,
+                request_id=f"r{d}",
+                transfer_id=f"t{d}",
+                remote_host="127.0.0.1",
+                remote_notify_port=100,
+                remote_tp_size=p_tp,
+            )
+            for layer, heads in want.items():
+                got = _heads(rank, layer, local_block)
+                mine = heads.chunk(d_tp, dim=0)[d]
+                assert torch.equal(got, mine), f"decode rank {d}: {layer}"
+                expected = before[layer].clone()
+                expected[local_block] = rank.kv_caches[layer][local_block]
+                assert torch.equal(
+                    rank.kv_caches[layer].view(torch.uint8),
+                    expected.view(torch.uint8),
+                ), f"decode rank {d}: {layer} changed outside its block"
+    finally:
+        for rank in (*prefill, *decode):
+            rank.worker.shutdown()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (4, 2)], ids=lambda v: str(v))
+def test_eager_handshake_reaches_every_holder_of_the_heads(
+    copying_mori, monkeypatch, gqa_model_dir, p_tp, d_tp
+) -> None:
+    """With more prefill than decode ranks, the handshake before the forward
+    pass reaches each prefill rank holding a share of the decode rank's KV
+    heads, so that no read handshakes on the read path."""
+    decode = _leg(monkeypatch, gqa_model_dir, "kv_consumer", d_tp, "LBNHC")
+    dialed: dict[int, list[int | None]] = {}
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+    try:
+        for d, rank in enumerate(decode):
+            worker = rank.worker
+            worker.tp_group = types.SimpleNamespace(cpu_group=None)
+
+            def handshake(host, port, tp_size, eid, dp, tp, d=d):
+                dialed.setdefault(d, []).append(tp)
+                return {eid}
+
+            worker._moriio_handshake = handshake
+            meta = types.SimpleNamespace(
+                remote_host="127.0.0.1",
+                remote_handshake_port=7000,
+                remote_dp_size=1,
+                tp_size=p_tp,
+            )
+            worker._eager_handshake_all_dp_ranks(
+                types.SimpleNamespace(reqs_to_recv={"r": meta})
+            )
+        ratio = p_tp // d_tp
+        assert dialed == {
+            d: list(range(d * ratio, (d + 1) * ratio)) for d in range(d_tp)
+        }
+    finally:
+        for rank in decode:
+            rank.worker.shutdown()
+
+
+def test_unsplittable_drafter_heads_are_refused_at_the_handshake(
+    copying_mori, monkeypatch, gqa_model_dir
+) -> None:
+    """Three drafter heads cannot be split over two prefill ranks: the
+    decoder's handshake refuses before it dials the peer, in one line
+    naming the layer and both TP sizes, and the eager handshake before the
+    forward pass fails the step with that line."""
+    rank = _rank(
+        monkeypatch,
+        gqa_model_dir,
+        "kv_consumer",
+        1,
+        0,
+        "LBNHC",
+        {
+            ATTN: full_attention_spec(B, num_kv_heads=MODEL_HEADS, head_size=96),
+            DRAFT: full_attention_spec(B, num_kv_heads=3, head_size=128),
+        },
+    )
+
+    def dial(*_: Any, **__: Any) -> Any:
+        raise AssertionError("the handshake dialed the peer")
+
+    monkeypatch.setattr(moriio_connector, "zmq_ctx", dial)
+    try:
+        with pytest.raises(ValueError) as refused:
+            rank.worker._moriio_handshake("127.0.0.1", 7000, 2, PEER)
+        message = str(refused.value)
+        assert "\n" not in message
+        assert DRAFT in message
+        assert "tp_size=2" in message and "tp_size=1" in message
+
+        monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+        rank.worker.tp_group = types.SimpleNamespace(cpu_group=None)
+        meta = types.SimpleNamespace(
+            remote_host="127.0.0.1",
+            remote_handshake_port=7000,
+            remote_dp_size=1,
+            tp_size=2,
+        )
+        with pytest.raises(moriio_common.HandshakeError) as failed:
+            rank.worker._eager_handshake_all_dp_ranks(
+                types.SimpleNamespace(reqs_to_recv={"r": meta})
+            )
+        assert "\n" not in str(failed.value)
+        assert message in str(failed.value)
+    finally:
+        rank.worker.shutdown()
