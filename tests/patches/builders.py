@@ -64,6 +64,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -284,6 +285,18 @@ def make_kv_cache_config(
     ]
     return KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups
+    )
+
+
+def chunked_local_spec(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
+    """A chunked local attention spec: a token attends to the positions of
+    its own ``chunk``-token chunk."""
+    return ChunkedLocalAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        attention_chunk_size=chunk,
     )
 
 
@@ -1220,6 +1233,43 @@ def full_and_window_groups(
             sliding_window_spec(block_size, window),
         ),
     ]
+
+
+def paired_pages(read: Read, group: int) -> list[int]:
+    """The page indices READ pairs in ``group``, the same on both legs, none
+    of them the null block (id 0). A request with nothing external to load
+    reads nothing (its remote lists are then the payload's, only released)."""
+    local = read.local_block_ids[group]
+    if not any(read.local_block_ids):
+        return []
+    remote = read.remote_block_ids[group]
+    assert 0 not in local and 0 not in remote, (local, remote)
+    local_pages = [read.decode_tables[group].index(b) for b in local]
+    remote_pages = [read.prefill_tables[group].index(b) for b in remote]
+    assert local_pages == remote_pages, (local_pages, remote_pages)
+    return local_pages
+
+
+def lacked_pages(read: Read, block_size: int, first_token: int) -> list[int]:
+    """Pages holding a position from ``first_token`` (the first the
+    decoder's recomputed token N-1 attends to) up to N-1 that its local hit
+    does not hold."""
+    first = first_token // block_size
+    held = read.decode_hit_tokens // block_size
+    return list(range(max(first, held), cdiv(read.num_prompt_tokens - 1, block_size)))
+
+
+def pages_not_lacked(
+    read: Read, block_size: int, first_tokens: Sequence[int]
+) -> list[str]:
+    """One line for each group whose READ pairs other pages than it lacks,
+    ``first_tokens[g]`` the first position group ``g`` attends to."""
+    wrong = []
+    for group, first_token in enumerate(first_tokens):
+        pages = paired_pages(read, group)
+        if pages != lacked_pages(read, block_size, first_token):
+            wrong.append(f"N={read.num_prompt_tokens} group {group}: read {pages}")
+    return wrong
 
 
 # ==========================================================================
