@@ -313,6 +313,24 @@ def make_scheduler_connector(
         return MoRIIOConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
+def make_leg_connector(
+    model_dir: Path,
+    role: str,
+    groups: Sequence[GroupLike],
+    *,
+    read_mode: bool = True,
+    dcp: int = 1,
+) -> MoRIIOConnector:
+    """The real scheduler-side ``MoRIIOConnector`` of one leg in ``role``
+    (READ mode unless ``read_mode=False``, decode context parallel size
+    ``dcp``) holding ``groups``."""
+    vllm_config = make_vllm_config(
+        model_dir, moriio_kv_transfer_config(role, read_mode=read_mode)
+    )
+    vllm_config.parallel_config.decode_context_parallel_size = dcp
+    return make_scheduler_connector(vllm_config, make_kv_cache_config(groups))
+
+
 # --------------------------------------------------------------------------
 # Requests, blocks, scheduler outputs
 # --------------------------------------------------------------------------
@@ -1993,12 +2011,8 @@ class Group:
 def connector(
     model_dir: Path, groups: Sequence[Group], dcp: int, role: str
 ) -> MoRIIOConnector:
-    vllm_config = make_vllm_config(model_dir, moriio_kv_transfer_config(role))
-    vllm_config.parallel_config.decode_context_parallel_size = dcp
-    kv_cache_config = make_kv_cache_config(
-        [group.group_spec(i) for i, group in enumerate(groups)]
-    )
-    return make_scheduler_connector(vllm_config, kv_cache_config)
+    specs = [group.group_spec(i) for i, group in enumerate(groups)]
+    return make_leg_connector(model_dir, role, specs, dcp=dcp)
 
 
 def table(base: int, index: int, group: Group, num_tokens: int, dcp: int) -> list[int]:

@@ -24,10 +24,7 @@ from tests.patches.builders import (
     chunked_local_spec,
     full_attention_spec,
     kda_mamba_spec,
-    make_kv_cache_config,
-    make_scheduler_connector,
-    make_vllm_config,
-    moriio_kv_transfer_config,
+    make_leg_connector,
     pages_not_lacked,
     paired_pages,
     prompt,
@@ -133,13 +130,6 @@ def test_write_refuses_chunked_groups_at_start(llama_model_dir: Path) -> None:
     """WRITE would push a chunk the prefiller already freed: refused at start
     in one line naming the spec. Beside a state group: the series later
     serves WRITE chunked groups without one."""
-    vllm_config = make_vllm_config(
-        llama_model_dir,
-        moriio_kv_transfer_config("kv_producer", read_mode=False),
-        block_size=16,
-    )
-    kv_cache_config = make_kv_cache_config(
-        [*_groups(16, 64), (["model.layers.2.linear_attn"], kda_mamba_spec(16))]
-    )
+    groups = [*_groups(16, 64), (["model.layers.2.linear_attn"], kda_mamba_spec(16))]
     with pytest.raises(NotImplementedError, match="WRITE mode does not support"):
-        make_scheduler_connector(vllm_config, kv_cache_config)
+        make_leg_connector(llama_model_dir, "kv_producer", groups, read_mode=False)
