@@ -20,6 +20,7 @@ import inspect
 import itertools
 import json
 import logging
+import mmap
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -43,7 +44,10 @@ from vllm.config import (
     set_current_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+    moriio_common,
+    moriio_connector,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (
     MoRIIOConnector,
 )
@@ -51,6 +55,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_planning import get_kv_cache_configs, get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import (
     KVCacheBlock,
     get_request_block_hasher,
@@ -59,6 +64,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -70,8 +76,10 @@ from vllm.v1.kv_cache_interface import (
     SparseCacheRole,
     UniformTypeKVCacheSpecs,
 )
+from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.worker.utils import allocate_kv_cache
 
 from tests.patches.vllm_unit_utils import create_scheduler
 
@@ -280,6 +288,18 @@ def make_kv_cache_config(
     )
 
 
+def chunked_local_spec(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
+    """A chunked local attention spec: a token attends to the positions of
+    its own ``chunk``-token chunk."""
+    return ChunkedLocalAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        attention_chunk_size=chunk,
+    )
+
+
 # --------------------------------------------------------------------------
 # The real scheduler-side connector
 # --------------------------------------------------------------------------
@@ -291,6 +311,24 @@ def make_scheduler_connector(
     """The real ``MoRIIOConnector`` in the SCHEDULER role."""
     with set_current_vllm_config(vllm_config):
         return MoRIIOConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def make_leg_connector(
+    model_dir: Path,
+    role: str,
+    groups: Sequence[GroupLike],
+    *,
+    read_mode: bool = True,
+    dcp: int = 1,
+) -> MoRIIOConnector:
+    """The real scheduler-side ``MoRIIOConnector`` of one leg in ``role``
+    (READ mode unless ``read_mode=False``, decode context parallel size
+    ``dcp``) holding ``groups``."""
+    vllm_config = make_vllm_config(
+        model_dir, moriio_kv_transfer_config(role, read_mode=read_mode)
+    )
+    vllm_config.parallel_config.decode_context_parallel_size = dcp
+    return make_scheduler_connector(vllm_config, make_kv_cache_config(groups))
 
 
 # --------------------------------------------------------------------------
@@ -771,6 +809,154 @@ def base_single_group_payload(groups, tables) -> list[list[int]]:
     return [attn, *mamba]
 
 
+# --------------------------------------------------------------------------
+# Registered KV cache tensors, a READ carried out byte by byte
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered tensor, standing for its memory metadata."""
+
+    tensor: torch.Tensor
+
+
+class CopyingWrapper:
+    """Stands in for MoRIIOWrapper: a READ on a session (local region, remote
+    region) copies the bytes; READs and notifications are recorded."""
+
+    def __init__(self, **_: Any) -> None:
+        self.lock = threading.Lock()
+        self.notify_port = 0
+        self.reads: list[tuple[Region, list[int]]] = []
+        self.notified: list[str] = []
+
+    def set_moriio_engine(self, engine: Any) -> None:
+        pass
+
+    def set_backend_type(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def register_local_tensor(self, tensor: torch.Tensor) -> Region:
+        return Region(tensor)
+
+    def get_agent_metadata(self) -> bytes:
+        return b""
+
+    def async_wait_reqid(self) -> None:
+        pass
+
+    def read_remote_data(self, sizes, local_offsets, remote_offsets, session):
+        local, remote = session
+        self.reads.append((local, list(sizes)))
+        dst, src = local.tensor.view(torch.uint8), remote.tensor.view(torch.uint8)
+        for lo, ro, size in zip(local_offsets, remote_offsets, sizes, strict=True):
+            dst[lo : lo + size] = src[ro : ro + size]
+        return DoneStatus()
+
+    def send_notify(self, transfer_id, host, port, **_: Any) -> None:
+        self.notified.append(str(port))
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass
+class RegisteredWorker:
+    """A real worker and the KV cache tensors it registered, all views of
+    one page-aligned byte buffer."""
+
+    worker: Any
+    kv_cache_config: KVCacheConfig
+    kv_caches: dict[str, torch.Tensor]
+    buffer: torch.Tensor
+
+
+def register_worker(
+    vllm_config: VllmConfig,
+    layer_specs: dict[str, KVCacheSpec],
+    kv_layout: str,
+    engine_id: str,
+) -> RegisteredWorker:
+    """The real ``MoRIIOConnectorWorker`` registering the KV cache tensors
+    vLLM's planner and ``allocate_kv_cache`` lay out for ``layer_specs`` in
+    ``kv_layout`` (a small pool)."""
+    vllm_config.cache_config.kv_cache_layout = kv_layout
+    vllm_config.model_config.max_model_len = 256
+    with set_current_vllm_config(vllm_config):
+        groups = get_kv_cache_groups(vllm_config, layer_specs)
+        kv_cache_config = get_kv_cache_configs(
+            vllm_config, [layer_specs], [2 * 1024 * 1024], groups
+        )[0]
+    kv_cache_config.kv_cache_layout = kv_layout
+    buffers: list[torch.Tensor] = []
+
+    def allocate(size: int) -> torch.Tensor:
+        # Page-aligned and padded to whole pages, as on ROCm: MoRIIO registers
+        # the shared backing as one memory region.
+        pages = mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        buffers.append(torch.frombuffer(pages, dtype=torch.int8))
+        return buffers[-1]
+
+    kv_caches = allocate_kv_cache(
+        kv_cache_config,
+        torch.device("cpu"),
+        KVCacheLayout[kv_layout],
+        allocate=allocate,
+    )
+    (buffer,) = buffers
+    with set_current_vllm_config(vllm_config):
+        worker = moriio_connector.MoRIIOConnectorWorker(
+            vllm_config, engine_id, kv_cache_config
+        )
+        worker.register_kv_caches(kv_caches)
+    return RegisteredWorker(
+        worker, kv_cache_config, kv_caches, buffer.view(torch.uint8)
+    )
+
+
+def fill_random(buffer: torch.Tensor, generator: torch.Generator) -> None:
+    """Every byte of ``buffer`` drawn at random from ``generator``."""
+    buffer.copy_(
+        torch.randint(0, 256, buffer.shape, generator=generator).to(torch.uint8)
+    )
+
+
+def paired_sessions(local: Any, remote: Any) -> list[tuple[Region, Region]]:
+    """One session per region ``local`` registered, paired with ``remote``'s
+    region of the same layer, in registration order."""
+    return [
+        (mine, theirs)
+        for layer, metas in local.layer_name_to_local_kv_cache_metadata.items()
+        for mine, theirs in zip(
+            metas, remote.layer_name_to_local_kv_cache_metadata[layer], strict=True
+        )
+    ]
+
+
+def mamba_state_views(kv_cache: torch.Tensor, spec: MambaSpec) -> list[torch.Tensor]:
+    """The layer's states as vLLM's ``MambaBase.bind_kv_cache`` views them,
+    one tensor per state indexed by slot."""
+    pages = kv_cache.squeeze(dim=(1, 2))
+    views, offset = [], 0
+    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        size = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        views.append(pages[:, offset : offset + size].view(dtype).view(-1, *shape))
+        offset += size
+    return views
+
+
+def pin_tp_rank(monkeypatch: pytest.MonkeyPatch, tp_size: int, tp_rank: int) -> None:
+    """The MoRIIO modules see this process as rank ``tp_rank`` of
+    ``tp_size`` tensor-parallel ranks."""
+    world = lambda: tp_size  # noqa: E731
+    monkeypatch.setattr(moriio_connector, "get_tensor_model_parallel_world_size", world)
+    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_world_size", world)
+    monkeypatch.setattr(
+        moriio_common, "get_tensor_model_parallel_rank", lambda: tp_rank
+    )
+
+
 # ==========================================================================
 # READ prefill and decode legs, each a real Scheduler
 # ==========================================================================
@@ -1065,6 +1251,43 @@ def full_and_window_groups(
             sliding_window_spec(block_size, window),
         ),
     ]
+
+
+def paired_pages(read: Read, group: int) -> list[int]:
+    """The page indices READ pairs in ``group``, the same on both legs, none
+    of them the null block (id 0). A request with nothing external to load
+    reads nothing (its remote lists are then the payload's, only released)."""
+    local = read.local_block_ids[group]
+    if not any(read.local_block_ids):
+        return []
+    remote = read.remote_block_ids[group]
+    assert 0 not in local and 0 not in remote, (local, remote)
+    local_pages = [read.decode_tables[group].index(b) for b in local]
+    remote_pages = [read.prefill_tables[group].index(b) for b in remote]
+    assert local_pages == remote_pages, (local_pages, remote_pages)
+    return local_pages
+
+
+def lacked_pages(read: Read, block_size: int, first_token: int) -> list[int]:
+    """Pages holding a position from ``first_token`` (the first the
+    decoder's recomputed token N-1 attends to) up to N-1 that its local hit
+    does not hold."""
+    first = first_token // block_size
+    held = read.decode_hit_tokens // block_size
+    return list(range(max(first, held), cdiv(read.num_prompt_tokens - 1, block_size)))
+
+
+def pages_not_lacked(
+    read: Read, block_size: int, first_tokens: Sequence[int]
+) -> list[str]:
+    """One line for each group whose READ pairs other pages than it lacks,
+    ``first_tokens[g]`` the first position group ``g`` attends to."""
+    wrong = []
+    for group, first_token in enumerate(first_tokens):
+        pages = paired_pages(read, group)
+        if pages != lacked_pages(read, block_size, first_token):
+            wrong.append(f"N={read.num_prompt_tokens} group {group}: read {pages}")
+    return wrong
 
 
 # ==========================================================================
@@ -1788,12 +2011,8 @@ class Group:
 def connector(
     model_dir: Path, groups: Sequence[Group], dcp: int, role: str
 ) -> MoRIIOConnector:
-    vllm_config = make_vllm_config(model_dir, moriio_kv_transfer_config(role))
-    vllm_config.parallel_config.decode_context_parallel_size = dcp
-    kv_cache_config = make_kv_cache_config(
-        [group.group_spec(i) for i, group in enumerate(groups)]
-    )
-    return make_scheduler_connector(vllm_config, kv_cache_config)
+    specs = [group.group_spec(i) for i, group in enumerate(groups)]
+    return make_leg_connector(model_dir, role, specs, dcp=dcp)
 
 
 def table(base: int, index: int, group: Group, num_tokens: int, dcp: int) -> list[int]:

@@ -11,6 +11,7 @@ import logging
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from tests.patches.builders import (
     TINY_DEEPSEEK_MTP_CONFIG,
     TINY_LLAMA_CONFIG,
     B,
+    CopyingWrapper,
     FakeWrapper,
     Layout,
     LegPair,
@@ -121,3 +123,27 @@ def stub_mori(monkeypatch: pytest.MonkeyPatch) -> None:
         mc, "get_current_attn_backends", lambda *a, **k: [stub_backend], raising=False
     )
     monkeypatch.setattr(mc.MoRIIOConnectorWorker, "_start_heartbeat", lambda self: None)
+
+
+@pytest.fixture
+def copying_mori(stub_mori: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Stubbed mori whose READs copy bytes between registered tensors; the
+    handshake listener only reports ready. Conv states are laid out
+    dim-first, where a GDN/KDA conv state splits into its sub-projections."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_connector as mc,
+    )
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    monkeypatch.setattr(mc, "MoRIIOWrapper", CopyingWrapper)
+
+    def listener(metadata, ready_event, *args: Any) -> None:
+        ready_event.set()
+
+    monkeypatch.setattr(
+        mc.MoRIIOConnectorWorker, "_moriio_handshake_listener", staticmethod(listener)
+    )
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    mamba_utils.get_conv_state_layout.cache_clear()
+    yield
+    mamba_utils.get_conv_state_layout.cache_clear()

@@ -24,12 +24,9 @@ from tests.patches.builders import (
     cdiv,
     full_attention_spec,
     make_kv_cache_blocks,
-    make_kv_cache_config,
+    make_leg_connector,
     make_request,
-    make_scheduler_connector,
     make_scheduler_output,
-    make_vllm_config,
-    moriio_kv_transfer_config,
     prefill_id,
     prefiller_tail_errors,
     sweep,
@@ -80,15 +77,12 @@ def test_write_save_clamps_to_prompt_blocks(llama_model_dir: Path, dcp: int) -> 
     blocks only, without its 8 lookahead slots, whose blocks the consumer
     never allocated."""
     layout = Layout(block_size=16, window=None, dcp=dcp)
-    vllm_config = make_vllm_config(
-        llama_model_dir, moriio_kv_transfer_config("kv_producer", read_mode=False)
-    )
-    vllm_config.parallel_config.decode_context_parallel_size = dcp
-    producer = make_scheduler_connector(
-        vllm_config,
-        make_kv_cache_config(
-            [(["model.layers.0.self_attn.attn"], full_attention_spec(16))]
-        ),
+    producer = make_leg_connector(
+        llama_model_dir,
+        "kv_producer",
+        [(["model.layers.0.self_attn.attn"], full_attention_spec(16))],
+        read_mode=False,
+        dcp=dcp,
     )
     params = {
         "do_remote_decode": True,

@@ -28,12 +28,9 @@ from vllm.v1.request import RequestStatus
 from tests.patches.builders import (
     full_attention_spec,
     make_kv_cache_blocks,
-    make_kv_cache_config,
+    make_leg_connector,
     make_request,
-    make_scheduler_connector,
     make_scheduler_output,
-    make_vllm_config,
-    moriio_kv_transfer_config,
 )
 
 B = 64
@@ -80,15 +77,8 @@ def _tables(base: int, groups, num_tokens: int) -> list[list[int]]:
 @pytest.mark.parametrize("n", [100, 700])
 def test_read_destinations_are_not_zeroed(llama_model_dir: Path, layout, n) -> None:
     groups = LAYOUTS[layout]
-    kv_cache_config = make_kv_cache_config(groups)
-    p_conn = make_scheduler_connector(
-        make_vllm_config(llama_model_dir, moriio_kv_transfer_config("kv_producer")),
-        kv_cache_config,
-    )
-    d_conn = make_scheduler_connector(
-        make_vllm_config(llama_model_dir, moriio_kv_transfer_config("kv_consumer")),
-        kv_cache_config,
-    )
+    p_conn = make_leg_connector(llama_model_dir, "kv_producer", groups)
+    d_conn = make_leg_connector(llama_model_dir, "kv_consumer", groups)
     rid = f"zero-{next(_ids)}"
     prefill = make_request(rid, n, {"do_remote_decode": True, "transfer_id": rid})
     prefill.status = RequestStatus.FINISHED_LENGTH_CAPPED

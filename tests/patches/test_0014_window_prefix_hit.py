@@ -13,13 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from vllm.utils.math_utils import cdiv
 
 from tests.patches.builders import (
     WINDOW_LAYOUTS,
-    Read,
     SchedulerPair,
     full_and_window_groups,
+    lacked_pages,
+    pages_not_lacked,
+    paired_pages,
     prompt,
     scheduler_pair_cache,
 )
@@ -28,23 +29,6 @@ from tests.patches.builders import (
 @pytest.fixture(scope="module")
 def scheduler_pairs(llama_model_dir: Path) -> Callable[[int, int], SchedulerPair]:
     return scheduler_pair_cache(llama_model_dir, full_and_window_groups)
-
-
-def _pages(read: Read, group: int) -> list[int]:
-    """The page indices READ pairs in ``group``: the same on both legs."""
-    local = [read.decode_tables[group].index(b) for b in read.local_block_ids[group]]
-    remote = [read.prefill_tables[group].index(b) for b in read.remote_block_ids[group]]
-    assert local == remote
-    return local
-
-
-def _lacked(read: Read, block_size: int, window: int | None) -> list[int]:
-    """Pages holding a position the decoder's recomputed token N-1 attends to
-    (all before it, or its window) that its local hit does not hold."""
-    n = read.num_prompt_tokens
-    first = 0 if window is None else max(n - window, 0) // block_size
-    held = read.decode_hit_tokens // block_size
-    return list(range(max(first, held), cdiv(n - 1, block_size)))
 
 
 @pytest.mark.parametrize("hit", [0.5, 0.9], ids=["hit50", "hit90"])
@@ -63,10 +47,9 @@ def test_window_pages_read_are_pages_lacked(
         hit_tokens = int(n * hit) // block_size * block_size
         read = pair.read(prompt(100 * n + int(100 * hit), n), hit_tokens)
         assert read.decode_hit_tokens == hit_tokens
-        for group, group_window in enumerate((None, window)):
-            pages = _pages(read, group)
-            if pages != _lacked(read, block_size, group_window):
-                wrong.append(f"N={n} group {group}: read {pages}")
+        # The full group attends to every position, the window group to
+        # those of the window of N-1.
+        wrong += pages_not_lacked(read, block_size, (0, max(n - window, 0)))
     assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"
 
 
@@ -76,5 +59,5 @@ def test_no_hit_reads_the_whole_window(
     pair = scheduler_pairs(16, 64)
     for n in (65, 100, 143):
         read = pair.read(prompt(7 * n, n), 0)
-        assert _pages(read, 1) == _lacked(read, 16, 64)
-        assert _pages(read, 1)[0] == (n - 64) // 16
+        assert paired_pages(read, 1) == lacked_pages(read, 16, n - 64)
+        assert paired_pages(read, 1)[0] == (n - 64) // 16

@@ -17,19 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from vllm.utils.math_utils import cdiv
-from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
 from tests.patches.builders import (
-    Read,
     SchedulerPair,
+    chunked_local_spec,
     full_attention_spec,
     kda_mamba_spec,
-    make_kv_cache_config,
-    make_scheduler_connector,
-    make_vllm_config,
-    moriio_kv_transfer_config,
+    make_leg_connector,
+    pages_not_lacked,
+    paired_pages,
     prompt,
     scheduler_pair_cache,
 )
@@ -37,19 +34,9 @@ from tests.patches.builders import (
 NULL_BLOCK = 0
 
 
-def _chunked_spec(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=2,
-        head_size=64,
-        dtype=torch.bfloat16,
-        attention_chunk_size=chunk,
-    )
-
-
 def _groups(block_size: int, chunk: int) -> list[tuple[list[str], Any]]:
     return [
-        (["model.layers.0.self_attn.attn"], _chunked_spec(block_size, chunk)),
+        (["model.layers.0.self_attn.attn"], chunked_local_spec(block_size, chunk)),
         (["model.layers.1.self_attn.attn"], full_attention_spec(block_size)),
     ]
 
@@ -57,30 +44,6 @@ def _groups(block_size: int, chunk: int) -> list[tuple[list[str], Any]]:
 @pytest.fixture(scope="module")
 def scheduler_pairs(llama_model_dir: Path) -> Callable[[int, int], SchedulerPair]:
     return scheduler_pair_cache(llama_model_dir, _groups)
-
-
-def _pages(read: Read, group: int) -> list[int]:
-    """The page indices READ pairs in ``group``, the same on both legs, none
-    of them the null block. A request with nothing external to load reads
-    nothing (its remote lists are then the payload's, only released)."""
-    local = read.local_block_ids[group]
-    if not any(read.local_block_ids):
-        return []
-    remote = read.remote_block_ids[group]
-    assert NULL_BLOCK not in local and NULL_BLOCK not in remote, (local, remote)
-    local_pages = [read.decode_tables[group].index(b) for b in local]
-    remote_pages = [read.prefill_tables[group].index(b) for b in remote]
-    assert local_pages == remote_pages, (local_pages, remote_pages)
-    return local_pages
-
-
-def _lacked(read: Read, block_size: int, chunk: int | None) -> list[int]:
-    """Pages holding a position the decoder's recomputed token N-1 attends to
-    (all before it, or those of its chunk) that its local hit does not hold."""
-    n = read.num_prompt_tokens
-    first = 0 if chunk is None else (n - 1) // chunk * chunk // block_size
-    held = read.decode_hit_tokens // block_size
-    return list(range(max(first, held), cdiv(n - 1, block_size)))
 
 
 def _lengths(block_size: int, chunk: int) -> list[int]:
@@ -112,10 +75,9 @@ def test_chunk_pages_read_are_pages_lacked(
         read = pair.read(prompt(seed, n), hit_tokens)
         assert read.decode_hit_tokens == hit_tokens, (n, read.decode_hit_tokens)
         assert read.num_prefilled_tokens == max(n - 1, 1)
-        for group, group_chunk in enumerate((chunk, None)):
-            pages = _pages(read, group)
-            if pages != _lacked(read, block_size, group_chunk):
-                wrong.append(f"N={n} group {group}: read {pages}")
+        # The chunked group attends to the chunk of N-1, the full group to
+        # every position.
+        wrong += pages_not_lacked(read, block_size, ((n - 1) // chunk * chunk, 0))
     assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"
 
 
@@ -132,7 +94,7 @@ def test_prefiller_sends_the_chunk_of_the_recomputed_token(
     read = pair.read(prompt(5000, n), 0)
     assert read.num_prefilled_tokens == n - 1
     chunk_pages = list(range(chunk // block_size, n // block_size))
-    assert _pages(read, 0) == chunk_pages
+    assert paired_pages(read, 0) == chunk_pages
     assert all(read.prefill_tables[0][p] != NULL_BLOCK for p in chunk_pages)
     assert set(read.prefill_tables[0][: chunk // block_size]) == {NULL_BLOCK}
 
@@ -168,13 +130,6 @@ def test_write_refuses_chunked_groups_at_start(llama_model_dir: Path) -> None:
     """WRITE would push a chunk the prefiller already freed: refused at start
     in one line naming the spec. Beside a state group: the series later
     serves WRITE chunked groups without one."""
-    vllm_config = make_vllm_config(
-        llama_model_dir,
-        moriio_kv_transfer_config("kv_producer", read_mode=False),
-        block_size=16,
-    )
-    kv_cache_config = make_kv_cache_config(
-        [*_groups(16, 64), (["model.layers.2.linear_attn"], kda_mamba_spec(16))]
-    )
+    groups = [*_groups(16, 64), (["model.layers.2.linear_attn"], kda_mamba_spec(16))]
     with pytest.raises(NotImplementedError, match="WRITE mode does not support"):
-        make_scheduler_connector(vllm_config, kv_cache_config)
+        make_leg_connector(llama_model_dir, "kv_producer", groups, read_mode=False)

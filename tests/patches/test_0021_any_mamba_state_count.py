@@ -16,8 +16,6 @@ mori; its READ of the state regions is carried out byte by byte.
 
 from __future__ import annotations
 
-import mmap
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,13 +23,8 @@ from typing import Any
 import pytest
 import torch
 from vllm.config import set_current_vllm_config
-from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
-    moriio_common,
-    moriio_connector,
-)
-from vllm.model_executor.layers.mamba import mamba_utils
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_common
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.core.kv_cache_planning import get_kv_cache_configs, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -39,20 +32,22 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     UniformTypeKVCacheSpecs,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.worker.utils import allocate_kv_cache
 
 from tests.patches.builders import (
-    DoneStatus,
+    RegisteredWorker,
     SchedulerPair,
+    fill_random,
     full_attention_spec,
     kda_mamba_spec,
     make_kv_cache_config,
     make_scheduler_connector,
     make_vllm_config,
+    mamba_state_views,
     moriio_kv_transfer_config,
+    paired_sessions,
     prompt,
     read_blocks,
+    register_worker,
     sliding_window_spec,
 )
 from tests.patches.vllm_unit_utils import create_scheduler
@@ -264,117 +259,18 @@ def test_a_state_without_its_dtype_is_refused_at_start(llama_model_dir: Path) ->
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Region:
-    """A registered tensor, standing for its memory metadata."""
-
-    tensor: torch.Tensor
-
-
-class _CopyingWrapper:
-    """Stands in for MoRIIOWrapper: a READ on a session (local region, remote
-    region) copies the bytes."""
-
-    def __init__(self, **_: Any) -> None:
-        self.lock = threading.Lock()
-        self.notify_port = 0
-        self.reads: list[tuple[Any, list[int]]] = []
-
-    def set_moriio_engine(self, engine: Any) -> None:
-        pass
-
-    def set_backend_type(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def register_local_tensor(self, tensor: torch.Tensor) -> _Region:
-        return _Region(tensor)
-
-    def get_agent_metadata(self) -> bytes:
-        return b""
-
-    def async_wait_reqid(self) -> None:
-        pass
-
-    def read_remote_data(self, sizes, local_offsets, remote_offsets, session):
-        local, remote = session
-        self.reads.append((local, list(sizes)))
-        dst, src = local.tensor.view(torch.uint8), remote.tensor.view(torch.uint8)
-        for lo, ro, size in zip(local_offsets, remote_offsets, sizes, strict=True):
-            dst[lo : lo + size] = src[ro : ro + size]
-        return DoneStatus()
-
-    def send_notify(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
-
-@pytest.fixture
-def copying_mori(stub_mori: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(moriio_connector, "MoRIIOWrapper", _CopyingWrapper)
-
-    def listener(metadata, ready_event, *args: Any) -> None:
-        ready_event.set()
-
-    monkeypatch.setattr(
-        moriio_connector.MoRIIOConnectorWorker,
-        "_moriio_handshake_listener",
-        staticmethod(listener),
-    )
-    # A GDN conv state splits into sub-projections in the dim-first layout.
-    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
-    mamba_utils.get_conv_state_layout.cache_clear()
-    yield
-    mamba_utils.get_conv_state_layout.cache_clear()
-
-
-@dataclass
-class Leg:
-    worker: Any
-    kv_cache_config: KVCacheConfig
-    kv_caches: dict[str, torch.Tensor]
-    buffer: torch.Tensor
-
-
-def _leg(model_dir: Path, role: str, layout: Layout, kv_layout: str) -> Leg:
+def _leg(
+    model_dir: Path, role: str, layout: Layout, kv_layout: str
+) -> RegisteredWorker:
     vllm_config = make_vllm_config(
         model_dir,
         moriio_kv_transfer_config(role),
         block_size=B,
         speculative_config=MTP if layout.num_spec else None,
     )
-    vllm_config.cache_config.kv_cache_layout = kv_layout
-    vllm_config.model_config.max_model_len = 256  # a small pool
-    with set_current_vllm_config(vllm_config):
-        groups = get_kv_cache_groups(vllm_config, dict(layout.specs))
-        kv_cache_config = get_kv_cache_configs(
-            vllm_config, [dict(layout.specs)], [2 * 1024 * 1024], groups
-        )[0]
-    kv_cache_config.kv_cache_layout = kv_layout
-    buffers: list[torch.Tensor] = []
-
-    def allocate(size: int) -> torch.Tensor:
-        # Page-aligned and padded to whole pages, as on ROCm: MoRIIO registers
-        # the shared backing as one memory region.
-        pages = mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
-        buffers.append(torch.frombuffer(pages, dtype=torch.int8))
-        return buffers[-1]
-
-    kv_caches = allocate_kv_cache(
-        kv_cache_config,
-        torch.device("cpu"),
-        KVCacheLayout[kv_layout],
-        allocate=allocate,
+    return register_worker(
+        vllm_config, dict(layout.specs), kv_layout, f"127.0.0.1:{role}"
     )
-    (buffer,) = buffers
-    buffer = buffer.view(torch.uint8)
-    with set_current_vllm_config(vllm_config):
-        worker = moriio_connector.MoRIIOConnectorWorker(
-            vllm_config, f"127.0.0.1:{role}", kv_cache_config
-        )
-        worker.register_kv_caches(kv_caches)
-    return Leg(worker, kv_cache_config, kv_caches, buffer)
 
 
 def _state_groups(config: KVCacheConfig) -> list[KVCacheGroupSpec]:
@@ -384,17 +280,6 @@ def _state_groups(config: KVCacheConfig) -> list[KVCacheGroupSpec]:
         return isinstance(spec, MambaSpec)
 
     return [g for g in config.transfer_groups if is_state(g.kv_cache_spec)]
-
-
-def _state_views(kv_cache: torch.Tensor, spec: MambaSpec) -> list[torch.Tensor]:
-    """The layer's states as vLLM's ``MambaBase.bind_kv_cache`` views them."""
-    pages = kv_cache.squeeze(dim=(1, 2))
-    views, offset = [], 0
-    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
-        size = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
-        views.append(pages[:, offset : offset + size].view(dtype).view(-1, *shape))
-        offset += size
-    return views
 
 
 @pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])
@@ -412,11 +297,7 @@ def test_worker_registers_and_reads_every_state(
     try:
         generator = torch.Generator().manual_seed(21)
         for leg in (p, d):
-            leg.buffer.copy_(
-                torch.randint(0, 256, leg.buffer.shape, generator=generator).to(
-                    torch.uint8
-                )
-            )
+            fill_random(leg.buffer, generator)
         before = d.buffer.clone()
         worker = d.worker
         state_layers = {
@@ -430,15 +311,7 @@ def test_worker_registers_and_reads_every_state(
                 spec.shapes
             )
         # One session per registered region, in registration order.
-        sessions = [
-            (local, remote)
-            for layer, metas in worker.layer_name_to_local_kv_cache_metadata.items()
-            for local, remote in zip(
-                metas,
-                p.worker.layer_name_to_local_kv_cache_metadata[layer],
-                strict=True,
-            )
-        ]
+        sessions = paired_sessions(worker, p.worker)
         worker._get_built_session = lambda engine_id: (sessions, object())
         worker._compute_read_attention_offsets = lambda *a, **k: ([], [], [])
         num_attn = worker._num_attn_transfer_groups
@@ -452,9 +325,9 @@ def test_worker_registers_and_reads_every_state(
         )
         expected = before.clone()
         for name, spec in state_layers.items():
-            got = _state_views(d.kv_caches[name], spec)
-            sent = _state_views(p.kv_caches[name], spec)
-            want = _state_views(
+            got = mamba_state_views(d.kv_caches[name], spec)
+            sent = mamba_state_views(p.kv_caches[name], spec)
+            want = mamba_state_views(
                 torch.as_strided(
                     expected,
                     d.kv_caches[name].shape,

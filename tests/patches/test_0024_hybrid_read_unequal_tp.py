@@ -15,34 +15,28 @@ The expected state is assembled here from vLLM's sharding rule alone.
 
 from __future__ import annotations
 
-import mmap
 import re
-import threading
 import types
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from vllm.config import set_current_vllm_config
-from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
-    moriio_common,
-    moriio_connector,
-)
-from vllm.model_executor.layers.mamba import mamba_utils
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.core.kv_cache_planning import get_kv_cache_configs, get_kv_cache_groups
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
-from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.worker.utils import allocate_kv_cache
+from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
 from tests.patches.builders import (
+    RegisteredWorker,
+    fill_random,
     full_attention_spec,
     kda_mamba_spec,
     make_vllm_config,
+    mamba_state_views,
     moriio_kv_transfer_config,
+    paired_sessions,
+    pin_tp_rank,
+    register_worker,
 )
 
 B = 16
@@ -75,93 +69,6 @@ def specs(tp_size: int, hybrid: bool = True) -> dict[str, KVCacheSpec]:
     return {ATTN: attention, KDA: kda_spec(tp_size)} if hybrid else {ATTN: attention}
 
 
-class _Status:
-    def Succeeded(self) -> bool:
-        return True
-
-    def Failed(self) -> bool:
-        return False
-
-    def InProgress(self) -> bool:
-        return False
-
-    def Code(self) -> int:
-        return 0
-
-    def Message(self) -> str:
-        return ""
-
-
-@dataclass(frozen=True)
-class _Region:
-    tensor: torch.Tensor
-
-
-class _CopyingWrapper:
-    """Stands in for MoRIIOWrapper: a READ on a session (local region, remote
-    region) copies the bytes; notifications are recorded."""
-
-    def __init__(self, **_: Any) -> None:
-        self.lock = threading.Lock()
-        self.notify_port = 0
-        self.notified: list[str] = []
-
-    def set_moriio_engine(self, engine: Any) -> None:
-        pass
-
-    def set_backend_type(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def register_local_tensor(self, tensor: torch.Tensor) -> _Region:
-        return _Region(tensor)
-
-    def get_agent_metadata(self) -> bytes:
-        return b""
-
-    def async_wait_reqid(self) -> None:
-        pass
-
-    def read_remote_data(self, sizes, local_offsets, remote_offsets, session):
-        local, remote = session
-        dst, src = local.tensor.view(torch.uint8), remote.tensor.view(torch.uint8)
-        for lo, ro, size in zip(local_offsets, remote_offsets, sizes, strict=True):
-            dst[lo : lo + size] = src[ro : ro + size]
-        return _Status()
-
-    def send_notify(self, transfer_id, host, port, **_: Any) -> None:
-        self.notified.append(str(port))
-
-    def shutdown(self) -> None:
-        pass
-
-
-@pytest.fixture
-def copying_mori(stub_mori: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(moriio_connector, "MoRIIOWrapper", _CopyingWrapper)
-
-    def listener(metadata, ready_event, *args: Any) -> None:
-        ready_event.set()
-
-    monkeypatch.setattr(
-        moriio_connector.MoRIIOConnectorWorker,
-        "_moriio_handshake_listener",
-        staticmethod(listener),
-    )
-    # KDA conv sub-projections are sliced in the dim-first layout.
-    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
-    mamba_utils.get_conv_state_layout.cache_clear()
-    yield
-    mamba_utils.get_conv_state_layout.cache_clear()
-
-
-@dataclass
-class Rank:
-    worker: Any
-    kv_cache_config: KVCacheConfig
-    kv_caches: dict[str, torch.Tensor]
-    buffer: torch.Tensor
-
-
 def _rank(
     monkeypatch: pytest.MonkeyPatch,
     model_dir: Path,
@@ -170,77 +77,39 @@ def _rank(
     tp_rank: int,
     kv_layout: str,
     hybrid: bool = True,
-) -> Rank:
+) -> RegisteredWorker:
     """One rank of a leg of ``tp_size`` ranks, its caches filled at random."""
-    world = lambda: tp_size  # noqa: E731
-    monkeypatch.setattr(moriio_connector, "get_tensor_model_parallel_world_size", world)
-    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_world_size", world)
-    monkeypatch.setattr(
-        moriio_common, "get_tensor_model_parallel_rank", lambda: tp_rank
-    )
+    pin_tp_rank(monkeypatch, tp_size, tp_rank)
     vllm_config = make_vllm_config(
         model_dir, moriio_kv_transfer_config(role), block_size=B
     )
-    vllm_config.cache_config.kv_cache_layout = kv_layout
-    vllm_config.model_config.max_model_len = 256
-    layer_specs = specs(tp_size, hybrid)
-    with set_current_vllm_config(vllm_config):
-        groups = get_kv_cache_groups(vllm_config, layer_specs)
-        kv_cache_config = get_kv_cache_configs(
-            vllm_config, [layer_specs], [2 * 1024 * 1024], groups
-        )[0]
-    kv_cache_config.kv_cache_layout = kv_layout
-    buffers: list[torch.Tensor] = []
-
-    def allocate(size: int) -> torch.Tensor:
-        pages = mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
-        buffers.append(torch.frombuffer(pages, dtype=torch.int8))
-        return buffers[-1]
-
-    kv_caches = allocate_kv_cache(
-        kv_cache_config,
-        torch.device("cpu"),
-        KVCacheLayout[kv_layout],
-        allocate=allocate,
+    rank = register_worker(
+        vllm_config, specs(tp_size, hybrid), kv_layout, f"127.0.0.1:{role}{tp_rank}"
     )
-    (buffer,) = buffers
-    buffer = buffer.view(torch.uint8)
     generator = torch.Generator().manual_seed(1000 * tp_size + 10 * tp_rank + len(role))
-    buffer.copy_(
-        torch.randint(0, 256, buffer.shape, generator=generator).to(torch.uint8)
-    )
-    with set_current_vllm_config(vllm_config):
-        worker = moriio_connector.MoRIIOConnectorWorker(
-            vllm_config, f"127.0.0.1:{role}{tp_rank}", kv_cache_config
-        )
-        worker.register_kv_caches(kv_caches)
-    assert (worker.tp_rank, worker.world_size) == (tp_rank, tp_size)
-    return Rank(worker, kv_cache_config, kv_caches, buffer)
+    fill_random(rank.buffer, generator)
+    assert (rank.worker.tp_rank, rank.worker.world_size) == (tp_rank, tp_size)
+    return rank
 
 
-def _leg(monkeypatch, model_dir, role, tp_size, kv_layout, hybrid=True) -> list[Rank]:
+def _leg(
+    monkeypatch, model_dir, role, tp_size, kv_layout, hybrid=True
+) -> list[RegisteredWorker]:
     return [
         _rank(monkeypatch, model_dir, role, tp_size, r, kv_layout, hybrid)
         for r in range(tp_size)
     ]
 
 
-def _state(rank: Rank, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _state(rank: RegisteredWorker, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(conv, ssm) of one slot, as vLLM's ``MambaBase.bind_kv_cache`` views
     them: the conv state is (Q, K, V rows, kernel - 1) dim-first."""
-    spec = rank.worker.layer_to_spec[KDA]
-    pages = rank.kv_caches[KDA].squeeze(dim=(1, 2))
-    views, offset = [], 0
-    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
-        size = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
-        views.append(pages[:, offset : offset + size].view(dtype).view(-1, *shape))
-        offset += size
-    conv, ssm = views
+    conv, ssm = mamba_state_views(rank.kv_caches[KDA], rank.worker.layer_to_spec[KDA])
     return conv[slot], ssm[slot]
 
 
 def _global_state(
-    leg: list[Rank], slot: int
+    leg: list[RegisteredWorker], slot: int
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The whole layer's state of ``slot``: each of Q, K, V and the SSM heads
     gathered over the ranks in rank order."""
@@ -254,7 +123,7 @@ def _global_state(
     return [torch.cat(p) for p in parts], torch.cat(ssm)
 
 
-def _remote_meta(rank: Rank) -> Any:
+def _remote_meta(rank: RegisteredWorker) -> Any:
     w = rank.worker
     return types.SimpleNamespace(
         mamba_state_layouts={n: x.to_wire() for n, x in w.mamba_state_layouts.items()},
@@ -264,7 +133,9 @@ def _remote_meta(rank: Rank) -> Any:
 
 
 def _serve_sessions(
-    decoder: Rank, prefill: list[Rank], stub_attention: bool = True
+    decoder: RegisteredWorker,
+    prefill: list[RegisteredWorker],
+    stub_attention: bool = True,
 ) -> list[str]:
     """Sessions of ``decoder`` to the prefill rank each engine key names: a
     ``_tp<r>`` key names rank r, a DP-only key the rank the handshake dials
@@ -278,21 +149,34 @@ def _serve_sessions(
         source = prefill[
             int(match.group(1)) if match else worker._remote_tp_rank(len(prefill))
         ]
-        sessions = [
-            (local, remote)
-            for layer, metas in worker.layer_name_to_local_kv_cache_metadata.items()
-            for local, remote in zip(
-                metas,
-                source.worker.layer_name_to_local_kv_cache_metadata[layer],
-                strict=True,
-            )
-        ]
-        return sessions, _remote_meta(source)
+        return paired_sessions(worker, source.worker), _remote_meta(source)
 
     worker._get_built_session = built
     if stub_attention:
         worker._compute_read_attention_offsets = lambda *a, **k: ([], [], [])
     return asked
+
+
+def _read(
+    rank: RegisteredWorker,
+    d: int,
+    local: list[list[int]],
+    remote: list[list[int]],
+    p_tp: int,
+) -> None:
+    """Decode rank ``d`` reads ``remote`` into ``local`` (one list per
+    transfer group) from a prefill leg of ``p_tp`` ranks, which it notifies
+    on port 100 + prefill rank."""
+    rank.worker._read_blocks(
+        local_block_ids=local,
+        remote_block_ids=remote,
+        dst_engine_id=PEER,
+        request_id=f"r{d}",
+        transfer_id=f"t{d}",
+        remote_host="127.0.0.1",
+        remote_notify_port=100,
+        remote_tp_size=p_tp,
+    )
 
 
 @pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])
@@ -312,16 +196,7 @@ def test_each_decode_rank_reads_its_heads_of_the_state(
         for d, rank in enumerate(decode):
             before = rank.buffer.clone()
             _serve_sessions(rank, prefill)
-            rank.worker._read_blocks(
-                local_block_ids=[[1], [local_slot]],
-                remote_block_ids=[[1], [remote_slot]],
-                dst_engine_id=PEER,
-                request_id=f"r{d}",
-                transfer_id=f"t{d}",
-                remote_host="127.0.0.1",
-                remote_notify_port=100,
-                remote_tp_size=p_tp,
-            )
+            _read(rank, d, [[1], [local_slot]], [[1], [remote_slot]], p_tp)
             conv, ssm = _state(rank, local_slot)
             for got, whole in zip(conv.chunk(3, dim=0), want_parts, strict=True):
                 want = whole.chunk(d_tp, dim=0)[d]
@@ -401,16 +276,7 @@ def test_a_layer_with_one_head_on_every_rank_is_read_whole(
         for d, rank in enumerate(decode):
             before = rank.kv_caches[ATTN].clone()
             _serve_sessions(rank, prefill, stub_attention=False)
-            rank.worker._read_blocks(
-                local_block_ids=[[local_block]],
-                remote_block_ids=[[remote_block]],
-                dst_engine_id=PEER,
-                request_id=f"r{d}",
-                transfer_id=f"t{d}",
-                remote_host="127.0.0.1",
-                remote_notify_port=100,
-                remote_tp_size=p_tp,
-            )
+            _read(rank, d, [[local_block]], [[remote_block]], p_tp)
             got = rank.kv_caches[ATTN]
             dim = got.shape.index(rank.worker.num_blocks)
             source = prefill[rank.worker._remote_tp_rank(p_tp)].kv_caches[ATTN]

@@ -26,7 +26,7 @@ import pytest
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.utils.math_utils import cdiv
-from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheSpec
+from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from tests.patches.builders import (
     LAYER,
@@ -35,6 +35,7 @@ from tests.patches.builders import (
     WritePair,
     _Socket,
     build_write_pair,
+    chunked_local_spec,
     full_attention_spec,
     kda_mamba_spec,
     make_kv_cache_config,
@@ -51,22 +52,12 @@ LOCAL = "model.layers.0.self_attn.attn"
 GLOBAL = "model.layers.3.self_attn.attn"
 
 
-def _chunked_spec(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=2,
-        head_size=64,
-        dtype=torch.bfloat16,
-        attention_chunk_size=chunk,
-    )
-
-
 def _llama4_pair(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, block_size: int, chunk: int
 ) -> WritePair:
     """Llama 4's groups under the hybrid manager: chunked local, full."""
     groups: list[tuple[list[str], KVCacheSpec]] = [
-        ([LOCAL], _chunked_spec(block_size, chunk)),
+        ([LOCAL], chunked_local_spec(block_size, chunk)),
         ([GLOBAL], full_attention_spec(block_size)),
     ]
     return build_write_pair(model_dir, groups, block_size, monkeypatch)
@@ -148,7 +139,7 @@ def test_chunk_group_beside_a_state_group_is_refused_in_one_line(
         block_size=16,
     )
     groups: list[tuple[list[str], KVCacheSpec]] = [
-        ([LOCAL], _chunked_spec(16, 64)),
+        ([LOCAL], chunked_local_spec(16, 64)),
         ([GLOBAL], full_attention_spec(16)),
         ([f"{LAYER}.kda"], kda_mamba_spec(16)),
     ]

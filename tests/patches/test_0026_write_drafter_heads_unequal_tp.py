@@ -16,15 +16,13 @@ come from vLLM's sharding rule alone: rank ``i`` of ``tp`` holds heads
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm.config import set_current_vllm_config
-from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
-    moriio_common,
-    moriio_connector,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 
 from tests.patches.builders import (
     full_attention_spec,
@@ -32,6 +30,7 @@ from tests.patches.builders import (
     make_vllm_config,
     mla_spec,
     moriio_kv_transfer_config,
+    pin_tp_rank,
 )
 
 B = 16
@@ -40,38 +39,42 @@ DRAFT_HEADS = 8
 """The EAGLE3 drafter's KV heads (8 x 128)."""
 
 
-def _producer(
-    monkeypatch: pytest.MonkeyPatch,
-    model_dir: Path,
-    tp_size: int,
-    tp_rank: int,
-    draft_heads: int = DRAFT_HEADS,
-) -> Any:
-    """Prefill rank ``tp_rank`` of ``tp_size``: an MLA group and the
-    drafter's GQA group, with this rank's share of the drafter's heads."""
-    world = lambda: tp_size  # noqa: E731
-    monkeypatch.setattr(moriio_connector, "get_tensor_model_parallel_world_size", world)
-    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_world_size", world)
-    monkeypatch.setattr(
-        moriio_common, "get_tensor_model_parallel_rank", lambda: tp_rank
-    )
-    vllm_config = make_vllm_config(
-        model_dir, moriio_kv_transfer_config("kv_producer"), block_size=B
-    )
-    groups = [
-        ([MLA], mla_spec(B)),
-        (
-            [DRAFT],
-            full_attention_spec(B, num_kv_heads=draft_heads // tp_size, head_size=128),
-        ),
-    ]
-    with set_current_vllm_config(vllm_config):
-        worker = moriio_connector.MoRIIOConnectorWorker(
-            vllm_config, "127.0.0.1:0", make_kv_cache_config(groups)
+Producer = Callable[..., Any]
+
+
+@pytest.fixture
+def producer(
+    stub_mori: None, monkeypatch: pytest.MonkeyPatch, deepseek_mtp_model_dir: Path
+) -> Producer:
+    """Builds prefill rank ``tp_rank`` of ``tp_size`` of a DeepSeek-V3 (MLA)
+    model: an MLA group and the drafter's GQA group, with this rank's share
+    of the drafter's ``draft_heads`` heads."""
+
+    def build(tp_size: int, tp_rank: int, draft_heads: int = DRAFT_HEADS) -> Any:
+        pin_tp_rank(monkeypatch, tp_size, tp_rank)
+        vllm_config = make_vllm_config(
+            deepseek_mtp_model_dir,
+            moriio_kv_transfer_config("kv_producer"),
+            block_size=B,
         )
-    assert (worker.tp_rank, worker.world_size) == (tp_rank, tp_size)
-    assert worker.use_mla
-    return worker
+        groups = [
+            ([MLA], mla_spec(B)),
+            (
+                [DRAFT],
+                full_attention_spec(
+                    B, num_kv_heads=draft_heads // tp_size, head_size=128
+                ),
+            ),
+        ]
+        with set_current_vllm_config(vllm_config):
+            worker = moriio_connector.MoRIIOConnectorWorker(
+                vllm_config, "127.0.0.1:0", make_kv_cache_config(groups)
+            )
+        assert (worker.tp_rank, worker.world_size) == (tp_rank, tp_size)
+        assert worker.use_mla
+        return worker
+
+    return build
 
 
 def _queued_mappings(worker: Any, decode_tp: int) -> dict[str, Any]:
@@ -107,11 +110,7 @@ def _rank_heads(rank: int, tp: int, heads: int) -> list[int]:
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)], ids=lambda v: str(v))
 def test_each_decode_rank_gets_its_drafter_heads(
-    stub_mori: None,
-    monkeypatch: pytest.MonkeyPatch,
-    deepseek_mtp_model_dir: Path,
-    p_tp: int,
-    d_tp: int,
+    producer: Producer, p_tp: int, d_tp: int
 ) -> None:
     # decode rank -> position in its block -> global drafter head written there
     landed: dict[int, dict[int, int]] = {d: {} for d in range(d_tp)}
@@ -119,7 +118,7 @@ def test_each_decode_rank_gets_its_drafter_heads(
     announced: dict[int, set[int]] = {d: set() for d in range(d_tp)}
     writers: dict[int, set[int]] = {d: set() for d in range(d_tp)}
     for p in range(p_tp):
-        worker = _producer(monkeypatch, deepseek_mtp_model_dir, p_tp, p)
+        worker = producer(p_tp, p)
         queued = _queued_mappings(worker, d_tp)
         own = _rank_heads(p, p_tp, DRAFT_HEADS)
         draft = queued[DRAFT]
@@ -148,11 +147,11 @@ def test_each_decode_rank_gets_its_drafter_heads(
 
 
 def test_unsplittable_drafter_heads_are_refused_in_one_line(
-    stub_mori: None, monkeypatch: pytest.MonkeyPatch, deepseek_mtp_model_dir: Path
+    producer: Producer,
 ) -> None:
     """Three drafter heads cannot be split over two decode ranks: the
     mapping the handshake builds refuses, naming the layer and both TPs."""
-    worker = _producer(monkeypatch, deepseek_mtp_model_dir, 1, 0, draft_heads=3)
+    worker = producer(1, 0, draft_heads=3)
     with pytest.raises(ValueError) as refused:
         worker._write_tp_mapping(2)
     message = str(refused.value)
@@ -163,13 +162,9 @@ def test_unsplittable_drafter_heads_are_refused_in_one_line(
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2)], ids=lambda v: str(v))
 def test_mla_layers_are_still_copied_whole(
-    stub_mori: None,
-    monkeypatch: pytest.MonkeyPatch,
-    deepseek_mtp_model_dir: Path,
-    p_tp: int,
-    d_tp: int,
+    producer: Producer, p_tp: int, d_tp: int
 ) -> None:
-    worker = _producer(monkeypatch, deepseek_mtp_model_dir, p_tp, 0)
+    worker = producer(p_tp, 0)
     mla = _queued_mappings(worker, d_tp)[MLA]
     assert [t.tp_rank for t in mla.targets] == list(range(d_tp))
     assert all(mla.copies_whole_block(t) for t in mla.targets)

@@ -92,3 +92,39 @@ def diff(path: str, old: str, new: str) -> str:
     text = unified_diff(path, old, new)
     assert text, "the edit changed nothing"
     return text
+
+
+# A release newer than any pin this series will see, and its wheel's name.
+NEWER = "0.99.0"
+NEWER_WHEEL = f"vllm-{NEWER}-cp38-abi3-manylinux_2_28_x86_64.whl"
+
+
+def inserted_above(text: str) -> str:
+    """``text`` as a newer upstream holds it: ``INSERTED`` added at the top,
+    below the SPDX line (so that every hunk below moves by an offset)."""
+    return edit(text, SPDX, SPDX + INSERTED)
+
+
+def newer_wheel(tmp_path: Path, files: Mapping[str, str]) -> Path:
+    """A wheel of release ``NEWER`` holding ``files``, in ``tmp_path``."""
+    return write_wheel(tmp_path / NEWER_WHEEL, files, NEWER, "0a1b2c3d4")
+
+
+def rebase_argv(
+    root: Path,
+    to: Path,
+    tmp_path: Path,
+    old: Mapping[str, str] | None = None,
+    *,
+    report: bool = False,
+) -> list[str]:
+    """``--repo ROOT rebase --to TO`` working in ``tmp_path/work``: from a
+    source tree holding ``old`` when given, writing its report to
+    ``tmp_path/r.json`` when ``report``."""
+    argv = ["--repo", str(root), "rebase", "--to", str(to)]
+    if old is not None:
+        argv += ["--from", str(write_tree(tmp_path / "old", old))]
+    argv += ["--workdir", str(tmp_path / "work")]
+    if report:
+        argv += ["--report", str(tmp_path / "r.json")]
+    return argv

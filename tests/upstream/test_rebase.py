@@ -21,13 +21,13 @@ from tests.upstream.repos import (
     CLAMP_NEW,
     COMMON,
     CONNECTOR,
-    INSERTED,
     REPO,
-    SPDX,
     MakeRepo,
     diff,
     edit,
+    inserted_above,
     patch_text,
+    rebase_argv,
     write_tree,
     write_wheel,
 )
@@ -112,7 +112,7 @@ def test_lines_inserted_above_give_an_offset_and_a_refreshed_patch(
     tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str]
 ) -> None:
     root = make_repo(_two_patches(base_texts))
-    newer = {CONNECTOR: edit(base_texts[CONNECTOR], SPDX, SPDX + INSERTED)}
+    newer = {CONNECTOR: inserted_above(base_texts[CONNECTOR])}
     report, plan = _plan(root, base_texts, newer, tmp_path)
     assert _results(report) == [
         ("0001-clamp.patch", "offset"),
@@ -162,7 +162,7 @@ def test_base_holding_the_patch_is_upstream_and_never_reverse_applied(
     root = make_repo(patches)
     # The newer base is the base with the patch applied, and lines above.
     merged = edit(base_texts[CONNECTOR], CLAMP, CLAMP_NEW)
-    newer = {CONNECTOR: edit(merged, SPDX, SPDX + INSERTED)}
+    newer = {CONNECTOR: inserted_above(merged)}
     report, plan = _plan(root, base_texts, newer, tmp_path)
     assert _results(report) == [("0001-clamp.patch", "upstream")]
     assert "every hunk landed (1)" in report.rows[0].detail
@@ -389,16 +389,14 @@ def test_write_from_a_wheel_updates_pin_and_drops_upstream_patches(
     root = make_repo(patches)
     # Upstream merged 0001 and inserted lines at the top of the connector.
     merged = edit(base_texts[CONNECTOR], CLAMP, CLAMP_NEW)
-    new_files = {**base_texts, CONNECTOR: edit(merged, SPDX, SPDX + INSERTED)}
+    new_files = {**base_texts, CONNECTOR: inserted_above(merged)}
     wheel = write_wheel(
         tmp_path / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl",
         new_files,
         "0.34.0",
         "1234abcd5",
     )
-    argv = ["--repo", str(root), "rebase", "--to", str(wheel)]
-    argv += ["--from", str(write_tree(tmp_path / "old", base_texts))]
-    argv += ["--workdir", str(tmp_path / "work")]
+    argv = rebase_argv(root, wheel, tmp_path, base_texts)
     # Without --write: report only.
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -432,10 +430,8 @@ def test_source_tree_cannot_be_written_without_a_wheel(
 ) -> None:
     root = make_repo(_one_patch(base_texts))
     newer = write_tree(tmp_path / "new", base_texts)
-    argv = ["--repo", str(root), "rebase", "--to", str(newer), "--write"]
-    argv += ["--from", str(write_tree(tmp_path / "old", base_texts))]
-    argv += ["--workdir", str(tmp_path / "work")]
-    assert main(argv) == 2
+    argv = rebase_argv(root, newer, tmp_path, base_texts)
+    assert main([*argv, "--write"]) == 2
     assert load_pin(root / PIN_FILE) == pin
 
 

@@ -19,12 +19,14 @@ import pytest
 
 from tests.upstream.repos import (
     CONNECTOR,
+    NEWER,
     SPDX,
     MakeRepo,
     diff,
     edit,
+    newer_wheel,
     patch_text,
-    write_tree,
+    rebase_argv,
     write_wheel,
 )
 from vllm_overlay.cli import main
@@ -36,8 +38,6 @@ from vllm_overlay.series.patch_series import (
 )
 from vllm_overlay.series.pin import PIN_FILE, Pin, VllmBase, load_pin, sha256_bytes
 
-NEWER = "0.99.0"
-WHEEL = f"vllm-{NEWER}-cp38-abi3-manylinux_2_28_x86_64.whl"
 PR = "https://github.com/vllm-project/vllm/pull/12345"
 
 
@@ -129,12 +129,10 @@ def _series() -> dict[str, str]:
 def _rebase(
     root: Path, tmp_path: Path, new: str, *more: str
 ) -> tuple[int, dict[str, Any]]:
-    wheel = write_wheel(tmp_path / WHEEL, {CONNECTOR: new}, NEWER, "0a1b2c3d4")
-    argv = ["--repo", str(root), "rebase", "--to", str(wheel)]
-    argv += ["--workdir", str(tmp_path / "work"), "--report", str(tmp_path / "r.json")]
-    if not any(a == "--series-ref" for a in more):
-        argv += ["--from", str(write_tree(tmp_path / "old", {CONNECTOR: OLD}))]
-    rc = main([*argv, *more])
+    wheel = newer_wheel(tmp_path, {CONNECTOR: new})
+    # A series read from a git ref takes its old base from that ref's pin.
+    old = None if "--series-ref" in more else {CONNECTOR: OLD}
+    rc = main([*rebase_argv(root, wheel, tmp_path, old, report=True), *more])
     report = tmp_path / "r.json"
     return rc, json.loads(report.read_text()) if report.exists() else {}
 

@@ -20,15 +20,16 @@ from tests.upstream.repos import (
     CLAMP,
     CLAMP_NEW,
     CONNECTOR,
-    INSERTED,
+    NEWER,
     REPO,
-    SPDX,
     MakeRepo,
     diff,
     edit,
+    inserted_above,
+    newer_wheel,
     patch_text,
+    rebase_argv,
     write_tree,
-    write_wheel,
 )
 from vllm_overlay.cli import main
 from vllm_overlay.series.diff import FilePatch, apply_file_patch
@@ -48,27 +49,22 @@ from vllm_overlay.tree.manifest import (
     encode_manifest,
 )
 
-# A release newer than any pin this series will see.
-NEWER = "0.99.0"
-WHEEL = f"vllm-{NEWER}-cp38-abi3-manylinux_2_28_x86_64.whl"
-
 
 @pytest.fixture(scope="module")
 def series() -> Series:
     return load_series(REPO)
 
 
-def _repo(make_repo: MakeRepo, series: Series) -> Path:
+@pytest.fixture
+def root(make_repo: MakeRepo, series: Series) -> Path:
+    """A throwaway checkout holding this repository's series."""
     return make_repo({p.name: p.text for p in series.patches})
 
 
 def _rebase(
     root: Path, tmp_path: Path, base: dict[str, str], to: Path, *more: str
 ) -> tuple[int, dict[str, Any]]:
-    argv = ["--repo", str(root), "rebase", "--to", str(to)]
-    argv += ["--from", str(write_tree(tmp_path / "old", base))]
-    argv += ["--workdir", str(tmp_path / "work"), "--report", str(tmp_path / "r.json")]
-    rc = main([*argv, *more])
+    rc = main([*rebase_argv(root, to, tmp_path, base, report=True), *more])
     return rc, json.loads((tmp_path / "r.json").read_text())
 
 
@@ -84,14 +80,13 @@ def _rebase_to_patched(
 
 def _wheel(tmp_path: Path, base: dict[str, str], connector: str) -> Path:
     files = {**base, CONNECTOR: connector}
-    return write_wheel(tmp_path / WHEEL, files, NEWER, "0a1b2c3d4")
+    return newer_wheel(tmp_path, files)
 
 
 def _newer_tree(tmp_path: Path, base: dict[str, str], connector: str) -> Path:
     """A tree holding ``connector`` below lines upstream added at the top
     (so that it is not the pinned base with the series applied)."""
-    newer = edit(connector, SPDX, SPDX + INSERTED)
-    return write_tree(tmp_path / "new", {**base, CONNECTOR: newer})
+    return write_tree(tmp_path / "new", {**base, CONNECTOR: inserted_above(connector)})
 
 
 def _manifest(series: Series, pin: Pin) -> bytes:
@@ -129,16 +124,15 @@ def _apply_all(text: str, series: Series) -> str:
 
 def test_a_base_holding_0001_drops_it_records_it_and_rebases_the_rest(
     tmp_path: Path,
-    make_repo: MakeRepo,
+    root: Path,
     base_texts: dict[str, str],
     series: Series,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    root = _repo(make_repo, series)
     first = series.patches[0]
     (fp,) = first.files
     merged = apply_file_patch(base_texts[CONNECTOR], fp).text
-    new = edit(merged, SPDX, SPDX + INSERTED)
+    new = inserted_above(merged)
     rc, report = _rebase(
         root, tmp_path, base_texts, _wheel(tmp_path, base_texts, new), "--write"
     )
@@ -169,8 +163,8 @@ def test_a_base_holding_0001_drops_it_records_it_and_rebases_the_rest(
     assert f"\nApplied-Upstream: {NEWER}\n" in record.read_text()
     # The rest applies exactly to the new base and gives what the series
     # gave on the pinned one, below the lines upstream added.
-    assert _apply_all(new, load_series(root)) == edit(
-        _overlaid(base_texts, series), SPDX, SPDX + INSERTED
+    assert _apply_all(new, load_series(root)) == inserted_above(
+        _overlaid(base_texts, series)
     )
     # 0009, 0010 and 0013 build on #60867: the record still names it.
     assert check_series(root, load_pin(root / PIN_FILE), tests=False) == []
@@ -178,20 +172,17 @@ def test_a_base_holding_0001_drops_it_records_it_and_rebases_the_rest(
 
 def test_a_base_holding_some_hunks_of_0001_carries_the_remainder(
     tmp_path: Path,
-    make_repo: MakeRepo,
+    root: Path,
     base_texts: dict[str, str],
     series: Series,
     pin: Pin,
 ) -> None:
-    root = _repo(make_repo, series)
     first = series.patches[0]
     (fp,) = first.files
     landed = list(range(0, len(fp.hunks), 2))
     rest = [k for k in range(len(fp.hunks)) if k not in landed]
     part = FilePatch(fp.old_path, fp.new_path, tuple(fp.hunks[k] for k in landed))
-    new = edit(
-        apply_file_patch(base_texts[CONNECTOR], part).text, SPDX, SPDX + INSERTED
-    )
+    new = inserted_above(apply_file_patch(base_texts[CONNECTOR], part).text)
     rc, report = _rebase(
         root, tmp_path, base_texts, _wheel(tmp_path, base_texts, new), "--write"
     )
@@ -215,9 +206,7 @@ def test_a_base_holding_some_hunks_of_0001_carries_the_remainder(
     (rfp,) = refreshed.files
     assert [h.lines for h in rfp.hunks] == [fp.hunks[k].lines for k in rest]
     assert not (root / "patches" / "dropped").exists()
-    assert _apply_all(new, after) == edit(
-        _overlaid(base_texts, series), SPDX, SPDX + INSERTED
-    )
+    assert _apply_all(new, after) == inserted_above(_overlaid(base_texts, series))
     assert load_pin(root / PIN_FILE).vllm.version == NEWER != pin.vllm.version
     assert check_series(root, load_pin(root / PIN_FILE), tests=False) == []
 
@@ -235,7 +224,7 @@ def _one_line_hunk(fp: FilePatch, text: str) -> int:
 
 def test_0001_merged_in_another_form_is_partly_upstream_and_names_the_rest(
     tmp_path: Path,
-    make_repo: MakeRepo,
+    root: Path,
     base_texts: dict[str, str],
     series: Series,
     capsys: pytest.CaptureFixture[str],
@@ -245,7 +234,6 @@ def test_0001_merged_in_another_form_is_partly_upstream_and_names_the_rest(
     of ours there), every other hunk landed. 0001 landed in another form:
     partly upstream, to refresh by hand; the patches above are assessed with
     it set aside; nothing is dropped or written."""
-    root = _repo(make_repo, series)
     (fp,) = series.patches[0].files
     merged = apply_file_patch(base_texts[CONNECTOR], fp).text
     k = _one_line_hunk(fp, merged)
@@ -338,14 +326,13 @@ def test_a_hunk_without_evidence_follows_its_patch(
 
 def test_a_tree_carrying_the_series_is_said_and_left_alone(
     tmp_path: Path,
-    make_repo: MakeRepo,
+    root: Path,
     base_texts: dict[str, str],
     series: Series,
     pin: Pin,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`rebase --to` an overlaid install: one line, exit 0, nothing written."""
-    root = _repo(make_repo, series)
     files = {**base_texts, **overlay_texts(base_texts, series)}
     tree = write_tree(tmp_path / "site", files)
     (tree / pin.module / MANIFEST_NAME).write_bytes(_manifest(series, pin))
@@ -364,7 +351,7 @@ def test_a_tree_carrying_the_series_is_said_and_left_alone(
 
 def test_a_tree_carrying_another_overlay_is_refused(
     tmp_path: Path,
-    make_repo: MakeRepo,
+    root: Path,
     base_texts: dict[str, str],
     series: Series,
     pin: Pin,
@@ -372,14 +359,12 @@ def test_a_tree_carrying_another_overlay_is_refused(
 ) -> None:
     """An install overlaid by an earlier series (here its first three
     patches) is no upstream base: its patches would look landed."""
-    root = _repo(make_repo, series)
     earlier = series.upto(3)
     files = {**base_texts, CONNECTOR: _overlaid(base_texts, earlier)}
     tree = write_tree(tmp_path / "site", files)
     (tree / pin.module / MANIFEST_NAME).write_bytes(_manifest(earlier, pin))
-    argv = ["--repo", str(root), "rebase", "--to", str(tree), "--write"]
-    argv += ["--from", str(write_tree(tmp_path / "old", base_texts))]
-    assert main([*argv, "--workdir", str(tmp_path / "work")]) == 2
+    argv = rebase_argv(root, tree, tmp_path, base_texts)
+    assert main([*argv, "--write"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
