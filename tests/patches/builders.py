@@ -22,6 +22,7 @@ import json
 import logging
 import mmap
 import threading
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -932,6 +933,18 @@ def paired_sessions(local: Any, remote: Any) -> list[tuple[Region, Region]]:
             metas, remote.layer_name_to_local_kv_cache_metadata[layer], strict=True
         )
     ]
+
+
+def remote_worker_meta(worker: Any) -> Any:
+    """What ``worker``'s handshake tells a peer of its state and head layouts
+    and its block count (the fields a READ between unequal TP sizes uses)."""
+    return types.SimpleNamespace(
+        mamba_state_layouts={
+            n: x.to_wire() for n, x in worker.mamba_state_layouts.items()
+        },
+        kv_head_layouts={n: x.to_wire() for n, x in worker.kv_head_layouts.items()},
+        num_blocks=worker.num_blocks,
+    )
 
 
 def mamba_state_views(kv_cache: torch.Tensor, spec: MambaSpec) -> list[torch.Tensor]:

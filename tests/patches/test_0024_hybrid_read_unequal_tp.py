@@ -37,6 +37,7 @@ from tests.patches.builders import (
     paired_sessions,
     pin_tp_rank,
     register_worker,
+    remote_worker_meta,
 )
 
 B = 16
@@ -123,15 +124,6 @@ def _global_state(
     return [torch.cat(p) for p in parts], torch.cat(ssm)
 
 
-def _remote_meta(rank: RegisteredWorker) -> Any:
-    w = rank.worker
-    return types.SimpleNamespace(
-        mamba_state_layouts={n: x.to_wire() for n, x in w.mamba_state_layouts.items()},
-        kv_head_layouts={n: x.to_wire() for n, x in w.kv_head_layouts.items()},
-        num_blocks=w.num_blocks,
-    )
-
-
 def _serve_sessions(
     decoder: RegisteredWorker,
     prefill: list[RegisteredWorker],
@@ -149,7 +141,7 @@ def _serve_sessions(
         source = prefill[
             int(match.group(1)) if match else worker._remote_tp_rank(len(prefill))
         ]
-        return paired_sessions(worker, source.worker), _remote_meta(source)
+        return paired_sessions(worker, source.worker), remote_worker_meta(source.worker)
 
     worker._get_built_session = built
     if stub_attention:

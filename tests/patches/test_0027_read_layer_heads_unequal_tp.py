@@ -19,37 +19,31 @@ tp``.
 
 from __future__ import annotations
 
-import mmap
 import re
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
     moriio_common,
     moriio_connector,
 )
-from vllm.v1.core.kv_cache_planning import get_kv_cache_configs, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import KVCacheSpec
-from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.worker.utils import allocate_kv_cache
 
 from tests.patches.builders import (
     TINY_LLAMA_CONFIG,
+    RegisteredWorker,
+    fill_random,
     full_attention_spec,
     make_vllm_config,
     moriio_kv_transfer_config,
+    paired_sessions,
+    pin_tp_rank,
+    register_worker,
+    remote_worker_meta,
     write_model_dir,
-)
-from tests.patches.test_0024_hybrid_read_unequal_tp import (
-    PEER,
-    Rank,
-    _CopyingWrapper,
-    _remote_meta,
 )
 
 B = 16
@@ -57,6 +51,7 @@ MODEL_HEADS, DRAFT_HEADS = 4, 8
 """The target's KV heads (4 x 128) and the EAGLE3 drafter's (8 x 64): the
 same page size at every TP size, so both share one KV cache group."""
 ATTN, DRAFT = "model.layers.0.self_attn.attn", "drafter.model.layers.0.self_attn.attn"
+PEER = "127.0.0.1:7000"
 TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2)]
 
 
@@ -70,21 +65,6 @@ def gqa_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "num_key_value_heads": MODEL_HEADS,
         },
     )
-
-
-@pytest.fixture
-def copying_mori(stub_mori: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(moriio_connector, "MoRIIOWrapper", _CopyingWrapper)
-
-    def listener(metadata, ready_event, *args: Any) -> None:
-        ready_event.set()
-
-    monkeypatch.setattr(
-        moriio_connector.MoRIIOConnectorWorker,
-        "_moriio_handshake_listener",
-        staticmethod(listener),
-    )
-    yield
 
 
 def specs(
@@ -108,61 +88,29 @@ def _rank(
     tp_rank: int,
     kv_layout: str,
     layer_specs: dict[str, KVCacheSpec],
-) -> Rank:
+) -> RegisteredWorker:
     """One rank of a leg of ``tp_size`` ranks, its caches filled at random."""
-    world = lambda: tp_size  # noqa: E731
-    monkeypatch.setattr(moriio_connector, "get_tensor_model_parallel_world_size", world)
-    monkeypatch.setattr(moriio_common, "get_tensor_model_parallel_world_size", world)
-    monkeypatch.setattr(
-        moriio_common, "get_tensor_model_parallel_rank", lambda: tp_rank
-    )
+    pin_tp_rank(monkeypatch, tp_size, tp_rank)
     vllm_config = make_vllm_config(
         model_dir, moriio_kv_transfer_config(role), block_size=B
     )
-    vllm_config.cache_config.kv_cache_layout = kv_layout
-    vllm_config.model_config.max_model_len = 256
-    with set_current_vllm_config(vllm_config):
-        groups = get_kv_cache_groups(vllm_config, layer_specs)
-        kv_cache_config = get_kv_cache_configs(
-            vllm_config, [layer_specs], [2 * 1024 * 1024], groups
-        )[0]
-    kv_cache_config.kv_cache_layout = kv_layout
-    buffers: list[torch.Tensor] = []
-
-    def allocate(size: int) -> torch.Tensor:
-        pages = mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
-        buffers.append(torch.frombuffer(pages, dtype=torch.int8))
-        return buffers[-1]
-
-    kv_caches = allocate_kv_cache(
-        kv_cache_config,
-        torch.device("cpu"),
-        KVCacheLayout[kv_layout],
-        allocate=allocate,
+    rank = register_worker(
+        vllm_config, layer_specs, kv_layout, f"127.0.0.1:{role}{tp_rank}"
     )
-    (buffer,) = buffers
-    buffer = buffer.view(torch.uint8)
     generator = torch.Generator().manual_seed(1000 * tp_size + 10 * tp_rank + len(role))
-    buffer.copy_(
-        torch.randint(0, 256, buffer.shape, generator=generator).to(torch.uint8)
-    )
-    with set_current_vllm_config(vllm_config):
-        worker = moriio_connector.MoRIIOConnectorWorker(
-            vllm_config, f"127.0.0.1:{role}{tp_rank}", kv_cache_config
-        )
-        worker.register_kv_caches(kv_caches)
-    assert (worker.tp_rank, worker.world_size) == (tp_rank, tp_size)
-    return Rank(worker, kv_cache_config, kv_caches, buffer)
+    fill_random(rank.buffer, generator)
+    assert (rank.worker.tp_rank, rank.worker.world_size) == (tp_rank, tp_size)
+    return rank
 
 
-def _leg(monkeypatch, model_dir, role, tp_size, kv_layout) -> list[Rank]:
+def _leg(monkeypatch, model_dir, role, tp_size, kv_layout) -> list[RegisteredWorker]:
     return [
         _rank(monkeypatch, model_dir, role, tp_size, r, kv_layout, specs(tp_size))
         for r in range(tp_size)
     ]
 
 
-def _serve_sessions(decoder: Rank, prefill: list[Rank]) -> None:
+def _serve_sessions(decoder: RegisteredWorker, prefill: list[RegisteredWorker]) -> None:
     """Sessions of ``decoder`` to the prefill rank each engine key names: a
     ``_tp<r>`` key names rank r, a DP-only key the rank the handshake dials
     (``_remote_tp_rank``). The layers of a rank share one registered region;
@@ -174,16 +122,8 @@ def _serve_sessions(decoder: Rank, prefill: list[Rank]) -> None:
         source = prefill[
             int(match.group(1)) if match else worker._remote_tp_rank(len(prefill))
         ]
-        sessions = [
-            (local, remote)
-            for layer, metas in worker.layer_name_to_local_kv_cache_metadata.items()
-            for local, remote in zip(
-                metas,
-                source.worker.layer_name_to_local_kv_cache_metadata[layer],
-                strict=True,
-            )
-        ]
-        meta = _remote_meta(source)
+        sessions = paired_sessions(worker, source.worker)
+        meta = remote_worker_meta(source.worker)
         meta.layer_offsets = source.worker.kv_layer_mr_offset
         return sessions, meta
 
@@ -191,7 +131,7 @@ def _serve_sessions(decoder: Rank, prefill: list[Rank]) -> None:
     worker._remote_layer_mr_offset = lambda layer, meta, _: meta.layer_offsets[layer]
 
 
-def _heads(rank: Rank, layer: str, block: int) -> torch.Tensor:
+def _heads(rank: RegisteredWorker, layer: str, block: int) -> torch.Tensor:
     """A block of ``layer`` by head: the CPU attention backend lays a layer
     out (blocks, heads, tokens, K|V) in both KV cache layouts."""
     cache = rank.kv_caches[layer]
@@ -200,7 +140,7 @@ def _heads(rank: Rank, layer: str, block: int) -> torch.Tensor:
     return cache[block].view(torch.uint8)
 
 
-def _global_heads(leg: list[Rank], layer: str, block: int) -> torch.Tensor:
+def _global_heads(leg: list[RegisteredWorker], layer: str, block: int) -> torch.Tensor:
     """Every KV head of ``layer`` in ``block``, gathered over the ranks."""
     return torch.cat([_heads(rank, layer, block) for rank in leg])
 
