@@ -947,6 +947,48 @@ def remote_worker_meta(worker: Any) -> Any:
     )
 
 
+def eager_handshake(monkeypatch: pytest.MonkeyPatch, worker: Any, p_tp: int) -> None:
+    """``worker``'s handshake before the forward pass, for one request from a
+    prefill leg of ``p_tp`` ranks (one DP rank, this process its TP group)."""
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+    worker.tp_group = types.SimpleNamespace(cpu_group=None)
+    meta = types.SimpleNamespace(
+        remote_host="127.0.0.1",
+        remote_handshake_port=7000,
+        remote_dp_size=1,
+        tp_size=p_tp,
+    )
+    worker._eager_handshake_all_dp_ranks(
+        types.SimpleNamespace(reqs_to_recv={"r": meta})
+    )
+
+
+def check_eager_handshake_dials_every_holder(
+    monkeypatch: pytest.MonkeyPatch, decode: list[RegisteredWorker], p_tp: int
+) -> None:
+    """Each of the ``len(decode)`` decode ranks' eager handshakes dials the
+    prefill ranks (of ``p_tp``, more than the decode ranks) that hold a share
+    of its heads, rank ``d`` those of ``[d * r, (d + 1) * r)``; the workers
+    are shut down after."""
+    dialed: dict[int, list[int | None]] = {}
+    try:
+        for d, rank in enumerate(decode):
+
+            def handshake(host, port, tp_size, eid, dp, tp, d=d):
+                dialed.setdefault(d, []).append(tp)
+                return {eid}
+
+            rank.worker._moriio_handshake = handshake
+            eager_handshake(monkeypatch, rank.worker, p_tp)
+        ratio = p_tp // len(decode)
+        assert dialed == {
+            d: list(range(d * ratio, (d + 1) * ratio)) for d in range(len(decode))
+        }
+    finally:
+        for rank in decode:
+            rank.worker.shutdown()
+
+
 def mamba_state_views(kv_cache: torch.Tensor, spec: MambaSpec) -> list[torch.Tensor]:
     """The layer's states as vLLM's ``MambaBase.bind_kv_cache`` views them,
     one tensor per state indexed by slot."""

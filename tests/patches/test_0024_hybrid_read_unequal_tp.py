@@ -16,7 +16,6 @@ The expected state is assembled here from vLLM's sharding rule alone.
 from __future__ import annotations
 
 import re
-import types
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
 from tests.patches.builders import (
     RegisteredWorker,
+    check_eager_handshake_dials_every_holder,
     fill_random,
     full_attention_spec,
     kda_mamba_spec,
@@ -223,34 +223,7 @@ def test_eager_handshake_reaches_every_holder_of_the_state(
     pass reaches each prefill rank holding a share of the decode rank's
     heads, so that no read handshakes on the read path."""
     decode = _leg(monkeypatch, llama_model_dir, "kv_consumer", d_tp, "LBNHC")
-    dialed: dict[int, list[int | None]] = {}
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
-    try:
-        for d, rank in enumerate(decode):
-            worker = rank.worker
-            worker.tp_group = types.SimpleNamespace(cpu_group=None)
-
-            def handshake(host, port, tp_size, eid, dp, tp, d=d):
-                dialed.setdefault(d, []).append(tp)
-                return {eid}
-
-            worker._moriio_handshake = handshake
-            meta = types.SimpleNamespace(
-                remote_host="127.0.0.1",
-                remote_handshake_port=7000,
-                remote_dp_size=1,
-                tp_size=p_tp,
-            )
-            worker._eager_handshake_all_dp_ranks(
-                types.SimpleNamespace(reqs_to_recv={"r": meta})
-            )
-        ratio = p_tp // d_tp
-        assert dialed == {
-            d: list(range(d * ratio, (d + 1) * ratio)) for d in range(d_tp)
-        }
-    finally:
-        for rank in decode:
-            rank.worker.shutdown()
+    check_eager_handshake_dials_every_holder(monkeypatch, decode, p_tp)
 
 
 @pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])

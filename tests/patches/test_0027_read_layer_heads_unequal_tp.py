@@ -20,7 +20,6 @@ tp``.
 from __future__ import annotations
 
 import re
-import types
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,8 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from tests.patches.builders import (
     TINY_LLAMA_CONFIG,
     RegisteredWorker,
+    check_eager_handshake_dials_every_holder,
+    eager_handshake,
     fill_random,
     full_attention_spec,
     make_vllm_config,
@@ -196,34 +197,7 @@ def test_eager_handshake_reaches_every_holder_of_the_heads(
     pass reaches each prefill rank holding a share of the decode rank's KV
     heads, so that no read handshakes on the read path."""
     decode = _leg(monkeypatch, gqa_model_dir, "kv_consumer", d_tp, "LBNHC")
-    dialed: dict[int, list[int | None]] = {}
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
-    try:
-        for d, rank in enumerate(decode):
-            worker = rank.worker
-            worker.tp_group = types.SimpleNamespace(cpu_group=None)
-
-            def handshake(host, port, tp_size, eid, dp, tp, d=d):
-                dialed.setdefault(d, []).append(tp)
-                return {eid}
-
-            worker._moriio_handshake = handshake
-            meta = types.SimpleNamespace(
-                remote_host="127.0.0.1",
-                remote_handshake_port=7000,
-                remote_dp_size=1,
-                tp_size=p_tp,
-            )
-            worker._eager_handshake_all_dp_ranks(
-                types.SimpleNamespace(reqs_to_recv={"r": meta})
-            )
-        ratio = p_tp // d_tp
-        assert dialed == {
-            d: list(range(d * ratio, (d + 1) * ratio)) for d in range(d_tp)
-        }
-    finally:
-        for rank in decode:
-            rank.worker.shutdown()
+    check_eager_handshake_dials_every_holder(monkeypatch, decode, p_tp)
 
 
 def test_unsplittable_drafter_heads_are_refused_at_the_handshake(
@@ -258,18 +232,8 @@ def test_unsplittable_drafter_heads_are_refused_at_the_handshake(
         assert DRAFT in message
         assert "tp_size=2" in message and "tp_size=1" in message
 
-        monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
-        rank.worker.tp_group = types.SimpleNamespace(cpu_group=None)
-        meta = types.SimpleNamespace(
-            remote_host="127.0.0.1",
-            remote_handshake_port=7000,
-            remote_dp_size=1,
-            tp_size=2,
-        )
         with pytest.raises(moriio_common.HandshakeError) as failed:
-            rank.worker._eager_handshake_all_dp_ranks(
-                types.SimpleNamespace(reqs_to_recv={"r": meta})
-            )
+            eager_handshake(monkeypatch, rank.worker, 2)
         assert "\n" not in str(failed.value)
         assert message in str(failed.value)
     finally:
