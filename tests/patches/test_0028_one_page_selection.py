@@ -127,7 +127,9 @@ def test_read_selects_every_attention_group_through_the_one_selection(
     assert [group for group, _, _ in selections] == list(range(num_attn))
     held = read.decode_hit_tokens
     assert all(num_held == held for _, num_held, _ in selections)
-    assert read.local_block_ids[:num_attn] == [local for _, _, (_, local, _) in selections]
+    assert read.local_block_ids[:num_attn] == [
+        local for _, _, (_, local, _) in selections
+    ]
     assert read.remote_block_ids[:num_attn] == [
         remote for _, _, (_, _, remote) in selections
     ]
