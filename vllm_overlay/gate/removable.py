@@ -20,6 +20,7 @@ core bundles.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import subprocess
 import sys
@@ -79,6 +80,7 @@ class RemovableReport(msgspec.Struct, forbid_unknown_fields=True):
     vllm_version: str
     core_rows: list[CoreRow]
     verdicts: list[Verdict]
+    generated_at: str = ""  # ISO 8601, UTC
 
     def rows_for(self, core: str) -> list[CoreRow]:
         return [r for r in self.core_rows if r.core == core]
@@ -282,4 +284,5 @@ def prove_all(
         vllm_version,
         rows,
         verdicts,
+        dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
