@@ -11,7 +11,7 @@ from pathlib import Path
 from vllm_overlay.cli import main
 from vllm_overlay.series.pin import Pin
 
-PROBE = '''
+PROBE = """
 import vllm.v1.core.sched.scheduler as scheduler
 
 
@@ -19,7 +19,7 @@ def test_scheduler_is_the_trees(request):
     assert scheduler.__file__ == request.config.getoption("--core-dir").joinpath(
         "vllm", "v1", "core", "sched", "scheduler.py"
     ).resolve().as_posix()
-'''
+"""
 
 
 def test_core_dir_loads_the_trees_core_modules(tmp_path: Path, pin: Pin) -> None:

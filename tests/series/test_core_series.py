@@ -35,7 +35,9 @@ def _core_patch(ws: Workspace, name: str, path: str = SCHEDULER, **fields: str) 
 def _workaround(ws: Workspace, remove_when: str) -> None:
     new = ws.base[CONNECTOR].replace(ANCHOR, f"# w\n{ANCHOR}")
     diff = make_diff(CONNECTOR, ws.base[CONNECTOR], new)
-    ws.add_patch("0001-w.patch", header("w", **{"Remove-When": remove_when}) + "---\n" + diff)
+    ws.add_patch(
+        "0001-w.patch", header("w", **{"Remove-When": remove_when}) + "---\n" + diff
+    )
 
 
 def _problems(ws: Workspace) -> list[str]:
@@ -92,7 +94,9 @@ def test_a_bad_core_patch_is_one_line(
 def test_a_core_patch_not_listed_is_a_problem(ws: Workspace) -> None:
     _core_patch(ws, f"{SLUG}.patch")
     (ws.repo / "patches" / "core" / "c002-x.patch").write_text("")
-    assert _problems(ws) == ["core: c002-x.patch is in patches/core/ but not listed in its series"]
+    assert _problems(ws) == [
+        "core: c002-x.patch is in patches/core/ but not listed in its series"
+    ]
 
 
 def test_remove_when_must_name_a_listed_core_patch_and_its_bundle(

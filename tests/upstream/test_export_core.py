@@ -47,7 +47,11 @@ def core_repo(make_repo: MakeRepo, base_texts: dict[str, str]) -> Path:
     _write_tests(root)
     _report(root)
     shutil.copytree(REPO / "patches" / "core", root / "patches" / "core")
-    for rel in (CORE_TEST, "tests/patches/builders.py", "tests/patches/vllm_unit_utils.py"):
+    for rel in (
+        CORE_TEST,
+        "tests/patches/builders.py",
+        "tests/patches/vllm_unit_utils.py",
+    ):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, root / rel)
     return root
@@ -74,7 +78,9 @@ def _removable(root: Path, *, with_: str = "passed") -> None:
 
 
 def _export(root: Path, tmp_path: Path, base: dict[str, str], *names: str):
-    scheduler = (installed_vllm() / "v1" / "core" / "sched" / "scheduler.py").read_text()
+    scheduler = (
+        installed_vllm() / "v1" / "core" / "sched" / "scheduler.py"
+    ).read_text()
     site = write_tree(tmp_path / "site", {**base, SCHEDULER: scheduler})
     ctx = load_context(
         Checkout(root), BaseSource(tree=site), ruff=_ruff(), run_tests=False

@@ -490,8 +490,7 @@ def register(sub: Subparsers) -> None:
         "--patch",
         action="append",
         metavar="NNNN",
-        help="only this workaround (its number or name) and its core patch; "
-        "repeatable",
+        help="only this workaround (its number or name) and its core patch; repeatable",
     )
     rm.add_argument(
         "--out",

@@ -158,9 +158,7 @@ def _outcome(outcomes: dict[str, TestOutcome], entry: str) -> list[TestOutcome]:
 
 
 def _failing(outcomes: dict[str, TestOutcome], entries: Sequence[str]) -> list[str]:
-    return [
-        e for e in entries if any(o != "passed" for o in _outcome(outcomes, e))
-    ]
+    return [e for e in entries if any(o != "passed" for o in _outcome(outcomes, e))]
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,9 @@ def check_core_series(root: Path, pin: Pin, connector: Series | None) -> list[st
         for n in names
         if not _NAME_RE.match(n)
     ]
-    on_disk = {p.name for p in directory.glob("*.patch")} if directory.is_dir() else set()
+    on_disk = (
+        {p.name for p in directory.glob("*.patch")} if directory.is_dir() else set()
+    )
     problems += [
         f"core: {n} is in {PATCH_DIR}/{CORE_DIR}/ but not listed in its series"
         for n in sorted(on_disk - set(names))

@@ -70,8 +70,8 @@ from vllm_overlay.gate.reports import (
 )
 from vllm_overlay.gate.reports import names as header_names
 from vllm_overlay.gate.stack import level_label, named_tests
-from vllm_overlay.series.diff import Hunk, HunkError, apply_file_patch
 from vllm_overlay.series.core_series import core_key, load_core_series
+from vllm_overlay.series.diff import Hunk, HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import PROJECT_NAME, Series, SeriesPatch
 from vllm_overlay.series.pin import Pin
 from vllm_overlay.text import count, verb

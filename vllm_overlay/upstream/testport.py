@@ -330,13 +330,12 @@ class _Porter:
         # A test directory without a conftest of its own (tests/patches/core/)
         # draws on its parent's conftest and helpers, as pytest lets it.
         dirs = [self.dir]
-        if not (self.dir / "conftest.py").is_file() and (
-            self.dir.parent / "conftest.py"
-        ).is_file():
+        if (
+            not (self.dir / "conftest.py").is_file()
+            and (self.dir.parent / "conftest.py").is_file()
+        ):
             dirs.insert(0, self.dir.parent)
-        self.paths = {
-            p.stem: p for d in dirs for p in d.glob("*.py") if p != test_file
-        }
+        self.paths = {p.stem: p for d in dirs for p in d.glob("*.py") if p != test_file}
         self.local = set(self.paths)
         self.test = _parse(test_file, test_file.stem)
         self.modules: dict[str, _Module] = {self.test.name: self.test}
