@@ -165,3 +165,18 @@ def test_the_command_prints_the_verdicts_and_sets_the_status(
         report = load_removable(out)
         assert [v.removable for v in report.verdicts] == [not status]
         assert json.loads(out.read_text())["core_rows"][0]["with"] == "passed"
+
+
+def test_an_unknown_workaround_is_one_line_and_runs_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def never(*a: object) -> Runner:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(gate_cli, "pytest_runner", never)
+    assert main(["removable", "--patch", "0009"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: --patch 0009: not a patch whose Remove-When names a core patch "
+        "(those are: 0010)\n"
+    )

@@ -26,6 +26,7 @@ from vllm_overlay.gate.removable import (
     encode_removable,
     prove_all,
     pytest_runner,
+    workarounds,
 )
 from vllm_overlay.gate.reports import TestOutcome, encode_report
 from vllm_overlay.gate.revert_red import (
@@ -386,6 +387,14 @@ def cmd_removable(app: App, args: argparse.Namespace) -> int:
     core = load_core_series(checkout.root)
     source = base_source(args)
     bases = source.load(checkout.pin, series)
+    known = workarounds(series, core)
+    for wanted in args.patch or ():
+        if not any(wanted in (w.name, w.slug, w.name[:4]) for w, _ in known):
+            those = ", ".join(w.name[:4] for w, _ in known) or "none"
+            raise OverlayError(
+                f"--patch {wanted}: not a patch whose Remove-When names a core "
+                f"patch (those are: {those})"
+            )
     inputs = Inputs(series, core, bases.texts, source.load_core(checkout.pin))
     app.say(
         f"removable: series {series.series_id}, "
