@@ -29,6 +29,9 @@ def test_materialize_core_writes_the_patched_core_files(
     core_tree: Path, pin: Pin, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert FIXED in (core_tree / SCHEDULER).read_text()
+    # Core patches above c001 stay off: every core file is written, c002's base.
+    manager = (core_tree / "vllm/v1/core/kv_cache_manager.py").read_text()
+    assert "cdiv(num_computed_tokens, spec.block_size)" in manager
     assert all((core_tree / path).is_file() for path in pin.files)
 
 
@@ -47,7 +50,10 @@ def test_an_unknown_core_patch_writes_nothing(
 
 
 def test_core_modules_leave_the_moriio_package_out(core_tree: Path) -> None:
-    assert list(core_modules(core_tree)) == ["vllm.v1.core.sched.scheduler"]
+    assert list(core_modules(core_tree)) == [
+        "vllm.v1.core.kv_cache_manager",
+        "vllm.v1.core.sched.scheduler",
+    ]
 
 
 def test_the_core_modules_load_from_the_tree(core_tree: Path) -> None:
@@ -66,7 +72,7 @@ def test_the_core_modules_load_from_the_tree(core_tree: Path) -> None:
         check=True,
     )
     names, file = done.stdout.strip().splitlines()[-2:]
-    assert names == "['vllm.v1.core.sched.scheduler']"
+    assert names == "['vllm.v1.core.kv_cache_manager', 'vllm.v1.core.sched.scheduler']"
     assert file == str(core_tree / SCHEDULER)
 
 

@@ -47,8 +47,8 @@ def core_repo(make_repo: MakeRepo, base_texts: dict[str, str]) -> Path:
     _write_tests(root)
     _report(root)
     shutil.copytree(REPO / "patches" / "core", root / "patches" / "core")
+    shutil.copytree(REPO / "tests/patches/core", root / "tests/patches/core")
     for rel in (
-        CORE_TEST,
         "tests/patches/builders.py",
         "tests/patches/vllm_unit_utils.py",
     ):
@@ -59,10 +59,11 @@ def core_repo(make_repo: MakeRepo, base_texts: dict[str, str]) -> Path:
 
 def _removable(root: Path, *, with_: str = "passed") -> None:
     core = load_core_series(root)
-    [fix] = core.patches
+    fix = core.patches[0]
     rows = [
-        CoreRow(fix.name, t, "failed", with_)  # type: ignore[arg-type]
-        for t in fix.header.tests
+        CoreRow(p.name, t, "failed", with_)  # type: ignore[arg-type]
+        for p in core.patches
+        for t in p.header.tests
     ]
     verdict = Verdict("0010-w.patch", fix.name, True, "4 of 4 named tests ...")
     report = RemovableReport(
@@ -78,10 +79,10 @@ def _removable(root: Path, *, with_: str = "passed") -> None:
 
 
 def _export(root: Path, tmp_path: Path, base: dict[str, str], *names: str):
-    scheduler = (
-        installed_vllm() / "v1" / "core" / "sched" / "scheduler.py"
-    ).read_text()
-    site = write_tree(tmp_path / "site", {**base, SCHEDULER: scheduler})
+    pin = Checkout(root).pin
+    core = {p: (installed_vllm().parent / p).read_text() for p in pin.core_files}
+    scheduler = core[SCHEDULER]
+    site = write_tree(tmp_path / "site", {**base, **core})
     ctx = load_context(
         Checkout(root), BaseSource(tree=site), ruff=_ruff(), run_tests=False
     )
@@ -93,7 +94,7 @@ def test_the_core_patch_is_its_own_bundle_against_the_pinned_vllm(
 ) -> None:
     _removable(core_repo)
     written, scheduler = _export(core_repo, tmp_path, base_texts, "c001")
-    [fix] = load_core_series(core_repo).patches
+    fix = load_core_series(core_repo).patches[0]
     out = core_repo / "dist" / "upstream" / fix.slug
     assert sorted(p.relative_to(out).as_posix() for p in written) == sorted(
         [f"{fix.slug}.patch", "PR.md", "checks.log"]
@@ -136,7 +137,7 @@ def test_the_whole_export_writes_the_core_bundle_too(
     assert dirs == [
         "0001-port-offsets",
         "0002-stable-offsets",
-        load_core_series(core_repo).patches[0].slug,
+        *(p.slug for p in load_core_series(core_repo).patches),
     ]
 
 
