@@ -27,7 +27,16 @@ sys.path.insert(0, str(ROOT))
 from vllm_overlay.gate.phases import PHASES_FILE  # noqa: E402
 from vllm_overlay.gate.shards import TIMES, Times, load_times  # noqa: E402
 
-ORDER = ("lint", "overlay", "base", "levels", "revert-red", "export", "bytes")
+ORDER = (
+    "lint",
+    "overlay",
+    "base",
+    "levels",
+    "revert-red",
+    "removable",
+    "export",
+    "bytes",
+)
 RUNS = {"suite-overlay": "overlay", "suite-base": "base"}
 
 

@@ -50,7 +50,7 @@ def test_the_bench_prints_the_phases_and_the_slowest_tests(
     out = capsys.readouterr().out.splitlines()
     phases = [line.split()[0] for line in out[1:4]]
     assert phases == ["lint", "overlay", "base"]
-    assert "levels, revert-red, export, bytes" in out[4]
+    assert "levels, revert-red, removable, export, bytes" in out[4]
     slowest = [line.split()[-1] for line in out if "tests/t.py::" in line]
     assert slowest == [f"tests/t.py::test_{i}" for i in range(19, 4, -1)]
     assert out[-1].startswith("suite: 3 phases, 6 min 50.0 s in all; 15 slowest")

@@ -40,6 +40,7 @@ def test_the_steps_run_in_the_gates_order(tmp_path: Path) -> None:
         "apply",
         "levels",
         "revert-red",
+        "removable",
         "export",
         "simulate-bytes",
     ]
@@ -48,6 +49,7 @@ def test_the_steps_run_in_the_gates_order(tmp_path: Path) -> None:
         "base",
         "levels",
         "revert-red",
+        "removable",
         "export",
         "bytes",
     ]
@@ -105,7 +107,7 @@ def test_each_step_gets_the_environment_it_had_under_the_noxfile() -> None:
         assert step_env(todo[phase], env)[OLD_WHEEL_ENV] == "old.whl"
         assert step_env(todo[phase], env)["VLLM_OVERLAY_WHEEL"] == "w"
         assert PARENT_ENV not in step_env(todo[phase], env)
-    for phase in ("levels", "export"):
+    for phase in ("levels", "removable", "export"):
         assert OLD_WHEEL_ENV not in step_env(todo[phase], env)
         assert step_env(todo[phase], env)["VLLM_OVERLAY_WHEEL"] == "w"
     for phase in ("revert-red", "bytes"):
@@ -161,7 +163,8 @@ def test_plan_prints_the_steps_and_runs_nothing(
     assert "[base] vllm-overlay suite --variant base" in out
     assert "vllm-overlay apply (also after a failure)" in out
     assert "level 1: " in out
-    assert out.rstrip().endswith("gate --plan: 9 steps, nothing run")
+    assert "[removable] vllm-overlay removable --out " in out
+    assert out.rstrip().endswith("gate --plan: 10 steps, nothing run")
 
 
 def test_gate_without_a_wheel_is_one_line_and_runs_nothing(

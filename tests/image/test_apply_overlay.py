@@ -135,6 +135,8 @@ def test_the_context_holds_what_the_dockerfile_copies() -> None:
     assert admitted == sources
     for src in sources:
         assert (REPO / src).exists(), src
+    # The core series (upstream-only) stays out of the image.
+    assert "patches/core" in ignore and (REPO / "patches" / "core").is_dir()
 
 
 def test_dockerfile_base_image_is_the_pin(pin: Pin) -> None:

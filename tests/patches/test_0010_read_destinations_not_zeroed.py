@@ -6,8 +6,9 @@ fp32 compressor states next to its bf16 attention pages). The scheduler skips
 the blocks an asynchronous connector load fills, but MoRIIO READ loads
 synchronously, so ``build_connector_meta`` has to drop its READ destinations
 from ``new_block_ids_to_zero`` itself, or the zeroing races the RDMA READ.
-The tests drive the real scheduler-side connector with position-indexed
-tables: page k of a group holds tokens [k*B, (k+1)*B).
+The tests drive a real prefill ``Scheduler`` and a real decode ``Scheduler``
+through the connector and check the decoder's first step: the pages it READs
+are not zeroed, every other fresh page is.
 """
 
 from __future__ import annotations
@@ -17,24 +18,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm.config import set_current_vllm_config
 from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
 )
-from vllm.v1.request import RequestStatus
 
 from tests.patches.builders import (
+    SchedulerPair,
+    build_scheduler,
     full_attention_spec,
-    make_kv_cache_blocks,
-    make_leg_connector,
-    make_request,
-    make_scheduler_output,
+    make_kv_cache_config,
+    make_vllm_config,
+    moriio_kv_transfer_config,
+    prompt,
 )
+from tests.patches.vllm_unit_utils import create_scheduler
 
 B = 64
-UNRELATED = 999_999  # a fresh block of another request
+NULL_BLOCK = 0
 
 
 def _swa_mla(window: int, dtype: torch.dtype = torch.bfloat16) -> KVCacheSpec:
@@ -66,36 +70,38 @@ LAYOUTS = {
 _ids = itertools.count()
 
 
-def _tables(base: int, groups, num_tokens: int) -> list[list[int]]:
-    pages = -(-num_tokens // B)
-    return [
-        [base + 1000 * g + page for page in range(pages)] for g in range(len(groups))
-    ]
+def _pair(model_dir: Path, groups: list[KVCacheGroupSpec]) -> SchedulerPair:
+    """A READ prefill leg and a decode leg whose cache is zeroed: mixed
+    precisions zero it on their own, and the flag, resolved across workers,
+    can come from another worker's layout."""
+    prefill = build_scheduler(model_dir, "kv_producer", groups, B, 512)
+    vllm_config = make_vllm_config(
+        model_dir, moriio_kv_transfer_config("kv_consumer"), block_size=B
+    )
+    kv_cache_config = make_kv_cache_config(groups, 512)
+    kv_cache_config.hash_block_size = B
+    kv_cache_config.cache_hit_alignment_tokens = B
+    kv_cache_config.needs_kv_cache_zeroing = True
+    with set_current_vllm_config(vllm_config):
+        decode = create_scheduler(vllm_config, 512, kv_cache_config)
+    return SchedulerPair(prefill, decode, B)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("n", [100, 700])
 def test_read_destinations_are_not_zeroed(llama_model_dir: Path, layout, n) -> None:
-    groups = LAYOUTS[layout]
-    p_conn = make_leg_connector(llama_model_dir, "kv_producer", groups)
-    d_conn = make_leg_connector(llama_model_dir, "kv_consumer", groups)
+    pair = _pair(llama_model_dir, LAYOUTS[layout])
     rid = f"zero-{next(_ids)}"
-    prefill = make_request(rid, n, {"do_remote_decode": True, "transfer_id": rid})
-    prefill.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    _, params = p_conn.request_finished_all_groups(
-        prefill, tuple(_tables(100_000, groups, n))
-    )
-    assert params is not None
-    decode = make_request(rid, n, params)
-    external, _ = d_conn.get_num_new_matched_tokens(decode, 0)
-    # The decoder's own lookahead page past the prompt is fresh but not read.
-    d_tables = _tables(200_000, groups, n + B)
-    d_conn.update_state_after_alloc(decode, make_kv_cache_blocks(d_tables), external)
-    fresh = [b for table in d_tables for b in table] + [UNRELATED]
-    output = make_scheduler_output(fresh)
-    meta = d_conn.build_connector_meta(output)
-    read = {b for group in meta.reqs_to_recv[rid].local_block_ids for b in group}
-    assert read and read <= set(fresh)
-    assert set(output.new_block_ids_to_zero) == set(fresh) - read
-    assert UNRELATED in output.new_block_ids_to_zero
-    assert all(table[-1] in output.new_block_ids_to_zero for table in d_tables)
+    tokens = prompt(next(_ids), n)
+    params = pair.prefill_payload(rid, tokens)
+    pair.decode.add_request(pair._request(rid, tokens, params))
+
+    output = pair.decode.schedule()
+
+    assert output.num_scheduled_tokens == {rid: 1}
+    meta = output.kv_connector_metadata.reqs_to_recv[rid]
+    read = {b for group in meta.local_block_ids for b in group}
+    tables = pair.decode.kv_cache_manager.get_block_ids(rid)
+    fresh = {b for table in tables for b in table if b != NULL_BLOCK}
+    assert read and read <= fresh
+    assert set(output.new_block_ids_to_zero or ()) == fresh - read

@@ -6,6 +6,7 @@ import os
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.repo import REPO
@@ -24,6 +25,14 @@ def test_repo_pin_round_trips() -> None:
     assert pin.image.reference.endswith(f":v{pin.vllm.version}")
     assert all(p.startswith(pin.module + "/") for p in pin.files)
     assert decode_pin(encode_pin(pin)) == pin
+    assert pin.core_files and not set(pin.core_files) & set(pin.files)
+
+
+def test_a_pin_without_core_files_writes_none() -> None:
+    pin = load_pin(REPO / "pin.toml")
+    bare = msgspec.structs.replace(pin, core_files={})
+    assert "core_files" not in encode_pin(bare)
+    assert decode_pin(encode_pin(bare)) == bare
 
 
 @pytest.mark.parametrize(
@@ -41,6 +50,20 @@ def test_repo_pin_round_trips() -> None:
                 "[files]", '[files]\n"vllm/other.py" = "' + "0" * 64 + '"'
             ),
             "outside module",
+        ),
+        (
+            lambda t: t.replace(
+                "[core_files]", '[core_files]\n"other/x.py" = "' + "0" * 64 + '"'
+            ),
+            "not a normalised path below vllm/",
+        ),
+        (
+            lambda t: t.replace(
+                "[core_files]",
+                '[core_files]\n"vllm/distributed/kv_transfer/kv_connector/v1/moriio/'
+                'x.py" = "' + "0" * 64 + '"',
+            ),
+            "is in module",
         ),
     ],
 )

@@ -20,6 +20,14 @@ from vllm_overlay.gate.evidence import (
     select,
 )
 from vllm_overlay.gate.outcomes import load_outcomes
+from vllm_overlay.gate.removable import (
+    REMOVABLE_REPORT,
+    Inputs,
+    encode_removable,
+    prove_all,
+    pytest_runner,
+    workarounds,
+)
 from vllm_overlay.gate.reports import TestOutcome, encode_report
 from vllm_overlay.gate.revert_red import (
     build_report,
@@ -51,6 +59,7 @@ from vllm_overlay.gate.shards import (
     weigh,
 )
 from vllm_overlay.gate.stack import LEVEL_OUTCOMES, level_plan, run_levels
+from vllm_overlay.series.core_series import load_core_series
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.text import count
 from vllm_overlay.tree.baseopts import add_base_options, base_source
@@ -360,6 +369,69 @@ def cmd_gate(app: App, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_removable(app: App, args: argparse.Namespace) -> int:
+    """Prove each connector workaround removable with its core patch.
+
+    For each core patch (patches/core/): its named tests on the whole
+    connector series without it and with it (fail, then pass). For each
+    connector patch whose Remove-When names "core patch cNNN": the whole
+    series with the patch's hunks reverse-applied, its named tests without
+    the core patch (they must fail: the proof can fail) and with it (they
+    must pass). One verdict line per workaround, "NNNN removable with core
+    patch cNNN: yes" or "no (why)"; exit status 1 unless every verdict is
+    yes and every core patch's tests fail without it and pass with it. The
+    report goes to --out (`vllm-overlay export` reads it for core bundles).
+    """
+    checkout = app.checkout
+    series = checkout.series
+    core = load_core_series(checkout.root)
+    source = base_source(args)
+    bases = source.load(checkout.pin, series)
+    known = workarounds(series, core)
+    for wanted in args.patch or ():
+        if not any(wanted in (w.name, w.slug, w.name[:4]) for w, _ in known):
+            those = ", ".join(w.name[:4] for w, _ in known) or "none"
+            raise OverlayError(
+                f"--patch {wanted}: not a patch whose Remove-When names a core "
+                f"patch (those are: {those})"
+            )
+    inputs = Inputs(series, core, bases.texts, source.load_core(checkout.pin))
+    app.say(
+        f"removable: series {series.series_id}, "
+        f"{count(len(core.patches), 'core patch', 'core patches')}, base files "
+        f"from {bases.source}"
+    )
+    report = prove_all(
+        inputs,
+        pytest_runner(checkout.root, checkout.pin, shlex.split(args.pytest_args)),
+        checkout.pin.vllm.version,
+        progress=app.say,
+        only=args.patch or (),
+    )
+    out = args.out or checkout.root / ".nox-reports" / REMOVABLE_REPORT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(encode_removable(report))
+    broken = [r for r in report.core_rows if not r.holds]
+    for r in broken:
+        app.say(
+            f"error: core patch {r.core}: {r.test_id} is {r.without} without it "
+            f"and {r.with_} with it (it must fail, then pass)"
+        )
+    for v in report.verdicts:
+        app.say(v.line + (f"; {v.why}" if v.removable else ""))
+    yes = sum(v.removable for v in report.verdicts)
+    ok = not broken and yes == len(report.verdicts) and bool(report.core_rows)
+    app.say(
+        f"removable: {'ok' if ok else 'FAILED'}, {yes} of "
+        f"{count(len(report.verdicts), 'workaround')} removable with its core "
+        f"patch, {len(report.core_rows) - len(broken)} of "
+        f"{count(len(report.core_rows), 'core test')} red without and green "
+        f"with its core patch; report {out}"
+    )
+    app.result({"ok": ok, "report": str(out)})
+    return 0 if ok else 1
+
+
 def register(sub: Subparsers) -> None:
     ga = add_command(sub, "gate", cmd_gate)
     ga.add_argument("--plan", action="store_true", help="print the steps; run nothing")
@@ -422,6 +494,23 @@ def register(sub: Subparsers) -> None:
     )
     lv.add_argument("--jobs", type=int, default=0, help="levels at a time (cores)")
     add_base_options(lv, "the pinned base files")
+    rm = add_command(sub, "removable", cmd_removable)
+    rm.add_argument(
+        "--patch",
+        action="append",
+        metavar="NNNN",
+        help="only this workaround (its number or name) and its core patch; repeatable",
+    )
+    rm.add_argument(
+        "--out",
+        type=Path,
+        metavar="JSON",
+        help="the report (default: .nox-reports/removable.json in the checkout)",
+    )
+    rm.add_argument(
+        "--pytest-args", default="", metavar="ARGS", help="more pytest arguments"
+    )
+    add_base_options(rm, "the pinned base files")
     rr = add_command(sub, "revert-red", cmd_revert_red)
     rr.add_argument("--base-outcomes", type=Path, required=True, metavar="JSON")
     rr.add_argument("--overlay-outcomes", type=Path, required=True, metavar="JSON")

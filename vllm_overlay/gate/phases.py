@@ -2,7 +2,7 @@
 
 Standard library only: `nox -s lint` records its phase and `vllm-overlay
 gate` (`nox -s unit-base`) each of its own (overlay, base, levels,
-revert-red, export, bytes) in ``.nox-reports/gate-phases.json``, one `nox`
+revert-red, removable, export, bytes) in ``.nox-reports/gate-phases.json``, one `nox`
 run's phases only;
 benchmarks/suite.py reads it back (validated).
 """

@@ -5,7 +5,9 @@ The suite with the series, spread over the cores by recorded seconds
 read vLLM's installed MoRIIO package; then those tests, and a sample of the
 others whose outcomes must not change, on the pinned base; then each
 patch's named tests on the stack levels in between; the per-patch
-revert-red table and its verdict; the whole export into a temporary
+revert-red table and its verdict; each connector workaround proven
+removable with the core patch its Remove-When names (`removable`: "NNNN
+removable with core patch cNNN: yes"); the whole export into a temporary
 directory; a small byte sweep with the overlay. The shared environment
 holds the base only while the base run lasts: the overlay goes back on
 even when that run fails or is interrupted.
@@ -91,6 +93,10 @@ class Dirs:
         return self.reports / "levels"
 
     @property
+    def removable(self) -> Path:
+        return self.reports / "removable.json"
+
+    @property
     def cached_times(self) -> Path:
         """This machine's last gate run's seconds per test."""
         return self.root / CACHE_DIR / "suite-times.json"
@@ -144,6 +150,12 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
             + ("--touches", str(dirs.overlay / "touches.json"))
             + ("--selection", selection, "--levels", str(dirs.levels)),
             phase="revert-red",
+        ),
+        Step(
+            ("removable", "--out", str(dirs.removable)),
+            say="proving each connector workaround removable with its core patch",
+            phase="removable",
+            wheels=(WHEEL_ENV,),
         ),
         # The whole export, thrown away: a ported test that fails vLLM's ruff,
         # or mails that do not apply in order, fail the gate, not a later export.

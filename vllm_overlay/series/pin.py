@@ -63,6 +63,9 @@ class Pin(msgspec.Struct, forbid_unknown_fields=True):
     module: NonEmpty
     # Path (relative to the directory holding the `vllm` package) -> sha256.
     files: dict[str, Sha256]
+    # The vLLM core files the upstream-only core series (patches/core/)
+    # changes, by the same key; never applied to an install.
+    core_files: dict[str, Sha256] = {}
 
     def __post_init__(self) -> None:
         if self.module.rstrip("/") != MODULE_DIR:
@@ -78,6 +81,15 @@ class Pin(msgspec.Struct, forbid_unknown_fields=True):
                 )
             if not path.startswith(prefix):
                 raise ValueError(f"`files`: {path!r} is outside module {self.module!r}")
+        for path in self.core_files:
+            if posixpath.normpath(path) != path or not path.startswith("vllm/"):
+                raise ValueError(
+                    f"`core_files`: {path!r} is not a normalised path below vllm/"
+                )
+            if path.startswith(prefix):
+                raise ValueError(
+                    f"`core_files`: {path!r} is in module {self.module!r} (`files`)"
+                )
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -105,7 +117,10 @@ def encode_pin(pin: Pin) -> str:
         "# The vLLM build the patch series is made for: every hash is checked\n"
         "# before anything is applied. `vllm-overlay rebase` rewrites this file.\n"
     )
-    return header + tomli_w.dumps(msgspec.to_builtins(pin))
+    data = msgspec.to_builtins(pin)
+    if not data["core_files"]:
+        del data["core_files"]
+    return header + tomli_w.dumps(data)
 
 
 def module_files(module_dir: Path, module: str) -> dict[str, str]:

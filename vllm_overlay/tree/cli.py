@@ -11,11 +11,12 @@ from vllm_overlay.command import (
     add_command,
     add_target_option,
 )
+from vllm_overlay.series.core_series import find_core_patch, load_core_series
 from vllm_overlay.series.patch_series import Series, SeriesError, check_series
 from vllm_overlay.text import count
 from vllm_overlay.tree.apply import apply_series, revert_series
 from vllm_overlay.tree.baseopts import add_base_options, base_source
-from vllm_overlay.tree.materialize import materialize
+from vllm_overlay.tree.materialize import core_texts, materialize
 from vllm_overlay.tree.status import format_status, tree_status
 from vllm_overlay.tree.target import Target, detect_target, installed_vllm
 
@@ -93,7 +94,9 @@ def cmd_materialize(app: App, args: argparse.Namespace) -> int:
     """Write the overlaid (or base) MoRIIO files into a directory.
 
     Every pinned MoRIIO file, overlaid (or the base with --base), is written
-    below DIR with its path inside vLLM kept.
+    below DIR with its path inside vLLM kept. With --core cNNN the core files
+    (pin.toml's core_files) are written too, with the core series up to that
+    patch applied: the level plugin loads them with --core-dir DIR.
     """
     pin, whole = app.checkout.pin, app.checkout.series
     if args.upto is not None and not 0 <= args.upto <= len(whole.patches):
@@ -101,12 +104,22 @@ def cmd_materialize(app: App, args: argparse.Namespace) -> int:
             f"--upto {args.upto}: the series has patches 1..{len(whole.patches)} "
             f"(0 for none); nothing was written"
         )
-    bases = base_source(args).load(pin, whole)
+    source = base_source(args)
+    extra: dict[str, str] = {}
+    if args.core is not None:
+        core = load_core_series(app.checkout.root)
+        fix = find_core_patch(core, args.core)
+        extra = core_texts(source.load_core(pin), core.upto(fix.index))
+    bases = source.load(pin, whole)
     series = whole if args.upto is None else whole.upto(args.upto)
-    written = materialize(bases.texts, series, args.out, overlay=not args.base)
+    written = materialize(
+        {**bases.texts, **extra}, series, args.out, overlay=not args.base
+    )
     for path in written:
         app.say(f"  wrote {path}")
     what = _stack_said(whole, series, args.base)
+    if args.core is not None:
+        what += f", with core patches up to {args.core}"
     app.say(
         f"materialize: {count(len(written), 'file')}, {what}, from {bases.source} "
         f"into {args.out}"
@@ -163,4 +176,9 @@ def register(sub: Subparsers) -> None:
     mat.add_argument("--base", action="store_true", help="write the base files")
     mat.add_argument(
         "--upto", type=int, metavar="N", help="apply the first N patches only (0: none)"
+    )
+    mat.add_argument(
+        "--core",
+        metavar="cNNN",
+        help="also write the core files, with patches/core/ up to cNNN applied",
     )

@@ -53,8 +53,11 @@ def base_from_target(target: Target, pin: Pin, series: Series) -> dict[str, str]
     return bases
 
 
-def base_from_wheel(wheel: Path, pin: Pin) -> dict[str, str]:
-    """The pinned base texts, from the pinned wheel (checked by its sha256)."""
+def base_from_wheel(
+    wheel: Path, pin: Pin, files: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The pinned base texts, from the pinned wheel (checked by its sha256):
+    the MoRIIO files, or the ``files`` given (path -> sha256)."""
     try:
         actual = sha256_file(wheel)
     except OSError as e:
@@ -68,7 +71,7 @@ def base_from_wheel(wheel: Path, pin: Pin) -> dict[str, str]:
         )
     out: dict[str, str] = {}
     with zipfile.ZipFile(wheel) as zf:
-        for path, sha in pin.files.items():
+        for path, sha in (pin.files if files is None else files).items():
             try:
                 size = zf.getinfo(path).file_size
             except KeyError:
@@ -116,6 +119,37 @@ class BaseSource:
         assert source.tree is not None
         target = detect_target(source.tree)
         return Bases(base_from_target(target, pin, series), target.describe())
+
+    def load_core(self, pin: Pin) -> dict[str, str]:
+        """The pinned base texts of the core files (``pin.core_files``)."""
+        source = self.resolved()
+        if source.wheel is not None:
+            return base_from_wheel(source.wheel, pin, pin.core_files)
+        assert source.tree is not None
+        return core_from_target(detect_target(source.tree), pin)
+
+
+def core_from_target(target: Target, pin: Pin) -> dict[str, str]:
+    """The pinned core files (``pin.core_files``) of a vLLM tree, checked by
+    their sha256 (no core patch is ever applied to a tree)."""
+    out: dict[str, str] = {}
+    for path, sha in pin.core_files.items():
+        file = target.file(path)
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            raise MaterializeError(f"{file}: cannot read: {e.strerror}") from None
+        if sha256_bytes(data) != sha:
+            raise MaterializeError(
+                f"{file}: sha256 {sha256_bytes(data)} is not the pinned {sha}"
+            )
+        out[path] = data.decode()
+    return out
+
+
+def core_texts(core_bases: dict[str, str], core: Series) -> dict[str, str]:
+    """The core files with the core patches ``core`` holds applied."""
+    return {**core_bases, **overlay_texts(core_bases, core)}
 
 
 def materialize(

@@ -50,13 +50,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_overlay import cpuplatform
-from vllm_overlay.checkout import Checkout
+from vllm_overlay.checkout import REPORT_DIR, Checkout
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.gate.removable import (
+    REMOVABLE_REPORT,
+    RemovableReport,
+    load_removable,
+)
 from vllm_overlay.gate.reports import (
     RevertRedReport,
     RevertRedRow,
@@ -65,6 +70,7 @@ from vllm_overlay.gate.reports import (
 )
 from vllm_overlay.gate.reports import names as header_names
 from vllm_overlay.gate.stack import level_label, named_tests
+from vllm_overlay.series.core_series import core_key, load_core_series
 from vllm_overlay.series.diff import Hunk, HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import PROJECT_NAME, Series, SeriesPatch
 from vllm_overlay.series.pin import Pin
@@ -236,8 +242,21 @@ def _revert_red_rows(
     return named, guards, others
 
 
+def core_test_path(test_file: Path) -> str:
+    """``tests/patches/core/test_c001_sync_load.py`` ->
+    ``tests/v1/kv_connector/unit/test_sync_load.py``: a core patch's tests
+    drive the scheduler through a connector, as vLLM's connector unit tests
+    do, with their helpers (``utils.py``)."""
+    stem = re.sub(r"^c\d{3}_", "", test_file.stem.removeprefix("test_"))
+    return f"{UPSTREAM_TEST_DIR}/test_{stem}.py"
+
+
 def _port(
-    root: Path, patch: SeriesPatch, ruff: Ruff, log: list[str]
+    root: Path,
+    patch: SeriesPatch,
+    ruff: Ruff,
+    log: list[str],
+    dest_of: Callable[[Path], str] = upstream_test_path,
 ) -> tuple[dict[str, str], dict[str, str], str]:
     """Ported test texts by upstream path, the id map, the test summary."""
     files = sorted({t.split("::", 1)[0] for t in patch.header.tests})
@@ -252,7 +271,7 @@ def _port(
             raw = port_test(src)
         except OverlayError as e:
             raise _fail(patch, log, f"cannot port {rel}: {e}") from None
-        dest = upstream_test_path(src)
+        dest = dest_of(src)
         with tempfile.TemporaryDirectory(prefix="vllm-overlay-port-") as tmp:
             f = Path(tmp) / "port.py"
             f.write_text(raw)
@@ -432,6 +451,11 @@ class Context:
     run_tests: bool
     # Who signs the mails off (Signed-off-by); None: no sign-off.
     signoff: Identity | None = None
+    # The core series (patches/core/), its pinned base files and the
+    # `vllm-overlay removable` report proving it; empty without one.
+    core: Series | None = None
+    core_bases: dict[str, str] = field(default_factory=dict)
+    removable: RemovableReport | None = None
 
 
 @dataclass(frozen=True)
@@ -521,6 +545,107 @@ def build_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
     )
     _check_body(patch, body, log)
     return Bundle(patch, mail, body, log, trees.first)
+
+
+def _core_rows(ctx: Context, patch: SeriesPatch, log: list[str]) -> list[StackRow]:
+    """Check 3 for a core patch: the removable report shows its named tests
+    failing on the whole connector series without it and passing with it."""
+    assert ctx.removable is not None
+    rows = ctx.removable.rows_for(patch.name)
+    problems = [
+        f"{named} is not in the report"
+        for named in patch.header.tests
+        if not any(header_names(named, r.test_id) for r in rows)
+    ]
+    problems += [
+        f"{r.test_id}: {r.without} without it, {r.with_} with it"
+        for r in rows
+        if not r.holds
+    ]
+    if problems:
+        raise _fail(
+            patch,
+            log,
+            "the removable report does not show its named tests failing without "
+            "it and passing with it (" + "; ".join(problems[:5]) + "); run "
+            "`vllm-overlay removable` again or fix the header",
+        )
+    log.append(
+        f"[ok] revert-red: {count(len(rows), 'named test')} "
+        f"{verb(len(rows), 'fails', 'fail')} on vLLM {ctx.pin.vllm.version} with "
+        f"the connector series and without the core patch, and "
+        f"{verb(len(rows), 'passes', 'pass')} with it (removable report "
+        f"{ctx.removable.generated_at})"
+    )
+    return [StackRow(r.test_id, patch.name, "test", r.without, r.with_) for r in rows]
+
+
+def build_core_bundle(ctx: Context, patch: SeriesPatch) -> Bundle:
+    """A core patch as its own pull request against the pinned vLLM: the
+    mail goes from the pinned core files (with the core patches before it)
+    to the files with it, its tests ported to vLLM's connector unit tests."""
+    assert ctx.core is not None and ctx.removable is not None
+    log = [
+        f"export core patch {patch.name} (core series {ctx.core.series_id}, vLLM "
+        f"{ctx.pin.vllm.version} {ctx.pin.vllm.git_commit}, base from "
+        f"{ctx.base_source})"
+    ]
+    before = dict(ctx.core_bases)
+    for p in ctx.core.patches[: patch.index - 1]:
+        before = _apply(before, p)
+    try:
+        after = _apply(before, patch)
+    except HunkError as e:
+        raise _fail(patch, log, f"does not apply to the pinned vLLM: {e}") from None
+    log.append("[ok] applies to the pinned vLLM's core files (zero fuzz, no offset)")
+    _check_header(patch, log)
+    named = _core_rows(ctx, patch, log)
+    ported, id_map, summary = _port(
+        ctx.root, patch, ctx.ruff, log, dest_of=core_test_path
+    )
+    changed = {fp.path: after[fp.path] for fp in patch.files}
+    lint = _lint(patch, {**changed, **ported}, ctx.ruff, log)
+    pr_after = {**changed, **ported}
+    mail = _mail(
+        patch, {p: before[p] for p in changed}, pr_after, "base", log, ctx.signoff
+    )
+    log.append("[--] ported tests not run alone (a core patch's run is `removable`)")
+    base_label = f"vLLM {ctx.pin.vllm.version} ({ctx.pin.vllm.git_commit})"
+    verdicts = [v.line for v in ctx.removable.verdicts if v.core == patch.name]
+    note = (
+        f"Before: {base_label} with the MoRIIO connector changes of "
+        f"vllm-moriio-overlay (series {ctx.series.series_id}) applied; with: "
+        "this change added. The connector workarounds it makes unneeded, each "
+        "reverted and its tests run with this change: " + "; ".join(verdicts)
+        if verdicts
+        else ""
+    )
+    body = pr_body(
+        BodyInputs(
+            header=patch.header,
+            files=_file_changes(patch, pr_after, sorted(ported)),
+            test_path=sorted(ported),
+            test_summary=summary,
+            named=named,
+            others=[],
+            report=RevertRedReport(
+                ctx.pin.vllm.version,
+                ctx.series.series_id,
+                ctx.removable.generated_at,
+                [],
+                named,
+            ),
+            id_map=id_map,
+            base_label=base_label,
+            lint=lint,
+            ported_run="",
+            depends_on=[],
+            overlay_note=note,
+            authorship=authorship_note(patch, mail_author(patch, ctx.signoff)),
+        )
+    )
+    _check_body(patch, body, log)
+    return Bundle(patch, mail, body, log)
 
 
 def _trees(ctx: Context, patch: SeriesPatch, log: list[str]) -> _Trees:
@@ -738,6 +863,23 @@ def load_context(
         )
     bases = base.load(pin, series)
     ruff_exe = find_ruff(ruff, root / RUFF_CONFIG)
+    core = load_core_series(root)
+    removable = None
+    if core.patches:
+        path = root / REPORT_DIR / REMOVABLE_REPORT
+        try:
+            removable = load_removable(path)
+        except OverlayError as e:
+            raise ExportError(str(e)) from None
+        if (removable.series_id, removable.core_series_id) != (
+            series.series_id,
+            core.series_id,
+        ):
+            raise ExportError(
+                f"{path} is for series {removable.series_id} and core series "
+                f"{removable.core_series_id}, not the current {series.series_id} "
+                f"and {core.series_id}; run `vllm-overlay removable` first"
+            )
     return Context(
         root,
         pin,
@@ -748,6 +890,9 @@ def load_context(
         ruff_exe,
         run_tests,
         signoff,
+        core,
+        base.load_core(pin) if core.patches else {},
+        removable,
     )
 
 
@@ -784,23 +929,30 @@ def _check_stack(ctx: Context, bundles: list[Bundle]) -> None:
 
 def export(ctx: Context, names: Sequence[str], out: Path) -> list[Path]:
     """Check every selected patch, then write the bundles (all or none)."""
-    # A patch is named by its file name, its slug or its number ("0009").
+    # A patch is named by its file name, its slug or its number ("0009"); a
+    # core patch by its file name, its slug or its key ("c001").
     keys = [{p.name, p.slug, f"{p.index:04d}"} for p in ctx.series.patches]
+    core = ctx.core.patches if ctx.core is not None else ()
+    core_keys = [{p.name, p.slug, core_key(p)} for p in core]
     wanted = set(names)
     chosen = [
         p
         for p, k in zip(ctx.series.patches, keys, strict=True)
         if not names or k & wanted
     ]
-    unknown = wanted.difference(*keys)
+    chosen_core = [
+        p for p, k in zip(core, core_keys, strict=True) if not names or k & wanted
+    ]
+    unknown = wanted.difference(*keys, *core_keys)
     if unknown:
         raise ExportError(
             f"not in the series: {', '.join(sorted(unknown))} (the series: "
-            f"{', '.join(p.slug for p in ctx.series.patches)})"
+            f"{', '.join(p.slug for p in (*ctx.series.patches, *core))})"
         )
     bundles = [build_bundle(ctx, p) for p in chosen]
     if len(chosen) == len(ctx.series.patches):
         _check_stack(ctx, bundles)
+    bundles += [build_core_bundle(ctx, p) for p in chosen_core]
     written = []
     for b in bundles:
         b.log += open_hint(ctx.pin, b, out)

@@ -327,7 +327,16 @@ class _Porter:
 
     def __init__(self, test_file: Path):
         self.dir = test_file.parent
-        self.local = {p.stem for p in self.dir.glob("*.py") if p != test_file}
+        # A test directory without a conftest of its own (tests/patches/core/)
+        # draws on its parent's conftest and helpers, as pytest lets it.
+        dirs = [self.dir]
+        if (
+            not (self.dir / "conftest.py").is_file()
+            and (self.dir.parent / "conftest.py").is_file()
+        ):
+            dirs.insert(0, self.dir.parent)
+        self.paths = {p.stem: p for d in dirs for p in d.glob("*.py") if p != test_file}
+        self.local = set(self.paths)
         self.test = _parse(test_file, test_file.stem)
         self.modules: dict[str, _Module] = {self.test.name: self.test}
         # Per module: its imports of names from outside the local modules.
@@ -346,7 +355,7 @@ class _Porter:
 
     def _load(self, name: str) -> _Module:
         if name not in self.modules:
-            self.modules[name] = _parse(self.dir / f"{name}.py", name)
+            self.modules[name] = _parse(self.paths[name], name)
             self._scan_imports(self.modules[name])
         return self.modules[name]
 

@@ -1,0 +1,195 @@
+"""`vllm-overlay removable`: a workaround is removable with its core patch
+only when its named tests fail with it reverted and pass with it reverted
+and the core patch applied; a workaround that does not revert, a proof that
+cannot fail, and a core patch that does not fix it are each a "no". The
+pytest runs are stood in for by a runner that reads the trees it is given."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from vllm_overlay.cli import main
+from vllm_overlay.gate import cli as gate_cli
+from vllm_overlay.gate.removable import (
+    Inputs,
+    Runner,
+    load_removable,
+    prove_all,
+    prove_workaround,
+    reverted_texts,
+    workarounds,
+)
+from vllm_overlay.gate.reports import TestOutcome
+from vllm_overlay.series.core_series import load_core_series
+from vllm_overlay.series.diff import HunkError
+from vllm_overlay.series.patch_series import Series, SeriesPatch
+from vllm_overlay.series.pin import Pin
+from vllm_overlay.tree.materialize import BaseSource
+
+SCHEDULER = "vllm/v1/core/sched/scheduler.py"
+FIXED = "if num_external_computed_tokens and self.connector is not None"
+# Each core patch's file and a line it adds.
+CORE_FIXED = {
+    "c001": (SCHEDULER, FIXED),
+    "c002": (
+        "vllm/v1/core/kv_cache_manager.py",
+        "cdiv(num_computed_tokens, manager.block_size)",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def inputs(pin: Pin, series: Series, base_texts: dict[str, str]) -> Inputs:
+    core = load_core_series(series.root)
+    return Inputs(series, core, base_texts, BaseSource().load_core(pin))
+
+
+def _workaround(inputs: Inputs) -> tuple[SeriesPatch, SeriesPatch]:
+    [(workaround, fix)] = workarounds(inputs.series, inputs.core)
+    return workaround, fix
+
+
+def _has(files: dict[str, str], patch: SeriesPatch) -> bool:
+    """Whether the tree holds the lines ``patch`` adds."""
+    added = [
+        text for fp in patch.files for h in fp.hunks for tag, text in h.lines
+        if tag == "+" and text.strip()
+    ]  # fmt: skip
+    return all(any(a in t for t in files.values()) for a in added)
+
+
+def _runner(inputs: Inputs, fails: str) -> tuple[Runner, list[str]]:
+    """A runner whose tests fail on: "unfixed" a tree with the workaround
+    reverted and no core fix, "never", "reverted" any tree without it."""
+    workaround, fix = _workaround(inputs)
+    seen: list[str] = []
+
+    def run(
+        files: dict[str, str], entries: Sequence[str], work: Path
+    ) -> dict[str, TestOutcome]:
+        fixed = FIXED in files[SCHEDULER]
+        kept = _has(files, workaround)
+        seen.append(f"{work.name}: {'fixed' if fixed else 'unfixed'}")
+        core = {k: line in files[path] for k, (path, line) in CORE_FIXED.items()}
+        key = next(
+            (k for k in core if entries[0].startswith(f"tests/patches/core/test_{k}")),
+            None,
+        )
+        if key is not None:
+            bad = not core[key]
+        else:
+            bad = {"unfixed": not kept and not fixed, "never": False}.get(
+                fails, not kept
+            )
+        return {e: "failed" if bad else "passed" for e in entries}
+
+    return run, seen
+
+
+def test_the_zeroing_workaround_is_removable_with_its_core_fix(
+    inputs: Inputs, tmp_path: Path
+) -> None:
+    workaround, fix = _workaround(inputs)
+    assert workaround.name.startswith("0010-") and fix.name.startswith("c001-")
+    run, seen = _runner(inputs, "unfixed")
+    verdict = prove_workaround(inputs, workaround, fix, run, tmp_path)
+    assert verdict.line == "0010 removable with core patch c001: yes"
+    assert seen == ["0010-reverted: unfixed", "0010-reverted-c001: fixed"]
+
+
+def test_a_proof_that_cannot_fail_is_no(inputs: Inputs, tmp_path: Path) -> None:
+    workaround, fix = _workaround(inputs)
+    run, seen = _runner(inputs, "never")
+    verdict = prove_workaround(inputs, workaround, fix, run, tmp_path)
+    assert verdict.line == (
+        "0010 removable with core patch c001: no (its tests pass with 0010 "
+        "reverted and no core patch, so the proof cannot fail)"
+    )
+    assert len(seen) == 1
+
+
+def test_a_core_patch_that_does_not_fix_it_is_no(
+    inputs: Inputs, tmp_path: Path
+) -> None:
+    workaround, fix = _workaround(inputs)
+    run, _ = _runner(inputs, "reverted")
+    verdict = prove_workaround(inputs, workaround, fix, run, tmp_path)
+    assert not verdict.removable
+    assert verdict.line.startswith(
+        "0010 removable with core patch c001: no (4 of 4 named tests fail with "
+        "0010 reverted and c001 applied: "
+    )
+
+
+def test_a_workaround_that_does_not_revert_is_no(
+    inputs: Inputs, tmp_path: Path
+) -> None:
+    workaround, fix = _workaround(inputs)
+    below = Inputs(
+        inputs.series.upto(workaround.index - 1),
+        inputs.core,
+        inputs.bases,
+        inputs.core_bases,
+    )
+    run, seen = _runner(inputs, "unfixed")
+    verdict = prove_workaround(below, workaround, fix, run, tmp_path)
+    assert verdict.line.startswith(
+        "0010 removable with core patch c001: no (does not revert: "
+    )
+    assert seen == []
+    with pytest.raises(HunkError):
+        reverted_texts(inputs.bases, workaround)
+
+
+def test_every_core_patch_is_red_without_it_and_green_with_it(
+    inputs: Inputs,
+) -> None:
+    run, _ = _runner(inputs, "unfixed")
+    report = prove_all(inputs, run, "0.34.0", progress=lambda line: None)
+    assert report.core_rows and all(r.holds for r in report.core_rows)
+    assert [v.line for v in report.verdicts] == [
+        "0010 removable with core patch c001: yes"
+    ]
+
+
+def test_the_command_prints_the_verdicts_and_sets_the_status(
+    inputs: Inputs,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for fails, status in (("unfixed", 0), ("never", 1)):
+        run, _ = _runner(inputs, fails)
+        monkeypatch.setattr(gate_cli, "pytest_runner", lambda *a, run=run: run)
+        out = tmp_path / f"{fails}.json"
+        assert main(["removable", "--out", str(out)]) == status
+        lines = capsys.readouterr().out.splitlines()
+        verdict = next(ln for ln in lines if ln.startswith("0010 removable"))
+        assert verdict.startswith(
+            "0010 removable with core patch c001: " + ("yes" if not status else "no")
+        )
+        assert lines[-1].startswith(
+            "removable: ok, 1 of 1 workaround" if not status else "removable: FAILED"
+        )
+        report = load_removable(out)
+        assert [v.removable for v in report.verdicts] == [not status]
+        assert json.loads(out.read_text())["core_rows"][0]["with"] == "passed"
+
+
+def test_an_unknown_workaround_is_one_line_and_runs_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def never(*a: object) -> Runner:
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(gate_cli, "pytest_runner", never)
+    assert main(["removable", "--patch", "0009"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: --patch 0009: not a patch whose Remove-When names a core patch "
+        "(those are: 0010)\n"
+    )
