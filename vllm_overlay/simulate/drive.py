@@ -42,7 +42,6 @@ from vllm_overlay.simulate.writes import (
     READ,
     WRITE,
     Notified,
-    WriteRefused,
     leg_params,
     notified_lists,
     write_pairs,
@@ -555,7 +554,9 @@ class Pair:
         conn.send_notify_block = notify
         conn._release_write_prefill_blocks = release
 
-    def _run_write_case(self, n: int, hit_fraction: float, held: int | None) -> CaseResult:
+    def _run_write_case(
+        self, n: int, hit_fraction: float, held: int | None
+    ) -> CaseResult:
         """WRITE's order (as ``bytes/driver.py``): the proxy gives both legs
         each other's address; the decoder allocates (what it lacks is
         snapshotted then) and notifies; the prefiller prefills and writes
@@ -672,7 +673,9 @@ class Pair:
             box["writes"] = self._write(transfer_id, save)
 
         for _ in range(64):
-            outs = self._step(self.p, self.p_store, {rid: (uid, n)}, after_compute=write)
+            outs = self._step(
+                self.p, self.p_store, {rid: (uid, n)}, after_compute=write
+            )
             if any(o.request_id == rid and o.finish_reason for o in outs):
                 return
         raise RuntimeError("the prefill did not finish")

@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Final, Literal
 
-READ, WRITE = "read", "write"
-MODES = (READ, WRITE)
+Mode = Literal["read", "write"]
+READ: Final = "read"
+WRITE: Final = "write"
+MODES: tuple[Mode, ...] = (READ, WRITE)
 """The connector's modes, as ``simulate-bytes --modes`` names them."""
 
 
@@ -38,17 +40,24 @@ class Notified:
     num_held_blocks: list[int] | None
 
 
-def parse_modes(text: str) -> list[str]:
+def row_key(layout: str, mode: str) -> str:
+    """How a sweep names one layout's row in a mode: the layout for READ
+    (as before WRITE ran), ``layout write`` for WRITE."""
+    return layout if mode == READ else f"{layout} {mode}"
+
+
+def parse_modes(text: str) -> list[Mode]:
     """``--modes``: a comma list of read and write, each once, in the order
     given; a bad value is a ValueError saying why."""
-    modes: list[str] = []
+    modes: list[Mode] = []
     for part in (x.strip() for x in text.split(",")):
         if not part:
             continue
-        if part not in MODES:
+        mode = next((m for m in MODES if m == part), None)
+        if mode is None:
             raise ValueError(f"unknown mode {part!r}; choose from {list(MODES)}")
-        if part not in modes:
-            modes.append(part)
+        if mode not in modes:
+            modes.append(mode)
     if not modes:
         raise ValueError("no mode given (read, write or read,write)")
     return modes
@@ -119,9 +128,7 @@ def write_pairs(
     slot each). Raises ``WriteRefused`` where the workers write nothing."""
     held = _held(notified)
     local = [list(x) for x in save_lists]
-    task = SimpleNamespace(
-        local_block_ids=local, write_start_blocks=write_start_blocks
-    )
+    task = SimpleNamespace(local_block_ids=local, write_start_blocks=write_start_blocks)
     info = SimpleNamespace(block_ids=notified.block_lists, num_held_blocks=held)
     write_pages = getattr(writer, "_write_pages", None)
     unwritable = getattr(writer, "_unwritable_pages", None)
