@@ -89,7 +89,10 @@ def test_a_page_written_off_by_one_is_wrong_kv(llama_write, monkeypatch):
 
     def shifted(*args):
         pairs = real(*args)
-        return [[(src, dst) for (src, _), (_, dst) in zip(p, p[1:] + p[:1])] for p in pairs]
+        return [
+            [(src, dst) for (src, _), (_, dst) in zip(p, p[1:] + p[:1], strict=True)]
+            for p in pairs
+        ]
 
     monkeypatch.setattr(drive, "write_pairs", shifted)
     r = llama_write.run_case(545, 0.0)
