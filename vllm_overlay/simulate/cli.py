@@ -314,7 +314,8 @@ def _run(app: App, args: argparse.Namespace) -> int:
     if faults and (args.bytes or args.update_readme or args.whole):
         return app.fail("--faults: not with --bytes, --update-readme or --whole")
     try:
-        modes = parse_modes(args.modes)
+        # simulate-bytes checks its own (``bytes_cli.options_from``).
+        modes = parse_modes(args.modes) if not args.bytes else list(MODES)
     except ValueError as e:
         return app.fail(f"--modes {args.modes!r}: {e}")
     if (faults or args.update_readme) and args.modes != DEFAULT_MODES:
