@@ -334,6 +334,10 @@ def test_a_write_row_is_judged_by_reads_rules_and_gaps_name_its_mode() -> None:
     verdict = judge(report, [_gap("llama write")])
     assert verdict.exit_code == 0
     assert verdict.known == ["llama write wrong KV (issue 12)"]
+    assert verdict.line().startswith(
+        "simulate: ok: the overlay moves the right KV in every layout that starts "
+        "(2 run, 0 refused at start)"
+    )
     assert gap_layout(_gap("llama/dcp2 write")) == "llama/dcp2"
     # A WRITE row refused at start is no failure, as READ's.
     refused = _row(

@@ -25,7 +25,7 @@ from vllm_overlay.errors import OverlayError
 from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.faults import FaultReport
 from vllm_overlay.simulate.report import LayoutReport, SweepReport
-from vllm_overlay.simulate.writes import row_key
+from vllm_overlay.simulate.writes import WRITE, row_key
 from vllm_overlay.text import count
 from vllm_overlay.tomlfile import read_toml
 
@@ -174,6 +174,8 @@ class Verdict:
     """Known gaps whose layout ran and no longer shows the problem."""
     base_decoder_wrong: int = 0
     """Wrong cases of base-decoder pairs that the base pair has too."""
+    wrote: bool = False
+    """Some judged row ran WRITE: the KV is moved, not only read."""
 
     @property
     def exit_code(self) -> int:
@@ -195,8 +197,9 @@ class Verdict:
             )
         if not self.judged:
             return "simulate: no overlay layout ran: nothing to judge" + known
+        moves = "moves" if self.wrote else "reads"
         return (
-            f"simulate: ok: the overlay reads the right KV in every layout that "
+            f"simulate: ok: the overlay {moves} the right KV in every layout that "
             f"starts ({self.judged - self.refused} run, {self.refused} refused at "
             f"start){known}"
         )
@@ -226,6 +229,7 @@ def judge(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
     for r in rows:
         verdict.judged += 1
         verdict.refused += r.refused_at_start is not None
+        verdict.wrote |= r.mode == WRITE
         key = row_key(r.layout, r.mode)
         found = problems(r, base_wrong.get(key))
         if base_decoder(r.variant) and r.refused_at_start is None:
