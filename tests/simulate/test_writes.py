@@ -171,3 +171,24 @@ def test_modes_parse_like_simulate_bytes():
             parse_modes(bad)
     assert row_key("llama", "read") == "llama"
     assert row_key("llama/dcp2", "write") == "llama/dcp2 write"
+
+
+def test_a_write_the_prefillers_workers_refuse_is_an_error_case(
+    llama_write, monkeypatch
+):
+    """A decoder page that is the null block: the overlay's writer
+    (``_unwritable_pages``) writes nothing, the case is an error (a crash
+    in the verdict unless listed), and the next case runs on rebuilt legs."""
+    real = drive.notified_lists
+    null = llama_write.d_store.null_block_id
+
+    def with_null_page(raw):
+        lists = real(raw)
+        return [[null, *lists[0][1:]], *lists[1:]]
+
+    monkeypatch.setattr(drive, "notified_lists", with_null_page)
+    r = llama_write.run_case(545, 0.0)
+    assert r.error is not None and r.error.startswith("WriteRefused: ")
+    assert "is the null block" in r.error
+    monkeypatch.undo()
+    _right(llama_write, 545, 0.0)
