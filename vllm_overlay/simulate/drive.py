@@ -1,4 +1,4 @@
-"""Drive one prompt through both legs and READ it page by page.
+"""Drive one prompt through both legs and READ (or WRITE) it page by page.
 
 Order per case: optional decoder warm-up sharing a prefix of the prompt;
 prefill on P until it returns ``kv_transfer_params``; the same prompt on D
@@ -7,6 +7,9 @@ table: snapshot what D lacks, READ, check; D samples its token and
 finishes; P gets ``finished_sending`` and frees. Each case has tokens of its
 own, so earlier cases never give a hit; their pages stay in the pools as
 stale contents, and the prefix caches are reset every 64 cases.
+
+WRITE (``Pair(mode="write")``) runs WRITE's order instead, with the same
+check (``_run_write_case``; ``writes.py``).
 """
 
 from __future__ import annotations
