@@ -120,8 +120,9 @@ def simulate(session: nox.Session) -> None:
     """The CPU prefill/decode simulator: base vs overlay, and a verdict on the overlay.
 
     `nox -s simulate -- --lengths 1-4096` tries every length, most of them
-    extrapolated from small cases (`-- --whole` runs each one).
-    Exit status 1 when the overlay reads wrong KV, crashes or runs no case in
+    extrapolated from small cases (`-- --whole` runs each one). READ and
+    WRITE, a row each (`-- --modes read` for READ alone; docs/simulate-write.md).
+    Exit status 1 when the overlay moves wrong KV, crashes or runs no case in
     a layout docs/known-gaps.toml does not list. Opt-in (docs/simulate-pairs.md):
     `-- --variant mixed` (a base prefiller with an overlaid decoder and the
     reverse), `-- --faults` (each refusal path through the real scheduler).

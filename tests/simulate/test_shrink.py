@@ -145,12 +145,24 @@ SAMPLE = sorted({*range(1, 4097, 97), 127, 128, 129, 191, 192, 511, 512, 513, 40
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gemma", "dsv4", "glm", "kimi/dcp2"])
 def test_every_case_equals_the_case_run_whole(name):
+    _shrunk_equals_whole(name, "read")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gemma", "kimi/dcp2"])
+def test_every_write_case_equals_the_case_run_whole(name):
+    """WRITE's pairing is the same arithmetic on positions: its cases shrink
+    by the same periods."""
+    _shrunk_equals_whole(name, "write")
+
+
+def _shrunk_equals_whole(name: str, mode: str) -> None:
     from vllm_overlay.simulate.drive import Pair
     from vllm_overlay.simulate.layouts import expand
 
     layout = expand([name])[0]
-    small = Pair(layout, 4096 + 64, port=47600)
-    whole = Pair(layout, 4096 + 64, port=47800)
+    small = Pair(layout, 4096 + 64, port=47600, mode=mode)
+    whole = Pair(layout, 4096 + 64, port=47800, mode=mode)
     period = shrink.layout_period(small)
     stats = shrink.Stats()
 

@@ -175,7 +175,9 @@ def test_a_targeted_run_writes_its_own_report_and_keeps_the_full_one(
     written = full.with_name(
         "simulate.layouts-llama.lengths-5.hits-0.variant-overlay.json"
     )
-    assert json.loads(written.read_text())["layouts"][0]["cases"] == 1
+    rows = json.loads(written.read_text())["layouts"]
+    # Both modes by default (as simulate-bytes): a READ row, then WRITE's.
+    assert [(r["mode"], r["cases"]) for r in rows[:2]] == [("read", 1), ("write", 1)]
     assert full.read_text() == '{"the": "full run"}\n'
     out, err = capsys.readouterr()
     assert (
@@ -183,7 +185,7 @@ def test_a_targeted_run_writes_its_own_report_and_keeps_the_full_one(
     )
     # Before it starts, the plan and its expected time; the next run of the
     # same selection is expected to take what this one took.
-    plan = "simulate: 3 cases: 3 layouts x 1 variant; expected about "
+    plan = "simulate: 6 cases: 3 layouts x 1 variant x 2 modes; expected about "
     assert err.startswith(plan)
     wall = json.loads(written.read_text())["wall_seconds"]
     assert main([*argv, "--hits", "0", "--variant", "overlay"]) == 0
@@ -310,3 +312,104 @@ def test_the_summary_says_one_case() -> None:
         wall_seconds=1.0,
     )
     assert summary_line(report).startswith("1 case; overlay: ")
+
+
+def test_a_write_row_is_judged_by_reads_rules_and_gaps_name_its_mode() -> None:
+    """WRITE rows: wrong KV fails the run (exit 1), a READ gap of the layout
+    does not cover its WRITE row, a gap naming ``layout write`` does."""
+    read = _row("llama", cases=4, lengths_tried=1)
+    write = _row(
+        "llama",
+        mode="write",
+        cases=4,
+        lengths_tried=1,
+        wrong_cases=1,
+        wrong_lengths=[5],
+        wrong_lengths_by_hit={"0": [5]},
+    )
+    report = _report(read, write)
+    verdict = judge(report, [_gap("llama")])
+    assert verdict.exit_code == 1
+    assert verdict.failures == ["llama write reads wrong KV at 1 of 1 lengths"]
+    verdict = judge(report, [_gap("llama write")])
+    assert verdict.exit_code == 0
+    assert verdict.known == ["llama write wrong KV (issue 12)"]
+    assert verdict.line().startswith(
+        "simulate: ok: the overlay moves the right KV in every layout that starts "
+        "(2 run, 0 refused at start)"
+    )
+    assert gap_layout(_gap("llama/dcp2 write")) == "llama/dcp2"
+    # A WRITE row refused at start is no failure, as READ's.
+    refused = _row(
+        "glm",
+        mode="write",
+        refused_at_start="NotImplementedError: no",
+        refused_by="connector",
+    )
+    assert judge(_report(read, refused), []).exit_code == 0
+
+
+def test_the_table_and_the_summary_carry_the_mode_per_row() -> None:
+    rows = [
+        _row("llama", cases=2, lengths_tried=1, pages_read=4, min_pages=4),
+        _row(
+            "llama", mode="write", cases=2, lengths_tried=1, pages_read=9, min_pages=4
+        ),
+        _row(
+            "glm",
+            mode="write",
+            refused_at_start="NotImplementedError: no WRITE",
+            refused_by="connector",
+        ),  # fmt: skip
+    ]
+    report = _report(*rows, variants=("overlay",))
+    lines = format_table(report).splitlines()
+    assert lines[0].split() == ["layout", "variant", "mode", "lengths", "wrong", "KV",
+                                "moved/min", "note"]  # fmt: skip
+    assert lines[2].split()[:3] == ["llama", "overlay", "read"]
+    assert lines[3].split()[:3] == ["llama", "overlay", "write"]
+    assert lines[3].split()[-3:] == ["9/4", "=", "2.25"]
+    assert lines[4].split()[:4] == ["glm", "overlay", "write", "refused"]
+    line = summary_line(report)
+    assert "overlay: 0 layouts with wrong KV, 0 reading more than the minimum" in line
+    assert (
+        "overlay write: 0 layouts with wrong KV, 1 writing more than the minimum, "
+        "0 with errors (0 with escapes), 1 refused at start"
+    ) in line
+    encoded = msgspec.json.decode(msgspec.json.encode(report), type=SweepReport)
+    assert [r.mode for r in encoded.layouts] == ["read", "write", "write"]
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(
+            msgspec.json.encode(report).replace(b'"write"', b'"push"'),
+            type=SweepReport,
+        )
+
+
+def test_modes_are_the_scheduler_simulators_option_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_overlay.simulate import cli
+
+    seen: list[object] = []
+
+    def sweep(*args: object, **kwargs: object) -> SweepReport:
+        seen.append(kwargs["modes"])
+        return _report(_row("llama", cases=1, lengths_tried=1), variants=("overlay",))
+
+    monkeypatch.setattr(cli, "run_sweep", sweep)
+    report = tmp_path / "r.json"
+    argv = ["simulate", "--layouts", "llama", "--variant", "overlay"]
+    argv += ["--report", str(report)]
+    assert main([*argv, "--modes", "write"]) == 0
+    assert main(argv) == 0
+    assert seen == [["write"], ["read", "write"]]
+    capsys.readouterr()
+    assert main([*argv, "--modes", "push"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --modes 'push': unknown mode 'push'; choose from ['read', 'write']\n"
+    )
+    assert main([*argv, "--faults", "--modes", "write"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --modes: --faults and --update-readme run READ only\n"
+    )
+    assert seen == [["write"], ["read", "write"]]

@@ -62,6 +62,7 @@ from vllm_overlay.simulate.verdict import (
     judge,
     load_gaps,
 )
+from vllm_overlay.simulate.writes import MODES, READ, parse_modes
 from vllm_overlay.tree.baseopts import add_base_options, base_source
 
 BYTES_REPORT = "simulate-bytes.json"
@@ -69,6 +70,8 @@ DEPRECATED_BYTES = (
     "note: `vllm-overlay simulate --bytes` is deprecated; it runs "
     "`vllm-overlay simulate-bytes` (the same options)"
 )
+DEFAULT_MODES = ",".join(MODES)
+"""Both modes, as ``simulate-bytes``: WRITE is the connector's default."""
 DEFAULT_VARIANT = "all"
 """Both builds alone and both mixed pairs (a rolling upgrade's halves)."""
 
@@ -282,17 +285,19 @@ def _run_bytes(app: App, args: argparse.Namespace) -> int:
 
 
 def _run(app: App, args: argparse.Namespace) -> int:
-    """CPU prefill/decode simulator: real schedulers, content-checked READ.
+    """CPU prefill/decode simulator: real schedulers, content-checked READ and WRITE.
 
     Run both legs' real vLLM schedulers on CPU with the MoRIIO connector in
-    READ mode, base against overlay, for every layout, prompt length and
-    decoder prefix hit, and check what the decoder reads. The byte level is
+    READ and WRITE mode (--modes), base against overlay, for every layout,
+    prompt length and decoder prefix hit, and check what the decoder holds
+    for its last prompt token once the KV moved. The byte level is
     `vllm-overlay simulate-bytes` (`simulate --bytes` still runs it, with a
     note on stderr).
 
     Ends with a verdict on the overlay: exit status 1 when a layout that
-    starts reads wrong KV, crashes or runs no case with the overlay, unless
-    docs/known-gaps.toml lists it with the issue or patch that tracks it.
+    starts (in a mode) ends with wrong KV, crashes or runs no case with the
+    overlay, unless docs/known-gaps.toml lists it with the issue or patch
+    that tracks it.
     """
     if args.processes is not None and args.processes < 1:
         return app.fail(f"--processes {args.processes}: must be at least 1")
@@ -308,6 +313,13 @@ def _run(app: App, args: argparse.Namespace) -> int:
         return app.fail(f"--faults {args.faults!r}: {e}")
     if faults and (args.bytes or args.update_readme or args.whole):
         return app.fail("--faults: not with --bytes, --update-readme or --whole")
+    try:
+        # simulate-bytes checks its own (``bytes_cli.options_from``).
+        modes = parse_modes(args.modes) if not args.bytes else list(MODES)
+    except ValueError as e:
+        return app.fail(f"--modes {args.modes!r}: {e}")
+    if (faults or args.update_readme) and args.modes != DEFAULT_MODES:
+        return app.fail("--modes: --faults and --update-readme run READ only")
     layouts = [x for x in args.layouts.split(",") if x.strip()]
     _check_args(layouts, args.lengths, args.hits)
     bytes_opts = bytes_cli.options_from(args) if args.bytes else None
@@ -356,6 +368,7 @@ def _run(app: App, args: argparse.Namespace) -> int:
             args.processes,
             whole=args.whole,
             faults=faults,
+            modes=[READ] if args.update_readme else modes,
         )
         text = _scheduler_text(report, args.markdown, bool(faults), variants)
         summary = summary_line(report)

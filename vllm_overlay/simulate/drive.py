@@ -1,4 +1,4 @@
-"""Drive one prompt through both legs and READ it page by page.
+"""Drive one prompt through both legs and READ (or WRITE) it page by page.
 
 Order per case: optional decoder warm-up sharing a prefix of the prompt;
 prefill on P until it returns ``kv_transfer_params``; the same prompt on D
@@ -7,6 +7,9 @@ table: snapshot what D lacks, READ, check; D samples its token and
 finishes; P gets ``finished_sending`` and frees. Each case has tokens of its
 own, so earlier cases never give a hit; their pages stay in the pools as
 stale contents, and the prefix caches are reset every 64 cases.
+
+WRITE (``Pair(mode="write")``) runs WRITE's order instead, with the same
+check (``_run_write_case``; ``writes.py``).
 """
 
 from __future__ import annotations
@@ -34,9 +37,18 @@ from vllm_overlay.simulate.check import (
 from vllm_overlay.simulate.faults import Fault, FaultCase, FaultContext, apply_payload
 from vllm_overlay.simulate.hashes import PromptHashes
 from vllm_overlay.simulate.layout_types import Layout
-from vllm_overlay.simulate.legs import Leg, build_leg
+from vllm_overlay.simulate.legs import Leg, LegOptions, build_leg
 from vllm_overlay.simulate.outputs import model_runner_output
 from vllm_overlay.simulate.pages import Page, PageStore, holds_state
+from vllm_overlay.simulate.writes import (
+    MODES,
+    READ,
+    WRITE,
+    Notified,
+    leg_params,
+    notified_lists,
+    write_pairs,
+)
 
 Lists = list[list[int]]
 RewriteFn = Callable[[Lists, Lists, Lists], tuple[Lists, Lists]]
@@ -219,19 +231,28 @@ class Pair:
         max_model_len: int,
         port: int = 40000,
         recover: bool = True,
+        mode: str = READ,
     ):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
         self.layout = layout
         self.max_model_len = max_model_len
         self.port = port
         self.recover = recover
+        self.mode = mode
         self._build()
 
     def _build(self) -> None:
         # Each leg on its own build's connector (a mixed pair: ``builds.py``).
+        options = LegOptions(read_mode=self.mode == READ)
         use_role(PRODUCER)
-        self.p = build_leg(self.layout, PRODUCER, self.port, self.max_model_len)
+        self.p = build_leg(
+            self.layout, PRODUCER, self.port, self.max_model_len, options
+        )
         use_role(CONSUMER)
-        self.d = build_leg(self.layout, CONSUMER, self.port + 100, self.max_model_len)
+        self.d = build_leg(
+            self.layout, CONSUMER, self.port + 100, self.max_model_len, options
+        )
         hashes = PromptHashes()
         for leg in (self.p, self.d):
             leg.block_hasher = hashes.wrap(leg.block_hasher, leg)
@@ -268,6 +289,8 @@ class Pair:
             return count(request, num_computed_tokens)
 
         connector.get_num_new_matched_tokens = count_spy
+        if self.mode == WRITE:
+            self._spy_write_notifies()
 
     @staticmethod
     def _null_id(leg: Leg) -> int:
@@ -361,11 +384,13 @@ class Pair:
         finished_sending: set[str] | None = None,
         before_compute: Callable[[Any], None] | None = None,
         after_compute: Callable[[Any], None] | None = None,
+        finished_recving: set[str] | None = None,
     ) -> list[Any]:
         from vllm.v1.outputs import KVConnectorOutput
 
         sched = leg.scheduler
         site = "P" if leg is self.p else "D"
+        _take_role(leg)
         try:
             so = sched.schedule()
         except Exception as exc:
@@ -390,8 +415,11 @@ class Pair:
             ids,
             sampled_token_ids=sampled,
             kv_connector_output=(
-                KVConnectorOutput(finished_sending=finished_sending)
-                if finished_sending
+                KVConnectorOutput(
+                    finished_sending=finished_sending,
+                    finished_recving=finished_recving,
+                )
+                if finished_sending or finished_recving
                 else None
             ),
         )
@@ -437,6 +465,10 @@ class Pair:
     def _run_case(
         self, n: int, hit_fraction: float, rewrite: RewriteFn | None, held: int | None
     ) -> CaseResult:
+        if self.mode == WRITE:
+            if rewrite is not None:
+                raise ValueError("a READ rewrite hook in a WRITE case")
+            return self._run_write_case(n, hit_fraction, held)
         self._seq += 1
         uid = self._seq
         tokens = prompt_tokens(uid, n)
@@ -498,6 +530,211 @@ class Pair:
         if "result" not in box:
             raise RuntimeError("decoder did not schedule the request")
         return box["result"]
+
+    # -- one WRITE case ---------------------------------------------------
+
+    def _spy_write_notifies(self) -> None:
+        """WRITE: keep what the decoder's connector sends the prefiller (no
+        sockets here): its block lists per transfer, or the release of a
+        request it loads nothing for."""
+        self._notified: dict[str, tuple[Any, Any]] = {}
+        self._released: set[str] = set()
+        conn = self.d.scheduler.connector.connector_scheduler
+
+        def notify(
+            req_id: str,
+            transfer_id: str,
+            block_notify_list: Any,
+            host: Any = None,
+            port: Any = None,
+            num_held_blocks: Any = None,
+        ) -> None:
+            self._notified[transfer_id] = (block_notify_list, num_held_blocks)
+
+        def release(request_id: str, params: Any) -> None:
+            self._released.add(request_id)
+
+        conn.send_notify_block = notify
+        conn._release_write_prefill_blocks = release
+
+    def _run_write_case(
+        self, n: int, hit_fraction: float, held: int | None
+    ) -> CaseResult:
+        """WRITE's order (as ``bytes/driver.py``): the proxy gives both legs
+        each other's address; the decoder allocates (what it lacks is
+        snapshotted then) and notifies; the prefiller prefills and writes
+        after its forward; the decoder's workers report the request
+        received, and its first compute step is judged before the forward.
+        A decoder that loads nothing (no external token) computes the
+        request in its first step, judged there as READ's."""
+        self._seq += 1
+        uid = self._seq
+        tokens = prompt_tokens(uid, n)
+        shared = round(n * hit_fraction) if held is None else held
+        if shared > 0:
+            warm = prompt_tokens(uid, shared + 1, shared=shared)
+            self._run_local(self.d, self.d_store, f"w{uid}", warm, uid, shared)
+        rid, transfer_id = f"r{uid}", f"t{uid}"
+        p_tp = self.p.vllm_config.parallel_config.tensor_parallel_size
+        d_tp = self.d.vllm_config.parallel_config.tensor_parallel_size
+        d_params = leg_params(transfer_id, self.port, p_tp, decode=True)
+        p_params = leg_params(transfer_id, self.port + 100, d_tp, decode=False)
+        self.d.scheduler.add_request(self._request(self.d, rid, tokens, d_params))
+        meta = {rid: (uid, n)}
+        box: dict[str, Any] = {}
+
+        def allocated(so: Any) -> None:
+            if rid in so.num_scheduled_tokens:
+                # No external token: computed at once, judged as READ's.
+                box["result"] = self._read_and_check(
+                    so, rid, n, uid, hit_fraction, None
+                )
+                return
+            req = self.d.scheduler.requests.get(rid)
+            if req is None:
+                return
+            local_hit = req.num_computed_tokens - self._external.pop(rid, 0)
+            tables = [
+                list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)
+            ]
+            box["local_hit"] = local_hit
+            box["check"] = ReadCheck(
+                self.groups, tables, self.d_store, n, uid, local_hit
+            )
+
+        def judge_fallback(so: Any) -> None:
+            got = box.get("result")
+            if got is not None and got.fallback and self._prompt_done(rid, n):
+                box["result"] = self._judge_held(rid, n, uid, got)
+
+        self._step(
+            self.d,
+            self.d_store,
+            meta,
+            before_compute=allocated,
+            after_compute=judge_fallback,
+        )
+        self._prefill_and_write(rid, transfer_id, tokens, uid, n, p_params, box)
+
+        def judge_write(so: Any) -> None:
+            if "result" in box or rid not in so.num_scheduled_tokens:
+                return
+            box["result"] = self._judge_written(rid, n, hit_fraction, box)
+
+        received = {rid} if "writes" in box else None
+        for _ in range(8):
+            if rid not in self.d.scheduler.requests:
+                break
+            self._step(
+                self.d,
+                self.d_store,
+                meta,
+                before_compute=judge_write,
+                after_compute=judge_fallback,
+                finished_recving=received,
+            )
+            received = None
+        self._step(self.p, self.p_store, {}, finished_sending={rid})
+        if rid in self.p.scheduler.requests:
+            raise RuntimeError("prefill did not free the request")
+        self._notified.pop(transfer_id, None)
+        self._released.discard(rid)
+        if self._seq % 64 == 0 and not (
+            self.p.scheduler.reset_prefix_cache()
+            and self.d.scheduler.reset_prefix_cache()
+        ):
+            raise RuntimeError("reset_prefix_cache refused")
+        if "result" not in box:
+            raise RuntimeError("decoder did not schedule the request")
+        result: CaseResult = box["result"]
+        return result
+
+    def _prefill_and_write(
+        self,
+        rid: str,
+        transfer_id: str,
+        tokens: list[int],
+        uid: int,
+        n: int,
+        params: dict[str, Any],
+        box: dict[str, Any],
+    ) -> None:
+        """Prefill on P until the request finishes; after the forward of the
+        step whose ``ReqMeta`` saves it, write into the decoder's pages
+        (none when the decoder released the request)."""
+        request = self._request(self.p, rid, tokens, params)
+        self.p.scheduler.add_request(request)
+
+        def write(so: Any) -> None:
+            km = so.kv_connector_metadata
+            save = getattr(km, "reqs_to_save", {}).get(rid) if km else None
+            if save is None or "writes" in box or rid in self._released:
+                return
+            if transfer_id not in self._notified:
+                raise RuntimeError("the decoder sent the prefiller no block lists")
+            self._prefilled[rid] = request.num_prompt_tokens
+            box["writes"] = self._write(transfer_id, save)
+
+        for _ in range(64):
+            outs = self._step(
+                self.p, self.p_store, {rid: (uid, n)}, after_compute=write
+            )
+            if any(o.request_id == rid and o.finish_reason for o in outs):
+                return
+        raise RuntimeError("the prefill did not finish")
+
+    def _write(
+        self, transfer_id: str, save: Any
+    ) -> tuple[list[tuple[int, int]], list[int]]:
+        """Copy the pages the prefiller's workers write (``writes.py``):
+        (group, decoder page) per page written, and the group of every pair
+        with a null block on either side."""
+        raw_lists, held = self._notified[transfer_id]
+        notified = Notified(
+            notified_lists(raw_lists), list(held) if held is not None else None
+        )
+        transfer_ids = self.d.kv_cache_config.transfer_group_ids
+        module = module_of(self.p.scheduler.connector)
+        conn = self.p.scheduler.connector.connector_scheduler
+        pairs = write_pairs(
+            module.get("MoRIIOWriter"),
+            bool(getattr(conn, "_has_mamba", False)),
+            [self.groups[g].kind == STATE_KIND for g in transfer_ids],
+            [list(x) for x in save.local_block_ids],
+            getattr(save, "write_start_blocks", None),
+            notified,
+        )
+        writes: list[tuple[int, int]] = []
+        null_writes: list[int] = []
+        p_null, d_null = self.p_store.null_block_id, self.d_store.null_block_id
+        for t, group_pairs in enumerate(pairs):
+            g = transfer_ids[t]
+            for src, dst in group_pairs:
+                self.d_store.put(dst, self.p_store.get(src))
+                writes.append((g, dst))
+                if src == p_null or dst == d_null:
+                    null_writes.append(g)
+        return writes, null_writes
+
+    def _judge_written(
+        self, rid: str, n: int, hit_fraction: float, box: dict[str, Any]
+    ) -> CaseResult:
+        """The decoder's first compute step after the write: what it holds
+        for its last prompt token, the pages written against those it
+        lacked when it allocated."""
+        check: ReadCheck | None = box.get("check")
+        if check is None:
+            raise RuntimeError("the decoder scheduled the request before allocating")
+        writes, null_writes = box.get("writes", ([], []))
+        tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
+        precopy_states(self.groups, tables, self.d_store, n)
+        check.tables = tables
+        result = check.judge(
+            self.d_store, writes, hit_fraction, box["local_hit"], null_writes
+        )
+        prefilled = self._prefilled.pop(rid, n)
+        sampled = sampled_drafter_rows(self.groups, tables, writes, n, prefilled)
+        return msgspec.structs.replace(result, sampled_drafter_rows=sampled)
 
     def run_fault_case(self, n: int, hit_fraction: float, fault: Fault) -> FaultCase:
         """Two requests on the decoder in one step, one of them meeting
@@ -716,6 +953,16 @@ class Pair:
                 if src == p_null or dst == d_null:
                     null_reads.append(g)
         return reads, null_reads
+
+
+def _take_role(leg: Leg) -> None:
+    """The connector's process-wide role (``moriio_common.set_role``; its
+    WRITE save path asks ``get_role()``) is the leg's own while it steps:
+    a server runs one leg per process, this one runs both."""
+    module = module_of(leg.scheduler.connector)
+    set_role, role = module.get("set_role"), module.get("ROLE")
+    if set_role is not None and role is not None:
+        set_role(role.PRODUCER if leg.role == PRODUCER else role.CONSUMER)
 
 
 def _copied(value: Any) -> Any:

@@ -18,6 +18,7 @@ from vllm_overlay.errors import OverlayError
 from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.simulate.builds import BuildPair, builds_of
 from vllm_overlay.simulate.layouts import BASE_LAYOUTS
+from vllm_overlay.simulate.writes import READ, Mode
 from vllm_overlay.tree.apply import overlay_texts
 from vllm_overlay.tree.materialize import BaseSource
 
@@ -45,6 +46,8 @@ class PlanItem(msgspec.Struct, frozen=True):
     """Run this fault mode's cases (``faults.py``) instead of the sweep's."""
     pair: BuildPair | None = None
     """The connector build of each leg; None: the process's one build."""
+    mode: Mode = READ
+    """The connector's mode (``writes.py``): READ or WRITE."""
 
     @classmethod
     def of(

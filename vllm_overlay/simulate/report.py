@@ -8,6 +8,7 @@ from vllm_overlay.simulate.check import CaseResult
 from vllm_overlay.simulate.faults import FaultReport
 from vllm_overlay.simulate.lines import Progress, count_case
 from vllm_overlay.simulate.tables import TABLE_WIDTH, clip, ratio, table
+from vllm_overlay.simulate.writes import MODES, READ, Mode, row_key
 from vllm_overlay.text import count
 
 
@@ -19,6 +20,10 @@ class LayoutReport(msgspec.Struct, tag="layout"):
     """Model family (empty for the mechanism layouts)."""
     source: str = ""
     """The vLLM code whose spec construction the layout follows."""
+    mode: Mode = READ
+    """The connector's mode the row ran (``writes.py``): the decoder READs
+    or the prefiller WRITEs; the same checks either way (``pages_read``:
+    the pages moved)."""
     lengths_tried: int = 0
     cases: int = 0
     refused_at_start: str | None = None
@@ -105,17 +110,23 @@ def _first(ns: list[int], k: int = 6) -> str:
 
 
 def format_table(report: SweepReport) -> str:
-    """One row per layout and variant, within ``TABLE_WIDTH`` columns: the
-    lengths tried, the lengths with wrong KV, pages read against the minimum,
+    """One row per layout, variant and mode, within ``TABLE_WIDTH`` columns:
+    the lengths tried, the lengths with wrong KV, pages moved (READ or
+    WRITE) against the minimum,
     and the first error; a refusal at start spans the row. Texts are clipped
     at a word; every figure and the full texts are in the JSON report."""
-    head = ("layout", "variant", "lengths", "wrong KV", "pages read/min", "note")
+    head = ("layout", "variant", "mode", "lengths", "wrong KV", "moved/min", "note")
     rows: list[tuple[str, ...]] = [head]
     for r in report.layouts:
         if r.refused_at_start is not None:
             who = "MoRIIO" if r.refused_by == "connector" else "vLLM"
             rows.append(
-                (r.layout, r.variant, f"refused by {who}: {r.refused_at_start}")
+                (
+                    r.layout,
+                    r.variant,
+                    r.mode,
+                    f"refused by {who}: {r.refused_at_start}",
+                )
             )
             continue
         wrong = f"{len(r.wrong_lengths)}"
@@ -123,19 +134,21 @@ def format_table(report: SweepReport) -> str:
             wrong += f" ({_first(r.wrong_lengths, 2)})"
         pages = f"{r.pages_read}/{r.min_pages} = {ratio(r.pages_read, r.min_pages)}"
         note = f"{r.error_cases} errors: {r.first_errors[0]}" if r.error_cases else ""
-        rows.append((r.layout, r.variant, str(r.lengths_tried), wrong, pages, note))
-    widths = [max(len(row[i]) for row in rows if len(row) == 6) for i in range(5)]
-    widths[:2] = [max(len(row[i]) for row in rows) for i in range(2)]
-    note_room = max(TABLE_WIDTH - sum(widths) - 2 * 5, 20)
-    span_room = TABLE_WIDTH - widths[0] - widths[1] - 2 * 2
+        rows.append(
+            (r.layout, r.variant, r.mode, str(r.lengths_tried), wrong, pages, note)
+        )
+    widths = [max(len(row[i]) for row in rows if len(row) == 7) for i in range(6)]
+    widths[:3] = [max(len(row[i]) for row in rows) for i in range(3)]
+    note_room = max(TABLE_WIDTH - sum(widths) - 2 * 6, 20)
+    span_room = TABLE_WIDTH - sum(widths[:3]) - 2 * 3
     lines = []
     for i, row in enumerate(rows):
-        if len(row) == 3:
-            cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
-            lines.append("  ".join([*cells, clip(row[2], span_room)]))
+        if len(row) == 4:
+            cells = [cell.ljust(w) for cell, w in zip(row[:3], widths, strict=False)]
+            lines.append("  ".join([*cells, clip(row[3], span_room)]))
             continue
         cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=False)]
-        lines.append("  ".join([*cells, clip(row[5], note_room)]).rstrip())
+        lines.append("  ".join([*cells, clip(row[6], note_room)]).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in [*widths, min(note_room, 20)]))
     return "\n".join(lines)
@@ -152,30 +165,38 @@ def summary_line(report: SweepReport) -> str:
                 f"{sum(r.refused_local for r in fs)} served by local prefill"
             )
             continue
-        rs = [r for r in report.layouts if r.variant == variant]
-        refused = sum(r.refused_at_start is not None for r in rs)
-        wrong = sum(bool(r.wrong_lengths) for r in rs)
-        over = sum(
-            r.refused_at_start is None and r.pages_read > r.min_pages for r in rs
-        )
-        errors = sum(r.error_cases > 0 for r in rs)
-        escapes = sum(r.escape_cases > 0 for r in rs)
-        sampled = sum(r.sampled_drafter_rows for r in rs)
-        drafters = (
-            f", {count(sampled, 'drafter row')} read as the prefiller computed "
-            f"them from its sampled token (in "
-            f"{count(sum(r.sampled_drafter_cases for r in rs), 'case')})"
-            if sampled
-            else ""
-        )
-        parts.append(
-            f"{variant}: {count(wrong, 'layout')} with wrong KV, {over} reading "
-            f"more than the minimum, {errors} with errors ({escapes} with "
-            f"escapes), {refused} refused at start{drafters}"
-        )
+        rows = [r for r in report.layouts if r.variant == variant]
+        for mode in MODES:
+            rs = [r for r in rows if r.mode == mode]
+            if rs or (mode == READ and not rows):
+                parts.append(_summary_part(row_key(variant, mode), mode, rs))
     cases = sum(r.cases for r in report.layouts) + sum(r.cases for r in report.faults)
     wall = f"; wall {report.wall_seconds:.1f} s"
     return f"{count(cases, 'case')}; " + "; ".join(parts) + wall
+
+
+def _summary_part(name: str, mode: str, rs: list[LayoutReport]) -> str:
+    """One pair's rows of one mode (``name``: the pair, and the mode when
+    WRITE) in the summary line."""
+    refused = sum(r.refused_at_start is not None for r in rs)
+    wrong = sum(bool(r.wrong_lengths) for r in rs)
+    over = sum(r.refused_at_start is None and r.pages_read > r.min_pages for r in rs)
+    errors = sum(r.error_cases > 0 for r in rs)
+    escapes = sum(r.escape_cases > 0 for r in rs)
+    sampled = sum(r.sampled_drafter_rows for r in rs)
+    drafters = (
+        f", {count(sampled, 'drafter row')} read as the prefiller computed "
+        f"them from its sampled token (in "
+        f"{count(sum(r.sampled_drafter_cases for r in rs), 'case')})"
+        if sampled
+        else ""
+    )
+    moving = "reading" if mode == READ else "writing"
+    return (
+        f"{name}: {count(wrong, 'layout')} with wrong KV, {over} {moving} "
+        f"more than the minimum, {errors} with errors ({escapes} with "
+        f"escapes), {refused} refused at start{drafters}"
+    )
 
 
 def format_pairs(report: SweepReport) -> str:
@@ -187,11 +208,13 @@ def format_pairs(report: SweepReport) -> str:
     ]
     for r in report.layouts:
         if r.refused_at_start is not None:
-            rows.append((r.layout, r.variant, "refused at start", "", "", "", ""))
+            rows.append(
+                (row_key(r.layout, r.mode), r.variant, "refused at start") + ("",) * 4
+            )
             continue
         rows.append(
             (
-                r.layout,
+                row_key(r.layout, r.mode),
                 r.variant,
                 str(r.cases),
                 str(r.wrong_cases),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -28,6 +29,7 @@ from vllm_overlay.simulate.plan import (
 )
 from vllm_overlay.simulate.report import LayoutReport, SweepReport, WorkerLine
 from vllm_overlay.simulate.worker import MARK
+from vllm_overlay.simulate.writes import READ, Mode, row_key
 from vllm_overlay.text import count
 
 _DECODER = msgspec.json.Decoder(WorkerLine)
@@ -93,12 +95,14 @@ def run_sweep(
     processes_per_variant: int | None = None,
     whole: bool = False,
     faults: list[str] | None = None,
+    modes: Sequence[Mode] = (READ,),
 ) -> SweepReport:
     """``variants``: pair names (``base``, ``overlay``, ``base->overlay``,
     ``overlay->base``; ``builds.py``); each pair runs in processes of its
     own. ``whole``: every case through the schedulers (``shrink.py``).
     ``faults``: run these fault modes (``faults.py``) instead of the sweep,
-    each on every layout."""
+    each on every layout (READ). ``modes``: the connector's modes each
+    layout runs in (``writes.py``), a row each."""
     start = time.monotonic()
     options = options or procs.SweepOptions()
     names = [layout.name for layout in expand(layouts or None)]
@@ -109,11 +113,15 @@ def run_sweep(
     hit_values = tuple(parse_hits(hits))
     pairs = [BuildPair.parse(v) for v in variants]
     sources = options.sources(variants)
-    modes: list[str | None] = list(faults) if faults else [None]
+    fault_modes: list[str | None] = list(faults) if faults else [None]
+    connector_modes: Sequence[Mode] = (READ,) if faults else modes
     items_per_pair = [
-        PlanItem(name, parsed[per_layout[name]], hit_values, whole, fault=fault)
+        PlanItem(
+            name, parsed[per_layout[name]], hit_values, whole, fault=fault, mode=mode
+        )
         for name in names
-        for fault in modes
+        for mode in connector_modes
+        for fault in fault_modes
     ]
     tally = procs.Tally(len(items_per_pair) * len(pairs), _key, options.progress)
     if processes_per_variant is None:
@@ -128,6 +136,11 @@ def run_sweep(
         what,
         f"{count(cases, 'case')}: {count(len(names), 'layout')} x "
         f"{count(len(pairs), 'variant')}"
+        + (
+            f" x {count(len(connector_modes), 'mode')}"
+            if len(connector_modes) > 1
+            else ""
+        )
         + (f" x {count(len(faults), 'fault')}" if faults else ""),
         cases,
         SCHEDULER_CPU_PER_CASE * (2 if faults else 1),
@@ -163,9 +176,12 @@ def run_sweep(
 
 
 def _key(line: PlanItem | LayoutReport | FaultReport) -> str:
-    """What a plan item or a result is about: its layout (and fault)."""
+    """What a plan item or a result is about: its layout (and fault, or
+    the connector's mode when WRITE)."""
     fault = getattr(line, "fault", None)
-    return f"{line.layout} {fault}" if fault else str(line.layout)
+    if fault:
+        return f"{line.layout} {fault}"
+    return row_key(line.layout, getattr(line, "mode", READ))
 
 
 def _split_items(items: list[PlanItem], parts: int) -> list[list[PlanItem]]:

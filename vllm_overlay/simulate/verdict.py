@@ -25,6 +25,7 @@ from vllm_overlay.errors import OverlayError
 from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.faults import FaultReport
 from vllm_overlay.simulate.report import LayoutReport, SweepReport
+from vllm_overlay.simulate.writes import WRITE, row_key
 from vllm_overlay.text import count
 from vllm_overlay.tomlfile import read_toml
 
@@ -41,7 +42,8 @@ class GapsError(OverlayError):
 
 class KnownGap(msgspec.Struct, forbid_unknown_fields=True):
     layout: str
-    """As the simulator names it: ``name`` or ``name/dcpN``."""
+    """As the simulator names it: ``name`` or ``name/dcpN``; a scheduler gap
+    of WRITE adds the mode: ``name write`` (``writes.row_key``)."""
     problem: Problem
     tracked_by: str
     """The issue or patch that tracks it (``issue 20``, a pull request URL)."""
@@ -62,8 +64,9 @@ class KnownGaps(msgspec.Struct, forbid_unknown_fields=True):
 
 def gap_layout(gap: KnownGap) -> str:
     """The layout a gap is about: a bytes gap may name a configuration
-    (``glm read 1->2 LBNHC``), whose first word is its layout."""
-    if gap.scope in ("bytes", "faults") and gap.layout:
+    (``glm read 1->2 LBNHC``), a scheduler gap a WRITE row (``glm
+    write``), whose first word is its layout."""
+    if gap.layout:
         return gap.layout.split()[0]
     return gap.layout
 
@@ -171,6 +174,8 @@ class Verdict:
     """Known gaps whose layout ran and no longer shows the problem."""
     base_decoder_wrong: int = 0
     """Wrong cases of base-decoder pairs that the base pair has too."""
+    wrote: bool = False
+    """Some judged row ran WRITE: the KV is moved, not only read."""
 
     @property
     def exit_code(self) -> int:
@@ -192,8 +197,9 @@ class Verdict:
             )
         if not self.judged:
             return "simulate: no overlay layout ran: nothing to judge" + known
+        moves = "moves" if self.wrote else "reads"
         return (
-            f"simulate: ok: the overlay reads the right KV in every layout that "
+            f"simulate: ok: the overlay {moves} the right KV in every layout that "
             f"starts ({self.judged - self.refused} run, {self.refused} refused at "
             f"start){known}"
         )
@@ -216,22 +222,24 @@ def judge(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
     if not rows:
         verdict.failures.append("no layout ran")
     base_wrong = {
-        r.layout: wrong_cases(r.wrong_lengths_by_hit)
+        row_key(r.layout, r.mode): wrong_cases(r.wrong_lengths_by_hit)
         for r in report.layouts
         if r.variant == "base" and r.refused_at_start is None
     }
     for r in rows:
         verdict.judged += 1
         verdict.refused += r.refused_at_start is not None
-        found = problems(r, base_wrong.get(r.layout))
+        verdict.wrote |= r.mode == WRITE
+        key = row_key(r.layout, r.mode)
+        found = problems(r, base_wrong.get(key))
         if base_decoder(r.variant) and r.refused_at_start is None:
             _, shared = beyond_base(
-                wrong_cases(r.wrong_lengths_by_hit), base_wrong.get(r.layout)
+                wrong_cases(r.wrong_lengths_by_hit), base_wrong.get(key)
             )
             verdict.base_decoder_wrong += shared
-        name = shown(r.layout, r.variant)
+        name = shown(key, r.variant)
         for problem, detail in found:
-            gap = by_key.get((r.layout, problem, r.variant))
+            gap = by_key.get((key, problem, r.variant))
             if gap is None:
                 verdict.failures.append(f"{name} {detail}")
             else:
@@ -240,12 +248,14 @@ def judge(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
         verdict.passing_gaps += [
             f"{shown(g.layout, g.pair)} ({g.problem})"
             for g in gaps
-            if g.layout == r.layout
+            if g.layout == key
             and g.pair in (r.variant, EVERY_PAIR)
             and g.problem not in seen
         ]
     if rows and not any(r.cases for r in rows):
-        refused = ", ".join(f"{r.layout} by {r.refused_by or '?'}" for r in rows)
+        refused = ", ".join(
+            f"{row_key(r.layout, r.mode)} by {r.refused_by or '?'}" for r in rows
+        )
         verdict.failures.append(
             f"no case ran: every layout was refused at start ({refused})"
         )

@@ -24,6 +24,7 @@ from vllm_overlay.simulate.lines import Progress
 from vllm_overlay.simulate.plan import PlanItem
 from vllm_overlay.simulate.procs import Emitter, load_variant, variant_parser
 from vllm_overlay.simulate.report import LayoutReport
+from vllm_overlay.simulate.writes import READ, Mode, row_key
 
 MARK = "@@simulate "
 emit = Emitter(MARK)
@@ -46,9 +47,11 @@ def run_layout(
     port: int,
     progress_every: int = 200,
     whole: bool = False,
+    mode: Mode = READ,
 ) -> LayoutReport:
     """``whole``: run every case through the schedulers; otherwise most
-    follow from small ones (``shrink.py``)."""
+    follow from small ones (``shrink.py``). ``mode``: the connector's, READ
+    or WRITE (``drive.py``)."""
     layout = expand([layout_name])[0]
     report = LayoutReport(
         variant=variant,
@@ -56,10 +59,12 @@ def run_layout(
         note=layout.note,
         family=layout.family,
         source=layout.source,
+        mode=mode,
     )
+    what = row_key(layout.name, mode)
     start = time.monotonic()
     try:
-        pair = Pair(layout, max(lengths) + 64, port=port)
+        pair = Pair(layout, max(lengths) + 64, port=port, mode=mode)
     except Exception as exc:  # the connector or vLLM refuses this layout
         report.refused_at_start = " ".join(f"{type(exc).__name__}: {exc}".split())
         report.refused_by = refusal_origin(exc)
@@ -72,7 +77,7 @@ def run_layout(
     def run(n: int, held: int, hit: float) -> Any:
         stats.run += 1
         if stats.run % progress_every == 0:
-            emit(Progress(variant, layout.name, min(stats.cases, total), total))
+            emit(Progress(variant, what, min(stats.cases, total), total))
         return pair.run_case(n, hit, held=held)
 
     period = None if whole else shrink.layout_period(pair)
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 hits,
                 port=port,
                 whole=item.whole,
+                mode=item.mode,
             )
         )
     return 0

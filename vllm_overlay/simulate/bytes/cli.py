@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser, *, own_command: bool) -> None:
         "--modes",
         default=",".join(MODES),
         metavar="LIST",
-        help=only + "read, write or both (default %(default)s)",
+        help="the connector's modes: read, write or both (default %(default)s)"
+        + ("" if own_command else "; --faults and --update-readme run read"),
     )
     p.add_argument(
         "--tp",
@@ -108,8 +109,9 @@ def given_options(args: argparse.Namespace) -> dict[str, str | bool]:
 
 
 def given_without_bytes(args: argparse.Namespace) -> list[str]:
-    """The ``--bytes`` options a command line without ``--bytes`` gives."""
-    return list(given_options(args))
+    """The ``--bytes`` options a command line without ``--bytes`` gives
+    (``--modes`` is the scheduler simulator's too)."""
+    return [option for option in given_options(args) if option != "--modes"]
 
 
 @dataclass(frozen=True)
