@@ -269,6 +269,18 @@ def kda_mamba_spec(
     )
 
 
+def page_kda_spec(block_size: int, num_speculative_blocks: int = 0) -> MambaSpec:
+    """A small KDA state padded to one full-attention page of ``block_size``
+    tokens (two KV heads of 64, bf16): every state fits in it."""
+    return kda_mamba_spec(
+        block_size=block_size,
+        shapes=((128, 3), (2, 32, 16)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=full_attention_spec(block_size).page_size_bytes,
+        num_speculative_blocks=num_speculative_blocks,
+    )
+
+
 GroupLike = KVCacheGroupSpec | tuple[Sequence[str], KVCacheSpec]
 
 
@@ -2742,4 +2754,24 @@ def build_write_pair(
         },
     )
     monkeypatch.setattr(mc, "make_zmq_socket", lambda **kw: _Socket(pair.sent))
+    return pair
+
+
+def write_pair_fixture(
+    layouts: Mapping[str, Callable[[], list[tuple[list[str], KVCacheSpec]]]],
+    block_size: int,
+) -> Any:
+    """A fixture giving a ``WritePair`` for each of ``layouts`` in turn."""
+
+    @pytest.fixture(params=list(layouts))
+    def pair(
+        request: pytest.FixtureRequest,
+        llama_model_dir: Path,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> WritePair:
+        groups = layouts[request.param]()
+        return build_write_pair(
+            llama_model_dir, groups, block_size, monkeypatch, num_blocks=2048
+        )
+
     return pair

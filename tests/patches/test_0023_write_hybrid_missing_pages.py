@@ -16,22 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from tests.patches.builders import (
     Write,
     WritePair,
-    build_write_pair,
     full_attention_spec,
-    kda_mamba_spec,
     mla_spec,
+    page_kda_spec,
     prompt,
+    write_pair_fixture,
     write_params,
 )
 
@@ -43,18 +41,9 @@ KDA = "model.layers.0.linear_attn"
 PAGE = full_attention_spec(B).page_size_bytes
 
 
-def kda_spec() -> KVCacheSpec:
-    return kda_mamba_spec(
-        block_size=B,
-        shapes=((128, 3), (2, 32, 16)),
-        dtypes=(torch.bfloat16, torch.float32),
-        page_size_padded=PAGE,
-    )
-
-
 def kimi_like() -> list[tuple[list[str], KVCacheSpec]]:
     """One MLA group and one KDA state group."""
-    return [([ATTN], mla_spec(B, page_size_padded=PAGE)), ([KDA], kda_spec())]
+    return [([ATTN], mla_spec(B, page_size_padded=PAGE)), ([KDA], page_kda_spec(B))]
 
 
 def two_attention_groups() -> list[tuple[list[str], KVCacheSpec]]:
@@ -63,7 +52,7 @@ def two_attention_groups() -> list[tuple[list[str], KVCacheSpec]]:
     full = full_attention_spec(B)
     return [
         ([ATTN], full),
-        ([KDA], kda_spec()),
+        ([KDA], page_kda_spec(B)),
         ([ATTN2], replace(full, head_size=32, page_size_padded=PAGE)),
     ]
 
@@ -74,15 +63,7 @@ LAYOUTS: dict[str, Callable[[], list[tuple[list[str], KVCacheSpec]]]] = {
 }
 
 
-@pytest.fixture(params=list(LAYOUTS))
-def pair(
-    request: pytest.FixtureRequest,
-    llama_model_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> WritePair:
-    return build_write_pair(
-        llama_model_dir, LAYOUTS[request.param](), B, monkeypatch, num_blocks=2048
-    )
+pair = write_pair_fixture(LAYOUTS, B)
 
 
 def attention_pairs(write: Write, group: int, first_page: int) -> list[tuple[int, int]]:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from vllm.config import set_current_vllm_config
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheSpec
@@ -43,6 +42,7 @@ from tests.patches.builders import (
     make_vllm_config,
     mla_spec,
     moriio_kv_transfer_config,
+    page_kda_spec,
     prompt,
 )
 from tests.patches.vllm_unit_utils import create_scheduler
@@ -165,26 +165,23 @@ NGRAM = {
 }
 
 
-def _kda_spec() -> KVCacheSpec:
-    return kda_mamba_spec(
-        block_size=B,
-        shapes=((128, 3), (2, 32, 16)),
-        dtypes=(torch.bfloat16, torch.float32),
-        page_size_padded=PAGE,
-        num_speculative_blocks=1,
-    )
-
-
 def _mtp_in_target_group() -> list[tuple[list[str], KVCacheSpec]]:
     """Kimi-K3-MTP-like: the drafter's layer in the target's MLA group."""
-    return [([ATTN, DRAFT], mla_spec(B, page_size_padded=PAGE)), ([KDA], _kda_spec())]
+    return [
+        ([ATTN, DRAFT], mla_spec(B, page_size_padded=PAGE)),
+        ([KDA], page_kda_spec(B, num_speculative_blocks=1)),
+    ]
 
 
 def _mtp_own_group() -> list[tuple[list[str], KVCacheSpec]]:
     """Qwen3.5-MTP-like with the drafter's layer in a group of its own (an
     equal spec in another group), after the state group."""
     full = full_attention_spec(B)
-    return [([ATTN], full), ([KDA], _kda_spec()), ([DRAFT], replace(full))]
+    return [
+        ([ATTN], full),
+        ([KDA], page_kda_spec(B, num_speculative_blocks=1)),
+        ([DRAFT], replace(full)),
+    ]
 
 
 def _drafted_pair(

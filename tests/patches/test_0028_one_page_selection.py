@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheSpec
@@ -31,12 +30,12 @@ from tests.patches.builders import (
     SchedulerPair,
     WritePair,
     build_scheduler_pair,
-    build_write_pair,
     full_and_window_groups,
     full_attention_spec,
-    kda_mamba_spec,
     mla_spec,
+    page_kda_spec,
     prompt,
+    write_pair_fixture,
 )
 
 B, W = 16, 64
@@ -47,20 +46,11 @@ PAGE = full_attention_spec(B).page_size_bytes
 SCHEDULER = moriio_connector.MoRIIOConnectorScheduler
 
 
-def kda_spec() -> KVCacheSpec:
-    return kda_mamba_spec(
-        block_size=B,
-        shapes=((128, 3), (2, 32, 16)),
-        dtypes=(torch.bfloat16, torch.float32),
-        page_size_padded=PAGE,
-    )
-
-
 def hybrid_groups() -> list[tuple[list[str], KVCacheSpec]]:
     """Full attention, a window group and a recurrent-state group."""
     return [
         *full_and_window_groups(B, W),
-        (["model.layers.2.linear_attn"], kda_spec()),
+        (["model.layers.2.linear_attn"], page_kda_spec(B)),
     ]
 
 
@@ -68,7 +58,7 @@ def kimi_like() -> list[tuple[list[str], KVCacheSpec]]:
     """One MLA group and one KDA state group."""
     return [
         (["model.layers.1.self_attn.attn"], mla_spec(B, page_size_padded=PAGE)),
-        (["model.layers.0.linear_attn"], kda_spec()),
+        (["model.layers.0.linear_attn"], page_kda_spec(B)),
     ]
 
 
@@ -138,15 +128,7 @@ def test_read_selects_every_attention_group_through_the_one_selection(
     assert read.remote_block_ids[0] == [read.prefill_tables[0][k] for k in pages]
 
 
-@pytest.fixture(params=list(WRITE_LAYOUTS))
-def write_pair(
-    request: pytest.FixtureRequest,
-    llama_model_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> WritePair:
-    return build_write_pair(
-        llama_model_dir, WRITE_LAYOUTS[request.param](), B, monkeypatch, num_blocks=2048
-    )
+write_pair = write_pair_fixture(WRITE_LAYOUTS, B)
 
 
 @pytest.mark.parametrize(

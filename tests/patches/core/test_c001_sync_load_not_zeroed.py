@@ -21,13 +21,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     SupportsHMA,
 )
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from tests.patches.builders import make_kv_cache_config, make_vllm_config
+from tests.patches.builders import (
+    hashed_request,
+    make_kv_cache_config,
+    make_vllm_config,
+)
 from tests.patches.vllm_unit_utils import create_scheduler
 
 BLOCK_SIZE = 16
@@ -102,14 +103,7 @@ def test_sync_load_blocks_are_not_zeroed(llama_model_dir: Path, layout: str) -> 
     kv_cache_config.needs_kv_cache_zeroing = True
     with set_current_vllm_config(vllm_config):
         scheduler = create_scheduler(vllm_config, 64, kv_cache_config)
-    init_none_hash(sha256)
-    request = Request(
-        "req-0",
-        list(range(NUM_PROMPT_TOKENS)),
-        SamplingParams(max_tokens=1),
-        None,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
+    request = hashed_request("req-0", list(range(NUM_PROMPT_TOKENS)), BLOCK_SIZE)
     scheduler.add_request(request)
 
     output = scheduler.schedule()

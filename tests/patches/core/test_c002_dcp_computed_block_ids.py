@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.request import Request
+
+from tests.patches.builders import hashed_request
 
 BLOCK_SIZE = 16
 
@@ -50,16 +48,9 @@ def test_computed_block_ids_count_dcp_sharded_blocks(dcp: int) -> None:
         enable_caching=False,
         dcp_world_size=dcp,
     )
-    init_none_hash(sha256)
     # One token short of a block, and lookahead slots reaching the next one.
     num_tokens = span - 1
-    request = Request(
-        "req-0",
-        list(range(num_tokens)),
-        SamplingParams(max_tokens=1),
-        None,
-        block_hasher=get_request_block_hasher(span, sha256),
-    )
+    request = hashed_request("req-0", list(range(num_tokens)), span)
     assert manager.allocate_slots(request, num_tokens, num_lookahead_tokens=8)
     [table] = manager.get_block_ids("req-0")
     assert len(table) == 2
