@@ -885,6 +885,16 @@ class RegisteredWorker:
     buffer: torch.Tensor
 
 
+_LIVE_WORKERS: list[Any] = []
+
+
+def shut_down_workers() -> None:
+    """Shut down every worker ``register_worker`` built (the teardown of the
+    tests that read byte by byte)."""
+    while _LIVE_WORKERS:
+        _LIVE_WORKERS.pop().shutdown()
+
+
 def register_worker(
     vllm_config: VllmConfig,
     layer_specs: dict[str, KVCacheSpec],
@@ -923,8 +933,56 @@ def register_worker(
             vllm_config, engine_id, kv_cache_config
         )
         worker.register_kv_caches(kv_caches)
+    _LIVE_WORKERS.append(worker)
     return RegisteredWorker(
         worker, kv_cache_config, kv_caches, buffer.view(torch.uint8)
+    )
+
+
+def random_tp_rank(
+    monkeypatch: pytest.MonkeyPatch,
+    model_dir: Path,
+    role: str,
+    tp: tuple[int, int],
+    kv_layout: str,
+    layer_specs: dict[str, KVCacheSpec],
+    block_size: int,
+) -> RegisteredWorker:
+    """Rank ``tp[1]`` of a leg of ``tp[0]`` ranks in ``role``: a registered
+    worker whose caches are filled at random (seeded by rank and role)."""
+    tp_size, tp_rank = tp
+    pin_tp_rank(monkeypatch, tp_size, tp_rank)
+    vllm_config = make_vllm_config(
+        model_dir, moriio_kv_transfer_config(role), block_size=block_size
+    )
+    rank = register_worker(
+        vllm_config, layer_specs, kv_layout, f"127.0.0.1:{role}{tp_rank}"
+    )
+    generator = torch.Generator().manual_seed(1000 * tp_size + 10 * tp_rank + len(role))
+    fill_random(rank.buffer, generator)
+    assert (rank.worker.tp_rank, rank.worker.world_size) == (tp_rank, tp_size)
+    return rank
+
+
+def read_as_decode_rank(
+    worker: Any,
+    d: int,
+    local: list[list[int]],
+    remote: list[list[int]],
+    p_tp: int,
+) -> None:
+    """Decode rank ``d`` (``worker``) reads ``remote`` into ``local`` (one
+    list per transfer group) from a prefill leg of ``p_tp`` ranks, which it
+    notifies on port 100 + prefill rank."""
+    worker._read_blocks(
+        local_block_ids=local,
+        remote_block_ids=remote,
+        dst_engine_id="127.0.0.1:7000",
+        request_id=f"r{d}",
+        transfer_id=f"t{d}",
+        remote_host="127.0.0.1",
+        remote_notify_port=100,
+        remote_tp_size=p_tp,
     )
 
 
@@ -981,24 +1039,20 @@ def check_eager_handshake_dials_every_holder(
     """Each of the ``len(decode)`` decode ranks' eager handshakes dials the
     prefill ranks (of ``p_tp``, more than the decode ranks) that hold a share
     of its heads, rank ``d`` those of ``[d * r, (d + 1) * r)``; the workers
-    are shut down after."""
+    are shut down with the test's others (``shut_down_workers``)."""
     dialed: dict[int, list[int | None]] = {}
-    try:
-        for d, rank in enumerate(decode):
+    for d, rank in enumerate(decode):
 
-            def handshake(host, port, tp_size, eid, dp, tp, d=d):
-                dialed.setdefault(d, []).append(tp)
-                return {eid}
+        def handshake(host, port, tp_size, eid, dp, tp, d=d):
+            dialed.setdefault(d, []).append(tp)
+            return {eid}
 
-            rank.worker._moriio_handshake = handshake
-            eager_handshake(monkeypatch, rank.worker, p_tp)
-        ratio = p_tp // len(decode)
-        assert dialed == {
-            d: list(range(d * ratio, (d + 1) * ratio)) for d in range(len(decode))
-        }
-    finally:
-        for rank in decode:
-            rank.worker.shutdown()
+        rank.worker._moriio_handshake = handshake
+        eager_handshake(monkeypatch, rank.worker, p_tp)
+    ratio = p_tp // len(decode)
+    assert dialed == {
+        d: list(range(d * ratio, (d + 1) * ratio)) for d in range(len(decode))
+    }
 
 
 def mamba_state_views(kv_cache: torch.Tensor, spec: MambaSpec) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ from tests.patches.builders import (
     leg_pair_cache,
     make_vllm_config,
     moriio_kv_transfer_config,
+    shut_down_workers,
     write_model_dir,
 )
 
@@ -154,5 +155,8 @@ def copying_mori(stub_mori: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[N
     )
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     mamba_utils.get_conv_state_layout.cache_clear()
-    yield
-    mamba_utils.get_conv_state_layout.cache_clear()
+    try:
+        yield
+    finally:
+        shut_down_workers()
+        mamba_utils.get_conv_state_layout.cache_clear()

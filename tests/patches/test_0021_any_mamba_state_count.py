@@ -294,55 +294,51 @@ def test_worker_registers_and_reads_every_state(
     model_dir = deepseek_mtp_model_dir if layout.num_spec else llama_model_dir
     p = _leg(model_dir, "kv_producer", layout, kv_layout)
     d = _leg(model_dir, "kv_consumer", layout, kv_layout)
-    try:
-        generator = torch.Generator().manual_seed(21)
-        for leg in (p, d):
-            fill_random(leg.buffer, generator)
-        before = d.buffer.clone()
-        worker = d.worker
-        state_layers = {
-            name: cast_spec
-            for group in _state_groups(d.kv_cache_config)
-            for name in group.layer_names
-            if isinstance(cast_spec := worker.layer_to_spec[name], MambaSpec)
-        }
-        for name, spec in state_layers.items():
-            assert len(worker.layer_name_to_local_kv_cache_metadata[name]) == len(
-                spec.shapes
-            )
-        # One session per registered region, in registration order.
-        sessions = paired_sessions(worker, p.worker)
-        worker._get_built_session = lambda engine_id: (sessions, object())
-        worker._compute_read_attention_offsets = lambda *a, **k: ([], [], [])
-        num_attn = worker._num_attn_transfer_groups
-        num_state = worker._num_mamba_transfer_groups
-        local_slot, remote_slot = 5, 3
-        read_blocks(
-            worker,
-            [[1]] * num_attn + [[local_slot]] * num_state,
-            [[1]] * num_attn + [[remote_slot]] * num_state,
-            "t-states",
+    generator = torch.Generator().manual_seed(21)
+    for leg in (p, d):
+        fill_random(leg.buffer, generator)
+    before = d.buffer.clone()
+    worker = d.worker
+    state_layers = {
+        name: cast_spec
+        for group in _state_groups(d.kv_cache_config)
+        for name in group.layer_names
+        if isinstance(cast_spec := worker.layer_to_spec[name], MambaSpec)
+    }
+    for name, spec in state_layers.items():
+        assert len(worker.layer_name_to_local_kv_cache_metadata[name]) == len(
+            spec.shapes
         )
-        expected = before.clone()
-        for name, spec in state_layers.items():
-            got = mamba_state_views(d.kv_caches[name], spec)
-            sent = mamba_state_views(p.kv_caches[name], spec)
-            want = mamba_state_views(
-                torch.as_strided(
-                    expected,
-                    d.kv_caches[name].shape,
-                    d.kv_caches[name].stride(),
-                    d.kv_caches[name].storage_offset(),
-                ),
-                spec,
-            )
-            for state, source, target in zip(got, sent, want, strict=True):
-                target[local_slot] = source[remote_slot]
-                assert torch.equal(
-                    state[local_slot].view(torch.uint8),
-                    source[remote_slot].view(torch.uint8),
-                ), name
-        assert torch.equal(d.buffer, expected)
-    finally:
-        p.worker.shutdown()
-        d.worker.shutdown()
+    # One session per registered region, in registration order.
+    sessions = paired_sessions(worker, p.worker)
+    worker._get_built_session = lambda engine_id: (sessions, object())
+    worker._compute_read_attention_offsets = lambda *a, **k: ([], [], [])
+    num_attn = worker._num_attn_transfer_groups
+    num_state = worker._num_mamba_transfer_groups
+    local_slot, remote_slot = 5, 3
+    read_blocks(
+        worker,
+        [[1]] * num_attn + [[local_slot]] * num_state,
+        [[1]] * num_attn + [[remote_slot]] * num_state,
+        "t-states",
+    )
+    expected = before.clone()
+    for name, spec in state_layers.items():
+        got = mamba_state_views(d.kv_caches[name], spec)
+        sent = mamba_state_views(p.kv_caches[name], spec)
+        want = mamba_state_views(
+            torch.as_strided(
+                expected,
+                d.kv_caches[name].shape,
+                d.kv_caches[name].stride(),
+                d.kv_caches[name].storage_offset(),
+            ),
+            spec,
+        )
+        for state, source, target in zip(got, sent, want, strict=True):
+            target[local_slot] = source[remote_slot]
+            assert torch.equal(
+                state[local_slot].view(torch.uint8),
+                source[remote_slot].view(torch.uint8),
+            ), name
+    assert torch.equal(d.buffer, expected)

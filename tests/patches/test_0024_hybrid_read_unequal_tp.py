@@ -16,7 +16,6 @@ The expected state is assembled here from vLLM's sharding rule alone.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,15 +27,12 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 from tests.patches.builders import (
     RegisteredWorker,
     check_eager_handshake_dials_every_holder,
-    fill_random,
     full_attention_spec,
     kda_mamba_spec,
-    make_vllm_config,
     mamba_state_views,
-    moriio_kv_transfer_config,
     paired_sessions,
-    pin_tp_rank,
-    register_worker,
+    random_tp_rank,
+    read_as_decode_rank,
     remote_worker_meta,
 )
 
@@ -45,7 +41,6 @@ HEADS, HEAD_DIM, CONV_KERNEL = 4, 16, 4
 """Four KDA heads: split over up to four TP ranks."""
 PAGE = full_attention_spec(B).page_size_bytes
 ATTN, KDA = "model.layers.1.self_attn.attn", "model.layers.0.linear_attn"
-PEER = "127.0.0.1:7000"
 TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2)]
 
 
@@ -70,34 +65,14 @@ def specs(tp_size: int, hybrid: bool = True) -> dict[str, KVCacheSpec]:
     return {ATTN: attention, KDA: kda_spec(tp_size)} if hybrid else {ATTN: attention}
 
 
-def _rank(
-    monkeypatch: pytest.MonkeyPatch,
-    model_dir: Path,
-    role: str,
-    tp_size: int,
-    tp_rank: int,
-    kv_layout: str,
-    hybrid: bool = True,
-) -> RegisteredWorker:
-    """One rank of a leg of ``tp_size`` ranks, its caches filled at random."""
-    pin_tp_rank(monkeypatch, tp_size, tp_rank)
-    vllm_config = make_vllm_config(
-        model_dir, moriio_kv_transfer_config(role), block_size=B
-    )
-    rank = register_worker(
-        vllm_config, specs(tp_size, hybrid), kv_layout, f"127.0.0.1:{role}{tp_rank}"
-    )
-    generator = torch.Generator().manual_seed(1000 * tp_size + 10 * tp_rank + len(role))
-    fill_random(rank.buffer, generator)
-    assert (rank.worker.tp_rank, rank.worker.world_size) == (tp_rank, tp_size)
-    return rank
-
-
 def _leg(
     monkeypatch, model_dir, role, tp_size, kv_layout, hybrid=True
 ) -> list[RegisteredWorker]:
+    layer_specs = specs(tp_size, hybrid)
     return [
-        _rank(monkeypatch, model_dir, role, tp_size, r, kv_layout, hybrid)
+        random_tp_rank(
+            monkeypatch, model_dir, role, (tp_size, r), kv_layout, layer_specs, B
+        )
         for r in range(tp_size)
     ]
 
@@ -149,28 +124,6 @@ def _serve_sessions(
     return asked
 
 
-def _read(
-    rank: RegisteredWorker,
-    d: int,
-    local: list[list[int]],
-    remote: list[list[int]],
-    p_tp: int,
-) -> None:
-    """Decode rank ``d`` reads ``remote`` into ``local`` (one list per
-    transfer group) from a prefill leg of ``p_tp`` ranks, which it notifies
-    on port 100 + prefill rank."""
-    rank.worker._read_blocks(
-        local_block_ids=local,
-        remote_block_ids=remote,
-        dst_engine_id=PEER,
-        request_id=f"r{d}",
-        transfer_id=f"t{d}",
-        remote_host="127.0.0.1",
-        remote_notify_port=100,
-        remote_tp_size=p_tp,
-    )
-
-
 @pytest.mark.parametrize("kv_layout", ["LBNHC", "BLNHC"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), TP_PAIRS, ids=lambda v: str(v))
 def test_each_decode_rank_reads_its_heads_of_the_state(
@@ -183,36 +136,34 @@ def test_each_decode_rank_reads_its_heads_of_the_state(
     prefill = _leg(monkeypatch, llama_model_dir, "kv_producer", p_tp, kv_layout)
     decode = _leg(monkeypatch, llama_model_dir, "kv_consumer", d_tp, kv_layout)
     local_slot, remote_slot = 5, 3
-    try:
-        want_parts, want_ssm = _global_state(prefill, remote_slot)
-        for d, rank in enumerate(decode):
-            before = rank.buffer.clone()
-            _serve_sessions(rank, prefill)
-            _read(rank, d, [[1], [local_slot]], [[1], [remote_slot]], p_tp)
-            conv, ssm = _state(rank, local_slot)
-            for got, whole in zip(conv.chunk(3, dim=0), want_parts, strict=True):
-                want = whole.chunk(d_tp, dim=0)[d]
-                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-            want = want_ssm.chunk(d_tp, dim=0)[d]
-            assert torch.equal(ssm.view(torch.uint8), want.view(torch.uint8))
-            # Only the state slot changed.
-            changed = (rank.buffer != before).nonzero().flatten()
-            conv_all, ssm_all = _state(rank, local_slot)
-            slot_bytes = {
-                t.data_ptr() - rank.buffer.data_ptr() + i
-                for t in (conv_all, ssm_all)
-                for i in range(t.numel() * t.element_size())
-            }
-            assert set(changed.tolist()) <= slot_bytes
-            holders = range(
-                d * p_tp // d_tp, max(d * p_tp // d_tp + 1, (d + 1) * p_tp // d_tp)
-            )
-            assert sorted(rank.worker._recving_transfers_callback_addr[f"r{d}"][1]) == [
-                str(100 + h) for h in holders
-            ]
-    finally:
-        for rank in (*prefill, *decode):
-            rank.worker.shutdown()
+    want_parts, want_ssm = _global_state(prefill, remote_slot)
+    for d, rank in enumerate(decode):
+        before = rank.buffer.clone()
+        _serve_sessions(rank, prefill)
+        read_as_decode_rank(
+            rank.worker, d, [[1], [local_slot]], [[1], [remote_slot]], p_tp
+        )
+        conv, ssm = _state(rank, local_slot)
+        for got, whole in zip(conv.chunk(3, dim=0), want_parts, strict=True):
+            want = whole.chunk(d_tp, dim=0)[d]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        want = want_ssm.chunk(d_tp, dim=0)[d]
+        assert torch.equal(ssm.view(torch.uint8), want.view(torch.uint8))
+        # Only the state slot changed.
+        changed = (rank.buffer != before).nonzero().flatten()
+        conv_all, ssm_all = _state(rank, local_slot)
+        slot_bytes = {
+            t.data_ptr() - rank.buffer.data_ptr() + i
+            for t in (conv_all, ssm_all)
+            for i in range(t.numel() * t.element_size())
+        }
+        assert set(changed.tolist()) <= slot_bytes
+        holders = range(
+            d * p_tp // d_tp, max(d * p_tp // d_tp + 1, (d + 1) * p_tp // d_tp)
+        )
+        assert sorted(rank.worker._recving_transfers_callback_addr[f"r{d}"][1]) == [
+            str(100 + h) for h in holders
+        ]
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (4, 2)], ids=lambda v: str(v))
@@ -237,17 +188,13 @@ def test_a_layer_with_one_head_on_every_rank_is_read_whole(
     prefill = _leg(monkeypatch, llama_model_dir, "kv_producer", p_tp, kv_layout, False)
     decode = _leg(monkeypatch, llama_model_dir, "kv_consumer", d_tp, kv_layout, False)
     local_block, remote_block = 2, 3
-    try:
-        for d, rank in enumerate(decode):
-            before = rank.kv_caches[ATTN].clone()
-            _serve_sessions(rank, prefill, stub_attention=False)
-            _read(rank, d, [[local_block]], [[remote_block]], p_tp)
-            got = rank.kv_caches[ATTN]
-            dim = got.shape.index(rank.worker.num_blocks)
-            source = prefill[rank.worker._remote_tp_rank(p_tp)].kv_caches[ATTN]
-            expected = before.clone()
-            expected.select(dim, local_block).copy_(source.select(dim, remote_block))
-            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
-    finally:
-        for rank in (*prefill, *decode):
-            rank.worker.shutdown()
+    for d, rank in enumerate(decode):
+        before = rank.kv_caches[ATTN].clone()
+        _serve_sessions(rank, prefill, stub_attention=False)
+        read_as_decode_rank(rank.worker, d, [[local_block]], [[remote_block]], p_tp)
+        got = rank.kv_caches[ATTN]
+        dim = got.shape.index(rank.worker.num_blocks)
+        source = prefill[rank.worker._remote_tp_rank(p_tp)].kv_caches[ATTN]
+        expected = before.clone()
+        expected.select(dim, local_block).copy_(source.select(dim, remote_block))
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))

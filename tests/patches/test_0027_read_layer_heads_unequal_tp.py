@@ -36,13 +36,10 @@ from tests.patches.builders import (
     RegisteredWorker,
     check_eager_handshake_dials_every_holder,
     eager_handshake,
-    fill_random,
     full_attention_spec,
-    make_vllm_config,
-    moriio_kv_transfer_config,
     paired_sessions,
-    pin_tp_rank,
-    register_worker,
+    random_tp_rank,
+    read_as_decode_rank,
     remote_worker_meta,
     write_model_dir,
 )
@@ -81,27 +78,10 @@ def specs(
     }
 
 
-def _rank(
-    monkeypatch: pytest.MonkeyPatch,
-    model_dir: Path,
-    role: str,
-    tp_size: int,
-    tp_rank: int,
-    kv_layout: str,
-    layer_specs: dict[str, KVCacheSpec],
-) -> RegisteredWorker:
-    """One rank of a leg of ``tp_size`` ranks, its caches filled at random."""
-    pin_tp_rank(monkeypatch, tp_size, tp_rank)
-    vllm_config = make_vllm_config(
-        model_dir, moriio_kv_transfer_config(role), block_size=B
+def _rank(monkeypatch, model_dir, role, tp_size, tp_rank, kv_layout, layer_specs):
+    return random_tp_rank(
+        monkeypatch, model_dir, role, (tp_size, tp_rank), kv_layout, layer_specs, B
     )
-    rank = register_worker(
-        vllm_config, layer_specs, kv_layout, f"127.0.0.1:{role}{tp_rank}"
-    )
-    generator = torch.Generator().manual_seed(1000 * tp_size + 10 * tp_rank + len(role))
-    fill_random(rank.buffer, generator)
-    assert (rank.worker.tp_rank, rank.worker.world_size) == (tp_rank, tp_size)
-    return rank
 
 
 def _leg(monkeypatch, model_dir, role, tp_size, kv_layout) -> list[RegisteredWorker]:
@@ -157,36 +137,21 @@ def test_each_decode_rank_reads_its_kv_heads_of_every_layer(
     prefill = _leg(monkeypatch, gqa_model_dir, "kv_producer", p_tp, kv_layout)
     decode = _leg(monkeypatch, gqa_model_dir, "kv_consumer", d_tp, kv_layout)
     local_block, remote_block = 2, 3
-    try:
-        want = {
-            layer: _global_heads(prefill, layer, remote_block) for layer in specs(1)
-        }
-        for d, rank in enumerate(decode):
-            before = {layer: rank.kv_caches[layer].clone() for layer in specs(1)}
-            _serve_sessions(rank, prefill)
-            rank.worker._read_blocks(
-                local_block_ids=[[local_block]],
-                remote_block_ids=[[remote_block]],
-                dst_engine_id=PEER,
-                request_id=f"r{d}",
-                transfer_id=f"t{d}",
-                remote_host="127.0.0.1",
-                remote_notify_port=100,
-                remote_tp_size=p_tp,
-            )
-            for layer, heads in want.items():
-                got = _heads(rank, layer, local_block)
-                mine = heads.chunk(d_tp, dim=0)[d]
-                assert torch.equal(got, mine), f"decode rank {d}: {layer}"
-                expected = before[layer].clone()
-                expected[local_block] = rank.kv_caches[layer][local_block]
-                assert torch.equal(
-                    rank.kv_caches[layer].view(torch.uint8),
-                    expected.view(torch.uint8),
-                ), f"decode rank {d}: {layer} changed outside its block"
-    finally:
-        for rank in (*prefill, *decode):
-            rank.worker.shutdown()
+    want = {layer: _global_heads(prefill, layer, remote_block) for layer in specs(1)}
+    for d, rank in enumerate(decode):
+        before = {layer: rank.kv_caches[layer].clone() for layer in specs(1)}
+        _serve_sessions(rank, prefill)
+        read_as_decode_rank(rank.worker, d, [[local_block]], [[remote_block]], p_tp)
+        for layer, heads in want.items():
+            got = _heads(rank, layer, local_block)
+            mine = heads.chunk(d_tp, dim=0)[d]
+            assert torch.equal(got, mine), f"decode rank {d}: {layer}"
+            expected = before[layer].clone()
+            expected[local_block] = rank.kv_caches[layer][local_block]
+            assert torch.equal(
+                rank.kv_caches[layer].view(torch.uint8),
+                expected.view(torch.uint8),
+            ), f"decode rank {d}: {layer} changed outside its block"
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (4, 2)], ids=lambda v: str(v))
@@ -224,17 +189,14 @@ def test_unsplittable_drafter_heads_are_refused_at_the_handshake(
         raise AssertionError("the handshake dialed the peer")
 
     monkeypatch.setattr(moriio_connector, "zmq_ctx", dial)
-    try:
-        with pytest.raises(ValueError) as refused:
-            rank.worker._moriio_handshake("127.0.0.1", 7000, 2, PEER)
-        message = str(refused.value)
-        assert "\n" not in message
-        assert DRAFT in message
-        assert "tp_size=2" in message and "tp_size=1" in message
+    with pytest.raises(ValueError) as refused:
+        rank.worker._moriio_handshake("127.0.0.1", 7000, 2, PEER)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert DRAFT in message
+    assert "tp_size=2" in message and "tp_size=1" in message
 
-        with pytest.raises(moriio_common.HandshakeError) as failed:
-            eager_handshake(monkeypatch, rank.worker, 2)
-        assert "\n" not in str(failed.value)
-        assert message in str(failed.value)
-    finally:
-        rank.worker.shutdown()
+    with pytest.raises(moriio_common.HandshakeError) as failed:
+        eager_handshake(monkeypatch, rank.worker, 2)
+    assert "\n" not in str(failed.value)
+    assert message in str(failed.value)
