@@ -8,8 +8,8 @@ L, S = C * ((N - 1) // C) the start of the chunk of the token the decoder
 recomputes; the full-attention group gets [L, N - 1). A hybrid (KDA/Mamba)
 with an MTP drafter, in the target's group or in a group of the target's
 spec of its own, is written as any hybrid is: every attention group's pages
-past the hit, the running state slot. EAGLE drafters (KV heads of their
-own) stay refused.
+past the hit, the running state slot. Other drafters stay refused here
+(EAGLE's: patch 0029).
 
 Both legs are real vLLM ``Scheduler``s with prefix caching; the prefiller's
 pairs come from its real message handling and write task.
@@ -266,15 +266,15 @@ def test_drafted_hybrid_writes_attention_pages_the_decoder_lacks_and_the_state(
             assert all(NULL not in p for p in pairs)
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_other_speculative_methods_stay_refused_in_one_line(
     deepseek_mtp_model_dir: Path, method: str
 ) -> None:
     """Guard: a hybrid WRITE with a drafter of another method is refused at
-    start naming it: n-gram, whose transfer nothing checks, and EAGLE3,
-    whose drafter's KV heads the write's TP mapping does not follow. (The
-    EAGLE3 configuration resolves offline as MTP, then names its method:
-    the connector reads nothing else of it.)"""
+    start naming it: n-gram, whose transfer nothing checks, and a draft
+    model, whose layers can run at another TP size than the target's. (The
+    draft-model configuration resolves offline as MTP, then names its
+    method: the connector reads nothing else of it.)"""
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
         MoRIIOError,
     )
