@@ -2829,3 +2829,76 @@ def write_pair_fixture(
         )
 
     return pair
+
+
+def build_drafted_write_pair(
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    groups: Sequence[tuple[list[str], KVCacheSpec]],
+    block_size: int,
+    speculative_config: dict[str, Any],
+    state_layers: set[str],
+    method: str | None = None,
+) -> WritePair:
+    """``build_write_pair``'s legs with a drafter proposing one token (of
+    ``method`` when given: the configuration resolves as its own method,
+    then names this one; the connector reads nothing else of it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_connector as mc,
+    )
+
+    legs = []
+    for role in ("kv_producer", "kv_consumer"):
+        vllm_config = make_vllm_config(
+            model_dir,
+            moriio_kv_transfer_config(role, read_mode=False),
+            block_size=block_size,
+            speculative_config=speculative_config,
+        )
+        assert vllm_config.speculative_config is not None
+        if method is not None:
+            vllm_config.speculative_config.method = method  # type: ignore[assignment]
+        assert vllm_config.kv_transfer_config is not None
+        vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+        vllm_config.cache_config.mamba_cache_mode = "align"
+        kv_cache_config = make_kv_cache_config(groups, 2048)
+        kv_cache_config.hash_block_size = block_size
+        kv_cache_config.cache_hit_alignment_tokens = block_size
+        with set_current_vllm_config(vllm_config):
+            legs.append(create_scheduler(vllm_config, 2048, kv_cache_config))
+    names = {name for names, _ in groups for name in names}
+    pair = WritePair(
+        SchedulerPair(legs[0], legs[1], block_size),
+        layers={name: g for g, (names, _) in enumerate(groups) for name in names},
+        state_layers=state_layers & names,
+    )
+    monkeypatch.setattr(mc, "make_zmq_socket", lambda **kw: _Socket(pair.sent))
+    return pair
+
+
+def check_drafted_write(
+    pair: WritePair,
+    write: Write,
+    num_tokens: int,
+    hit_pages: int,
+    first_page: Callable[[str], int] = lambda layer: 0,
+) -> None:
+    """Each attention layer's pages past the decoder's held ``hit_pages``
+    (and ``first_page(layer)``) up to the page of token N - 2 are written to
+    the decoder's pages at the same positions, none a null page; a state
+    layer's running slot is written to the decoder's slot, holding none."""
+    held = write.message["num_held_blocks"]
+    last = cdiv(num_tokens - 1, pair.legs.block_size)
+    for layer, group in pair.layers.items():
+        pairs = write.pairs_by_layer[layer]
+        if layer in pair.state_layers:
+            assert held[group] == 0
+            ((prefill_slot, decode_slot),) = pairs
+            assert prefill_slot in write.prefill_tables[group]
+            assert decode_slot == write.message["block_notify_list"][group][-1]
+            continue
+        assert held[group] == hit_pages, layer
+        first = max(hit_pages, first_page(layer))
+        prefill, decode = write.prefill_tables[group], write.decode_tables[group]
+        assert pairs == [(prefill[k], decode[k]) for k in range(first, last)], layer
+        assert all(0 not in p for p in pairs)

@@ -72,14 +72,19 @@ MTP = {"method": "mtp", "num_speculative_tokens": 1}
 
 def glm5_next_layer_specs(num_spec: int) -> dict[str, KVCacheSpec]:
     """12 layers (3 KDA : 1 indexed attention) and, with MTP, the MTP layer."""
-    mla = MLAAttentionSpec(
-        block_size=BLOCK,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=512,
-        dtype=torch.bfloat16,
-        is_index_group_leader=True,
-    )
+
+    def latent(head_size: int, dtype: torch.dtype, **kw: Any) -> MLAAttentionSpec:
+        """One latent head on every rank (MLA and its indexer)."""
+        return MLAAttentionSpec(
+            block_size=BLOCK,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=head_size,
+            dtype=dtype,
+            **kw,
+        )
+
+    mla = latent(512, torch.bfloat16, is_index_group_leader=True)
     kda = kda_mamba_spec(
         block_size=BLOCK,
         num_speculative_blocks=num_spec,
@@ -87,12 +92,9 @@ def glm5_next_layer_specs(num_spec: int) -> dict[str, KVCacheSpec]:
         dtypes=(torch.bfloat16, torch.float32),
         page_size_padded=mla.page_size_bytes,
     )
-    indexer = MLAAttentionSpec(
-        block_size=BLOCK,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=128 + 4,
-        dtype=torch.uint8,
+    indexer = latent(
+        128 + 4,
+        torch.uint8,
         cache_role=SparseCacheRole.INDEXER,
         tokens_per_state=KPOOL,
     )

@@ -17,23 +17,21 @@ pairs come from its real message handling and write task.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm.config import set_current_vllm_config
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from tests.patches.builders import (
     LAYER,
-    SchedulerPair,
     Write,
     WritePair,
-    _Socket,
+    build_drafted_write_pair,
     build_write_pair,
+    check_drafted_write,
     chunked_local_spec,
     full_attention_spec,
     kda_mamba_spec,
@@ -45,7 +43,6 @@ from tests.patches.builders import (
     page_kda_spec,
     prompt,
 )
-from tests.patches.vllm_unit_utils import create_scheduler
 
 NULL = 0
 LOCAL = "model.layers.0.self_attn.attn"
@@ -184,42 +181,6 @@ def _mtp_own_group() -> list[tuple[list[str], KVCacheSpec]]:
     ]
 
 
-def _drafted_pair(
-    model_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    groups: Sequence[tuple[list[str], KVCacheSpec]],
-    speculative_config: dict[str, Any],
-) -> WritePair:
-    """build_write_pair's legs with a drafter proposing one token."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
-        moriio_connector as mc,
-    )
-
-    legs = []
-    for role in ("kv_producer", "kv_consumer"):
-        vllm_config = make_vllm_config(
-            model_dir,
-            moriio_kv_transfer_config(role, read_mode=False),
-            block_size=B,
-            speculative_config=speculative_config,
-        )
-        assert vllm_config.kv_transfer_config is not None
-        vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
-        vllm_config.cache_config.mamba_cache_mode = "align"
-        kv_cache_config = make_kv_cache_config(groups, 2048)
-        kv_cache_config.hash_block_size = B
-        kv_cache_config.cache_hit_alignment_tokens = B
-        with set_current_vllm_config(vllm_config):
-            legs.append(create_scheduler(vllm_config, 2048, kv_cache_config))
-    pair = WritePair(
-        SchedulerPair(legs[0], legs[1], B),
-        layers={name: g for g, (names, _) in enumerate(groups) for name in names},
-        state_layers={KDA},
-    )
-    monkeypatch.setattr(mc, "make_zmq_socket", lambda **kw: _Socket(pair.sent))
-    return pair
-
-
 DRAFTED: dict[str, Any] = {
     "mtp_in_target_group": _mtp_in_target_group,
     "mtp_own_group": _mtp_own_group,
@@ -240,7 +201,9 @@ def test_drafted_hybrid_writes_attention_pages_the_decoder_lacks_and_the_state(
     hit_tokens: int,
 ) -> None:
     groups = DRAFTED[layout]()
-    pair = _drafted_pair(deepseek_mtp_model_dir, monkeypatch, groups, MTP)
+    pair = build_drafted_write_pair(
+        deepseek_mtp_model_dir, monkeypatch, groups, B, MTP, {KDA}
+    )
     write = pair.write(prompt(2, num_tokens), decode_hit_tokens=hit_tokens)
     assert write.notices == []
     held = write.message["num_held_blocks"]
@@ -250,20 +213,7 @@ def test_drafted_hybrid_writes_attention_pages_the_decoder_lacks_and_the_state(
     hit_pages = max(hit_tokens // B - 1, 0)
     attention = [g for g, (names, _) in enumerate(groups) if KDA not in names]
     assert {held[g] for g in attention} == {hit_pages}
-    last = cdiv(num_tokens - 1, B)
-    for layer, group in pair.layers.items():
-        pairs = write.pairs_by_layer[layer]
-        if layer in pair.state_layers:
-            assert held[group] == 0
-            ((prefill_slot, decode_slot),) = pairs
-            assert prefill_slot in write.prefill_tables[group]
-            assert decode_slot == write.message["block_notify_list"][group][-1]
-        else:
-            prefill, decode = write.prefill_tables[group], write.decode_tables[group]
-            assert pairs == [(prefill[k], decode[k]) for k in range(hit_pages, last)], (
-                layer
-            )
-            assert all(NULL not in p for p in pairs)
+    check_drafted_write(pair, write, num_tokens, hit_pages)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

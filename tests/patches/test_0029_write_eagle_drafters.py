@@ -18,30 +18,24 @@ pairs come from its real message handling and write task.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from vllm.config import set_current_vllm_config
-from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from tests.patches.builders import (
-    SchedulerPair,
-    WritePair,
-    _Socket,
+    build_drafted_write_pair,
+    check_drafted_write,
     full_attention_spec,
-    kda_mamba_spec,
     make_kv_cache_config,
     make_scheduler_connector,
     make_vllm_config,
     moriio_kv_transfer_config,
+    page_kda_spec,
     prompt,
     sliding_window_spec,
 )
-from tests.patches.vllm_unit_utils import create_scheduler
 
 NULL = 0
 B = 16
@@ -56,22 +50,12 @@ PAGE = full_attention_spec(B).page_size_bytes
 DRAFTED = {"method": "mtp", "num_speculative_tokens": 1}
 
 
-def _kda_spec() -> KVCacheSpec:
-    return kda_mamba_spec(
-        block_size=B,
-        shapes=((128, 3), (2, 32, 16)),
-        dtypes=(torch.bfloat16, torch.float32),
-        page_size_padded=PAGE,
-        num_speculative_blocks=1,
-    )
-
-
 def _hybrid_own_group() -> list[tuple[list[str], KVCacheSpec]]:
     """Qwen3.5-EAGLE3-like: the drafter's layer (other KV heads, the same
     page size) in an attention group of its own, after the state group."""
     return [
         ([ATTN], full_attention_spec(B)),
-        ([KDA], _kda_spec()),
+        ([KDA], page_kda_spec(B, num_speculative_blocks=1)),
         ([DRAFT], full_attention_spec(B, num_kv_heads=4, head_size=32)),
     ]
 
@@ -91,44 +75,6 @@ LAYOUTS: dict[str, Any] = {
 }
 
 
-def _drafted_pair(
-    model_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    groups: Sequence[tuple[list[str], KVCacheSpec]],
-    method: str,
-) -> WritePair:
-    """Two WRITE legs whose drafter of ``method`` proposes one token."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
-        moriio_connector as mc,
-    )
-
-    legs = []
-    for role in ("kv_producer", "kv_consumer"):
-        vllm_config = make_vllm_config(
-            model_dir,
-            moriio_kv_transfer_config(role, read_mode=False),
-            block_size=B,
-            speculative_config=DRAFTED,
-        )
-        assert vllm_config.speculative_config is not None
-        vllm_config.speculative_config.method = method  # type: ignore[assignment]
-        assert vllm_config.kv_transfer_config is not None
-        vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
-        vllm_config.cache_config.mamba_cache_mode = "align"
-        kv_cache_config = make_kv_cache_config(groups, 2048)
-        kv_cache_config.hash_block_size = B
-        kv_cache_config.cache_hit_alignment_tokens = B
-        with set_current_vllm_config(vllm_config):
-            legs.append(create_scheduler(vllm_config, 2048, kv_cache_config))
-    pair = WritePair(
-        SchedulerPair(legs[0], legs[1], B),
-        layers={name: g for g, (names, _) in enumerate(groups) for name in names},
-        state_layers={KDA} & {name for names, _ in groups for name in names},
-    )
-    monkeypatch.setattr(mc, "make_zmq_socket", lambda **kw: _Socket(pair.sent))
-    return pair
-
-
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize(
@@ -145,30 +91,20 @@ def test_prefiller_writes_every_group_the_decoder_lacks_beside_an_eagle_drafter(
     hit_tokens: int,
 ) -> None:
     groups = LAYOUTS[layout]()
-    pair = _drafted_pair(deepseek_mtp_model_dir, monkeypatch, groups, method)
+    pair = build_drafted_write_pair(
+        deepseek_mtp_model_dir, monkeypatch, groups, B, DRAFTED, {KDA}, method
+    )
     write = pair.write(prompt(2, num_tokens), decode_hit_tokens=hit_tokens)
     assert write.notices == []
-    held = write.message["num_held_blocks"]
     # Every attention group holds the request's hit, the drafter's own group
     # too (WRITE's coordinator reconciles one hit), less the trailing page
     # the KV cache manager drops for an EAGLE drafter; a state group none.
     hit_pages = max(hit_tokens // B - 1, 0)
-    last = cdiv(num_tokens - 1, B)
-    for layer, group in pair.layers.items():
-        pairs = write.pairs_by_layer[layer]
-        if layer in pair.state_layers:
-            assert held[group] == 0
-            ((prefill_slot, decode_slot),) = pairs
-            assert prefill_slot in write.prefill_tables[group]
-            assert decode_slot == write.message["block_notify_list"][group][-1]
-            continue
-        assert held[group] == hit_pages, layer
-        first = hit_pages
-        if layer == LOCAL:
-            first = max(first, max(num_tokens - WINDOW, 0) // B)
-        prefill, decode = write.prefill_tables[group], write.decode_tables[group]
-        assert pairs == [(prefill[k], decode[k]) for k in range(first, last)], layer
-        assert all(NULL not in p for p in pairs)
+
+    def first_page(layer: str) -> int:
+        return max(num_tokens - WINDOW, 0) // B if layer == LOCAL else 0
+
+    check_drafted_write(pair, write, num_tokens, hit_pages, first_page)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
