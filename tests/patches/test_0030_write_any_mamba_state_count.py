@@ -45,8 +45,8 @@ from tests.patches.builders import (
     register_worker,
 )
 from tests.patches.test_0021_any_mamba_state_count import (
-    B,
     MTP,
+    B,
     Layout,
     qwen4_like,
     short_conv_spec,
