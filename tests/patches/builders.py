@@ -867,6 +867,15 @@ class CopyingWrapper:
             dst[lo : lo + size] = src[ro : ro + size]
         return DoneStatus()
 
+    def write_remote_data(self, sizes, local_offsets, remote_offsets, session):
+        """A WRITE on a session copies the local region's bytes into the
+        remote one."""
+        local, remote = session
+        src, dst = local.tensor.view(torch.uint8), remote.tensor.view(torch.uint8)
+        for lo, ro, size in zip(local_offsets, remote_offsets, sizes, strict=True):
+            dst[ro : ro + size] = src[lo : lo + size]
+        return DoneStatus()
+
     def send_notify(self, transfer_id, host, port, **_: Any) -> None:
         self.notified.append(str(port))
 
@@ -2545,11 +2554,17 @@ class _Worker:
     worker."""
 
     def __init__(
-        self, layers: dict[str, int], state_layers: set[str], wrapper: Any
+        self,
+        layers: dict[str, int],
+        state_layers: set[str],
+        wrapper: Any,
+        whole_state_layers: frozenset[str] = frozenset(),
     ) -> None:
         self.kv_caches = {name: torch.zeros(2, 4, 1) for name in layers}
         self.layer_to_group = dict(layers)
         self._state_layers = state_layers
+        # The state layers with a conv split (a conv + SSM pair).
+        self._conv_decomps = {name: None for name in state_layers - whole_state_layers}
         self._has_mamba = bool(state_layers)
         self.moriio_config = type("C", (), {"defer_timeout": 1.0})()
         self.moriio_wrapper = wrapper
@@ -2580,6 +2595,12 @@ class _Worker:
     ) -> tuple[list[int], list[int], list[int], int]:
         self.pairs[layer_name] = list(zip(local_slots, remote_slots, strict=True))
         return [], [], [], 0
+
+    def _compute_mamba_state_offsets(
+        self, layer_name: str, local_slots: list[int], remote_slots: list[int]
+    ) -> list[tuple[list[int], list[int], list[int]]]:
+        self.pairs[layer_name] = list(zip(local_slots, remote_slots, strict=True))
+        return [([], [], [])] * len(self._region_session_indices(layer_name))
 
     def get_engine_name_with_dp(self, engine_name: str, dp_rank: int) -> str:
         return f"{engine_name}_dp{dp_rank}"
@@ -2653,6 +2674,8 @@ class WritePair:
     layers: dict[str, int] = field(default_factory=lambda: {LAYER: 0})
     """Each layer the prefiller writes and its transfer group."""
     state_layers: set[str] = field(default_factory=set)
+    whole_state_layers: set[str] = field(default_factory=set)
+    """The state layers without a conv split, each state written whole."""
 
     def write(
         self, tokens: list[int], decode_hit_tokens: int = 0, message: Any = None
@@ -2712,7 +2735,9 @@ class WritePair:
             wrapper = moriio_engine.MoRIIOWrapper()
             wrapper.send_notify = record_notices(notices)  # type: ignore[method-assign]
             wrapper._handle_message(msgpack.dumps(delivered))
-            worker = _Worker(layers, self.state_layers, wrapper)
+            worker = _Worker(
+                layers, self.state_layers, wrapper, frozenset(self.whole_state_layers)
+            )
             writer = moriio_engine.MoRIIOWriter(worker)  # type: ignore[arg-type]
             for layer in layers:
                 task = type(
