@@ -1076,6 +1076,37 @@ def mamba_state_views(kv_cache: torch.Tensor, spec: MambaSpec) -> list[torch.Ten
     return views
 
 
+def check_states_copied(
+    decoder: RegisteredWorker,
+    prefiller: RegisteredWorker,
+    state_layers: Mapping[str, MambaSpec],
+    before: torch.Tensor,
+    decode_slot: int,
+    prefill_slot: int,
+) -> None:
+    """Every state of each of ``state_layers`` in the decoder's
+    ``decode_slot`` holds the prefiller's ``prefill_slot``, and no other
+    byte of the decoder's buffer changed from ``before``."""
+    expected = before.clone()
+    for layer, spec in state_layers.items():
+        cache = decoder.kv_caches[layer]
+        got = mamba_state_views(cache, spec)
+        sent = mamba_state_views(prefiller.kv_caches[layer], spec)
+        want = mamba_state_views(
+            torch.as_strided(
+                expected, cache.shape, cache.stride(), cache.storage_offset()
+            ),
+            spec,
+        )
+        for state, source, target in zip(got, sent, want, strict=True):
+            target[decode_slot] = source[prefill_slot]
+            assert torch.equal(
+                state[decode_slot].view(torch.uint8),
+                source[prefill_slot].view(torch.uint8),
+            ), layer
+    assert torch.equal(decoder.buffer, expected)
+
+
 def pin_tp_rank(monkeypatch: pytest.MonkeyPatch, tp_size: int, tp_rank: int) -> None:
     """The MoRIIO modules see this process as rank ``tp_rank`` of
     ``tp_size`` tensor-parallel ranks."""
@@ -2861,13 +2892,14 @@ def build_drafted_write_pair(
     monkeypatch: pytest.MonkeyPatch,
     groups: Sequence[tuple[list[str], KVCacheSpec]],
     block_size: int,
-    speculative_config: dict[str, Any],
+    speculative_config: dict[str, Any] | None,
     state_layers: set[str],
     method: str | None = None,
 ) -> WritePair:
-    """``build_write_pair``'s legs with a drafter proposing one token (of
-    ``method`` when given: the configuration resolves as its own method,
-    then names this one; the connector reads nothing else of it)."""
+    """``build_write_pair``'s legs with a drafter proposing one token, if
+    ``speculative_config`` (of ``method`` when given: the configuration
+    resolves as its own method, then names this one; the connector reads
+    nothing else of it), and the state groups' cache mode "align"."""
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
         moriio_connector as mc,
     )
@@ -2880,8 +2912,8 @@ def build_drafted_write_pair(
             block_size=block_size,
             speculative_config=speculative_config,
         )
-        assert vllm_config.speculative_config is not None
         if method is not None:
+            assert vllm_config.speculative_config is not None
             vllm_config.speculative_config.method = method  # type: ignore[assignment]
         assert vllm_config.kv_transfer_config is not None
         vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"

@@ -36,13 +36,13 @@ from vllm.v1.kv_cache_interface import (
 from tests.patches.builders import (
     RegisteredWorker,
     SchedulerPair,
+    check_states_copied,
     fill_random,
     full_attention_spec,
     kda_mamba_spec,
     make_kv_cache_config,
     make_scheduler_connector,
     make_vllm_config,
-    mamba_state_views,
     moriio_kv_transfer_config,
     paired_sessions,
     prompt,
@@ -326,23 +326,4 @@ def test_worker_registers_and_reads_every_state(
         [[1]] * num_attn + [[remote_slot]] * num_state,
         "t-states",
     )
-    expected = before.clone()
-    for name, spec in state_layers.items():
-        got = mamba_state_views(d.kv_caches[name], spec)
-        sent = mamba_state_views(p.kv_caches[name], spec)
-        want = mamba_state_views(
-            torch.as_strided(
-                expected,
-                d.kv_caches[name].shape,
-                d.kv_caches[name].stride(),
-                d.kv_caches[name].storage_offset(),
-            ),
-            spec,
-        )
-        for state, source, target in zip(got, sent, want, strict=True):
-            target[local_slot] = source[remote_slot]
-            assert torch.equal(
-                state[local_slot].view(torch.uint8),
-                source[remote_slot].view(torch.uint8),
-            ), name
-    assert torch.equal(d.buffer, expected)
+    check_states_copied(d, p, state_layers, before, local_slot, remote_slot)

@@ -24,21 +24,18 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_engine
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from tests.patches.builders import (
     RegisteredWorker,
-    SchedulerPair,
     WritePair,
-    _Socket,
+    build_drafted_write_pair,
+    check_states_copied,
     fill_random,
     full_attention_spec,
-    make_kv_cache_config,
     make_vllm_config,
-    mamba_state_views,
     moriio_kv_transfer_config,
     paired_sessions,
     prompt,
@@ -51,7 +48,6 @@ from tests.patches.test_0021_any_mamba_state_count import (
     qwen4_like,
     short_conv_spec,
 )
-from tests.patches.vllm_unit_utils import create_scheduler
 
 NULL = 0
 
@@ -89,38 +85,17 @@ def _model_dir(layout: Layout, request: pytest.FixtureRequest) -> Path:
 def _write_pair(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, layout: Layout
 ) -> WritePair:
-    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
-        moriio_connector as mc,
-    )
-
-    legs = []
-    for role in ("kv_producer", "kv_consumer"):
-        vllm_config = make_vllm_config(
-            model_dir,
-            moriio_kv_transfer_config(role, read_mode=False),
-            block_size=B,
-            speculative_config=MTP if layout.num_spec else None,
-        )
-        assert vllm_config.kv_transfer_config is not None
-        vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
-        vllm_config.cache_config.mamba_cache_mode = "align"
-        kv_cache_config = make_kv_cache_config(layout.groups(), 2048)
-        kv_cache_config.hash_block_size = B
-        kv_cache_config.cache_hit_alignment_tokens = B
-        with set_current_vllm_config(vllm_config):
-            legs.append(create_scheduler(vllm_config, 2048, kv_cache_config))
     state_layers = {
         name
         for name, kind in zip(layout.specs, layout.kinds, strict=True)
         if kind == "state"
     }
-    pair = WritePair(
-        SchedulerPair(legs[0], legs[1], B),
-        layers={name: g for g, name in enumerate(layout.specs)},
-        state_layers=state_layers,
-        whole_state_layers=state_layers & WHOLE_STATE_LAYERS,
+    drafter = MTP if layout.num_spec else None
+    pair = build_drafted_write_pair(
+        model_dir, monkeypatch, layout.groups(), B, drafter, state_layers
     )
-    monkeypatch.setattr(mc, "make_zmq_socket", lambda **kw: _Socket(pair.sent))
+    assert pair.layers == {name: g for g, name in enumerate(layout.specs)}
+    pair.whole_state_layers = state_layers & WHOLE_STATE_LAYERS
     return pair
 
 
@@ -240,24 +215,7 @@ def test_worker_registers_and_writes_every_state(
             plans = writer._prepare_mamba_transfer_plans(task, request_info)  # type: ignore[arg-type]
             for plan in plans:
                 writer._do_layer_write(plan, sessions)
-        expected = before.clone()
-        for layer, spec in state_layers.items():
-            cache = d.kv_caches[layer]
-            got = mamba_state_views(cache, spec)
-            sent = mamba_state_views(p.kv_caches[layer], spec)
-            want = mamba_state_views(
-                torch.as_strided(
-                    expected, cache.shape, cache.stride(), cache.storage_offset()
-                ),
-                spec,
-            )
-            for state, source, target in zip(got, sent, want, strict=True):
-                target[decode_slot] = source[prefill_slot]
-                assert torch.equal(
-                    state[decode_slot].view(torch.uint8),
-                    source[prefill_slot].view(torch.uint8),
-                ), layer
-        assert torch.equal(d.buffer, expected)
+        check_states_copied(d, p, state_layers, before, decode_slot, prefill_slot)
     finally:
         p.worker.shutdown()
         d.worker.shutdown()
