@@ -1,0 +1,50 @@
+"""A model family's ranks at a TP size are built as the model's code builds
+them: Step5's CSA tail ring is one page of its rank's main layer (a rank of
+two holds half the KV groups, so half the page), LFM3's ShortConv state
+holds the rank's share of the conv channels, its page padded to the
+rank's own attention page."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_overlay.simulate.bytes.geometry import Geometry, rank_specs
+from vllm_overlay.simulate.layouts import expand
+
+
+def _specs(name: str, tp: int) -> dict:
+    layout = expand([name])[0]
+    return rank_specs(
+        layout, tp, Geometry(), layout.decode_slots.num_speculative_tokens
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_step5_ring_is_one_page_of_its_ranks_main_layer(tp):
+    """``Step5CSATailRing.get_kv_cache_spec``: the ring's page is its main
+    layer's page on the same rank, whose KV groups TP splits."""
+    specs = _specs("step5-mtp", tp)
+    layer = "model.layers.3.self_attn"
+    main, ring = specs[f"{layer}.attn"], specs[f"{layer}.csa_tail_ring"]
+    assert main.num_kv_heads == 8 // tp
+    assert ring.page_size_bytes == main.page_size_bytes
+    assert ring.block_size == main.block_size
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lfm3_conv_state_is_the_ranks_share(monkeypatch, tp):
+    """``ShortConv.get_state_shape``: ``1 / tp`` of the conv channels, the
+    page padded to the rank's own attention page."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateShapeCalculator,
+    )
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    specs = _specs("lfm3", tp)
+    conv, attn = (
+        specs["model.layers.0.short_conv"],
+        specs["model.layers.2.self_attn.attn"],
+    )
+    assert conv.shapes == MambaStateShapeCalculator.short_conv_state_shape(tp, 2048, 7)
+    assert attn.num_kv_heads == 4 // tp
+    assert conv.page_size_bytes == attn.page_size_bytes
