@@ -765,7 +765,9 @@ def lfm3(tp: int = 1) -> Specs:
         if i % 4 == 2:
             specs[f"model.layers.{i}.self_attn.attn"] = _attention(block, heads, 128)
         elif i % 4 == 0 and i > 0:
-            specs[f"model.layers.{i}.self_attn.attn"] = _attention(block, 4, 128, 256)
+            specs[f"model.layers.{i}.self_attn.attn"] = _attention(
+                block, heads, 128, 256
+            )
         else:
             specs[f"model.layers.{i}.short_conv"] = conv
     return specs

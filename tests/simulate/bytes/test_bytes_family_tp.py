@@ -34,7 +34,8 @@ def test_step5_ring_is_one_page_of_its_ranks_main_layer(tp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_lfm3_conv_state_is_the_ranks_share(monkeypatch, tp):
     """``ShortConv.get_state_shape``: ``1 / tp`` of the conv channels, the
-    page padded to the rank's own attention page."""
+    page padded to the rank's own attention page; the full and windowed
+    layers hold the rank's share of the KV heads."""
     from vllm.model_executor.layers.mamba.mamba_utils import (
         MambaStateShapeCalculator,
     )
@@ -47,4 +48,5 @@ def test_lfm3_conv_state_is_the_ranks_share(monkeypatch, tp):
     )
     assert conv.shapes == MambaStateShapeCalculator.short_conv_state_shape(tp, 2048, 7)
     assert attn.num_kv_heads == 4 // tp
+    assert specs["model.layers.4.self_attn.attn"].num_kv_heads == 4 // tp
     assert conv.page_size_bytes == attn.page_size_bytes
