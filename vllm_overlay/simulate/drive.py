@@ -136,7 +136,8 @@ def group_infos(leg: Leg, layout: Layout) -> list[GroupInfo]:
             # rank's page in rows); the planner may scale the group's block
             # size up to unify pages.
             size = declared[group.layer_names[0]].block_size
-            rows = page // layout.ring.row_bytes if layout.ring.row_bytes else size
+            row_bytes = layout.ring.row_bytes
+            rows = specs[0].page_size_bytes // row_bytes if row_bytes else size
             capacity = layout.ring.capacity or rows
             out.append(
                 GroupInfo(

@@ -50,3 +50,32 @@ def test_lfm3_conv_state_is_the_ranks_share(monkeypatch, tp):
     assert attn.num_kv_heads == 4 // tp
     assert specs["model.layers.4.self_attn.attn"].num_kv_heads == 4 // tp
     assert conv.page_size_bytes == attn.page_size_bytes
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_step5_ring_holds_its_ranks_page_in_rows(tp):
+    """The judge addresses Step5's ring as the model binds it
+    (``Step5CSATailRing.bind_kv_cache``): its rank's page in 1 KB rows,
+    256 at TP 1 and 128 at TP 2."""
+    from vllm_overlay.simulate.bytes.geometry import model_json
+    from vllm_overlay.simulate.check import RING
+    from vllm_overlay.simulate.drive import group_infos
+    from vllm_overlay.simulate.legs import LegOptions, build_leg
+
+    layout = expand(["step5-mtp"])[0]
+    geometry = Geometry(kv_heads=1)
+    leg = build_leg(
+        layout,
+        "kv_consumer",
+        1,
+        600,
+        LegOptions(
+            tensor_parallel_size=tp,
+            model_json=model_json(layout, geometry),
+            specs=lambda: rank_specs(layout, tp, geometry, 1),
+            extra_config={"proxy_ip": ""},
+            with_scheduler=False,
+        ),
+    )
+    rings = [g for g in group_infos(leg, layout) if g.kind == RING]
+    assert [g.ring_capacity for g in rings] == [256 // tp]
