@@ -132,10 +132,13 @@ def group_infos(leg: Leg, layout: Layout) -> list[GroupInfo]:
         elif every(CircularBufferSpec):
             if layout.ring is None:
                 raise ValueError(f"{layout.name}: ring group {g} without Ring")
-            # The model addresses the ring by its own declared size; the
-            # planner may scale the group's block size up to unify pages.
+            # The model addresses the ring by its own declared size (or its
+            # rank's page in rows); the planner may scale the group's block
+            # size up to unify pages.
             size = declared[group.layer_names[0]].block_size
-            capacity = layout.ring.capacity or size
+            row_bytes = layout.ring.row_bytes
+            rows = specs[0].page_size_bytes // row_bytes if row_bytes else size
+            capacity = layout.ring.capacity or rows
             out.append(
                 GroupInfo(
                     RING,

@@ -47,6 +47,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _tp_heads(total: int, tp: int) -> int:
+    """KV heads of one of ``tp`` ranks: its share, or one replicated head
+    past ``total`` ranks."""
+    return total // tp if tp <= total else 1
+
+
 # -- spec constructors, one per vLLM layer kind --------------------------------
 
 
@@ -546,7 +552,7 @@ def qwen4_exp(num_spec: int = 0) -> Specs:
 _STEP5_ROW_BYTES = 1024
 
 
-def step5(num_spec: int = 0) -> Specs:
+def step5(num_spec: int = 0, tp: int = 1) -> Specs:
     """Step5 (``Step5ForCausalLM``, vllm/models/step5/nvidia): sliding and
     full attention per ``Step5Config.layer_types`` (``Attention``); full
     layers run DSA with an 8-token region summary cache
@@ -555,12 +561,15 @@ def step5(num_spec: int = 0) -> Specs:
     and the CSA tail ring (``Step5CSATailRing.get_kv_cache_spec``,
     csa_tail_ring.py: ``CircularBufferSpec`` of one main page, 1 KB rows,
     ``7 + num_spec`` rows needed). 48 layers, 1 full per 4, window 512,
-    8 KV groups x 128, block 64."""
+    8 KV groups x 128, block 64. At tensor parallelism ``tp`` a rank holds
+    its share of the KV groups (``_step5_groups_per_rank``, nvidia/
+    model.py) and the ring one page of its own main layer."""
     from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec
 
     torch = _torch()
     block = 64
-    main = _attention(block, 8, 128)
+    heads = _tp_heads(8, tp)
+    main = _attention(block, heads, 128)
     page = main.page_size_bytes
     summary = _one_head(
         FullAttentionSpec,
@@ -584,16 +593,12 @@ def step5(num_spec: int = 0) -> Specs:
         if i % 4 == 3:
             _put(specs, f"model.layers.{i}.self_attn", full)
         else:
-            specs[f"model.layers.{i}.self_attn.attn"] = _attention(block, 8, 128, 512)
+            specs[f"model.layers.{i}.self_attn.attn"] = _attention(
+                block, heads, 128, 512
+            )
     if num_spec:
         _put(specs, "model.layers.48.self_attn", full, draft=True)
     return specs
-
-
-def step5_ring_capacity() -> int:
-    """Rows of the Step5 tail ring: one main page (64 tokens x 8 KV heads x
-    (128 + 128) bf16) of 1 KB rows."""
-    return 64 * 8 * (128 + 128) * 2 // _STEP5_ROW_BYTES
 
 
 def llama4() -> Specs:
@@ -729,35 +734,40 @@ def hisparse_dsv32() -> Specs:
     return deepseek_v32()
 
 
-def lfm3() -> Specs:
+def lfm3(tp: int = 1) -> Specs:
     """LFM3 (model_executor/models/lfm3.py, the defaults of
     transformers_utils/configs/lfm3.py): ``ShortConv.get_kv_cache_spec``
     (``MambaBase``, model_executor/layers/mamba/short_conv.py; the conv state
     of ``MambaStateShapeCalculator.short_conv_state_shape``, hidden 2048,
     ``conv_L_cache`` 7) on the "conv" layers and ``Attention`` via
     ``Lfm3Attention`` on the others: I % 4 == 2 full attention, I % 4 == 0
-    (I > 0) a 256-token window; 24 layers, 4 KV heads x 128, tensor
-    parallelism 1: a recurrent state beside full and sliding-window groups."""
+    (I > 0) a 256-token window; 24 layers, 4 KV heads x 128: a recurrent
+    state beside full and sliding-window groups. At tensor parallelism
+    ``tp`` a rank holds ``1 / tp`` of the conv channels and of the KV
+    heads, the block size aligned to its own pages."""
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
     dtypes = (_torch().bfloat16,)
-    shapes = ((2048, 7 - 1),)
-    attn_1tok = _attention(1, 4, 128).page_size_bytes
+    shapes = ((2048 // tp, 7 - 1),)
+    heads = _tp_heads(4, tp)
+    attn_1tok = _attention(1, heads, 128).page_size_bytes
     block = _hybrid_block(attn_1tok, _mamba_page(shapes, dtypes), 16)
     conv = _mamba(
         block,
         shapes,
         dtypes,
         0,
-        _attention(block, 4, 128).page_size_bytes,
+        _attention(block, heads, 128).page_size_bytes,
         mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
     )
     specs: Specs = {}
     for i in range(24):
         if i % 4 == 2:
-            specs[f"model.layers.{i}.self_attn.attn"] = _attention(block, 4, 128)
+            specs[f"model.layers.{i}.self_attn.attn"] = _attention(block, heads, 128)
         elif i % 4 == 0 and i > 0:
-            specs[f"model.layers.{i}.self_attn.attn"] = _attention(block, 4, 128, 256)
+            specs[f"model.layers.{i}.self_attn.attn"] = _attention(
+                block, heads, 128, 256
+            )
         else:
             specs[f"model.layers.{i}.short_conv"] = conv
     return specs
@@ -830,6 +840,10 @@ class Family:
     prefix_caching: bool = True
     hisparse: bool = False
     dcp: tuple[int, ...] = (1,)
+    per_rank: bool = False
+    """``build`` takes ``tp=``: the specs of one rank at that TP size,
+    where TP changes more than the GQA layers' KV heads (a page-sized ring,
+    a sharded conv state, the block size aligned to them)."""
 
 
 # Layouts whose grouping changes with the block-outermost KV cache layout.
@@ -899,12 +913,9 @@ def families() -> list[Family]:
         "Step5 (SW + DSA summary + CSA tail ring)",
         step5,
         64,
-        ring=Ring(
-            group_tokens=8,
-            capacity=step5_ring_capacity(),
-            row_bytes=_STEP5_ROW_BYTES,
-        ),
+        ring=Ring(group_tokens=8, row_bytes=_STEP5_ROW_BYTES),
         kv_cache_layouts=BOTH,
+        per_rank=True,
     )
     ricursive_f = Family(
         "ricursive", "Ricursive Ripple (full + SW 1024, 1:4)", ricursive, 16
@@ -995,7 +1006,7 @@ def families() -> list[Family]:
             kv_cache_layouts=BOTH,
         ),
         Family("dots3-note", "dots.llm3 NOTE (MLA + SW-MLA)", dots3_note, 64),
-        Family("lfm3", "LFM3 (ShortConv + full + SW 256)", lfm3, 0),
+        Family("lfm3", "LFM3 (ShortConv + full + SW 256)", lfm3, 0, per_rank=True),
         Family("zaya", "ZAYA (CCA state + full, every layer)", zaya, 0),
         ricursive_f,
         _drafted(
@@ -1013,6 +1024,13 @@ def families() -> list[Family]:
             hisparse=True,
         ),
     ]
+
+
+def _rank_builder(fam: Family) -> Callable[[int], Specs] | None:
+    if not fam.per_rank:
+        return None
+    build = fam.build
+    return lambda tp: build(tp=tp)  # type: ignore[call-arg]
 
 
 def _entries() -> list[tuple[Layout, tuple[int, ...]]]:
@@ -1033,6 +1051,7 @@ def _entries() -> list[tuple[Layout, tuple[int, ...]]]:
                 ring=fam.ring,
                 prefix_caching=fam.prefix_caching,
                 hisparse=fam.hisparse,
+                build_rank_specs=_rank_builder(fam),
             )
             out.append((layout, fam.dcp))
     return out

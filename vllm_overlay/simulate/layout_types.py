@@ -32,8 +32,10 @@ class Ring:
     The ring keeps the raw rows of the still-open compression group: the
     decoder computing position p needs positions
     ``[p // group_tokens * group_tokens, p)`` in it. ``capacity``: positions
-    the ring holds (slot = position % capacity); 0 means the block size the
-    model declares (the planner can give the group a larger one).
+    the ring holds (slot = position % capacity); 0 means the rank's page in
+    rows of ``row_bytes`` when those are set (a ring sized to its rank's
+    page, as Step5's), else the block size the model declares (the planner
+    can give the group a larger one).
     """
 
     group_tokens: int
@@ -68,6 +70,10 @@ class Layout:
     ring: Ring | None = None
     prefix_caching: bool = True
     hisparse: bool = False
+    build_rank_specs: Callable[[int], dict[str, Any]] | None = None
+    """{layer name: KVCacheSpec} of one rank at a TP size, when the model's
+    code builds them per rank beyond splitting KV heads; None: derived from
+    ``build_specs`` (``simulate/bytes/geometry.py``)."""
 
     def layer_specs(self) -> dict[str, Any]:
         return self.build_specs()

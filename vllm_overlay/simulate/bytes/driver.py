@@ -642,15 +642,29 @@ def is_escape(error: str) -> bool:
     return f"{SchedulerEscape.__name__}: {ESCAPED} " in error
 
 
+_PEER_REFUSAL = "MoRIIO READ cannot serve layer "
+"""How the decoder's connector refuses, at its first handshake, a peer whose
+TP size it cannot read a layer from (patch 0032)."""
+
+
 def _first_error(text: str) -> str:
     """The last line of a traceback that says something (pydantic ends its
-    errors with a link: the line above says what is wrong)."""
+    errors with a link: the line above says what is wrong); a refusal of the
+    peer at the handshake from its own words on (the eager handshake's
+    wrapper names the peer's address, which changes from case to case)."""
     lines = [
         line.strip()
         for line in text.strip().splitlines()
         if line.strip() and "errors.pydantic.dev" not in line
     ]
-    return (lines[-1] if lines else text)[:300]
+    line = lines[-1] if lines else text
+    return line[max(0, line.find(_PEER_REFUSAL)) :][:300]
+
+
+def peer_refusal(error: str | None) -> str | None:
+    """The decoder's refusal of its peer at the handshake, before any byte
+    moved, if ``error`` (a case's ``_first_error``) is one."""
+    return error if error is not None and error.startswith(_PEER_REFUSAL) else None
 
 
 def _case(n: int, hit: float, verdicts: list[Verdict], moved: int) -> CaseBytes:
@@ -687,7 +701,9 @@ def run_config(
     progress: Any = None,
 ) -> ConfigRun:
     """The (hit, length) cases of one configuration, in order. A configuration
-    vLLM or the connector rejects while the ranks start is refused at start;
+    vLLM or the connector rejects while the ranks start is refused at start,
+    and so is one whose decoder refuses its peer at the first handshake
+    (``peer_refusal``: before any byte moves; the case that met it is kept);
     three identical case errors in a row on fresh processes end it too
     (refused)."""
     run = ConfigRun(config)
@@ -709,6 +725,9 @@ def run_config(
             if case.error is None:
                 streak = []
                 continue
+            if (refusal := peer_refusal(case.error)) is not None:
+                run.refused_at_start = refusal
+                return run
             streak.append(case.error)
             if len(streak) >= 3 and len(set(streak[-3:])) == 1:
                 run.refused = case.error

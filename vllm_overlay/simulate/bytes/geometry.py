@@ -9,7 +9,9 @@ vLLM's model code shapes it (``MambaStateShapeCalculator.kda_state_shape``,
 ``GDN_ATTN``); a Mamba state of another shape (Qwen4-exp's one-array PLE
 state) is kept as the family declares it, so the connector judges it as it
 would in production. A model family keeps its own head geometry (only TP
-splits its heads).
+splits its heads), unless its code builds more per rank (Step5's ring of
+its rank's page, LFM3's sharded conv state): then its own per-rank specs
+(``Layout.build_rank_specs``).
 Nothing else of a layout changes.
 """
 
@@ -121,6 +123,10 @@ def rank_specs(
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    if layout.build_rank_specs is not None:
+        # The model's own per-rank specs: heads, state and block already
+        # this rank's.
+        return layout.build_rank_specs(tp_size)
     out: dict[str, Any] = {}
     mamba: dict[str, Any] = {}
     for name, spec in layout.layer_specs().items():

@@ -1,0 +1,81 @@
+"""A model family's ranks at a TP size are built as the model's code builds
+them: Step5's CSA tail ring is one page of its rank's main layer (a rank of
+two holds half the KV groups, so half the page), LFM3's ShortConv state
+holds the rank's share of the conv channels, its page padded to the
+rank's own attention page."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_overlay.simulate.bytes.geometry import Geometry, rank_specs
+from vllm_overlay.simulate.layouts import expand
+
+
+def _specs(name: str, tp: int) -> dict:
+    layout = expand([name])[0]
+    return rank_specs(
+        layout, tp, Geometry(), layout.decode_slots.num_speculative_tokens
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_step5_ring_is_one_page_of_its_ranks_main_layer(tp):
+    """``Step5CSATailRing.get_kv_cache_spec``: the ring's page is its main
+    layer's page on the same rank, whose KV groups TP splits."""
+    specs = _specs("step5-mtp", tp)
+    layer = "model.layers.3.self_attn"
+    main, ring = specs[f"{layer}.attn"], specs[f"{layer}.csa_tail_ring"]
+    assert main.num_kv_heads == 8 // tp
+    assert ring.page_size_bytes == main.page_size_bytes
+    assert ring.block_size == main.block_size
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lfm3_conv_state_is_the_ranks_share(monkeypatch, tp):
+    """``ShortConv.get_state_shape``: ``1 / tp`` of the conv channels, the
+    page padded to the rank's own attention page; the full and windowed
+    layers hold the rank's share of the KV heads."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateShapeCalculator,
+    )
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    specs = _specs("lfm3", tp)
+    conv, attn = (
+        specs["model.layers.0.short_conv"],
+        specs["model.layers.2.self_attn.attn"],
+    )
+    assert conv.shapes == MambaStateShapeCalculator.short_conv_state_shape(tp, 2048, 7)
+    assert attn.num_kv_heads == 4 // tp
+    assert specs["model.layers.4.self_attn.attn"].num_kv_heads == 4 // tp
+    assert conv.page_size_bytes == attn.page_size_bytes
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_step5_ring_holds_its_ranks_page_in_rows(tp):
+    """The judge addresses Step5's ring as the model binds it
+    (``Step5CSATailRing.bind_kv_cache``): its rank's page in 1 KB rows,
+    256 at TP 1 and 128 at TP 2."""
+    from vllm_overlay.simulate.bytes.geometry import model_json
+    from vllm_overlay.simulate.check import RING
+    from vllm_overlay.simulate.drive import group_infos
+    from vllm_overlay.simulate.legs import LegOptions, build_leg
+
+    layout = expand(["step5-mtp"])[0]
+    geometry = Geometry(kv_heads=1)
+    leg = build_leg(
+        layout,
+        "kv_consumer",
+        1,
+        600,
+        LegOptions(
+            tensor_parallel_size=tp,
+            model_json=model_json(layout, geometry),
+            specs=lambda: rank_specs(layout, tp, geometry, 1),
+            extra_config={"proxy_ip": ""},
+            with_scheduler=False,
+        ),
+    )
+    rings = [g for g in group_infos(leg, layout) if g.kind == RING]
+    assert [g.ring_capacity for g in rings] == [256 // tp]

@@ -1,0 +1,64 @@
+"""A configuration whose decoder refuses its peer at the first handshake
+(a layer READ cannot move between the two TP sizes) is refused at start,
+in the connector's own line, not counted as crashes: the eager handshake's
+wrapper names the peer's address, which differs from case to case, so the
+three-identical-errors rule never saw one refusal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_overlay.simulate.bytes import driver
+from vllm_overlay.simulate.bytes.driver import CaseBytes, run_config
+
+REFUSAL = (
+    "MoRIIO READ cannot serve layer model.layers.0.short_conv between prefill "
+    "TP 1 and decode TP 2: its recurrent state has no conv split to slice by rank"
+)
+
+
+def _wrapped(port: int) -> str:
+    return (
+        "Traceback (most recent call last):\n  ...\n"
+        "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common."
+        f"HandshakeError: Eager MoRIIO handshake failed for 127.0.0.1:{port} on "
+        "at least one TP rank; failing this step fast to avoid a TP collective "
+        f"hang: {REFUSAL}"
+    )
+
+
+class _Driver:
+    """Cases whose rank processes raise ``errors`` in turn."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, reuse: bool = False) -> None:
+        pass
+
+    def run_case(self, n: int, hit: float) -> CaseBytes:
+        error = driver._first_error(self.errors.pop(0))
+        return CaseBytes(n, hit, wrong=False, error=error)
+
+
+def _run(monkeypatch, errors: list[str]) -> Any:
+    monkeypatch.setattr(driver, "Driver", lambda *a, **k: _Driver(errors))
+    return run_config(None, [(0.0, 17), (0.0, 129), (1.0, 530)])  # type: ignore[arg-type]
+
+
+def test_a_peer_refused_at_the_handshake_refuses_the_configuration(monkeypatch):
+    run = _run(monkeypatch, [_wrapped(10000 + i) for i in range(3)])
+    assert run.refused_at_start == REFUSAL
+    assert len(run.cases) == 1
+
+
+def test_other_case_errors_are_still_crashes(monkeypatch):
+    errors = [f"RuntimeError: rank {i} died" for i in range(3)]
+    run = _run(monkeypatch, errors)
+    assert run.refused_at_start is None
+    assert [c.error for c in run.cases] == [
+        f"RuntimeError: rank {i} died" for i in range(3)
+    ]
