@@ -234,8 +234,8 @@ def _connector(model_dir: Path, layout: Layout, **transfer: Any) -> Any:
 
 def test_write_refuses_a_one_state_group_at_start(llama_model_dir: Path) -> None:
     """LFM3-like stays refused in WRITE at start, in one line naming its
-    group: for its one-state group here; once WRITE moves any state count
-    (0030), for its window group beside the state group."""
+    group: for its one-state group, or, where WRITE moves any state count,
+    for its window group beside the state group."""
     with pytest.raises(
         (moriio_common.MoRIIOError, NotImplementedError),
         match=r"WRITE supports exactly two Mamba states \(conv and SSM\), got 1 "

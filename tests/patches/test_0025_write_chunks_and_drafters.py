@@ -8,8 +8,8 @@ L, S = C * ((N - 1) // C) the start of the chunk of the token the decoder
 recomputes; the full-attention group gets [L, N - 1). A hybrid (KDA/Mamba)
 with an MTP drafter, in the target's group or in a group of the target's
 spec of its own, is written as any hybrid is: every attention group's pages
-past the hit, the running state slot. Other drafters stay refused here
-(EAGLE's: patch 0029).
+past the hit, the running state slot. Other drafters (n-gram, a draft
+model) stay refused.
 
 Both legs are real vLLM ``Scheduler``s with prefix caching; the prefiller's
 pairs come from its real message handling and write task.

@@ -2,13 +2,13 @@
 
 Qwen4-exp keeps a one-array short-convolution state (PLE, the same on every
 TP rank) beside its GDN layers' conv + SSM pairs; LFM3's ShortConv layers
-keep one conv state. READ moves them since 0021; WRITE refused them at
+keep one conv state. READ moves them; WRITE refused them at
 start ("supports exactly two Mamba states (conv and SSM)", and Mamba groups
 of different specs: "to use the same cache spec").
 
 The scheduler side runs on two real vLLM ``Scheduler``s, a prefill and a
 decode leg, with the prefiller's writer planning each layer's write against
-a worker stand-in (build_write_pair's). The worker side registers KV cache
+a worker stand-in. The worker side registers KV cache
 tensors that vLLM's ``allocate_kv_cache`` lays out, in both KV cache
 layouts, on real WRITE-mode ``MoRIIOConnectorWorker``s over stubbed mori;
 the prefiller's ``MoRIIOWriter`` plans and carries out the write of each
