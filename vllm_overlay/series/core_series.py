@@ -28,7 +28,7 @@ from vllm_overlay.series.patch_series import (
     _series_problems,
     entry_problems,
     header_problems,
-    load_patch,
+    load_listed,
     read_series_file,
     split_header,
 )
@@ -70,15 +70,7 @@ def load_core_series(root: Path) -> Series:
         for n in names
         if not _NAME_RE.match(n)
     ]
-    if bad:
-        raise SeriesError(bad[0])
-    patches = []
-    for i, name in enumerate(names, 1):
-        path = directory / name
-        if not path.is_file():
-            raise SeriesError(f"core series lists {name}, but {path} does not exist")
-        patches.append(load_patch(path, i))
-    return Series(root, tuple(patches))
+    return load_listed(root, directory, names, bad, "core series")
 
 
 def find_core_patch(core: Series, key: str) -> SeriesPatch:

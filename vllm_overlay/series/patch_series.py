@@ -456,14 +456,21 @@ def load_series(root: Path) -> Series:
     listed twice or naming anything but a patch file there is an error."""
     patch_dir = root / PATCH_DIR
     names = read_series_file(patch_dir)
-    bad = entry_problems(names)
+    return load_listed(root, patch_dir, names, entry_problems(names), "series")
+
+
+def load_listed(
+    root: Path, directory: Path, names: list[str], bad: list[str], what: str
+) -> Series:
+    """The patches ``names`` in ``directory``, in order; the first of ``bad``
+    (problems of the entries) or a listed file that is missing is an error."""
     if bad:
         raise SeriesError(bad[0])
     patches = []
     for i, name in enumerate(names, 1):
-        path = patch_dir / name
+        path = directory / name
         if not path.is_file():
-            raise SeriesError(f"series lists {name}, but {path} does not exist")
+            raise SeriesError(f"{what} lists {name}, but {path} does not exist")
         patches.append(load_patch(path, i))
     return Series(root, tuple(patches))
 

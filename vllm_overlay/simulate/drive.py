@@ -448,6 +448,20 @@ class Pair:
                 return
         raise RuntimeError(f"local request {rid} did not finish")
 
+    def _next_case(
+        self, n: int, hit_fraction: float, held: int | None
+    ) -> tuple[int, list[int]]:
+        """A new case's id and its prompt; the decoder has computed its
+        prefix hit locally already."""
+        self._seq += 1
+        uid = self._seq
+        tokens = prompt_tokens(uid, n)
+        shared = round(n * hit_fraction) if held is None else held
+        if shared > 0:
+            warm = prompt_tokens(uid, shared + 1, shared=shared)
+            self._run_local(self.d, self.d_store, f"w{uid}", warm, uid, shared)
+        return uid, tokens
+
     # -- one case ---------------------------------------------------------
 
     def run_case(
@@ -472,13 +486,7 @@ class Pair:
             if rewrite is not None:
                 raise ValueError("a READ rewrite hook in a WRITE case")
             return self._run_write_case(n, hit_fraction, held)
-        self._seq += 1
-        uid = self._seq
-        tokens = prompt_tokens(uid, n)
-        shared = round(n * hit_fraction) if held is None else held
-        if shared > 0:
-            warm = prompt_tokens(uid, shared + 1, shared=shared)
-            self._run_local(self.d, self.d_store, f"w{uid}", warm, uid, shared)
+        uid, tokens = self._next_case(n, hit_fraction, held)
 
         rid = f"r{uid}"
         params = self._prefill(rid, tokens, uid, n)
@@ -570,13 +578,7 @@ class Pair:
         received, and its first compute step is judged before the forward.
         A decoder that loads nothing (no external token) computes the
         request in its first step, judged there as READ's."""
-        self._seq += 1
-        uid = self._seq
-        tokens = prompt_tokens(uid, n)
-        shared = round(n * hit_fraction) if held is None else held
-        if shared > 0:
-            warm = prompt_tokens(uid, shared + 1, shared=shared)
-            self._run_local(self.d, self.d_store, f"w{uid}", warm, uid, shared)
+        uid, tokens = self._next_case(n, hit_fraction, held)
         rid, transfer_id = f"r{uid}", f"t{uid}"
         p_tp = self.p.vllm_config.parallel_config.tensor_parallel_size
         d_tp = self.d.vllm_config.parallel_config.tensor_parallel_size
