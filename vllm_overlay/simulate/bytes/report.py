@@ -4,6 +4,8 @@ side, each cell {cases, wrong-byte cases, bytes moved / minimum}."""
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 from vllm_overlay.simulate.lines import Progress
@@ -91,13 +93,29 @@ class BytesReport(msgspec.Struct):
 ZygoteLine = Progress | ConfigReport
 
 
+# The exception's class before a refusal's words ("MoRIIOError: ...").
+_EXCEPTION_PREFIX = re.compile(r"^(?:[\w.]+(?:Error|Exception|Escape)): ")
+# A table cell holds this much of a refusal; the report holds all of it.
+REFUSAL_CHARS = 72
+
+
+def refusal_text(error: str) -> str:
+    """A refusal in a table cell: its own words without the exception's
+    class, from the start (what it names: the layer, group or peer),
+    shortened to ``REFUSAL_CHARS``."""
+    text = _EXCEPTION_PREFIX.sub("", error.strip(), count=1)
+    if len(text) <= REFUSAL_CHARS:
+        return text
+    return text[: REFUSAL_CHARS - 3].rstrip() + "..."
+
+
 def cell(r: ConfigReport | None) -> str:
     if r is None:
         return ""
     if r.refused_at_start is not None:
-        return "refused at start: " + r.refused_at_start.split(": ", 1)[-1][:40]
+        return "refused at start: " + refusal_text(r.refused_at_start)
     if r.refused is not None and r.error_cases == r.cases:
-        return "refused: " + r.refused.split(": ", 1)[-1][:40]
+        return "refused: " + refusal_text(r.refused)
     text = f"{r.cases} / {r.wrong_cases} / {ratio(r.moved_bytes, r.min_bytes)}"
     if r.error_cases:
         text += f" ({r.error_cases} errors"
