@@ -1010,9 +1010,7 @@ def families() -> list[Family]:
         ),
         Family("dots3-note", "dots.llm3 NOTE (MLA + SW-MLA)", dots3_note, 64),
         Family("lfm3", "LFM3 (ShortConv + full + SW 256)", lfm3, 0, per_rank=True),
-        Family(
-            "zaya", "ZAYA (CCA state + full, every layer)", zaya, 0, per_rank=True
-        ),
+        Family("zaya", "ZAYA (CCA state + full, every layer)", zaya, 0, per_rank=True),
         ricursive_f,
         _drafted(
             ricursive_f,

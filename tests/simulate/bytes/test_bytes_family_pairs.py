@@ -37,9 +37,7 @@ def _plan(layouts: list[str], family_tp: str = "sample") -> list[ConfigItem]:
 
 
 def _pairs(items: list[ConfigItem], layout: str, mode: str) -> list[tuple[int, int]]:
-    return [
-        (i.p_tp, i.d_tp) for i in items if i.layout == layout and i.mode == mode
-    ]
+    return [(i.p_tp, i.d_tp) for i in items if i.layout == layout and i.mode == mode]
 
 
 def test_every_family_of_the_default_sweep_runs_one_unequal_pair_per_mode() -> None:

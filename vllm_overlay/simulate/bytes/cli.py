@@ -27,6 +27,7 @@ from vllm_overlay.simulate.bytes.run import (
     MODES,
     TP_PAIRS,
     ZYGOTES,
+    FamilyTP,
     parse_tp_pairs,
     plan_items,
     run_bytes_sweep,
@@ -135,7 +136,7 @@ class BytesOptions:
     tp_pairs: tuple[tuple[int, int], ...] | None
     """None: each layout's default (``TP_PAIRS``, ``FAMILY_TP_PAIRS``)."""
     all_hits: bool = False
-    family_tp: str = "sample"
+    family_tp: FamilyTP = "sample"
     """``FAMILY_TP_CHOICES``: what the model families run without ``--tp``."""
     lengths: str | None = None
     """``--lengths`` (None: ``DEFAULT_LENGTHS``, the families their own)."""

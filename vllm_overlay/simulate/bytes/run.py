@@ -14,6 +14,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -62,7 +63,8 @@ FAMILY_TP_SAMPLE = ((1, 2), (2, 1))
 """By default the ``i``-th model family layout also runs
 ``FAMILY_TP_SAMPLE[i % 2]`` at ``DEFAULT_FAMILY_TP_LENGTHS``
 (``--family-tp all``: every family at every pair of ``TP_PAIRS``)."""
-FAMILY_TP_CHOICES = ("sample", "all")
+FamilyTP = Literal["sample", "all"]
+FAMILY_TP_CHOICES: tuple[FamilyTP, ...] = ("sample", "all")
 KV_LAYOUTS = ("LBNHC", "BLNHC")
 _NO_GQA_LAYOUTS = frozenset({"kimi"})
 """Layouts without a GQA layer: the KV heads change none of their bytes, and
@@ -95,7 +97,7 @@ def plan_items(
     kv_layouts: list[str],
     family_lengths: str | None = None,
     all_hits: bool = False,
-    family_tp: str = "sample",
+    family_tp: FamilyTP = "sample",
     sample_lengths: str | None = None,
 ) -> list[ConfigItem]:
     """Every combination. READ with unequal TP needs replicated KV heads
