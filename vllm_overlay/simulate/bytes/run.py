@@ -324,11 +324,9 @@ def run_bytes_sweep(
         remove_stale_shm()
     index = {item: i for i, item in enumerate(items)}
     results = tally.ordered(lambda r: index.get(r.item, 0), list(variants))
-    own = {
-        item.lengths
-        for item in items
-        if item.lengths is not None and item.p_tp == item.d_tp
-    }
+    # A family's own lengths, not those of its sampled unequal TP pair.
+    own = {item.lengths for item in items if item.lengths is not None}
+    own = {x for x in own if x != DEFAULT_FAMILY_TP_LENGTHS} or own
     return BytesReport(
         lengths=lengths_list,
         family_lengths=parse_lengths(own.pop()) if len(own) == 1 else None,
