@@ -773,21 +773,24 @@ def lfm3(tp: int = 1) -> Specs:
     return specs
 
 
-def zaya() -> Specs:
+def zaya(tp: int = 1) -> Specs:
     """ZAYA (model_executor/models/zaya.py, the defaults of transformers'
     ``ZayaConfig``): every layer holds ``ZayaCCA``'s state
     (``MambaBase.get_kv_cache_spec``, ``get_state_shape``: the raw q/k
     history and the delayed value, replicated on every TP rank) beside its
     ``Attention`` (full; no ``hybrid_sliding`` layer by default); 40 layers,
-    8 query / 2 KV heads x 128, ``cca_time0`` = ``cca_time1`` = 2."""
+    8 query / 2 KV heads x 128, ``cca_time0`` = ``cca_time1`` = 2. At tensor
+    parallelism ``tp`` a rank holds its share of the KV heads and the whole
+    state, the block size aligned to its own pages."""
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
     bf16 = _torch().bfloat16
     shapes = (((8 + 2) * 128, 2 + 2 - 2), (2 * 128 // 2,))
     dtypes = (bf16, bf16)
-    attn_1tok = _attention(1, 2, 128).page_size_bytes
+    heads = _tp_heads(2, tp)
+    attn_1tok = _attention(1, heads, 128).page_size_bytes
     block = _hybrid_block(attn_1tok, _mamba_page(shapes, dtypes), 16)
-    attn = _attention(block, 2, 128)
+    attn = _attention(block, heads, 128)
     cca = _mamba(
         block,
         shapes,
@@ -1007,7 +1010,7 @@ def families() -> list[Family]:
         ),
         Family("dots3-note", "dots.llm3 NOTE (MLA + SW-MLA)", dots3_note, 64),
         Family("lfm3", "LFM3 (ShortConv + full + SW 256)", lfm3, 0, per_rank=True),
-        Family("zaya", "ZAYA (CCA state + full, every layer)", zaya, 0),
+        Family("zaya", "ZAYA (CCA state + full, every layer)", zaya, 0, per_rank=True),
         ricursive_f,
         _drafted(
             ricursive_f,

@@ -79,3 +79,33 @@ def test_step5_ring_holds_its_ranks_page_in_rows(tp):
     )
     rings = [g for g in group_infos(leg, layout) if g.kind == RING]
     assert [g.ring_capacity for g in rings] == [256 // tp]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zaya_cca_state_is_kept_whole_and_replicated(tp):
+    """ZAYA's CCA state (``ZayaCCA.get_state_shape``: the q/k history and
+    the delayed value, the same on every TP rank) is no conv + SSM pair:
+    every rank keeps the family's state, padded to its own attention page
+    (its share of the 2 KV heads), and the
+    judge reads each of its arrays whole, at the same bytes on every rank."""
+    from types import SimpleNamespace
+
+    from vllm_overlay.simulate.bytes.judge import state_regions
+
+    declared = expand(["zaya"])[0].layer_specs()["model.layers.0.self_attn.qkv_proj"]
+    specs = _specs("zaya", tp)
+    cca, attn = (
+        specs["model.layers.0.self_attn.qkv_proj"],
+        specs["model.layers.0.self_attn.attn"],
+    )
+    assert (cca.shapes, cca.dtypes, cca.mamba_type, cca.tp_replicated) == (
+        declared.shapes,
+        declared.dtypes,
+        declared.mamba_type,
+        True,
+    )
+    assert attn.num_kv_heads == 2 // tp
+    assert cca.page_size_bytes == attn.page_size_bytes
+    regions = state_regions(SimpleNamespace(spec=cca), tp - 1, tp)
+    assert [(k, first) for k, _, _, first in regions] == [(0, 0), (1, 0)]
+    assert sum(size for _, _, size, _ in regions) == cca.real_page_size_bytes

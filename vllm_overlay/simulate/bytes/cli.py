@@ -18,13 +18,16 @@ from vllm_overlay.simulate.bytes.report import (
 )
 from vllm_overlay.simulate.bytes.run import (
     DEFAULT_FAMILY_LENGTHS,
+    DEFAULT_FAMILY_TP_LENGTHS,
     DEFAULT_HITS,
     DEFAULT_LENGTHS,
+    FAMILY_TP_CHOICES,
     FAMILY_TP_PAIRS,
     KV_LAYOUTS,
     MODES,
     TP_PAIRS,
     ZYGOTES,
+    FamilyTP,
     parse_tp_pairs,
     plan_items,
     run_bytes_sweep,
@@ -76,7 +79,16 @@ def add_arguments(p: argparse.ArgumentParser, *, own_command: bool) -> None:
         + ",".join(f"{p}-{d}" for p, d in TP_PAIRS)
         + " for the mechanism layouts, "
         + ",".join(f"{p}-{d}" for p, d in FAMILY_TP_PAIRS)
-        + " for the model families)",
+        + " for the model families, each with one unequal pair: --family-tp)",
+    )
+    p.add_argument(
+        "--family-tp",
+        default="sample",
+        choices=FAMILY_TP_CHOICES,
+        help=only + "without --tp, the model families' TP pairs: sample (default: "
+        "TP 1->1, and one unequal pair, 1->2 and 2->1 alternating over the "
+        f"families, at lengths {DEFAULT_FAMILY_TP_LENGTHS}) or all (every "
+        "pair of the mechanism layouts at the families' lengths)",
     )
     p.add_argument(
         "--all-hits",
@@ -104,6 +116,7 @@ def given_options(args: argparse.Namespace) -> dict[str, str | bool]:
             args.kv_layouts if args.kv_layouts != ",".join(KV_LAYOUTS) else False
         ),
         "--all-hits": bool(args.all_hits),
+        "--family-tp": args.family_tp if args.family_tp != "sample" else False,
     }
     return {name: value for name, value in given.items() if value}
 
@@ -123,6 +136,8 @@ class BytesOptions:
     tp_pairs: tuple[tuple[int, int], ...] | None
     """None: each layout's default (``TP_PAIRS``, ``FAMILY_TP_PAIRS``)."""
     all_hits: bool = False
+    family_tp: FamilyTP = "sample"
+    """``FAMILY_TP_CHOICES``: what the model families run without ``--tp``."""
     lengths: str | None = None
     """``--lengths`` (None: ``DEFAULT_LENGTHS``, the families their own)."""
     hits: str | None = None
@@ -152,6 +167,7 @@ def options_from(args: argparse.Namespace) -> BytesOptions:
         kv_layouts,
         tp_pairs,
         all_hits=bool(args.all_hits),
+        family_tp=args.family_tp,
         lengths=args.lengths,
         hits=args.hits,
         zygotes=getattr(args, "processes", None) or ZYGOTES,
@@ -172,6 +188,8 @@ def sweep(
             list(opts.kv_layouts),
             None if opts.lengths else DEFAULT_FAMILY_LENGTHS,
             all_hits=opts.all_hits,
+            family_tp=opts.family_tp,
+            sample_lengths=None if opts.lengths else DEFAULT_FAMILY_TP_LENGTHS,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc

@@ -7,10 +7,12 @@ replicated head past ``kv_heads`` ranks), MLA latents are replicated, and a
 KDA layer holds ``1 / tp`` of its conv and recurrent state, shaped the way
 vLLM's model code shapes it (``MambaStateShapeCalculator.kda_state_shape``,
 ``GDN_ATTN``); a Mamba state of another shape (Qwen4-exp's one-array PLE
-state) is kept as the family declares it, so the connector judges it as it
+state) or a TP-replicated one (ZAYA's CCA history) is kept as the family
+declares it, so the connector judges it as it
 would in production. A model family keeps its own head geometry (only TP
 splits its heads), unless its code builds more per rank (Step5's ring of
-its rank's page, LFM3's sharded conv state): then its own per-rank specs
+its rank's page, LFM3's sharded conv state, ZAYA's state padded to its
+rank's page): then its own per-rank specs
 (``Layout.build_rank_specs``).
 Nothing else of a layout changes.
 """
@@ -130,7 +132,11 @@ def rank_specs(
     out: dict[str, Any] = {}
     mamba: dict[str, Any] = {}
     for name, spec in layout.layer_specs().items():
-        if isinstance(spec, MambaSpec) and len(spec.shapes) == 2:
+        if (
+            isinstance(spec, MambaSpec)
+            and len(spec.shapes) == 2
+            and not spec.tp_replicated
+        ):
             mamba[name] = spec
         elif _is_gqa(spec) and layout.family:
             out[name] = replace(

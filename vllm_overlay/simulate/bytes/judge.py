@@ -41,8 +41,8 @@ def state_regions(
 ) -> list[tuple[int, int, int, int]]:
     """(region, local byte offset, bytes, first global byte) per region
     of a state page: for a KDA page the conv sub-projections, then the
-    recurrent state; for a state of another shape (one short-conv
-    array) each state whole, the same on every rank when the spec says
+    recurrent state; for a state of another kind (one short-conv array,
+    ZAYA's CCA history) each state whole, the same on every rank when the spec says
     it is TP-replicated."""
     from math import prod
 
@@ -52,7 +52,7 @@ def state_regions(
     from vllm.utils.torch_utils import get_dtype_size
 
     spec = view.spec
-    if len(spec.shapes) != 2:
+    if not has_conv_split(spec):
         regions = []
         offset = 0
         for k, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True)):
@@ -72,6 +72,18 @@ def state_regions(
     ssm = prod(spec.shapes[1]) * get_dtype_size(spec.dtypes[1])
     regions.append((len(split.proj_bytes), offset, ssm, tp_rank * ssm))
     return regions
+
+
+def has_conv_split(spec: Any) -> bool:
+    """Whether a state is a conv + SSM pair of a model whose conv state vLLM
+    splits into sub-projections (``derive_mamba_conv_split``)."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    return len(spec.shapes) == 2 and spec.mamba_type in (
+        MambaAttentionBackendEnum.MAMBA1,
+        MambaAttentionBackendEnum.MAMBA2,
+        MambaAttentionBackendEnum.GDN_ATTN,
+    )
 
 
 class ByteJudge:

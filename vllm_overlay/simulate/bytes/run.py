@@ -14,6 +14,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -48,11 +49,22 @@ DEFAULT_FAMILY_LENGTHS = "2,17,65,129,257,530"
 two pages of 16, 64 and 256, past the 128-token windows and the 16-token
 ring). Its every case moves the family's own geometry over all its layers,
 tens to hundreds of times the bytes of a mechanism layout's."""
+DEFAULT_FAMILY_TP_LENGTHS = "17,129,530"
+"""A model family's lengths at its unequal TP pair: one page of 16 and two of
+256, past the 128-token windows, one hit each (the TP mapping and head
+slices are the same at every length)."""
 MODES = ("read", "write")
 TP_PAIRS = ((1, 1), (2, 2), (1, 2), (2, 1))
 FAMILY_TP_PAIRS = ((1, 1),)
-"""By default a model family runs TP 1->1 only: the mechanism layouts cover
-every TP pair, and each configuration costs its own rank processes."""
+"""A model family's TP pairs at its own lengths by default: the mechanism
+layouts cover every TP pair, and each configuration costs its own rank
+processes."""
+FAMILY_TP_SAMPLE = ((1, 2), (2, 1))
+"""By default the ``i``-th model family layout also runs
+``FAMILY_TP_SAMPLE[i % 2]`` at ``DEFAULT_FAMILY_TP_LENGTHS``
+(``--family-tp all``: every family at every pair of ``TP_PAIRS``)."""
+FamilyTP = Literal["sample", "all"]
+FAMILY_TP_CHOICES: tuple[FamilyTP, ...] = ("sample", "all")
 KV_LAYOUTS = ("LBNHC", "BLNHC")
 _NO_GQA_LAYOUTS = frozenset({"kimi"})
 """Layouts without a GQA layer: the KV heads change none of their bytes, and
@@ -85,15 +97,19 @@ def plan_items(
     kv_layouts: list[str],
     family_lengths: str | None = None,
     all_hits: bool = False,
+    family_tp: FamilyTP = "sample",
+    sample_lengths: str | None = None,
 ) -> list[ConfigItem]:
     """Every combination. READ with unequal TP needs replicated KV heads
     (``validate_moriio_heterogeneous_tp_kv_heads``), so its GQA layers run
     with one KV head; MLA latents are replicated anyway. A model family's
     layout fixes its KV cache layout (its grouping depends on it: the
     matrix's ``-BLNHC`` rows), so it runs only in that one. ``tp_pairs``
-    None: ``TP_PAIRS`` for mechanism layouts, ``FAMILY_TP_PAIRS`` for
-    families. ``family_lengths``: a model family's prompt lengths, when
-    they are not the sweep's.
+    None: ``TP_PAIRS`` for mechanism layouts; for families,
+    ``FAMILY_TP_PAIRS`` and the family's unequal pair of
+    ``FAMILY_TP_SAMPLE`` at ``sample_lengths`` (``family_tp`` "sample"), or
+    ``TP_PAIRS`` ("all"). ``family_lengths``: a model family's prompt
+    lengths, when they are not the sweep's.
 
     Every configuration runs every prompt length (every residue class). A
     mechanism layout at TP 1->1 or with DCP runs each length at every
@@ -105,6 +121,7 @@ def plan_items(
     TP 1->1 configurations cover at every length; the geometry the other
     TP pairs and the families add is the same at every hit."""
     known = all_layouts()
+    families = [key for key, layout in known.items() if layout.family]
     items = []
     for name in layouts:
         key, _, dcp = name.partition("/dcp")
@@ -112,7 +129,11 @@ def plan_items(
             raise ValueError(f"unknown layout {name!r}; known: {', '.join(known)}")
         layout = known[key]
         own = [layout.kv_cache_layout] if layout.family else kv_layouts
-        pairs = tp_pairs or (FAMILY_TP_PAIRS if layout.family else TP_PAIRS)
+        pairs = tp_pairs or TP_PAIRS
+        sampled = None
+        if layout.family and not tp_pairs and family_tp == "sample":
+            sampled = FAMILY_TP_SAMPLE[families.index(key) % len(FAMILY_TP_SAMPLE)]
+            pairs = [*FAMILY_TP_PAIRS, sampled]
         size = int(dcp or 1)
         if size > 1:
             # DCP ranks are TP ranks: each leg runs TP = DCP, and the GQA
@@ -134,6 +155,9 @@ def plan_items(
                     offset = MODES.index(mode)
                 elif not all_hits and size == 1 and (p_tp, d_tp) != (1, 1):
                     offset = rotated.index((p_tp, d_tp))
+                lengths = family_lengths if layout.family else None
+                if (p_tp, d_tp) == sampled:
+                    lengths = sample_lengths
                 for kv_layout in own:
                     if kv_layout in kv_layouts:
                         items.append(
@@ -144,7 +168,7 @@ def plan_items(
                                 d_tp,
                                 kv_layout,
                                 heads,
-                                lengths=family_lengths if layout.family else None,
+                                lengths=lengths,
                                 hit_offset=offset,
                             )
                         )
@@ -300,7 +324,9 @@ def run_bytes_sweep(
         remove_stale_shm()
     index = {item: i for i, item in enumerate(items)}
     results = tally.ordered(lambda r: index.get(r.item, 0), list(variants))
+    # A family's own lengths, not those of its sampled unequal TP pair.
     own = {item.lengths for item in items if item.lengths is not None}
+    own = {x for x in own if x != DEFAULT_FAMILY_TP_LENGTHS} or own
     return BytesReport(
         lengths=lengths_list,
         family_lengths=parse_lengths(own.pop()) if len(own) == 1 else None,
