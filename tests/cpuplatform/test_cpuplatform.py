@@ -199,3 +199,59 @@ def test_cpu_environ_turns_the_platform_on_and_drops_a_cpu_target() -> None:
     assert env == {"A": "b", cpuplatform.ENV: "1"}
     kept = cpuplatform.cpu_environ({"VLLM_TARGET_DEVICE": "cuda"})
     assert kept == {"VLLM_TARGET_DEVICE": "cuda", cpuplatform.ENV: "1"}
+
+
+@pytest.mark.parametrize(
+    "probe", ["_is_amx_tile_supported", "_is_avx512_bf16_supported"]
+)
+def test_vllms_config_check_reads_the_cpu_features_and_restores_them(
+    monkeypatch: pytest.MonkeyPatch, probe: str
+) -> None:
+    """On a CPU without the feature the parent's check still reads it as
+    present, and the probe is the machine's again afterwards, also when
+    the check raises."""
+    import torch
+
+    from vllm_overlay.cpuplatform.platform import OverlayCpuPlatform
+
+    monkeypatch.setattr(torch.cpu, probe, lambda: False)
+    machine = getattr(torch.cpu, probe)
+    seen: list[bool] = []
+
+    class Config:
+        @property
+        def model_config(self) -> Any:
+            seen.append(getattr(torch.cpu, probe)())
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        OverlayCpuPlatform.check_and_update_config(Config())
+    assert seen == [True]
+    assert getattr(torch.cpu, probe) is machine
+
+
+def test_an_mla_config_keeps_prefix_caching_on_a_cpu_without_amx(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """vLLM's CPU check turns prefix caching and chunked prefill off for
+    an MLA model, and forces its block size to 16, where its AMX kernels
+    are missing; the configs the tests build keep what was asked, whatever
+    CPU runs them."""
+    import torch
+
+    from tests.patches.builders import (
+        TINY_DEEPSEEK_MTP_CONFIG,
+        make_vllm_config,
+        moriio_kv_transfer_config,
+        write_model_dir,
+    )
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    model_dir = write_model_dir(tmp_path, TINY_DEEPSEEK_MTP_CONFIG)
+    config = make_vllm_config(
+        model_dir, moriio_kv_transfer_config("kv_consumer"), block_size=64
+    )
+    assert config.model_config.use_mla
+    assert config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.enable_chunked_prefill
+    assert config.cache_config.block_size == 64

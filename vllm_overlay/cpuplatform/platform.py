@@ -6,14 +6,37 @@ its "requires Triton (triton-cpu)" refusal (0.34.0; a warning on 0.33.0)
 does not fire and every other adjustment it makes is vLLM's. Configs also
 build the same on every CPU architecture: the standalone no-Triton model
 runner, whose refusals (speculative decoding) apply off x86, is never
-chosen. No model runs on this platform.
+chosen; and while the check runs, the CPU reads as having AMX tiles and
+AVX-512 BF16 (``CPU_FEATURES``), so the choices vLLM makes for its own CPU
+kernels do not change the config with the machine: without AMX it turns
+prefix caching and chunked prefill off for every MLA model and forces
+their block size to 16, a config no GPU deployment runs. No model runs on
+this platform, so no kernel of those features is ever called.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 from vllm.platforms.cpu import CpuPlatform
+
+# The torch.cpu probes vLLM's CPU config check reads, as a CPU that has them.
+CPU_FEATURES = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+
+
+@contextlib.contextmanager
+def _cpu_features_present() -> Iterator[None]:
+    saved = {name: getattr(torch.cpu, name) for name in CPU_FEATURES}
+    try:
+        for name in CPU_FEATURES:
+            setattr(torch.cpu, name, lambda: True)
+        yield
+    finally:
+        for name, probe in saved.items():
+            setattr(torch.cpu, name, probe)
 
 
 class OverlayCpuPlatform(CpuPlatform):  # type: ignore[misc]  # vLLM: untyped here
@@ -29,7 +52,8 @@ class OverlayCpuPlatform(CpuPlatform):  # type: ignore[misc]  # vLLM: untyped he
         saved = vllm.triton_utils.HAS_TRITON
         vllm.triton_utils.HAS_TRITON = True
         try:
-            super().check_and_update_config(vllm_config)
+            with _cpu_features_present():
+                super().check_and_update_config(vllm_config)
         finally:
             vllm.triton_utils.HAS_TRITON = saved
 

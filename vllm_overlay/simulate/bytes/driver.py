@@ -320,23 +320,33 @@ class _Leg:
         if first is not None:
             raise first
 
+    def _died(self, conn: Any) -> RankError:
+        proc = self.procs[self.conns.index(conn)]
+        proc.join(5)
+        return RankError(f"a rank process died (exit code {proc.exitcode})")
+
+    def _send(self, conn: Any, cmd: str, args: tuple[Any, ...]) -> None:
+        """A command to a rank; a rank whose process is gone (killed, say by
+        the kernel's OOM killer) fails the case, as a dead worker fails an
+        engine, not the sweep."""
+        try:
+            conn.send((cmd, args))
+        except OSError:  # BrokenPipeError, ConnectionResetError
+            raise self._died(conn) from None
+
     def _reply(self, conn: Any) -> Any:
         if not conn.poll(_REPLY_TIMEOUT):
             raise RankError("timeout: no reply from a rank")
         try:
             status, payload = conn.recv()
         except (EOFError, OSError):
-            proc = self.procs[self.conns.index(conn)]
-            proc.join(5)
-            raise RankError(
-                f"a rank process died (exit code {proc.exitcode})"
-            ) from None
+            raise self._died(conn) from None
         if status != "ok":
             raise RankError(payload)
         return payload
 
     def call0(self, cmd: str, *args: Any) -> Any:
-        self.conns[0].send((cmd, args))
+        self._send(self.conns[0], cmd, args)
         return self._reply(self.conns[0])
 
     def step(
@@ -353,10 +363,10 @@ class _Leg:
             results = [result]
         else:
             conn0 = self.conns[0]
-            conn0.send(("step", (add, ids, watch)))
+            self._send(conn0, "step", (add, ids, watch))
             plan = self._reply(conn0)
             for conn in self.conns[1:]:
-                conn.send(("execute", (plan, watch)))
+                self._send(conn, "execute", (plan, watch))
             results = [self._reply(conn) for conn in self.conns]
             output = aggregate(
                 results, self.pending_sending, self.pending_recving, self.tp
