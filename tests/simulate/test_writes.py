@@ -175,9 +175,7 @@ def test_modes_parse_like_simulate_bytes():
     assert row_key("llama/dcp2", "write") == "llama/dcp2 write"
 
 
-def test_a_write_the_prefillers_writer_refuses_is_a_fallback(
-    llama_write, monkeypatch
-):
+def test_a_write_the_prefillers_writer_refuses_is_a_fallback(llama_write, monkeypatch):
     """A decoder page that is the null block: the overlay's writer
     (``_unwritable_pages``) writes nothing and sends write_failed; the
     decoder's scheduler gets the request in failed_recving, recomputes it

@@ -754,9 +754,7 @@ class Pair:
         writer = module_of(self.p.scheduler.connector).get("MoRIIOWriter")
         decoder = module_of(self.d.scheduler.connector)
         has_windows = decoder.get("has_window_groups")
-        required = has_windows is not None and bool(
-            has_windows(self.d.kv_cache_config)
-        )
+        required = has_windows is not None and bool(has_windows(self.d.kv_cache_config))
         _take_role(self.d)
         return write_done_fails(
             decoder["MoRIIOWrapper"],

@@ -180,7 +180,9 @@ def write_done_message(writer: type | None, transfer_id: str) -> dict[str, Any]:
     return {"type": "write_done", "transfer_id": transfer_id, **extra}
 
 
-def write_done_fails(wrapper_type: type, requires_stated_writes: bool, message: dict[str, Any]) -> bool:
+def write_done_fails(
+    wrapper_type: type, requires_stated_writes: bool, message: dict[str, Any]
+) -> bool:
     """Whether the decoder build's real ``MoRIIOWrapper`` reports the
     transfer of ``message`` failed rather than received
     (``requires_stated_writes``: what its worker sets, where the build has
@@ -194,5 +196,5 @@ def write_done_fails(wrapper_type: type, requires_stated_writes: bool, message: 
     failed = wrapper.pop_failed_write_req_ids()
     received = wrapper.pop_finished_write_req_ids()
     if message["transfer_id"] not in failed | received:
-        raise WriteRefused("the decoder took the write_done as neither received nor failed")
+        raise WriteRefused("the decoder took the write_done as neither done nor failed")
     return message["transfer_id"] in failed
