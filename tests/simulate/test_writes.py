@@ -17,6 +17,8 @@ from vllm_overlay.simulate.writes import (
     notified_lists,
     parse_modes,
     row_key,
+    write_done_fails,
+    write_done_message,
     write_pairs,
 )
 
@@ -173,12 +175,12 @@ def test_modes_parse_like_simulate_bytes():
     assert row_key("llama/dcp2", "write") == "llama/dcp2 write"
 
 
-def test_a_write_the_prefillers_workers_refuse_is_an_error_case(
-    llama_write, monkeypatch
-):
+def test_a_write_the_prefillers_writer_refuses_is_a_fallback(llama_write, monkeypatch):
     """A decoder page that is the null block: the overlay's writer
-    (``_unwritable_pages``) writes nothing, the case is an error (a crash
-    in the verdict unless listed), and the next case runs on rebuilt legs."""
+    (``_unwritable_pages``) writes nothing and sends write_failed; the
+    decoder's scheduler gets the request in failed_recving, recomputes it
+    (kv_load_failure_policy "recompute") with the right KV, and the case is
+    a fallback, not a crash."""
     real = drive.notified_lists
     null = llama_write.d_store.null_block_id
 
@@ -188,7 +190,40 @@ def test_a_write_the_prefillers_workers_refuse_is_an_error_case(
 
     monkeypatch.setattr(drive, "notified_lists", with_null_page)
     r = llama_write.run_case(545, 0.0)
-    assert r.error is not None and r.error.startswith("WriteRefused: ")
-    assert "is the null block" in r.error
+    assert r.error is None, r.error
+    assert r.fallback and not r.wrong
+    assert r.pages_read == 0
     monkeypatch.undo()
     _right(llama_write, 545, 0.0)
+
+
+def test_a_refusal_without_write_failed_is_an_error_case(llama_write, monkeypatch):
+    """A refusal the prefiller meets outside its writer's check (here its
+    worker's MoRIIOError on an empty block list) sends the decoder nothing:
+    the case is an error (a crash in the verdict unless listed), not a
+    fallback, and the next case runs on rebuilt legs."""
+    monkeypatch.setattr(drive, "notified_lists", lambda raw: notified_lists([]))
+    r = llama_write.run_case(545, 0.0)
+    assert r.error is not None and r.error.startswith("WriteRefused: ")
+    assert not r.fallback
+    monkeypatch.undo()
+    _right(llama_write, 545, 0.0)
+
+
+def test_an_unstated_write_done_is_a_failed_receive_on_a_window_decoder():
+    """The decoder build's real wrapper judges the prefiller build's
+    write_done: without the statement a window decoder reports it failed;
+    with it, or on a decoder without a window group, it is received."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_common,
+        moriio_engine,
+    )
+
+    wrapper = moriio_engine.MoRIIOWrapper
+    stated = write_done_message(moriio_engine.MoRIIOWriter, "t1")
+    unstated = write_done_message(None, "t2")
+    assert unstated == {"type": "write_done", "transfer_id": "t2"}
+    moriio_common.set_role(moriio_common.ROLE.CONSUMER)
+    assert write_done_fails(wrapper, True, unstated)
+    assert not write_done_fails(wrapper, True, stated)
+    assert not write_done_fails(wrapper, False, unstated)

@@ -45,8 +45,11 @@ from vllm_overlay.simulate.writes import (
     READ,
     WRITE,
     Notified,
+    WriteFailed,
     leg_params,
     notified_lists,
+    write_done_fails,
+    write_done_message,
     write_pairs,
 )
 
@@ -388,6 +391,7 @@ class Pair:
         before_compute: Callable[[Any], None] | None = None,
         after_compute: Callable[[Any], None] | None = None,
         finished_recving: set[str] | None = None,
+        failed_recving: set[str] | None = None,
     ) -> list[Any]:
         from vllm.v1.outputs import KVConnectorOutput
 
@@ -421,6 +425,7 @@ class Pair:
                 KVConnectorOutput(
                     finished_sending=finished_sending,
                     finished_recving=finished_recving,
+                    failed_recving=failed_recving or set(),
                 )
                 if finished_sending or finished_recving
                 else None
@@ -626,7 +631,18 @@ class Pair:
                 return
             box["result"] = self._judge_written(rid, n, hit_fraction, box)
 
-        received = {rid} if "writes" in box else None
+        received = {rid} if "writes" in box or "write_failed" in box else None
+        failed = None
+        if "write_failed" in box or (
+            "writes" in box and self._write_done_fails(transfer_id)
+        ):
+            # The decoder's workers report the request in failed_recving (and
+            # finished_recving); its scheduler recomputes it
+            # (kv_load_failure_policy "recompute"), judged after its forward.
+            failed = {rid}
+            box["result"] = _nothing_read(
+                n, hit_fraction, box.get("local_hit", 0), fallback=True
+            )
         for _ in range(8):
             if rid not in self.d.scheduler.requests:
                 break
@@ -637,8 +653,9 @@ class Pair:
                 before_compute=judge_write,
                 after_compute=judge_fallback,
                 finished_recving=received,
+                failed_recving=failed,
             )
-            received = None
+            received = failed = None
         self._step(self.p, self.p_store, {}, finished_sending={rid})
         if rid in self.p.scheduler.requests:
             raise RuntimeError("prefill did not free the request")
@@ -673,12 +690,21 @@ class Pair:
         def write(so: Any) -> None:
             km = so.kv_connector_metadata
             save = getattr(km, "reqs_to_save", {}).get(rid) if km else None
-            if save is None or "writes" in box or rid in self._released:
+            if (
+                save is None
+                or "writes" in box
+                or "write_failed" in box
+                or rid in self._released
+            ):
                 return
             if transfer_id not in self._notified:
                 raise RuntimeError("the decoder sent the prefiller no block lists")
             self._prefilled[rid] = request.num_prompt_tokens
-            box["writes"] = self._write(transfer_id, save)
+            try:
+                box["writes"] = self._write(transfer_id, save)
+            except WriteFailed as exc:
+                # The prefiller sends the decoder write_failed (0022).
+                box["write_failed"] = str(exc)
 
         for _ in range(64):
             outs = self._step(
@@ -720,6 +746,21 @@ class Pair:
                 if src == p_null or dst == d_null:
                     null_writes.append(g)
         return writes, null_writes
+
+    def _write_done_fails(self, transfer_id: str) -> bool:
+        """The prefiller's build's ``write_done`` for ``transfer_id``, taken
+        by the decoder's build's real ``MoRIIOWrapper`` as its worker
+        configures it: True where it reports the transfer failed."""
+        writer = module_of(self.p.scheduler.connector).get("MoRIIOWriter")
+        decoder = module_of(self.d.scheduler.connector)
+        has_windows = decoder.get("has_window_groups")
+        required = has_windows is not None and bool(has_windows(self.d.kv_cache_config))
+        _take_role(self.d)
+        return write_done_fails(
+            decoder["MoRIIOWrapper"],
+            required,
+            write_done_message(writer, transfer_id),
+        )
 
     def _judge_written(
         self, rid: str, n: int, hit_fraction: float, box: dict[str, Any]

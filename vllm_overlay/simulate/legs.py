@@ -256,6 +256,9 @@ def leg_config(
             kv_connector="MoRIIOConnector",
             kv_role=role,
             kv_connector_extra_config=extra,
+            # A failed receive (WRITE's write_failed) is recomputed by the
+            # decoder, not failed: the request is judged after that.
+            kv_load_failure_policy="recompute",
         ),
     )
     slots = layout.decode_slots if role == "kv_consumer" else layout.prefill_slots

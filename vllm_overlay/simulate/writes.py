@@ -32,6 +32,13 @@ class WriteRefused(RuntimeError):
     cannot write, a state group without one running slot)."""
 
 
+class WriteFailed(WriteRefused):
+    """The prefiller's writer refused the pages it pairs
+    (``_unwritable_pages``): it writes nothing and sends the decoder
+    ``write_failed``, whose workers report the request in
+    ``failed_recving``."""
+
+
 @dataclass(frozen=True)
 class Notified:
     """What the decoder's connector sent the prefiller for one transfer."""
@@ -137,7 +144,7 @@ def write_pairs(
             worker=SimpleNamespace(_has_mamba=has_mamba), _write_pages=write_pages
         )
         if reason := unwritable(fake, task, info):
-            raise WriteRefused(f"the prefiller writes nothing: {reason}")
+            raise WriteFailed(f"the prefiller writes nothing: {reason}")
     out: list[list[tuple[int, int]]] = []
     for t, is_state in enumerate(state_lists):
         if t >= len(notified.block_lists) or t >= len(local):
@@ -161,3 +168,33 @@ def write_pairs(
             dst = dst[: len(src)]
         out.append(list(zip(src, dst, strict=False)))
     return out
+
+
+def write_done_message(writer: type | None, transfer_id: str) -> dict[str, Any]:
+    """The ``write_done`` notify the prefiller's build sends one decoder rank
+    once its one writer wrote the transfer: ``write_done_fields`` of its
+    engine module where the build has it, the transfer id alone otherwise."""
+    globals_ = getattr(getattr(writer, "__init__", None), "__globals__", {})
+    fields = globals_.get("write_done_fields")
+    extra: dict[str, Any] = dict(fields(1)) if fields is not None else {}
+    return {"type": "write_done", "transfer_id": transfer_id, **extra}
+
+
+def write_done_fails(
+    wrapper_type: type, requires_stated_writes: bool, message: dict[str, Any]
+) -> bool:
+    """Whether the decoder build's real ``MoRIIOWrapper`` reports the
+    transfer of ``message`` failed rather than received
+    (``requires_stated_writes``: what its worker sets, where the build has
+    it). The caller holds the decoder's role."""
+    import msgpack
+
+    wrapper = wrapper_type()
+    if hasattr(wrapper, "requires_stated_writes"):
+        wrapper.requires_stated_writes = requires_stated_writes
+    wrapper._handle_message(msgpack.dumps(message))
+    failed = wrapper.pop_failed_write_req_ids()
+    received = wrapper.pop_finished_write_req_ids()
+    if message["transfer_id"] not in failed | received:
+        raise WriteRefused("the decoder took the write_done as neither done nor failed")
+    return message["transfer_id"] in failed
