@@ -1,5 +1,6 @@
 """A configuration whose decoder refuses its peer at the first handshake
-(a layer READ cannot move between the two TP sizes) is refused at start,
+(a layer READ cannot move between the two TP sizes), or whose WRITE
+prefiller does (a group it cannot write), is refused at start,
 in the connector's own line, not counted as crashes: the eager handshake's
 wrapper names the peer's address, which differs from case to case, so the
 three-identical-errors rule never saw one refusal."""
@@ -52,6 +53,26 @@ def _run(monkeypatch, errors: list[str]) -> Any:
 def test_a_peer_refused_at_the_handshake_refuses_the_configuration(monkeypatch):
     run = _run(monkeypatch, [_wrapped(10000 + i) for i in range(3)])
     assert run.refused_at_start == REFUSAL
+    assert len(run.cases) == 1
+
+
+WRITE_REFUSAL = (
+    "MoRIIO WRITE cannot serve circular-buffer group 2 "
+    "(model.layers.1.self_attn.kpool_tail) between prefill TP 1 and decode "
+    "TP 2: a ring's page is sized by its rank, not split by KV head"
+)
+
+
+def test_a_write_prefiller_refusing_its_peer_refuses_the_configuration(monkeypatch):
+    """The WRITE prefiller's refusal at its first handshake, raised out of
+    its forward before any write is queued, refuses the configuration too."""
+    error = (
+        "Traceback (most recent call last):\n  ...\n"
+        "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common."
+        f"HandshakeError: {WRITE_REFUSAL}"
+    )
+    run = _run(monkeypatch, [error] * 3)
+    assert run.refused_at_start == WRITE_REFUSAL
     assert len(run.cases) == 1
 
 

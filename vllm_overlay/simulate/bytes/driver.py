@@ -652,9 +652,10 @@ def is_escape(error: str) -> bool:
     return f"{SchedulerEscape.__name__}: {ESCAPED} " in error
 
 
-_PEER_REFUSAL = "MoRIIO READ cannot serve layer "
-"""How the decoder's connector refuses, at its first handshake, a peer whose
-TP size it cannot read a layer from (patch 0032)."""
+_PEER_REFUSALS = ("MoRIIO READ cannot serve layer ", "MoRIIO WRITE cannot serve ")
+"""How a leg's connector refuses, at its first handshake, a peer whose TP
+size it cannot move a layer or group with: the READ decoder (patch 0032),
+the WRITE prefiller (patch 0034)."""
 
 
 def _first_error(text: str) -> str:
@@ -668,13 +669,14 @@ def _first_error(text: str) -> str:
         if line.strip() and "errors.pydantic.dev" not in line
     ]
     line = lines[-1] if lines else text
-    return line[max(0, line.find(_PEER_REFUSAL)) :][:300]
+    start = max((line.find(refusal) for refusal in _PEER_REFUSALS), default=-1)
+    return line[max(0, start) :][:300]
 
 
 def peer_refusal(error: str | None) -> str | None:
-    """The decoder's refusal of its peer at the handshake, before any byte
-    moved, if ``error`` (a case's ``_first_error``) is one."""
-    return error if error is not None and error.startswith(_PEER_REFUSAL) else None
+    """A leg's refusal of its peer at the handshake, before any byte moved,
+    if ``error`` (a case's ``_first_error``) is one."""
+    return error if error is not None and error.startswith(_PEER_REFUSALS) else None
 
 
 def _case(n: int, hit: float, verdicts: list[Verdict], moved: int) -> CaseBytes:
