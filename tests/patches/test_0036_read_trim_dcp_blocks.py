@@ -20,6 +20,8 @@ from tests.patches.builders import (
     Layout,
     LegPair,
     assert_sweep_reads_every_needed_block,
+    cdiv,
+    prefill_id,
     prefiller_tail_errors,
     sweep,
 )
@@ -39,6 +41,23 @@ def test_full_attention_prefiller_tail(leg_pairs: Callable[[Layout], LegPair]) -
     """DCP 2, only the prefiller holds lookahead slots (8 past the prompt)."""
     layout = Layout(block_size=16, window=None, dcp=2)
     wrong = prefiller_tail_errors(leg_pairs(layout), "scheduler")
+    assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"
+
+
+@pytest.mark.parametrize("dcp", [2, 4])
+def test_prefiller_hands_over_the_prompt_blocks(
+    leg_pairs: Callable[[Layout], LegPair], dcp: int
+) -> None:
+    """A prefiller holding 8 lookahead slots past the prompt hands over the
+    prompt's blocks alone, the list every decoder pairs (whatever its build)."""
+    layout = Layout(block_size=16, window=None, dcp=dcp)
+    span = layout.spans[0]
+    wrong: list[str] = []
+    for n in range(1, 4 * span + 1):
+        params = leg_pairs(layout).prefill(n, 8, clip=True)
+        [sent] = params["remote_block_ids"]
+        if sent != [prefill_id(0, k) for k in range(cdiv(n, span))]:
+            wrong.append(f"N={n}: {len(sent)} blocks for {cdiv(n, span)}")
     assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"
 
 
