@@ -11,8 +11,9 @@ core modules loaded from materialized trees (``vllm_overlay.gate.level``):
 2. for each workaround naming it: the whole series with the workaround's
    hunks reverse-applied on top, or, where a patch above edits a line of a
    hunk's context, its change merged out as `git revert` does (a conflict,
-   or a change that is not there: "does not revert"), its Tests without the core patch (they must fail, or the proof
-   could not fail) and with it (they must pass).
+   or a change that is not there: "does not revert"), its Tests without
+   the core patch (they must fail, or the proof could not fail) and with it
+   (they must pass).
 
 The verdicts and the core patches' rows go to a JSON report
 (``.nox-reports/removable.json``) that `vllm-overlay export` reads for the
