@@ -40,6 +40,10 @@ CORE_FIXED = {
         "vllm/v1/core/kv_cache_manager.py",
         "cdiv(num_computed_tokens, manager.block_size)",
     ),
+    "c003": (
+        SCHEDULER,
+        "processed_computed_tokens = max(0, processed_computed_tokens - 1)",
+    ),
 }
 
 
