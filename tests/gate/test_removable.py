@@ -28,6 +28,7 @@ from vllm_overlay.series.core_series import load_core_series
 from vllm_overlay.series.diff import HunkError
 from vllm_overlay.series.patch_series import Series, SeriesPatch
 from vllm_overlay.series.pin import Pin
+from vllm_overlay.tree.apply import overlay_texts
 from vllm_overlay.tree.materialize import BaseSource
 
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
@@ -39,6 +40,10 @@ CORE_FIXED = {
         "vllm/v1/core/kv_cache_manager.py",
         "cdiv(num_computed_tokens, manager.block_size)",
     ),
+    "c003": (
+        SCHEDULER,
+        "processed_computed_tokens = max(0, processed_computed_tokens - 1)",
+    ),
 }
 
 
@@ -48,8 +53,14 @@ def inputs(pin: Pin, series: Series, base_texts: dict[str, str]) -> Inputs:
     return Inputs(series, core, base_texts, BaseSource().load_core(pin))
 
 
-def _workaround(inputs: Inputs) -> tuple[SeriesPatch, SeriesPatch]:
-    [(workaround, fix)] = workarounds(inputs.series, inputs.core)
+def _workaround(
+    inputs: Inputs, number: str = "0010"
+) -> tuple[SeriesPatch, SeriesPatch]:
+    [(workaround, fix)] = [
+        (w, f)
+        for w, f in workarounds(inputs.series, inputs.core)
+        if w.name.startswith(f"{number}-")
+    ]
     return workaround, fix
 
 
@@ -62,16 +73,24 @@ def _has(files: dict[str, str], patch: SeriesPatch) -> bool:
     return all(any(a in t for t in files.values()) for a in added)
 
 
-def _runner(inputs: Inputs, fails: str) -> tuple[Runner, list[str]]:
-    """A runner whose tests fail on: "unfixed" a tree with the workaround
-    reverted and no core fix, "never", "reverted" any tree without it."""
-    workaround, fix = _workaround(inputs)
+def _runner(
+    inputs: Inputs, fails: str, number: str = "0010"
+) -> tuple[Runner, list[str]]:
+    """A runner whose tests fail on: "unfixed" a tree with a workaround
+    reverted and not its core fix, "never", "reverted" any tree without it
+    (the workaround run by ``number`` when it is not its core patch's)."""
     seen: list[str] = []
+    pairs = workarounds(inputs.series, inputs.core)
 
     def run(
         files: dict[str, str], entries: Sequence[str], work: Path
     ) -> dict[str, TestOutcome]:
-        fixed = FIXED in files[SCHEDULER]
+        workaround, fix = next(
+            ((w, f) for w, f in pairs if work.name.startswith(w.name[:4])),
+            _workaround(inputs, number),
+        )
+        fix_path, fix_line = CORE_FIXED[fix.name[:4]]
+        fixed = fix_line in files[fix_path]
         kept = _has(files, workaround)
         seen.append(f"{work.name}: {'fixed' if fixed else 'unfixed'}")
         core = {k: line in files[path] for k, (path, line) in CORE_FIXED.items()}
@@ -145,6 +164,33 @@ def test_a_workaround_that_does_not_revert_is_no(
         reverted_texts(inputs.bases, workaround)
 
 
+def test_a_change_a_patch_above_edits_around_is_merged_out(
+    inputs: Inputs, tmp_path: Path
+) -> None:
+    """0036's hunk ends two lines above 0018's: reverse-applied, its context
+    is not found on the whole series; merged out as `git revert` does, the
+    tree is the whole series with 0036's lines as below it."""
+    workaround, fix = _workaround(inputs, "0036")
+    full = {**inputs.bases, **overlay_texts(inputs.bases, inputs.series)}
+    levels = tuple(
+        {**inputs.bases, **overlay_texts(inputs.bases, inputs.series.upto(k))}
+        for k in (workaround.index - 1, workaround.index)
+    )
+    with pytest.raises(HunkError):
+        reverted_texts(full, workaround)
+    reverted = reverted_texts(full, workaround, (levels[0], levels[1]))
+    [fp] = workaround.files
+    [hunk] = fp.hunks
+    removed = [text for tag, text in hunk.lines if tag == "-"]
+    added = [text for tag, text in hunk.lines if tag == "+"]
+    assert all(line in reverted[fp.path] for line in removed)
+    assert not any(line in reverted[fp.path] for line in added if "cdiv" in line)
+    run, seen = _runner(inputs, "unfixed", "0036")
+    verdict = prove_workaround(inputs, workaround, fix, run, tmp_path)
+    assert verdict.line == "0036 removable with core patch c002: yes"
+    assert seen == ["0036-reverted: unfixed", "0036-reverted-c002: fixed"]
+
+
 def test_every_core_patch_is_red_without_it_and_green_with_it(
     inputs: Inputs,
 ) -> None:
@@ -152,7 +198,8 @@ def test_every_core_patch_is_red_without_it_and_green_with_it(
     report = prove_all(inputs, run, "0.34.0", progress=lambda line: None)
     assert report.core_rows and all(r.holds for r in report.core_rows)
     assert [v.line for v in report.verdicts] == [
-        "0010 removable with core patch c001: yes"
+        "0036 removable with core patch c002: yes",
+        "0010 removable with core patch c001: yes",
     ]
 
 
@@ -173,10 +220,10 @@ def test_the_command_prints_the_verdicts_and_sets_the_status(
             "0010 removable with core patch c001: " + ("yes" if not status else "no")
         )
         assert lines[-1].startswith(
-            "removable: ok, 1 of 1 workaround" if not status else "removable: FAILED"
+            "removable: ok, 2 of 2 workaround" if not status else "removable: FAILED"
         )
         report = load_removable(out)
-        assert [v.removable for v in report.verdicts] == [not status]
+        assert [v.removable for v in report.verdicts] == [not status] * 2
         assert json.loads(out.read_text())["core_rows"][0]["with"] == "passed"
 
 
@@ -191,5 +238,5 @@ def test_an_unknown_workaround_is_one_line_and_runs_nothing(
     err = capsys.readouterr().err
     assert err == (
         "error: --patch 0009: not a patch whose Remove-When names a core patch "
-        "(those are: 0010)\n"
+        "(those are: 0036, 0010)\n"
     )

@@ -20,6 +20,7 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import mmap
 import threading
 import types
@@ -27,7 +28,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -61,6 +61,7 @@ from vllm.v1.core.kv_cache_utils import (
     KVCacheBlock,
     get_request_block_hasher,
     init_none_hash,
+    resolve_dcp_kv_block_size,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -1744,6 +1745,15 @@ def make_sweep_request(
     return request
 
 
+class _HandedTableManager(KVCacheManager):
+    """vLLM's KV cache manager whose one request holds ``table``."""
+
+    table: tuple[list[int], ...] = ()
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.table
+
+
 @dataclass
 class LegPair:
     """A real producer and consumer scheduler side for one layout."""
@@ -1763,12 +1773,16 @@ class LegPair:
         num_prompt_tokens: int,
         prefill_tail: int = 0,
         table: Sequence[Sequence[int]] | None = None,
+        *,
+        clip: bool = False,
     ) -> dict[str, Any]:
         """P's ``request_finished_all_groups``: the params D receives.
 
         Without ``table``, P's table is allocated for the tokens P computes
         (``on_new_request`` may drop the last one) plus ``prefill_tail``
-        lookahead slots, with its window group freed for those tokens."""
+        lookahead slots, with its window group freed for those tokens; with
+        ``clip``, handed over as vLLM's scheduler clips it to those tokens
+        (``scheduler_handoff``)."""
         i = next(self.counter)
         request = make_sweep_request(
             f"p-{i}",
@@ -1781,6 +1795,8 @@ class LegPair:
             table = allocation(
                 self.layout, computed + prefill_tail, prefill_id, computed
             )
+            if clip:
+                table = scheduler_handoff(self, table, computed)
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         _, params = self.producer.request_finished_all_groups(
             request, tuple(list(group) for group in table)
@@ -1815,6 +1831,22 @@ class LegPair:
         blocks = KVCacheBlocks(tuple(groups))
         self.consumer.update_state_after_alloc(request, blocks, num_external)
         return request.request_id
+
+    @functools.cached_property
+    def kv_cache_manager(self) -> _HandedTableManager:
+        """A real KV cache manager for P's layout (``scheduler_handoff``)."""
+        spans = [
+            resolve_dcp_kv_block_size(g.kv_cache_spec, self.layout.dcp)
+            for g in self.kv_cache_config.kv_cache_groups
+        ]
+        return _HandedTableManager(
+            self.kv_cache_config,
+            max_model_len=2 * MAX_PROMPT_TOKENS,
+            scheduler_block_size=math.lcm(*spans),
+            hash_block_size=self.layout.block_size,
+            enable_caching=False,
+            dcp_world_size=self.layout.dcp,
+        )
 
     def reads(self) -> dict[str, BlockLists]:
         """D's ``build_connector_meta``: per request, the block lists READ."""
@@ -1896,25 +1928,25 @@ def leg_pair_cache(model_dir: Path) -> Callable[[Layout], LegPair]:
 def scheduler_handoff(
     pair: LegPair, table: Sequence[Sequence[int]], num_computed_tokens: int
 ) -> list[list[int]]:
-    """P's table as vLLM's scheduler hands it to ``request_finished``: its own
-    clip to the computed tokens (``KVCacheManager.get_block_ids_for_computed_
-    tokens``), which divides by the spec block size without the DCP factor."""
-    manager = SimpleNamespace(
-        get_block_ids=lambda request_id: tuple(list(g) for g in table),
-        kv_cache_config=pair.kv_cache_config,
-    )
+    """P's table as vLLM's scheduler hands it to ``request_finished``: clipped
+    to the computed tokens by the real
+    ``KVCacheManager.get_block_ids_for_computed_tokens``."""
+    manager = pair.kv_cache_manager
+    manager.table = tuple(list(g) for g in table)
     return [
         list(g)
-        for g in KVCacheManager.get_block_ids_for_computed_tokens(
-            manager,  # type: ignore[arg-type]
-            request_id="p",
-            num_computed_tokens=num_computed_tokens,
+        for g in manager.get_block_ids_for_computed_tokens(
+            request_id="p", num_computed_tokens=num_computed_tokens
         )
     ]
 
 
 def sweep_summary(
-    leg_pairs: Callable[[Layout], LegPair], sweep_name: str, *, judge_null: bool = True
+    leg_pairs: Callable[[Layout], LegPair],
+    sweep_name: str,
+    *,
+    judge_null: bool = True,
+    clip: bool = False,
 ) -> dict[str, tuple[int, list[int]]]:
     """Every prompt length 1..MAX_PROMPT_TOKENS of the named sweep: per case
     with wrong lengths, their count and the first few."""
@@ -1924,16 +1956,18 @@ def sweep_summary(
         cases,
         range(1, MAX_PROMPT_TOKENS + 1),
         judge_null=judge_null,
+        clip=clip,
     )
     return {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
 
 
 def assert_sweep_reads_every_needed_block(
-    leg_pairs: Callable[[Layout], LegPair], sweep_name: str
+    leg_pairs: Callable[[Layout], LegPair], sweep_name: str, *, clip: bool = False
 ) -> None:
     """Every prompt length of the named sweep reads every block the decoder
-    needs (a pair with the null block is left to the window-start tests)."""
-    summary = sweep_summary(leg_pairs, sweep_name, judge_null=False)
+    needs (a pair with the null block is left to the window-start tests);
+    ``clip``: P's tables as vLLM's scheduler hands them over."""
+    summary = sweep_summary(leg_pairs, sweep_name, judge_null=False, clip=clip)
     assert not summary, f"wrong prompt lengths (count, first): {summary}"
 
 
@@ -1969,17 +2003,18 @@ def sweep(
     prompt_lengths: Iterable[int],
     *,
     judge_null: bool = True,
+    clip: bool = False,
 ) -> dict[str, list[int]]:
     """Wrong prompt lengths per case (``pairing_errors``), both legs' tables
     shaped as the KV cache manager leaves them (prompt plus lookahead slots,
-    window blocks freed). Cases sharing a prefiller tail share its
-    ``request_finished``."""
+    window blocks freed; ``clip``: P's as vLLM's scheduler hands it over).
+    Cases sharing a prefiller tail share its ``request_finished``."""
     assert all(c.layout == pair.layout for c in cases)
     lengths = tuple(prompt_lengths)
-    key = (pair.layout, pair.built_from, tuple(cases), lengths)
+    key = (pair.layout, pair.built_from, tuple(cases), lengths, clip)
     swept = _SWEPT.get(key) if pair.built_from is not None else None
     if swept is None:
-        swept = _sweep_reads(pair, cases, lengths)
+        swept = _sweep_reads(pair, cases, lengths, clip)
         if pair.built_from is not None:
             _SWEPT[key] = swept
     wrong: dict[str, list[int]] = {c.name: [] for c in cases}
@@ -1990,7 +2025,7 @@ def sweep(
 
 
 def _sweep_reads(
-    pair: LegPair, cases: Sequence[Case], prompt_lengths: Iterable[int]
+    pair: LegPair, cases: Sequence[Case], prompt_lengths: Iterable[int], clip: bool
 ) -> list[tuple[Case, int, BlockLists]]:
     """Each case's reads at each prompt length."""
     by_tail: dict[int, list[Case]] = {}
@@ -2006,7 +2041,7 @@ def _sweep_reads(
 
     for n in prompt_lengths:
         for p_tail, tail_cases in by_tail.items():
-            params = pair.prefill(n, p_tail)
+            params = pair.prefill(n, p_tail, clip=clip)
             for case in tail_cases:
                 pending.append(
                     (case, n, pair.decode(n, dict(params), case.decode_tail))

@@ -1,26 +1,17 @@
 """Patch 0004: per-group block sizes are DCP-effective: a DCP-sharded spec's
-block holds block_size * DCP positions, so the prompt trim and the WRITE
-prompt clamp count blocks by that span.
-
-Layouts shard the full-attention group over DCP ranks (a sliding-window
-group stays replicated, as vLLM requires); tables are shaped as vLLM's KV
-cache manager leaves them; pairs with the null block are judged by the
-window-start tests.
+block holds block_size * DCP positions, so the WRITE prompt clamp counts
+blocks by that span.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.patches.builders import (
-    Case,
     Layout,
-    LegPair,
     allocation,
-    assert_sweep_reads_every_needed_block,
     cdiv,
     full_attention_spec,
     make_kv_cache_blocks,
@@ -28,47 +19,7 @@ from tests.patches.builders import (
     make_request,
     make_scheduler_output,
     prefill_id,
-    prefiller_tail_errors,
-    sweep,
 )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sweep_name", ["dcp2-b64-w128", "dcp4-b64-w128"])
-def test_sweep_reads_every_needed_block(
-    leg_pairs: Callable[[Layout], LegPair], sweep_name: str
-) -> None:
-    """Full attention sharded over 2 and 4 DCP ranks beside a 128-token
-    window, block 64, 9 lookahead slots on either leg."""
-    assert_sweep_reads_every_needed_block(leg_pairs, sweep_name)
-
-
-@pytest.mark.parametrize("handoff", ["allocation", "scheduler"])
-def test_full_attention_prefiller_tail(
-    leg_pairs: Callable[[Layout], LegPair], handoff: str
-) -> None:
-    """DCP 2, only the prefiller holds lookahead slots (8 past the prompt).
-    vLLM's scheduler clips P's table to the computed tokens by the spec block
-    size, which leaves the tail block in place under DCP."""
-    layout = Layout(block_size=16, window=None, dcp=2)
-    wrong = prefiller_tail_errors(leg_pairs(layout), handoff)
-    assert not wrong, f"{len(wrong)} wrong: {wrong[:4]}"
-
-
-@pytest.mark.parametrize(
-    "window", [128, None], ids=["only_prefiller", "full-only_prefiller"]
-)
-def test_hybrid_read_one_sided_tail(
-    leg_pairs: Callable[[Layout], LegPair], window: int | None
-) -> None:
-    """Hybrid READ under DCP 2 (full attention, a window group unless
-    ``window`` is None, a KDA group); only the prefiller holds 9 lookahead
-    slots past the prompt it computed."""
-    layout = Layout(block_size=64, window=window, dcp=2, mamba=True)
-    case = Case("hybrid", layout, 9, 0)
-    wrong = sweep(leg_pairs(layout), [case], range(1, 1025), judge_null=False)
-    wrong = wrong["hybrid"]
-    assert not wrong, f"{len(wrong)} wrong prompt lengths, first {wrong[:8]}"
 
 
 @pytest.mark.parametrize("dcp", [1, 2], ids=["dcp1", "dcp2"])

@@ -651,6 +651,25 @@ def test_mails_are_dco_ready_and_the_hint_is_the_whole_sequence(
     )
 
 
+def test_the_number_that_chooses_a_patch_is_its_file_s(
+    repo: Path, tmp_path: Path, base_texts: dict[str, str]
+) -> None:
+    """A series with a number left out: "0007" is the second patch."""
+    patches = repo / "patches"
+    (patches / "0002-stable-offsets.patch").rename(
+        patches / "0007-stable-offsets.patch"
+    )
+    series = patches / "series"
+    series.write_text(series.read_text().replace("0002-stable", "0007-stable"))
+    _report(repo)
+    report = repo / ".nox-reports" / "unit-base.json"
+    report.write_text(report.read_text().replace("0002-stable", "0007-stable"))
+    written = _export(repo, tmp_path, base_texts, "0007")
+    assert {p.parent.name for p in written} == {"0007-stable-offsets"}
+    with pytest.raises(ExportError, match="^not in the series: 0002 "):
+        _export(repo, tmp_path, base_texts, "0002")
+
+
 def test_a_patch_is_chosen_by_its_number_and_an_unknown_one_lists_the_series(
     repo: Path, tmp_path: Path, base_texts: dict[str, str]
 ) -> None:

@@ -425,6 +425,34 @@ def test_write_from_a_wheel_updates_pin_and_drops_upstream_patches(
     assert "0002-second.patch  clean" in capsys.readouterr().out
 
 
+def test_write_pins_the_core_files_of_the_new_base(
+    tmp_path: Path,
+    make_repo: MakeRepo,
+    base_texts: dict[str, str],
+    pin: Pin,
+    pinned_wheel: Path,
+) -> None:
+    """The core series is made against the core files the pin names: the new
+    pin names them too, hashed as the new base holds them."""
+    assert pin.core_files
+    root = make_repo(_one_patch(base_texts))
+    with zipfile.ZipFile(pinned_wheel) as zf:
+        core = {p: zf.read(p).decode() for p in pin.core_files}
+    # Upstream moved the core files too.
+    newer_core = {p: text + "\n# appended upstream\n" for p, text in core.items()}
+    wheel = write_wheel(
+        tmp_path / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        {**base_texts, **newer_core},
+        "0.34.0",
+    )
+    argv = rebase_argv(root, wheel, tmp_path, base_texts)
+    assert main([*argv, "--write"]) == 0
+    new = load_pin(root / PIN_FILE)
+    assert new.core_files == {
+        p: sha256_bytes(text.encode()) for p, text in newer_core.items()
+    }
+
+
 def test_source_tree_cannot_be_written_without_a_wheel(
     tmp_path: Path, make_repo: MakeRepo, base_texts: dict[str, str], pin: Pin
 ) -> None:

@@ -9,9 +9,11 @@ core modules loaded from materialized trees (``vllm_overlay.gate.level``):
 1. the core patch's own Tests on the whole connector series without it and
    with it (the core series up to it applied): they must fail, then pass;
 2. for each workaround naming it: the whole series with the workaround's
-   hunks reverse-applied on top (a hunk that is not found there: "does not
-   revert"), its Tests without the core patch (they must fail, or the proof
-   could not fail) and with it (they must pass).
+   hunks reverse-applied on top, or, where a patch above edits a line of a
+   hunk's context, its change merged out as `git revert` does (a conflict,
+   or a change that is not there: "does not revert"), its Tests without
+   the core patch (they must fail, or the proof could not fail) and with it
+   (they must pass).
 
 The verdicts and the core patches' rows go to a JSON report
 (``.nox-reports/removable.json``) that `vllm-overlay export` reads for the
@@ -38,7 +40,7 @@ from vllm_overlay.series.core_series import core_fix, core_key
 from vllm_overlay.series.diff import HunkError, apply_file_patch
 from vllm_overlay.series.patch_series import Series, SeriesPatch
 from vllm_overlay.series.pin import Pin
-from vllm_overlay.tree.apply import overlay_texts
+from vllm_overlay.tree.apply import ApplyError, overlay_texts
 from vllm_overlay.tree.materialize import core_texts, materialize
 
 REMOVABLE_REPORT = "removable.json"
@@ -104,13 +106,61 @@ def load_removable(path: Path) -> RemovableReport:
         raise ReportError(f"{path}: not a removable report ({e})") from None
 
 
-def reverted_texts(texts: dict[str, str], patch: SeriesPatch) -> dict[str, str]:
-    """``texts`` with ``patch``'s hunks reverse-applied (each found where the
-    patches above left it); a ``HunkError`` when one is not there."""
+class RevertError(OverlayError):
+    """A workaround's change cannot be undone on the whole series."""
+
+
+def reverted_texts(
+    texts: dict[str, str],
+    patch: SeriesPatch,
+    levels: tuple[dict[str, str], dict[str, str]] | None = None,
+) -> dict[str, str]:
+    """``texts`` with ``patch``'s change undone: its hunks reverse-applied
+    where the patches above left them. When a hunk is not found there (a
+    patch above edits a line of its context) and ``levels`` gives the stack
+    below ``patch`` and with it, the change from the one to the other is
+    merged into ``texts`` as `git revert` does (`git merge-file`), which
+    must merge without a conflict and change the file. A ``HunkError`` or a
+    ``RevertError`` otherwise."""
     out = dict(texts)
     for fp in patch.files:
-        out[fp.path] = apply_file_patch(out[fp.path], fp.reversed(), offset=True).text
+        try:
+            out[fp.path] = apply_file_patch(
+                out[fp.path], fp.reversed(), offset=True
+            ).text
+        except HunkError:
+            if levels is None:
+                raise
+            below, with_ = levels
+            out[fp.path] = _merge_revert(
+                fp.path, out[fp.path], with_[fp.path], below[fp.path]
+            )
     return out
+
+
+def _merge_revert(path: str, current: str, with_: str, below: str) -> str:
+    """``current`` with the change from ``with_`` to ``below`` merged in."""
+    with tempfile.TemporaryDirectory(prefix="vllm-overlay-revert-") as tmp:
+        names = []
+        for name, text in (("current", current), ("with", with_), ("below", below)):
+            (Path(tmp) / name).write_text(text)
+            names.append(str(Path(tmp) / name))
+        done = subprocess.run(
+            ["git", "merge-file", "-p", "-q", *names],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if done.returncode != 0:
+        why = (
+            f"{done.returncode} conflicts"
+            if done.returncode > 0
+            else done.stderr.strip() or "git merge-file failed"
+        )
+        raise RevertError(f"{path}: its change does not merge out: {why}")
+    if done.stdout == current:
+        raise RevertError(f"{path}: its change is not in the series")
+    return done.stdout
 
 
 # Runs pytest on a tree: (its MoRIIO files and core files, the test entries,
@@ -196,9 +246,13 @@ def prove_workaround(
         return Verdict(workaround.name, fix.name, False, why)
 
     full = {**inputs.bases, **overlay_texts(inputs.bases, inputs.series)}
+    levels = tuple(
+        {**inputs.bases, **overlay_texts(inputs.bases, inputs.series.upto(k))}
+        for k in (workaround.index - 1, workaround.index)
+    )
     try:
-        reverted = reverted_texts(full, workaround)
-    except HunkError as e:
+        reverted = reverted_texts(full, workaround, (levels[0], levels[1]))
+    except (HunkError, RevertError, ApplyError) as e:
         return no(f"does not revert: {e}")
     tests = workaround.header.tests
     number = workaround.name.split("-", 1)[0]

@@ -77,13 +77,22 @@ def level_plan(series: Series) -> dict[int, list[str]]:
 
 
 def level_label(series: Series, k: int) -> str:
-    """``base``, ``base + 0001``, ``base + 0001..0004``."""
-    numbers = [p.name.split("-", 1)[0] for p in series.patches[:k]]
-    if not numbers:
+    """``base``, ``base + 0001``, ``base + 0001..0004``; a patch whose number
+    is out of the series' order is named alone (``base + 0001..0004, 0036,
+    0005``)."""
+    numbers = [p.name.split("-", 1)[0] for p in series.patches]
+    in_order = [all(n < m for m in numbers[i + 1 :]) for i, n in enumerate(numbers)]
+    runs: list[list[str]] = []
+    for i, n in enumerate(numbers[:k]):
+        if runs and in_order[i] and in_order[i - 1]:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    if not runs:
         return "base"
-    if len(numbers) == 1:
-        return f"base + {numbers[0]}"
-    return f"base + {numbers[0]}..{numbers[-1]}"
+    return "base + " + ", ".join(
+        r[0] if len(r) == 1 else f"{r[0]}..{r[-1]}" for r in runs
+    )
 
 
 def inside_moriio(name: str) -> bool:

@@ -126,7 +126,9 @@ def _rebase(
 ) -> int:
     pin, series = checkout.pin, checkout.series
     old_bases = _old_base(args, pin, bool(series_ref)).load(pin, series).texts
-    new = resolve_new_base(args.to, pin.module, args.cache, pin.vllm.version)
+    new = resolve_new_base(
+        args.to, pin.module, args.cache, pin.vllm.version, pin.core_files
+    )
     given = load_refreshed(args.refreshed, series, applied_version(new))
     workdir = app.checkout.path(args.workdir) / new.version
     report_path = args.report or workdir / "rebase.json"

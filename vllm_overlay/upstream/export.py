@@ -929,9 +929,10 @@ def _check_stack(ctx: Context, bundles: list[Bundle]) -> None:
 
 def export(ctx: Context, names: Sequence[str], out: Path) -> list[Path]:
     """Check every selected patch, then write the bundles (all or none)."""
-    # A patch is named by its file name, its slug or its number ("0009"); a
-    # core patch by its file name, its slug or its key ("c001").
-    keys = [{p.name, p.slug, f"{p.index:04d}"} for p in ctx.series.patches]
+    # A patch is named by its file name, its slug or its number ("0009", the
+    # file's, not its place in the series); a core patch by its file name,
+    # its slug or its key ("c001").
+    keys = [{p.name, p.slug, p.name.split("-", 1)[0]} for p in ctx.series.patches]
     core = ctx.core.patches if ctx.core is not None else ()
     core_keys = [{p.name, p.slug, core_key(p)} for p in core]
     wanted = set(names)

@@ -7,7 +7,8 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_overlay.series.pin import sha256_file
@@ -38,6 +39,8 @@ class NewBase:
     # A tree overlaid by `vllm-overlay apply`: what its manifest says it
     # carries ("" for none).
     overlay: str = ""
+    # The core files the pin's ``core_files`` names that this base holds.
+    core_files: dict[str, bytes] = field(default_factory=dict)
 
     def text(self, path: str) -> str | None:
         data = self.files.get(path)
@@ -51,7 +54,9 @@ def _version_info(text: str) -> tuple[str, str]:
     return (version.group(1) if version else "", commit.group(1) if commit else "")
 
 
-def new_base_from_wheel(wheel: Path, module: str) -> NewBase:
+def new_base_from_wheel(
+    wheel: Path, module: str, core_paths: Iterable[str] = ()
+) -> NewBase:
     prefix = module.rstrip("/") + "/"
     try:
         zf = zipfile.ZipFile(wheel)
@@ -66,6 +71,8 @@ def new_base_from_wheel(wheel: Path, module: str) -> NewBase:
         if not names:
             raise RebaseError(f"{wheel}: holds no {module}")
         files = {n: zf.read(n) for n in sorted(names)}
+        held = set(zf.namelist())
+        core = {p: zf.read(p) for p in sorted(core_paths) if p in held}
         try:
             version_py = zf.read("vllm/_version.py").decode()
         except KeyError:
@@ -80,10 +87,13 @@ def new_base_from_wheel(wheel: Path, module: str) -> NewBase:
         wheel=wheel.name,
         wheel_sha256=sha256_file(wheel),
         files=files,
+        core_files=core,
     )
 
 
-def new_base_from_source(path: Path, module: str) -> NewBase:
+def new_base_from_source(
+    path: Path, module: str, core_paths: Iterable[str] = ()
+) -> NewBase:
     target = detect_target(path)
     base = target.root / module
     if not base.is_dir():
@@ -113,6 +123,11 @@ def new_base_from_source(path: Path, module: str) -> NewBase:
         wheel_sha256="",
         files=files,
         overlay=_overlay(target.root, module),
+        core_files={
+            p: (target.root / p).read_bytes()
+            for p in sorted(core_paths)
+            if (target.root / p).is_file()
+        },
     )
 
 
@@ -204,16 +219,26 @@ def fetch_version(version: str, cache: Path, pinned: str = "") -> Path:
     return found[0]
 
 
-def resolve_new_base(spec: str, module: str, cache: Path, pinned: str = "") -> NewBase:
+def resolve_new_base(
+    spec: str,
+    module: str,
+    cache: Path,
+    pinned: str = "",
+    core_paths: Iterable[str] = (),
+) -> NewBase:
+    """The base ``spec`` names: its module files, and the core files of
+    ``core_paths`` it holds."""
     path = Path(spec)
     if path.suffix == ".whl":
         if not path.is_file():
             raise RebaseError(f"{spec}: no such wheel; {FORMS}")
-        return new_base_from_wheel(path, module)
+        return new_base_from_wheel(path, module, core_paths)
     if path.is_dir():
-        return new_base_from_source(path, module)
+        return new_base_from_source(path, module, core_paths)
     if _VERSION_RE.match(spec):
-        return new_base_from_wheel(fetch_version(spec, cache, pinned), module)
+        return new_base_from_wheel(
+            fetch_version(spec, cache, pinned), module, core_paths
+        )
     raise RebaseError(
         f"--to {spec!r}: no such wheel or directory, and no version; {FORMS}"
     )

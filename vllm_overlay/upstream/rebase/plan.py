@@ -381,6 +381,8 @@ def new_pin(pin: Pin, new: NewBase, git_commit: str = "") -> Pin:
         image=image,
         module=pin.module,
         files={p: sha256_bytes(d) for p, d in sorted(new.files.items())},
+        # The core series is against the new base's core files too.
+        core_files={p: sha256_bytes(d) for p, d in sorted(new.core_files.items())},
     )
 
 
