@@ -60,7 +60,9 @@ def specs(kind: str, tp_size: int) -> dict[str, KVCacheSpec]:
 def _prefill_rank(monkeypatch, model_dir, tp_size: int, kind: str) -> RegisteredWorker:
     pin_tp_rank(monkeypatch, tp_size, 0)
     vllm_config = make_vllm_config(
-        model_dir, moriio_kv_transfer_config("kv_producer", read_mode=False), block_size=B
+        model_dir,
+        moriio_kv_transfer_config("kv_producer", read_mode=False),
+        block_size=B,
     )
     return register_worker(vllm_config, specs(kind, tp_size), "LBNHC", "p")
 
