@@ -2784,6 +2784,7 @@ class WritePair:
                         ),
                         "layer_name": layer,
                         "tp_mapping": None,
+                        "refusal": None,
                         "remote_tp_size": 1,
                         "event": _Event(),
                         "remote_ip": "127.0.0.1",
