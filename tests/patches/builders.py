@@ -880,6 +880,9 @@ class CopyingWrapper:
     def send_notify(self, transfer_id, host, port, **_: Any) -> None:
         self.notified.append(str(port))
 
+    def waiting_for_transfer_complete(self, *_: Any, **__: Any) -> None:
+        """Every copy above is done when it returns."""
+
     def shutdown(self) -> None:
         pass
 
@@ -2819,6 +2822,7 @@ class WritePair:
                         ),
                         "layer_name": layer,
                         "tp_mapping": None,
+                        "refusal": None,
                         "remote_tp_size": 1,
                         "event": _Event(),
                         "remote_ip": "127.0.0.1",

@@ -278,6 +278,7 @@ def test_null_page_falls_back_to_local_prefill_beside_a_write(
                     "write_start_blocks": getattr(saved, "write_start_blocks", None),
                     "layer_name": LAYER,
                     "tp_mapping": None,
+                    "refusal": None,
                     "event": _Event(),
                     "remote_ip": "127.0.0.1",
                     "remote_notify_port": 2,

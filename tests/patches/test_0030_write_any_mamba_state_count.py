@@ -219,24 +219,3 @@ def test_worker_registers_and_writes_every_state(
     finally:
         p.worker.shutdown()
         d.worker.shutdown()
-
-
-def test_unequal_tp_write_of_a_whole_state_is_refused_in_one_line(
-    copying_mori: None, llama_model_dir: Path
-) -> None:
-    """A state without a conv split has no slice layout: WRITE to another TP
-    size is refused before any write is queued (the handshake's mapping),
-    naming the layer and both TP sizes."""
-    p = _leg(llama_model_dir, "kv_producer", short_conv_like(), "LBNHC")
-    try:
-        with pytest.raises(
-            NotImplementedError,
-            match=r"^MoRIIO WRITE of mamba layer model\.layers\.0\.short_conv "
-            r"without a conv split needs equal TP, got prefill tp_size=1 and "
-            r"decode tp_size=2$",
-        ):
-            p.worker._write_tp_mapping(2)
-        # Equal TP maps.
-        assert p.worker._write_tp_mapping(1) is not None
-    finally:
-        p.worker.shutdown()

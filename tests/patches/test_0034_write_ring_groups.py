@@ -14,6 +14,7 @@ handshake, in one line naming the group and both TP sizes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,6 +109,19 @@ def _ring_rank(model_dir: Path) -> RegisteredWorker:
     )
 
 
+def _write_refusal(worker: Any, decode_tp: int) -> str:
+    """Why the prefiller will not write to a decoder of ``decode_tp`` ranks:
+    the refusal it states for that peer before writing, or the one its
+    first handshake's mapping raises."""
+    if hasattr(worker, "_write_peer_refusal"):
+        refusal = worker._write_peer_refusal(decode_tp)
+        assert refusal is not None
+        return str(refusal)
+    with pytest.raises(moriio_common.HandshakeError) as refused:
+        worker._write_tp_mapping(decode_tp)
+    return str(refused.value)
+
+
 @pytest.mark.parametrize("decode_tp", [2, 4])
 def test_unequal_tp_write_of_a_ring_is_refused_at_the_handshake(
     copying_mori: None, llama_model_dir: Path, decode_tp: int
@@ -117,9 +131,7 @@ def test_unequal_tp_write_of_a_ring_is_refused_at_the_handshake(
     sizes; equal TP maps."""
     rank = _ring_rank(llama_model_dir)
     group = rank.worker.layer_to_group[RING]
-    with pytest.raises(moriio_common.HandshakeError) as refused:
-        rank.worker._write_tp_mapping(decode_tp)
-    message = str(refused.value)
+    message = _write_refusal(rank.worker, decode_tp)
     assert "\n" not in message
     assert message.startswith(
         f"MoRIIO WRITE cannot serve circular-buffer group {group} ({RING}) "
