@@ -41,3 +41,9 @@ def test_a_short_refusal_is_whole_in_the_table() -> None:
     report = BytesReport([17], [0.0], {"overlay": "o"}, [refused], 1.0)
     assert "refused at start: no ring" in format_table(report)
     assert "ValueError" not in format_table(report)
+
+
+def test_a_recomputed_case_shows_in_its_cell() -> None:
+    write = ConfigItem("zaya", "write", 1, 2, "LBNHC")
+    recomputed = ConfigReport("overlay", write, cases=2, fallback_cases=1)
+    assert cell(recomputed).endswith("(1 recomputed)")

@@ -60,3 +60,18 @@ def test_a_write_promised_and_never_received_is_still_an_error() -> None:
     assert report.first_errors == ["the decoder never received the WRITE"]
     assert report.wrong_cases == 0, report.wrong_notes
     assert report.moved_bytes == 0
+
+
+def test_a_write_the_prefiller_fails_is_recomputed_not_judged() -> None:
+    """A WRITE the prefiller fails (ZAYA's state has no slice between TP 1
+    and 2: write_failed) reaches the decoder as a failed receive, and its
+    scheduler recomputes the request: a fallback case, no byte judged.
+    Judged as a received WRITE, its pages read as wrong bytes."""
+    item = ConfigItem("zaya", "write", 1, 2, "LBNHC", lengths="129")
+    [report] = run_zygote("installed", None, [item], "129", "0")
+    assert report.refused_at_start is None, report.refused_at_start
+    assert report.cases == 1
+    assert report.error_cases == 0, report.first_errors
+    assert report.wrong_cases == 0, report.wrong_notes
+    assert report.fallback_cases == 1
+    assert report.moved_bytes == report.min_bytes == 0

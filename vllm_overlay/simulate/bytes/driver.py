@@ -111,6 +111,11 @@ class CaseBytes(msgspec.Struct, frozen=True):
     escaped: bool = False
     """The error left rank 0's ``Scheduler.schedule()`` or
     ``update_from_output()`` (``rank.SchedulerEscape``)."""
+    fallback: bool = False
+    """The decoder got the WRITE as failed (``failed_recving``: the
+    prefiller sent ``write_failed``) and its scheduler recomputed the
+    request (``kv_load_failure_policy`` "recompute"): nothing of the
+    transfer is judged, the request is served without it."""
 
 
 class RankError(RuntimeError):
@@ -418,6 +423,9 @@ class Driver:
         self._seq = 0
         self._fresh = False
         """Start the ranks in new processes: a case failed on the last."""
+        self._last_recv: set[str] = set()
+        self._failed_recv: set[str] = set()
+        """Requests the decoder reported as failed receives (a WRITE case)."""
         self.p: _Leg | None = None
         self.d: _Leg | None = None
 
@@ -495,6 +503,7 @@ class Driver:
     ) -> tuple[list[tuple[str, str | None, Any]], list[Verdict]]:
         results, output, outs = leg.step(watch, add)
         self._last_recv = output["finished_recving"]
+        self._failed_recv |= output["failed_recving"]
         verdicts = [r.verdict for r in results if r.verdict is not None]
         return outs, verdicts
 
@@ -554,7 +563,7 @@ class Driver:
             warm = prompt_tokens(uid, shared + 1, shared=shared)
             self._until_finished(self.d, f"w{uid}", (f"w{uid}", warm, None))
         if self.config.mode == READ:
-            verdicts = self._read_case(rid, uid, tokens)
+            verdicts: list[Verdict] | None = self._read_case(rid, uid, tokens)
         else:
             verdicts = self._write_case(rid, uid, tokens)
         self._until_freed(self.p, rid)
@@ -562,6 +571,8 @@ class Driver:
         if self._seq % 64 == 0:
             self.p.call0("reset")
             self.d.call0("reset")
+        if verdicts is None:
+            return CaseBytes(n, hit_fraction, wrong=False, fallback=True)
         return _case(n, hit_fraction, verdicts, moved)
 
     def _read_case(self, rid: str, uid: int, tokens: list[int]) -> list[Verdict]:
@@ -577,7 +588,11 @@ class Driver:
             (rid, tokens, d_params),
         )
 
-    def _write_case(self, rid: str, uid: int, tokens: list[int]) -> list[Verdict]:
+    def _write_case(
+        self, rid: str, uid: int, tokens: list[int]
+    ) -> list[Verdict] | None:
+        """The decoder's verdicts, or None where it got the WRITE as failed
+        and recomputed the request (it must then finish it)."""
         assert self.p is not None and self.d is not None
         p_cfg, d_cfg = self.p.configs[0], self.d.configs[0]
         transfer_id = f"t{uid}"
@@ -623,6 +638,7 @@ class Driver:
                 self._until_finished(self.d, rid)
             return verdicts
         deadline = time.monotonic() + 30
+        self._failed_recv = set()
         while True:
             self._step(self.d)
             if rid in self._last_recv:
@@ -630,6 +646,9 @@ class Driver:
             if time.monotonic() > deadline:
                 raise RankError("the decoder never received the WRITE")
             time.sleep(0.002)
+        if rid in self._failed_recv:
+            self._until_finished(self.d, rid)
+            return None
         return self._judged(Watch(rid, n, tokens, judge=True, dest="table"))
 
     def _judged(

@@ -68,6 +68,9 @@ class ConfigReport(msgspec.Struct, tag="bytes-config"):
     first_errors: list[str] = []
     wrong_cases: int = 0
     """Cases with a wrong byte the decoder attends to or a stray write."""
+    fallback_cases: int = 0
+    """WRITE cases the prefiller failed (``write_failed``) and the decoder
+    recomputed (``CaseBytes.fallback``)."""
     stray_cases: int = 0
     wrong_lengths: dict[str, list[int]] = {}
     """Hit percentage -> prompt lengths with wrong bytes."""
@@ -117,6 +120,8 @@ def cell(r: ConfigReport | None) -> str:
     if r.refused is not None and r.error_cases == r.cases:
         return "refused: " + refusal_text(r.refused)
     text = f"{r.cases} / {r.wrong_cases} / {ratio(r.moved_bytes, r.min_bytes)}"
+    if r.fallback_cases:
+        text += f" ({r.fallback_cases} recomputed)"
     if r.error_cases:
         text += f" ({r.error_cases} errors"
         text += f", {r.escape_cases} escapes)" if r.escape_cases else ")"
@@ -140,7 +145,8 @@ def format_table(report: BytesReport) -> str:
     return (
         table(rows)
         + "\n\ncell: cases / wrong-byte cases / bytes moved / minimum (the bytes "
-        "of the pages the decoder lacked)"
+        "of the pages the decoder lacked); recomputed: WRITE cases the prefiller "
+        "failed, served without the transfer"
     )
 
 

@@ -138,6 +138,9 @@ def run_item(
         report.escape_cases += case.escaped
         if count_case(report, case.error):
             continue
+        if case.fallback:
+            report.fallback_cases += 1
+            continue
         report.moved_bytes += case.moved_bytes
         report.min_bytes += case.min_bytes
         if case.wrong:
