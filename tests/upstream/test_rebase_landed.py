@@ -108,6 +108,16 @@ def _results(report: dict[str, Any]) -> list[str]:
     return [r["result"] for r in report["rows"]]
 
 
+def _moved(series: Series) -> list[str]:
+    """What each patch above 0001 gives on a base whose connector holds
+    lines inserted above: offset where it changes the connector, clean
+    where it changes other MoRIIO files only."""
+    return [
+        "offset" if any(fp.new_path == CONNECTOR for fp in p.files) else "clean"
+        for p in series.patches[1:]
+    ]
+
+
 def _overlaid(base: dict[str, str], series: Series) -> str:
     return overlay_texts(base, series)[CONNECTOR]
 
@@ -137,7 +147,7 @@ def test_a_base_holding_0001_drops_it_records_it_and_rebases_the_rest(
         root, tmp_path, base_texts, _wheel(tmp_path, base_texts, new), "--write"
     )
     assert rc == 0
-    assert _results(report) == ["upstream"] + ["offset"] * (len(series.patches) - 1)
+    assert _results(report) == ["upstream", *_moved(series)]
     row = report["rows"][0]
     assert row["detail"] == (
         f"moriio_connector.py: every hunk landed ({len(fp.hunks)}); "
@@ -150,10 +160,10 @@ def test_a_base_holding_0001_drops_it_records_it_and_rebases_the_rest(
     )
     out = capsys.readouterr().out
     assert "moriio_connector.py: hunk #1 landed: its post-image is at lines" in out
-    rest = len(series.patches) - 1
-    assert out.splitlines()[-1] == (
-        f"rebase: {rest} offset, 1 upstream: the series is on vLLM {NEWER}"
-    )
+    moved = _moved(series)
+    clean, offset = moved.count("clean"), moved.count("offset")
+    counts = (f"{clean} clean, " if clean else "") + f"{offset} offset, 1 upstream"
+    assert out.splitlines()[-1] == (f"rebase: {counts}: the series is on vLLM {NEWER}")
     # 0001 left the series; its header is kept, with the release that has it.
     assert not (root / "patches" / first.name).exists()
     assert load_series(root).names == series.names[1:]
@@ -187,9 +197,7 @@ def test_a_base_holding_some_hunks_of_0001_carries_the_remainder(
         root, tmp_path, base_texts, _wheel(tmp_path, base_texts, new), "--write"
     )
     assert rc == 0
-    assert _results(report) == ["partly upstream"] + ["offset"] * (
-        len(series.patches) - 1
-    )
+    assert _results(report) == ["partly upstream", *_moved(series)]
     row = report["rows"][0]
     numbers = " ".join(f"#{k + 1}" for k in landed)
     carried = " ".join(f"#{k + 1}" for k in rest)
@@ -254,7 +262,11 @@ def test_0001_merged_in_another_form_is_partly_upstream_and_names_the_rest(
         f"{others} landed; #{k + 1} conflicting"
     )
     assert row["hand"].startswith(f"{series.patches[0].name} cannot be refreshed")
-    assert all(r["set_aside"] == [series.patches[0].name] for r in report["rows"][1:])
+    # Set aside where the patch changes a file 0001 changes (the connector).
+    assert all(
+        r["set_aside"] == ([series.patches[0].name] if moved == "offset" else [])
+        for r, moved in zip(report["rows"][1:], _moved(series), strict=True)
+    )
     (failed,) = [h for h in row["hunks"] if h["problem"]]
     assert failed["hunk"] == k + 1 and failed["state"] == "conflicting"
     assert "changed upstream: the" in failed["problem"]
