@@ -183,3 +183,24 @@ def test_a_gap_of_every_pair_covers_each_judged_pair():
     every = KnownGap("kimi read 1->2", "errors", "issue 37", "x", "bytes", "all")
     verdict = judge_bytes(report, [every])
     assert verdict.exit_code == 0 and len(verdict.known) == 3
+
+
+def test_a_fault_in_a_base_decoder_fails_only_where_the_base_pair_does_not():
+    """A fault injected into vLLM's own decoder (overlay->base) escapes as
+    it does with a base prefiller: the base decoder's, not the overlay's;
+    one the base pair survives fails the run."""
+    base = FaultReport("base", "llama", "short-table", cases=2, escapes=2)
+    mixed = FaultReport("overlay->base", "llama", "short-table", cases=2, escapes=2)
+    verdict = judge(_sweep(faults=[base, mixed]), [])
+    assert verdict.exit_code == 0
+    assert "1 fault row of base decoders failing as the base pair does" in (
+        verdict.line()
+    )
+    served = FaultReport(
+        "base", "llama", "short-table", cases=2, other_right=2, refused_local=2
+    )
+    verdict = judge(_sweep(faults=[served, mixed]), [])
+    assert verdict.failures == [
+        "llama short-table (overlay->base) an exception escapes the scheduler "
+        "in 2 of 2 cases"
+    ]

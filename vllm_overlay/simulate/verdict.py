@@ -174,6 +174,9 @@ class Verdict:
     """Known gaps whose layout ran and no longer shows the problem."""
     base_decoder_wrong: int = 0
     """Wrong cases of base-decoder pairs that the base pair has too."""
+    base_decoder_faults: int = 0
+    """Fault rows of base-decoder pairs failing as the base pair's row of
+    the same layout and fault does (the fault hits vLLM's own decoder)."""
     wrote: bool = False
     """Some judged row ran WRITE: the KV is moved, not only read."""
 
@@ -188,6 +191,11 @@ class Verdict:
             known += (
                 f"; {count(self.base_decoder_wrong, 'wrong case')} of base "
                 "decoders where the base pair is wrong too"
+            )
+        if self.base_decoder_faults:
+            known += (
+                f"; {count(self.base_decoder_faults, 'fault row')} of base "
+                "decoders failing as the base pair does"
             )
         if self.failures:
             return (
@@ -295,6 +303,13 @@ def judge_faults(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
     gap of ``scope = "faults"`` names a layout (every fault) or ``layout
     fault``."""
     by_key = gap_index([g for g in gaps if g.scope == "faults"])
+    # A fault injected into vLLM's own MoRIIO decoder (overlay->base) is that
+    # decoder's to handle: a problem its base pair shows too is not judged.
+    base_problems = {
+        (r.layout, r.fault): {p for p, _ in fault_problems(r)}
+        for r in report.faults
+        if r.variant == "base"
+    }
     verdict = Verdict()
     for r in report.faults:
         if not judged(r.variant):
@@ -302,7 +317,12 @@ def judge_faults(report: SweepReport, gaps: list[KnownGap]) -> Verdict:
         verdict.judged += 1
         verdict.refused += r.refused_at_start is not None
         name = shown(f"{r.layout} {r.fault}", r.variant)
-        for problem, detail in fault_problems(r):
+        found = fault_problems(r)
+        if base_decoder(r.variant):
+            shared = base_problems.get((r.layout, r.fault), set())
+            verdict.base_decoder_faults += any(p in shared for p, _ in found)
+            found = [(p, d) for p, d in found if p not in shared]
+        for problem, detail in found:
             gap = by_key.get((f"{r.layout} {r.fault}", problem, r.variant))
             gap = gap or by_key.get((r.layout, problem, r.variant))
             if gap is None:
