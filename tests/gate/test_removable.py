@@ -7,6 +7,7 @@ pytest runs are stood in for by a runner that reads the trees it is given."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -201,6 +202,33 @@ def test_every_core_patch_is_red_without_it_and_green_with_it(
         "0036 removable with core patch c002: yes",
         "0010 removable with core patch c001: yes",
     ]
+
+
+def test_proofs_run_side_by_side_and_keep_the_series_order(inputs: Inputs) -> None:
+    """With two jobs, two proofs' pytest runs are in flight at once (each
+    of the first two waits for the other), and the rows and verdicts come
+    back in the series' order whatever finishes first."""
+    run, seen = _runner(inputs, "unfixed")
+    both = threading.Barrier(2, timeout=60)
+    calls = iter(range(10_000))
+
+    def paired(
+        files: dict[str, str], entries: Sequence[str], work: Path
+    ) -> dict[str, TestOutcome]:
+        if next(calls) < 2:
+            both.wait()
+        return run(files, entries, work)
+
+    report = prove_all(inputs, paired, "0.34.0", progress=lambda line: None, jobs=2)
+    assert not both.broken
+    assert [r.core[:4] for r in report.core_rows] == sorted(
+        r.core[:4] for r in report.core_rows
+    )
+    assert [v.line for v in report.verdicts] == [
+        "0036 removable with core patch c002: yes",
+        "0010 removable with core patch c001: yes",
+    ]
+    assert len(seen) == 2 * (len(inputs.core.patches) + len(report.verdicts))
 
 
 def test_the_command_prints_the_verdicts_and_sets_the_status(

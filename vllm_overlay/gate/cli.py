@@ -407,6 +407,7 @@ def cmd_removable(app: App, args: argparse.Namespace) -> int:
         checkout.pin.vllm.version,
         progress=app.say,
         only=args.patch or (),
+        jobs=args.jobs,
     )
     out = args.out or checkout.root / ".nox-reports" / REMOVABLE_REPORT
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -510,6 +511,7 @@ def register(sub: Subparsers) -> None:
     rm.add_argument(
         "--pytest-args", default="", metavar="ARGS", help="more pytest arguments"
     )
+    rm.add_argument("--jobs", type=int, default=0, help="proofs at a time (cores)")
     add_base_options(rm, "the pinned base files")
     rr = add_command(sub, "revert-red", cmd_revert_red)
     rr.add_argument("--base-outcomes", type=Path, required=True, metavar="JSON")

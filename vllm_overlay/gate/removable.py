@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,20 +300,23 @@ def prove_all(
     vllm_version: str,
     progress: Callable[[str], None] = print,
     only: Sequence[str] = (),
+    jobs: int = 0,
 ) -> RemovableReport:
     """Every core patch's rows and every workaround's verdict (``only``:
-    the workarounds named, by number or file name, and their core patches)."""
+    the workarounds named, by number or file name, and their core patches).
+    The proofs are independent: ``jobs`` of them run at a time (0: one per
+    core), each in its own work directory; rows and verdicts keep the
+    series' order."""
     pairs = [
         (w, f)
         for w, f in workarounds(inputs.series, inputs.core)
         if not only or {w.name, w.name.split("-", 1)[0], w.slug} & set(only)
     ]
     fixes = [f for f in inputs.core.patches if not only or f in [p for _, p in pairs]]
-    rows: list[CoreRow] = []
-    verdicts: list[Verdict] = []
     with tempfile.TemporaryDirectory(prefix="vllm-overlay-removable-") as tmp:
         work = Path(tmp)
-        for fix in fixes:
+
+        def core_proof(fix: SeriesPatch) -> list[CoreRow]:
             progress(
                 f"removable: core patch {fix.name}: its named tests without it "
                 "and with it, on the whole connector series"
@@ -323,13 +327,22 @@ def prove_all(
                 f"removable: core patch {core_key(fix)}: {held} of {len(mine)} "
                 "named tests fail without it and pass with it"
             )
-            rows += mine
-        for workaround, fix in pairs:
+            return mine
+
+        def workaround_proof(pair: tuple[SeriesPatch, SeriesPatch]) -> Verdict:
+            workaround, fix = pair
             progress(
                 f"removable: {workaround.name}: reverted on the whole series, its "
                 f"named tests without and with core patch {core_key(fix)}"
             )
-            verdicts.append(prove_workaround(inputs, workaround, fix, run, work))
+            return prove_workaround(inputs, workaround, fix, run, work)
+
+        workers = max(1, jobs or os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            core_runs = [pool.submit(core_proof, fix) for fix in fixes]
+            workaround_runs = [pool.submit(workaround_proof, p) for p in pairs]
+            rows = [row for f in core_runs for row in f.result()]
+            verdicts = [f.result() for f in workaround_runs]
     return RemovableReport(
         inputs.series.series_id,
         inputs.core.series_id,
