@@ -118,6 +118,9 @@ class ByteJudge:
         self._page_bytes: dict[int, int] = {}
         self._hashes: dict[str, np.ndarray] = {}
         self._armed = False
+        self.extra_pages: list[tuple[Any, int]] = []
+        """Pages of another request the watched request's transfer runs
+        next to, which its own (faulted) transfer may write: not stray."""
         self._min_bytes = 0
         self._expected: dict[Any, np.ndarray] = {}
         """The watched request's expected attention rows by (layer, needs),
@@ -317,6 +320,10 @@ class ByteJudge:
                 out[i] = (need, w, size)
         return out
 
+    def wrong_bytes(self, watch: Watch, tables: list[list[int]]) -> int:
+        """Wrong bytes of every page the request attends to, now."""
+        return sum(wrong for _, wrong, _ in self._needs(watch, tables))
+
     def arm(
         self,
         watch: Watch,
@@ -395,7 +402,7 @@ class ByteJudge:
         of the request's table (vLLM's ``KVBlockZeroer``: a new block owns its whole
         tile, which other groups' layers overlay when the groups differ in
         bytes per block) is the decoder's own write, not the transfer's."""
-        pages = []
+        pages = list(self.extra_pages)
         if watch.dest == "meta":
             assert plan is not None
             meta = plan.metadata.reqs_to_recv.get(watch.rid)
