@@ -114,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser, *, own_command: bool) -> None:
             help="instead of the sweep, fault the loopback transport under one "
             "request with another in flight: "
             + ", ".join(FAULT_KINDS)
-            + " (drop: WRITE only; all: every one, the default); layouts default "
+            + " (drop: WRITE only; all: every one, the default; lie, a "
+            "self-test: a transfer cut short reports success); layouts default "
             f"{FAULT_LAYOUTS}, TP {_pairs_text(FAULT_TP)}, lengths "
             f"{FAULT_LENGTHS}, hits {FAULT_HITS}, KV layout {FAULT_KV_LAYOUT}",
         )
@@ -128,6 +129,8 @@ def add_arguments(p: argparse.ArgumentParser, *, own_command: bool) -> None:
 
 FAULT_KINDS = ("error", "hang", "partial", "drop")
 """The loopback transport's faults (the stand-in's ``FAULT_KINDS``)."""
+FAULT_SELF_TESTS = ("lie",)
+"""Faults the judge must fail: a transfer cut short that reports success."""
 FAULT_LAYOUTS = "llama,gemma,kimi,glm"
 FAULT_TP = ((1, 1), (1, 2))
 FAULT_LENGTHS = "17,129"
@@ -144,9 +147,12 @@ def parse_fault_kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(x.strip() for x in text.split(",") if x.strip())
     if kinds in ((), ("all",)):
         return FAULT_KINDS
-    bad = [k for k in kinds if k not in FAULT_KINDS]
+    bad = [k for k in kinds if k not in FAULT_KINDS + FAULT_SELF_TESTS]
     if bad:
-        raise UsageError(f"--faults: unknown {bad}; choose from {list(FAULT_KINDS)}")
+        raise UsageError(
+            f"--faults: unknown {bad}; choose from "
+            f"{list(FAULT_KINDS + FAULT_SELF_TESTS)}"
+        )
     return kinds
 
 

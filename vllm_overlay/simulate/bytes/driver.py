@@ -741,7 +741,8 @@ class Driver:
         xp, xd = self._params(uid, FAULTED_PREFIX)
         cp, cd = self._params(uid, "c")
         fired = 0
-        tracked: list[tuple[int, int]] = []
+        tracked: list[list[tuple[int, int]]] = []
+        """Per step computing the faulted request: each rank's check."""
         verdicts: list[Verdict] = []
         deadline = time.monotonic() + FAULT_BOUND
 
@@ -751,7 +752,9 @@ class Driver:
             self._last_recv = output["finished_recving"]
             self._failed_recv |= output["failed_recving"]
             if leg is self.d:
-                tracked.extend(r.tracked for r in results if r.tracked is not None)
+                checks = [r.tracked for r in results if r.tracked is not None]
+                if checks:
+                    tracked.append(checks)
                 verdicts.extend(r.verdict for r in results if r.verdict is not None)
             fired = max(fired, sum(r.faulted for r in results))
             return outs
@@ -827,8 +830,10 @@ class Driver:
         else:
             for leg in (self.p, self.d):
                 leg.call_all("track", None)
-        start = min((s for s, _ in tracked), default=None)
-        wrong = sum(w for _, w in tracked)
+        # The last step that computed it is the one vLLM kept.
+        last = tracked[-1] if tracked else []
+        start = min((s for s, _ in last), default=None)
+        wrong = sum(w for _, w in last)
         if hung:
             outcome = "hung"
         elif start is None:
@@ -843,7 +848,7 @@ class Driver:
         return CaseBytes(
             n,
             hit_fraction,
-            wrong=bool(case and case.wrong) or outcome == "wrong",
+            wrong=bool(case and case.wrong),
             wrong_bytes=(case.wrong_bytes if case else 0) + wrong,
             stray_bytes=case.stray_bytes if case else 0,
             notes=(case.notes if case else [])

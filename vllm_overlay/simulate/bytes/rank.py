@@ -373,7 +373,6 @@ class Rank:
         )
         self._so: Any = None
         self._tracked: str | None = None
-        self._tracked_seen = False
         self._sending: Counter[str] = Counter()
         self._recving: Counter[str] = Counter()
         """``step1``'s ``aggregate`` counts (a leg of one rank)."""
@@ -465,42 +464,42 @@ class Rank:
     def track(self, rid: str | None) -> None:
         """Follow ``rid`` (a faulted request next to the watched one): its
         table's pages are no stray writes of the watched request's transfer,
-        and its first computed step is checked (``StepResult.tracked``)."""
+        and each step that computes it is checked (``StepResult.tracked``)."""
         self._tracked = rid
-        self._tracked_seen = False
         self.judge.extra_pages = []
 
-    def _track(self, plan: StepPlan) -> tuple[int, int] | None:
-        """The tracked request's pages so far, and, in its first computed
-        step, its first computed position and the wrong bytes of what it
-        attends to below it (what the decoder treats as loaded)."""
-        rid = self._tracked
-        if rid is None:
+    def _track_pages(self, plan: StepPlan) -> None:
+        """Add the tracked request's pages in ``plan`` to the judge's."""
+        table = plan.tables.get(self._tracked or "")
+        if table is None:
+            return
+        known = {(view.name, b) for view, b in self.judge.extra_pages}
+        for g, blocks in enumerate(table):
+            for b in blocks:
+                for view in self.kv.layers_of(g):
+                    if b != 0 and (view.name, b) not in known:
+                        known.add((view.name, b))
+                        self.judge.extra_pages.append((view, b))
+
+    def _track_compute(self, plan: StepPlan) -> tuple[int, int] | None:
+        """In a step that computes the tracked request, once its loads of
+        the step landed: its first computed position and the wrong bytes of
+        what it attends to below it (what the decoder treats as loaded).
+        vLLM discards a step whose synchronous load failed and computes the
+        request again: the last such step is the one that counts."""
+        item = next((c for c in plan.computes if c.rid == self._tracked), None)
+        if item is None:
             return None
-        table = plan.tables.get(rid)
-        if table is not None:
-            known = set(self.judge.extra_pages)
-            for g, blocks in enumerate(table):
-                for b in blocks:
-                    for view in self.kv.layers_of(g):
-                        if b != 0 and (view, b) not in known:
-                            known.add((view, b))
-                            self.judge.extra_pages.append((view, b))
-        item = next((c for c in plan.computes if c.rid == rid), None)
-        if item is None or self._tracked_seen:
-            return None
-        self._tracked_seen = True
         if item.start == 0:
             return (0, 0)
         n = item.start + 1
-        below = Watch(rid, n, item.tokens[:n])
-        wrong = self.judge.wrong_bytes(below, item.tables)
-        return (item.start, wrong)
+        below = Watch(item.rid, n, item.tokens[:n])
+        return (item.start, self.judge.wrong_bytes(below, item.tables))
 
     # -- one step ------------------------------------------------------------
 
     def execute(self, plan: StepPlan, watch: Watch | None) -> StepResult:
-        tracked = self._track(plan)
+        self._track_pages(plan)
         self.kv.zero_blocks(plan.zero)
         for src, dst in plan.copies:
             self.kv.copy_block(src, dst)
@@ -521,6 +520,7 @@ class Rank:
             if watch is not None and judging:
                 assert tables is not None
                 verdict = self.judge.verdict(watch, tables, plan)
+            tracked = self._track_compute(plan)
             for item in plan.computes:
                 self.compute(item)
             if self.cfg.mode == WRITE and self.cfg.role == "kv_producer":

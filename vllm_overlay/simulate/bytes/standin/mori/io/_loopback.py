@@ -51,7 +51,8 @@ every post completes failed and moves nothing; ``hang``, no post ever
 completes or moves a byte; ``partial``, the first post moves the first half of
 its runs (of its bytes, with one run) and fails, the next succeeds, and so on;
 ``drop``, the first post completes and no later one ever does (its process
-left).
+left). ``lie`` (a self-test of the simulator's judge): every post moves the
+first half of its runs and reports success.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ Ints = Sequence[int]
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
-FAULT_KINDS = ("error", "hang", "partial", "drop")
+FAULT_KINDS = ("error", "hang", "partial", "drop", "lie")
 
 
 @dataclass(frozen=True)
@@ -438,6 +439,8 @@ class _Post:
     fail_after: int | None = None
     """A transport fault: move only this many bytes, in run order, then
     fail."""
+    lie: bool = False
+    """Report success anyway (the ``lie`` fault)."""
 
 
 def _pending(first_error: StatusCode) -> StatusCode:
@@ -704,6 +707,7 @@ class IOEngine:
         if fault.kind == "error":
             post.fail_after = 0
         else:
+            post.lie = fault.kind == "lie"
             total = sum(post.sizes)
             half = post.sizes[: len(post.sizes) // 2]
             post.fail_after = sum(half) if half else total // 2
@@ -724,7 +728,7 @@ class IOEngine:
                         break
                 post.dst[d : d + n] = post.src[s : s + n]
                 moved += n
-            if budget is not None:
+            if budget is not None and not post.lie:
                 post.status.Update(
                     StatusCode.ERR_RDMA_OP,
                     "mori loopback stand-in: injected transport fault",
