@@ -852,7 +852,9 @@ class Driver:
             wrong_bytes=(case.wrong_bytes if case else 0) + wrong,
             stray_bytes=case.stray_bytes if case else 0,
             notes=(case.notes if case else [])
-            + ([f"{xr}: computed from {start} on {wrong} wrong bytes"] if wrong else []),
+            + (
+                [f"{xr}: computed from {start} on {wrong} wrong bytes"] if wrong else []
+            ),
             fault=outcome,
             fault_fired=fired,
             leaks=leaks,

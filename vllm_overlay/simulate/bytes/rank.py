@@ -124,7 +124,9 @@ def _apply_transport_fault(kind: str, role: str) -> None:
     read_blocks = mc.MoRIIOConnectorWorker._read_blocks
 
     def read_for(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with posting_for(str(kwargs.get("request_id", args[3] if len(args) > 3 else ""))):
+        with posting_for(
+            str(kwargs.get("request_id", args[3] if len(args) > 3 else ""))
+        ):
             return read_blocks(self, *args, **kwargs)
 
     mc.MoRIIOConnectorWorker._read_blocks = read_for

@@ -180,15 +180,13 @@ def fault_cell(r: ConfigReport | None) -> str:
     o = r.fault_outcomes
     wrong = o.get("wrong", 0) + r.wrong_cases
     text = f"{o.get('recomputed', 0)} / {wrong} / {o.get('hung', 0)} / {r.escape_cases}"
-    extra = [
-        f"{o[k]} {k}" for k in ("loaded", "aborted") if o.get(k)
-    ]
+    extra = [f"{o[k]} {k}" for k in ("loaded", "aborted") if o.get(k)]
     crashes = r.error_cases - r.escape_cases
     if crashes:
         extra.append(f"{crashes} errors")
     if r.leak_cases:
         extra.append(f"{r.leak_cases} leaks")
-    if not r.fault_fired and r.cases:
+    if not r.fault_fired and r.cases > r.error_cases:
         extra.append("fault never fired")
     return text + (f" ({', '.join(extra)})" if extra else "")
 

@@ -91,11 +91,11 @@ def fault_problems(r: ConfigReport) -> list[tuple[Problem, str]]:
             )
         )
     if o.get("hung"):
-        out.append(("errors", f"a faulted request hung in {o['hung']} of {r.cases} cases"))
-    if r.leak_cases:
         out.append(
-            ("errors", f"blocks left held in {r.leak_cases} of {r.cases} cases")
+            ("errors", f"a faulted request hung in {o['hung']} of {r.cases} cases")
         )
+    if r.leak_cases:
+        out.append(("errors", f"blocks left held in {r.leak_cases} of {r.cases} cases"))
     return out
 
 
