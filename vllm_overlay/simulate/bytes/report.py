@@ -197,11 +197,10 @@ def format_fault_table(report: BytesReport) -> str:
     rows_by_key: dict[tuple[str, ...], dict[str, ConfigReport]] = {}
     for r in report.configs:
         fault = (r.item.fault or "").removeprefix("transport-")
-        key = (fault, *row_key(r.item)[:3])
-        rows_by_key.setdefault(key, {})[r.variant] = r
+        rows_by_key.setdefault((fault, *row_key(r.item)[:3]), {})[r.variant] = r
     rows: list[tuple[str, ...]] = [("fault", "layout", "mode", "TP", *variants)]
-    for key, by_variant in rows_by_key.items():
-        rows.append((*key, *(fault_cell(by_variant.get(v)) for v in variants)))
+    for fault_key, by_variant in rows_by_key.items():
+        rows.append((*fault_key, *(fault_cell(by_variant.get(v)) for v in variants)))
     return (
         table(rows)
         + "\n\ncell: faulted requests recomputed (vLLM's load-failure path) / "
