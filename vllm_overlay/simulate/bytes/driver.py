@@ -830,10 +830,13 @@ class Driver:
         else:
             for leg in (self.p, self.d):
                 leg.call_all("track", None)
-        # The last step that computed it is the one vLLM kept.
+        # The last step that computed it is the one vLLM kept (it discards
+        # a step whose synchronous load failed); it was recomputed if any
+        # step computed it from before the transfer's end (a preempted
+        # request resumes from its own cached blocks).
         last = tracked[-1] if tracked else []
-        start = min((s for s, _ in last), default=None)
         wrong = sum(w for _, w in last)
+        start = min((s for checks in tracked for s, _ in checks), default=None)
         if hung:
             outcome = "hung"
         elif start is None:
@@ -853,7 +856,7 @@ class Driver:
             stray_bytes=case.stray_bytes if case else 0,
             notes=(case.notes if case else [])
             + (
-                [f"{xr}: computed from {start} on {wrong} wrong bytes"] if wrong else []
+                [f"{xr}: computed on {wrong} wrong bytes"] if wrong else []
             ),
             fault=outcome,
             fault_fired=fired,

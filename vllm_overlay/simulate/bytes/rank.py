@@ -486,7 +486,8 @@ class Rank:
     def _track_compute(self, plan: StepPlan) -> tuple[int, int] | None:
         """In a step that computes the tracked request, once its loads of
         the step landed: its first computed position and the wrong bytes of
-        what it attends to below it (what the decoder treats as loaded).
+        what it attends to below it (what the decoder treats as loaded or
+        computed before).
         vLLM discards a step whose synchronous load failed and computes the
         request again: the last such step is the one that counts."""
         item = next((c for c in plan.computes if c.rid == self._tracked), None)
@@ -495,6 +496,9 @@ class Rank:
         if item.start == 0:
             return (0, 0)
         n = item.start + 1
+        # Align mode: vLLM's model runner copies a state model's state to
+        # the block of the request's first computed position, every step.
+        self._precopy(item.tables, n)
         below = Watch(item.rid, n, item.tokens[:n])
         return (item.start, self.judge.wrong_bytes(below, item.tables))
 
