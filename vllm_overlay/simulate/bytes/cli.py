@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser, *, own_command: bool) -> None:
             + " (drop: WRITE only; all: every one, the default; lie, a "
             "self-test: a transfer cut short reports success); layouts default "
             f"{FAULT_LAYOUTS}, TP {_pairs_text(FAULT_TP)}, lengths "
-            f"{FAULT_LENGTHS}, hits {FAULT_HITS}, KV layout {FAULT_KV_LAYOUT}",
+            f"{FAULT_LENGTHS}, KV layout {FAULT_KV_LAYOUT}; hit 0 only",
         )
     p.add_argument(
         "--kv-layouts",
@@ -258,6 +258,8 @@ def sweep(
     options: SweepOptions,
 ) -> BytesReport:
     if opts.faults is not None:
+        if opts.hits not in (None, FAULT_HITS):
+            raise UsageError("--faults: runs hit 0 only (no decoder warm-up)")
         kv = (
             list(opts.kv_layouts)
             if opts.kv_layouts != KV_LAYOUTS
@@ -276,7 +278,7 @@ def sweep(
         return run_bytes_sweep(
             items,
             opts.lengths or FAULT_LENGTHS,
-            opts.hits or FAULT_HITS,
+            FAULT_HITS,
             variants,
             options,
             opts.zygotes,

@@ -721,7 +721,8 @@ class Driver:
         return p_params, d_params
 
     def run_fault_case(self, n: int, hit_fraction: float) -> CaseBytes:
-        """Two requests in flight at once on both legs: ``x{uid}``, whose
+        """Two requests in flight at once on both legs (no decoder warm-up:
+        the sweep runs them at hit 0): ``x{uid}``, whose
         transfer the loopback transport faults (``rank.TRANSPORT``), and
         ``c{uid}``, a different prompt, judged byte by byte as any case's
         request (its pages right, no stray byte outside its and the faulted
@@ -759,7 +760,7 @@ class Driver:
             fired = max(fired, sum(r.faulted for r in results))
             return outs
 
-        def prefill(write: bool) -> dict[str, Any]:
+        def prefill() -> dict[str, Any]:
             assert self.p is not None
             params: dict[str, Any] = {}
             add: Any = [(xr, x_tokens, xp), (cr, c_tokens, cp)]
@@ -774,7 +775,7 @@ class Driver:
 
         self._failed_recv = set()
         if self.config.mode == READ:
-            params = prefill(False)
+            params = prefill()
             adds = []
             for rid, tokens in ((xr, x_tokens), (cr, c_tokens)):
                 if not params.get(rid):
@@ -783,15 +784,14 @@ class Driver:
                 d_params["do_remote_prefill"] = True
                 adds.append((rid, tokens, d_params))
             step(self.d, Watch(cr, n, c_tokens, arm=True, judge=True), adds)
-            judge_next = False
         else:
             step(
                 self.d,
                 Watch(cr, n, c_tokens, arm=True, dest="table", judge_if_computed=True),
                 [(xr, x_tokens, xd), (cr, c_tokens, cd)],
             )
-            prefill(True)
-            judge_next = False
+            prefill()
+        judge_next = False
         hung = False
         while True:
             live = set(self.d.live or ())
@@ -855,9 +855,7 @@ class Driver:
             wrong_bytes=(case.wrong_bytes if case else 0) + wrong,
             stray_bytes=case.stray_bytes if case else 0,
             notes=(case.notes if case else [])
-            + (
-                [f"{xr}: computed on {wrong} wrong bytes"] if wrong else []
-            ),
+            + ([f"{xr}: computed on {wrong} wrong bytes"] if wrong else []),
             fault=outcome,
             fault_fired=fired,
             leaks=leaks,
