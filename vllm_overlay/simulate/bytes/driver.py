@@ -123,7 +123,8 @@ class CaseBytes(msgspec.Struct, frozen=True):
     blocks did not come back), ``prefiller blocks`` (the prefiller never
     released a request)."""
     fallback: bool = False
-    """The decoder got the WRITE as failed (``failed_recving``: the
+    """(In a fault case: the request next to the faulted one.) The decoder
+    got the WRITE as failed (``failed_recving``: the
     prefiller sent ``write_failed``) and its scheduler recomputed the
     request (``kv_load_failure_policy`` "recompute"): nothing of the
     transfer is judged, the request is served without it."""
@@ -804,10 +805,17 @@ class Driver:
             if not verdicts and judge_next:
                 watch = Watch(cr, n, c_tokens, judge=True, dest="table")
             step(self.d, watch)
-            if cr in self._last_recv and self.config.mode != READ:
+            if (
+                cr in self._last_recv
+                and cr not in self._failed_recv
+                and self.config.mode != READ
+            ):
                 judge_next = True
             time.sleep(0.002)
-        if self.config.mode != READ and not verdicts and not hung:
+        # The prefiller may fail the other request's WRITE too (it refuses
+        # the pair): recomputed, nothing of it to judge.
+        other_failed = cr in self._failed_recv
+        if self.config.mode != READ and not verdicts and not (hung or other_failed):
             raise RankError(f"the decoder never judged {cr}")
         leaks = []
         if not hung and self.d.call0("free_blocks") != free_before:
@@ -859,7 +867,7 @@ class Driver:
             fault=outcome,
             fault_fired=fired,
             leaks=leaks,
-            fallback=xr in self._failed_recv,
+            fallback=other_failed,
         )
 
     def _judged(

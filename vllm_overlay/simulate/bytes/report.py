@@ -181,6 +181,8 @@ def fault_cell(r: ConfigReport | None) -> str:
     wrong = o.get("wrong", 0) + r.wrong_cases
     text = f"{o.get('recomputed', 0)} / {wrong} / {o.get('hung', 0)} / {r.escape_cases}"
     extra = [f"{o[k]} {k}" for k in ("loaded", "aborted") if o.get(k)]
+    if r.fallback_cases:
+        extra.append(f"{r.fallback_cases} other recomputed")
     crashes = r.error_cases - r.escape_cases
     if crashes:
         extra.append(f"{crashes} errors")
@@ -208,7 +210,9 @@ def format_fault_table(report: BytesReport) -> str:
         "next to it moved a wrong or stray byte) / hung (not finished within "
         "the bound) / escapes (an exception out of a scheduler hook); loaded: "
         "served from a transfer whose every needed byte landed right; aborted: "
-        "finished without a forward; errors: a worker raised (a real engine "
+        "finished without a forward; other recomputed: the request next to it "
+        "failed too (the prefiller refused it) and was recomputed; errors: a "
+        "worker raised (a real engine "
         "dies); leaks: the decoder's free blocks did not come back or the "
         "prefiller never released a request"
     )

@@ -148,6 +148,7 @@ def run_item(
                     report.leak_notes.append(f"n={case.n}: {', '.join(case.leaks)}")
             if case.fault == "hung" and len(report.wrong_notes) < 4:
                 report.wrong_notes.append(f"n={case.n}: the faulted request hung")
+            report.fallback_cases += case.fallback
             if case.fault == "wrong" and not case.wrong:
                 report.wrong_notes += [f"n={case.n}: {note}" for note in case.notes]
                 del report.wrong_notes[4:]
