@@ -12,7 +12,7 @@ the transfer's destination pages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -94,6 +94,10 @@ class ByteJudge:
     holds for a position it attends to, and every byte that changed
     outside the transfer's destination pages."""
 
+    extra_pages: Sequence[tuple[Any, int]] = ()
+    """Pages of another request the watched request's transfer runs next
+    to, which its own (faulted) transfer may write: not stray."""
+
     def __init__(
         self,
         tp_rank: int,
@@ -118,9 +122,6 @@ class ByteJudge:
         self._page_bytes: dict[int, int] = {}
         self._hashes: dict[str, np.ndarray] = {}
         self._armed = False
-        self.extra_pages: list[tuple[Any, int]] = []
-        """Pages of another request the watched request's transfer runs
-        next to, which its own (faulted) transfer may write: not stray."""
         self._min_bytes = 0
         self._expected: dict[Any, np.ndarray] = {}
         """The watched request's expected attention rows by (layer, needs),

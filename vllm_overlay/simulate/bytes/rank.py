@@ -468,20 +468,22 @@ class Rank:
         table's pages are no stray writes of the watched request's transfer,
         and each step that computes it is checked (``StepResult.tracked``)."""
         self._tracked = rid
-        self.judge.extra_pages = []
+        self.judge.extra_pages = ()
 
     def _track_pages(self, plan: StepPlan) -> None:
         """Add the tracked request's pages in ``plan`` to the judge's."""
         table = plan.tables.get(self._tracked or "")
         if table is None:
             return
-        known = {(view.name, b) for view, b in self.judge.extra_pages}
+        pages = list(self.judge.extra_pages)
+        known = {(view.name, b) for view, b in pages}
         for g, blocks in enumerate(table):
             for b in blocks:
                 for view in self.kv.layers_of(g):
                     if b != 0 and (view.name, b) not in known:
                         known.add((view.name, b))
-                        self.judge.extra_pages.append((view, b))
+                        pages.append((view, b))
+        self.judge.extra_pages = pages
 
     def _track_compute(self, plan: StepPlan) -> tuple[int, int] | None:
         """In a step that computes the tracked request, once its loads of
