@@ -62,10 +62,20 @@ def test_simulate_dash_dash_bytes_runs_it_with_one_deprecation_line(
 def test_simulate_bytes_has_no_scheduler_only_options(capsys) -> None:
     from vllm_overlay.cli import main
 
-    for option in ("--bytes", "--faults", "--whole", "--update-readme"):
+    for option in ("--bytes", "--whole", "--update-readme"):
         assert main(["simulate-bytes", option]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: unrecognized arguments: {option} ")
+
+
+def test_simulate_bytes_faults_names_its_own_faults(capsys) -> None:
+    """``simulate-bytes --faults`` takes the transport's faults, not the
+    scheduler simulator's refusal paths."""
+    from vllm_overlay.cli import main
+
+    assert main(["simulate-bytes", "--faults", "hook-raises"]) == 2
+    err = capsys.readouterr().err
+    assert "--faults: unknown ['hook-raises']" in err
 
 
 def _args(*argv: str):

@@ -7,11 +7,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+import msgspec
+
 from vllm_overlay.command import UsageError
 from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.bytes.report import (
     BytesReport,
+    ConfigItem,
     findings,
+    format_fault_table,
     format_pairs,
     format_table,
     summary_line,
@@ -32,6 +36,7 @@ from vllm_overlay.simulate.bytes.run import (
     plan_items,
     run_bytes_sweep,
 )
+from vllm_overlay.simulate.bytes.steps import TRANSPORT
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.procs import SweepOptions
 
@@ -98,12 +103,77 @@ def add_arguments(p: argparse.ArgumentParser, *, own_command: bool) -> None:
         "the other TP pairs and every model family run each length at one hit, "
         "in turn)",
     )
+    if own_command:
+        p.add_argument(
+            "--faults",
+            dest="transport_faults",
+            nargs="?",
+            const="all",
+            default=None,
+            metavar="LIST",
+            help="instead of the sweep, fault the loopback transport under one "
+            "request with another in flight: "
+            + ", ".join(FAULT_KINDS)
+            + " (drop: WRITE only; all: every one, the default; lie, a "
+            "self-test: a transfer cut short reports success); layouts default "
+            f"{FAULT_LAYOUTS}, TP {_pairs_text(FAULT_TP)}, lengths "
+            f"{FAULT_LENGTHS}, KV layout {FAULT_KV_LAYOUT}; hit 0 only",
+        )
     p.add_argument(
         "--kv-layouts",
         default=",".join(KV_LAYOUTS),
         metavar="LIST",
         help=only + "vLLM KV cache layouts (default %(default)s)",
     )
+
+
+FAULT_KINDS = ("error", "hang", "partial", "drop")
+"""The loopback transport's faults (the stand-in's ``FAULT_KINDS``)."""
+FAULT_SELF_TESTS = ("lie",)
+"""Faults the judge must fail: a transfer cut short that reports success."""
+FAULT_LAYOUTS = "llama,gemma,kimi,glm"
+FAULT_TP = ((1, 1), (1, 2))
+FAULT_LENGTHS = "17,129"
+FAULT_HITS = "0"
+FAULT_KV_LAYOUT = "LBNHC"
+
+
+def _pairs_text(pairs: tuple[tuple[int, int], ...]) -> str:
+    return ",".join(f"{p}-{d}" for p, d in pairs)
+
+
+def parse_fault_kinds(text: str) -> tuple[str, ...]:
+    """``all`` or a comma list of ``FAULT_KINDS``."""
+    kinds = tuple(x.strip() for x in text.split(",") if x.strip())
+    if kinds in ((), ("all",)):
+        return FAULT_KINDS
+    bad = [k for k in kinds if k not in FAULT_KINDS + FAULT_SELF_TESTS]
+    if bad:
+        raise UsageError(
+            f"--faults: unknown {bad}; choose from "
+            f"{list(FAULT_KINDS + FAULT_SELF_TESTS)}"
+        )
+    return kinds
+
+
+def fault_items(
+    kinds: tuple[str, ...],
+    layouts: list[str],
+    modes: list[str],
+    tp_pairs: list[tuple[int, int]] | None,
+    kv_layouts: list[str],
+) -> list[ConfigItem]:
+    """Every fault x configuration: each length at every hit, ``drop`` in
+    WRITE only (the prefiller posts WRITEs)."""
+    items = plan_items(
+        layouts, modes, tp_pairs or list(FAULT_TP), kv_layouts, all_hits=True
+    )
+    return [
+        msgspec.structs.replace(item, fault=f"{TRANSPORT}{kind}")
+        for kind in kinds
+        for item in items
+        if kind != "drop" or item.mode == "write"
+    ]
 
 
 def given_options(args: argparse.Namespace) -> dict[str, str | bool]:
@@ -142,6 +212,8 @@ class BytesOptions:
     """``--lengths`` (None: ``DEFAULT_LENGTHS``, the families their own)."""
     hits: str | None = None
     zygotes: int = ZYGOTES
+    faults: tuple[str, ...] | None = None
+    """``--faults``: the transport faults to run instead of the sweep."""
 
 
 def options_from(args: argparse.Namespace) -> BytesOptions:
@@ -171,6 +243,11 @@ def options_from(args: argparse.Namespace) -> BytesOptions:
         lengths=args.lengths,
         hits=args.hits,
         zygotes=getattr(args, "processes", None) or ZYGOTES,
+        faults=(
+            parse_fault_kinds(args.transport_faults)
+            if getattr(args, "transport_faults", None) is not None
+            else None
+        ),
     )
 
 
@@ -180,6 +257,32 @@ def sweep(
     variants: list[str],
     options: SweepOptions,
 ) -> BytesReport:
+    if opts.faults is not None:
+        if opts.hits not in (None, FAULT_HITS):
+            raise UsageError("--faults: runs hit 0 only (no decoder warm-up)")
+        kv = (
+            list(opts.kv_layouts)
+            if opts.kv_layouts != KV_LAYOUTS
+            else [FAULT_KV_LAYOUT]
+        )
+        try:
+            items = fault_items(
+                opts.faults,
+                layouts or FAULT_LAYOUTS.split(","),
+                list(opts.modes),
+                list(opts.tp_pairs) if opts.tp_pairs is not None else None,
+                kv,
+            )
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+        return run_bytes_sweep(
+            items,
+            opts.lengths or FAULT_LENGTHS,
+            FAULT_HITS,
+            variants,
+            options,
+            opts.zygotes,
+        )
     try:
         items = plan_items(
             layouts or [layout.name for layout in expand()],
@@ -199,6 +302,8 @@ def sweep(
 
 def show(report: BytesReport) -> str:
     """The table, then every configuration with wrong bytes."""
+    if any(r.item.fault for r in report.configs):
+        return format_fault_table(report)
     found = findings(report)
     text = format_table(report) + (
         "\n\nwrong bytes:\n" + "\n".join(found) if found else ""

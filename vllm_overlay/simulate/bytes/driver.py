@@ -45,7 +45,9 @@ from vllm_overlay.simulate.bytes.rank import serve
 from vllm_overlay.simulate.bytes.shm import remove_shm, shm_path
 from vllm_overlay.simulate.bytes.steps import (
     ESCAPED,
+    FAULTED_PREFIX,
     READ,
+    TRANSPORT,
     RankConfig,
     SchedulerEscape,
     StepResult,
@@ -111,8 +113,18 @@ class CaseBytes(msgspec.Struct, frozen=True):
     escaped: bool = False
     """The error left rank 0's ``Scheduler.schedule()`` or
     ``update_from_output()`` (``rank.SchedulerEscape``)."""
+    fault: str | None = None
+    """A transport fault case (``run_fault_case``): what became of the
+    faulted request on the decoder, ``FAULT_OUTCOMES``."""
+    fault_fired: int = 0
+    """Posts the transport fault failed, left pending or cut short."""
+    leaks: list[str] = []
+    """What a fault case left held: ``decoder blocks`` (the decoder's free
+    blocks did not come back), ``prefiller blocks`` (the prefiller never
+    released a request)."""
     fallback: bool = False
-    """The decoder got the WRITE as failed (``failed_recving``: the
+    """(In a fault case: the request next to the faulted one.) The decoder
+    got the WRITE as failed (``failed_recving``: the
     prefiller sent ``write_failed``) and its scheduler recomputed the
     request (``kv_load_failure_policy`` "recompute"): nothing of the
     transfer is judged, the request is served without it."""
@@ -120,6 +132,20 @@ class CaseBytes(msgspec.Struct, frozen=True):
 
 class RankError(RuntimeError):
     pass
+
+
+FAULT_OUTCOMES = ("recomputed", "loaded", "aborted", "wrong", "hung")
+"""A faulted request on the decoder: computed from before the transfer's
+first position (``recomputed``: vLLM's load-failure path), computed from the
+transfer's end with every byte it attends to right (``loaded``: the fault
+left it nothing to miss), finished without a forward (``aborted``),
+computed on a wrong byte (``wrong``), or never finished within
+``FAULT_BOUND`` (``hung``)."""
+FAULT_TIMEOUT = 2.0
+"""The connector's ``transfer_timeout`` (and ``recv_abort_timeout``,
+``defer_timeout``) in a transport fault configuration."""
+FAULT_BOUND = 8 * FAULT_TIMEOUT + 4
+"""Seconds a fault case waits for both its requests on each leg."""
 
 
 _RANKS: dict[int, Any] = {}
@@ -350,6 +376,11 @@ class _Leg:
             raise RankError(payload)
         return payload
 
+    def call_all(self, cmd: str, *args: Any) -> list[Any]:
+        for conn in self.conns:
+            self._send(conn, cmd, args)
+        return [self._reply(conn) for conn in self.conns]
+
     def call0(self, cmd: str, *args: Any) -> Any:
         self._send(self.conns[0], cmd, args)
         return self._reply(self.conns[0])
@@ -452,6 +483,7 @@ class Driver:
                     max_model_len=self.max_model_len,
                     geometry=self.geometry,
                     fault=c.fault if role == "kv_consumer" or c.mode != READ else None,
+                    transfer_timeout=FAULT_TIMEOUT if _transport(c.fault) else 20.0,
                     open_port=open_port + r,
                     kv_file=shm_path(os.getpid(), f"{_SLOTS[role]}{r}"),
                 )
@@ -536,6 +568,8 @@ class Driver:
         try:
             if self.p is None:
                 self.start()
+            if _transport(self.config.fault):
+                return self.run_fault_case(n, hit_fraction)
             return self._run_case(n, hit_fraction)
         except RankError as exc:
             # An exception in a worker ends a real engine too: the case's
@@ -651,6 +685,191 @@ class Driver:
             return None
         return self._judged(Watch(rid, n, tokens, judge=True, dest="table"))
 
+    # -- one transport fault case --------------------------------------------
+
+    def _params(self, uid: int, tag: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The prefiller's and the decoder's ``kv_transfer_params`` of a
+        request of transfer ``t{tag}{uid}`` (WRITE: both addresses up front,
+        as the toy proxy gives them)."""
+        assert self.p is not None and self.d is not None
+        transfer_id = f"t{tag}{uid}"
+        if self.config.mode == READ:
+            return {"do_remote_decode": True, "transfer_id": transfer_id}, {}
+        p_cfg, d_cfg = self.p.configs[0], self.d.configs[0]
+        common = {
+            "transfer_id": transfer_id,
+            "remote_host": "127.0.0.1",
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_dp_size": 1,
+        }
+        p_params = {
+            **common,
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_handshake_port": d_cfg.handshake_port,
+            "remote_notify_port": d_cfg.notify_port,
+            "remote_tp_size": self.d.tp,
+        }
+        d_params = {
+            **common,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_handshake_port": p_cfg.handshake_port,
+            "remote_notify_port": p_cfg.notify_port,
+            "remote_tp_size": self.p.tp,
+        }
+        return p_params, d_params
+
+    def run_fault_case(self, n: int, hit_fraction: float) -> CaseBytes:
+        """Two requests in flight at once on both legs (no decoder warm-up:
+        the sweep runs them at hit 0): ``x{uid}``, whose
+        transfer the loopback transport faults (``rank.TRANSPORT``), and
+        ``c{uid}``, a different prompt, judged byte by byte as any case's
+        request (its pages right, no stray byte outside its and the faulted
+        request's pages). The faulted request must reach vLLM's failure path
+        or be served right (``FAULT_OUTCOMES``) within ``FAULT_BOUND``, the
+        decoder's free blocks come back, and the prefiller release both
+        (but after ``drop``: its process is gone)."""
+        assert self.p is not None and self.d is not None
+        self._seq += 1
+        uid = self._seq
+        xr, cr = f"{FAULTED_PREFIX}{uid}", f"c{uid}"
+        x_tokens = prompt_tokens(uid, n)
+        c_tokens = prompt_tokens(uid + (1 << 20), n)
+        free_before = self.d.call0("free_blocks")
+        for leg in (self.p, self.d):
+            leg.call_all("track", xr)
+        xp, xd = self._params(uid, FAULTED_PREFIX)
+        cp, cd = self._params(uid, "c")
+        fired = 0
+        tracked: list[list[tuple[int, int]]] = []
+        """Per step computing the faulted request: each rank's check."""
+        verdicts: list[Verdict] = []
+        deadline = time.monotonic() + FAULT_BOUND
+
+        def step(leg: _Leg, watch: Watch | None = None, add: Any = None) -> list[Any]:
+            nonlocal fired
+            results, output, outs = leg.step(watch, add)
+            self._last_recv = output["finished_recving"]
+            self._failed_recv |= output["failed_recving"]
+            if leg is self.d:
+                checks = [r.tracked for r in results if r.tracked is not None]
+                if checks:
+                    tracked.append(checks)
+                verdicts.extend(r.verdict for r in results if r.verdict is not None)
+            fired = max(fired, sum(r.faulted for r in results))
+            return outs
+
+        def prefill() -> dict[str, Any]:
+            assert self.p is not None
+            params: dict[str, Any] = {}
+            add: Any = [(xr, x_tokens, xp), (cr, c_tokens, cp)]
+            while len(params) < 2:
+                if time.monotonic() > deadline:
+                    raise RankError("the prefiller did not finish a fault case")
+                for rid, reason, kv in step(self.p, add=add):
+                    if reason is not None:
+                        params[rid] = kv
+                add = None
+            return params
+
+        self._failed_recv = set()
+        if self.config.mode == READ:
+            params = prefill()
+            adds = []
+            for rid, tokens in ((xr, x_tokens), (cr, c_tokens)):
+                if not params.get(rid):
+                    raise RankError("prefill returned no kv_transfer_params")
+                d_params = copy.deepcopy(params[rid])
+                d_params["do_remote_prefill"] = True
+                adds.append((rid, tokens, d_params))
+            step(self.d, Watch(cr, n, c_tokens, arm=True, judge=True), adds)
+        else:
+            step(
+                self.d,
+                Watch(cr, n, c_tokens, arm=True, dest="table", judge_if_computed=True),
+                [(xr, x_tokens, xd), (cr, c_tokens, cd)],
+            )
+            prefill()
+        judge_next = False
+        hung = False
+        while True:
+            live = set(self.d.live or ())
+            if xr not in live and cr not in live:
+                break
+            if time.monotonic() > deadline:
+                hung = True
+                break
+            watch = None
+            if not verdicts and judge_next:
+                watch = Watch(cr, n, c_tokens, judge=True, dest="table")
+            step(self.d, watch)
+            if (
+                cr in self._last_recv
+                and cr not in self._failed_recv
+                and self.config.mode != READ
+            ):
+                judge_next = True
+            time.sleep(0.002)
+        # The prefiller may fail the other request's WRITE too (it refuses
+        # the pair): recomputed, nothing of it to judge.
+        other_failed = cr in self._failed_recv
+        if self.config.mode != READ and not verdicts and not (hung or other_failed):
+            raise RankError(f"the decoder never judged {cr}")
+        leaks = []
+        if not hung and self.d.call0("free_blocks") != free_before:
+            leaks.append("decoder blocks")
+        # A prefiller that dropped out holds nothing: its process is gone.
+        dropped = self.config.fault == TRANSPORT + "drop"
+        for rid in (xr, cr):
+            p_deadline = time.monotonic() + FAULT_BOUND
+            while self.p.call0("alive", rid):
+                if time.monotonic() > p_deadline:
+                    if not (dropped and rid == xr):
+                        leaks.append(f"prefiller blocks of {rid}")
+                    break
+                step(self.p)
+                time.sleep(0.002)
+        if hung or leaks:
+            # What the case left held would change the next case's pool.
+            self.stop()
+            self._fresh = True
+        else:
+            for leg in (self.p, self.d):
+                leg.call_all("track", None)
+        # The last step that computed it is the one vLLM kept (it discards
+        # a step whose synchronous load failed); it was recomputed if any
+        # step computed it from before the transfer's end (a preempted
+        # request resumes from its own cached blocks).
+        last = tracked[-1] if tracked else []
+        wrong = sum(w for _, w in last)
+        start = min((s for checks in tracked for s, _ in checks), default=None)
+        if hung:
+            outcome = "hung"
+        elif start is None:
+            outcome = "aborted"
+        elif wrong:
+            outcome = "wrong"
+        elif start < n - 1:
+            outcome = "recomputed"
+        else:
+            outcome = "loaded"
+        case = _case(n, hit_fraction, verdicts, 0) if verdicts else None
+        return CaseBytes(
+            n,
+            hit_fraction,
+            wrong=bool(case and case.wrong),
+            wrong_bytes=(case.wrong_bytes if case else 0) + wrong,
+            stray_bytes=case.stray_bytes if case else 0,
+            notes=(case.notes if case else [])
+            + ([f"{xr}: computed on {wrong} wrong bytes"] if wrong else []),
+            fault=outcome,
+            fault_fired=fired,
+            leaks=leaks,
+            fallback=other_failed,
+        )
+
     def _judged(
         self, watch: Watch, add: tuple[Any, ...] | None = None
     ) -> list[Verdict]:
@@ -663,6 +882,10 @@ class Driver:
         if not any(out[0] == watch.rid and out[1] for out in outs):
             self._until_finished(self.d, watch.rid)
         return verdicts
+
+
+def _transport(fault: str | None) -> bool:
+    return fault is not None and fault.startswith(TRANSPORT)
 
 
 def is_escape(error: str) -> bool:

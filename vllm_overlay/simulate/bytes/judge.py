@@ -12,7 +12,7 @@ the transfer's destination pages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,6 +93,10 @@ class ByteJudge:
     ``verdict`` check it for the watched request: every byte the decoder
     holds for a position it attends to, and every byte that changed
     outside the transfer's destination pages."""
+
+    extra_pages: Sequence[tuple[Any, int]] = ()
+    """Pages of another request the watched request's transfer runs next
+    to, which its own (faulted) transfer may write: not stray."""
 
     def __init__(
         self,
@@ -317,6 +321,10 @@ class ByteJudge:
                 out[i] = (need, w, size)
         return out
 
+    def wrong_bytes(self, watch: Watch, tables: list[list[int]]) -> int:
+        """Wrong bytes of every page the request attends to, now."""
+        return sum(wrong for _, wrong, _ in self._needs(watch, tables))
+
     def arm(
         self,
         watch: Watch,
@@ -395,7 +403,7 @@ class ByteJudge:
         of the request's table (vLLM's ``KVBlockZeroer``: a new block owns its whole
         tile, which other groups' layers overlay when the groups differ in
         bytes per block) is the decoder's own write, not the transfer's."""
-        pages = []
+        pages = list(self.extra_pages)
         if watch.dest == "meta":
             assert plan is not None
             meta = plan.metadata.reqs_to_recv.get(watch.rid)

@@ -60,7 +60,9 @@ from vllm_overlay.simulate.bytes.rows import (
 )
 from vllm_overlay.simulate.bytes.shm import shm_path
 from vllm_overlay.simulate.bytes.steps import (
+    FAULTED_PREFIX,
     READ,
+    TRANSPORT,
     WRITE,
     Compute,
     RankConfig,
@@ -104,10 +106,57 @@ def _heads_of(cfg: RankConfig, view: Any, total: int | None) -> list[int]:
     return global_heads(cfg.tp_rank, cfg.tp_size, total, local)
 
 
-def _apply_fault(fault: str | None) -> None:
+def _apply_transport_fault(kind: str, role: str) -> None:
+    """Fault the loopback transport's posts for the faulted requests: the
+    worker posts a READ's layers from ``_read_blocks`` on the calling thread
+    and a WRITE's from its writer's ``_execute_write_task``, so both mark the
+    thread with the request they post for. A prefiller that drops out
+    (``drop``) also sends nothing more about the faulted transfers."""
+    from mori.io._loopback import TransportFault, posting_for, set_transport_fault
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_connector as mc,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_engine as me,
+    )
+
+    set_transport_fault(TransportFault(kind, FAULTED_PREFIX))
+    read_blocks = mc.MoRIIOConnectorWorker._read_blocks
+
+    def read_for(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with posting_for(
+            str(kwargs.get("request_id", args[3] if len(args) > 3 else ""))
+        ):
+            return read_blocks(self, *args, **kwargs)
+
+    mc.MoRIIOConnectorWorker._read_blocks = read_for
+    execute = me.MoRIIOWriter._execute_write_task
+
+    def write_for(self: Any, task: Any) -> Any:
+        with posting_for(str(task.request_id)):
+            return execute(self, task)
+
+    me.MoRIIOWriter._execute_write_task = write_for
+    if kind == "drop" and role == "kv_producer":
+        send_notify = me.MoRIIOWrapper.send_notify
+
+        def silent(self: Any, req_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            ids = req_ids if isinstance(req_ids, (list, tuple, set)) else [req_ids]
+            if any(str(i).startswith("t" + FAULTED_PREFIX) for i in ids):
+                return None
+            return send_notify(self, req_ids, *args, **kwargs)
+
+        me.MoRIIOWrapper.send_notify = silent
+
+
+def _apply_fault(fault: str | None, role: str = "kv_consumer") -> None:
     """Checker self-tests: break the worker's offsets, or drop its WRITE, on
-    purpose (a rank with a fault runs in a process of its own)."""
+    purpose; or fault the transport (``TRANSPORT``). A rank with a fault
+    runs in a process of its own."""
     if fault is None:
+        return
+    if fault.startswith(TRANSPORT):
+        _apply_transport_fault(fault.removeprefix(TRANSPORT), role)
         return
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
         moriio_connector as mc,
@@ -254,6 +303,14 @@ class Rank:
                 "http_port": cfg.notify_port + 10,
                 "proxy_ip": "",
                 "transfer_timeout": cfg.transfer_timeout,
+                **(
+                    {
+                        "recv_abort_timeout": cfg.transfer_timeout,
+                        "defer_timeout": cfg.transfer_timeout,
+                    }
+                    if cfg.fault and cfg.fault.startswith(TRANSPORT)
+                    else {}
+                ),
             },
             with_scheduler=cfg.tp_rank == 0,
             # A case holds two requests at once: the decoder's warm-up, whose
@@ -283,7 +340,7 @@ class Rank:
         )
         self._built.callback(destroy_model_parallel)
         initialize_model_parallel(cfg.tp_size)
-        _apply_fault(cfg.fault)
+        _apply_fault(cfg.fault, cfg.role)
         if cfg.mode == WRITE:
             self._built.callback(_undo_cuda_shim)
             _cpu_cuda_shim()
@@ -317,6 +374,7 @@ class Rank:
             },
         )
         self._so: Any = None
+        self._tracked: str | None = None
         self._sending: Counter[str] = Counter()
         self._recving: Counter[str] = Counter()
         """``step1``'s ``aggregate`` counts (a leg of one rank)."""
@@ -405,9 +463,51 @@ class Rank:
                     for view in self.kv.layers_of(g):
                         self.kv.zero_page(view, table[curr])
 
+    def track(self, rid: str | None) -> None:
+        """Follow ``rid`` (a faulted request next to the watched one): its
+        table's pages are no stray writes of the watched request's transfer,
+        and each step that computes it is checked (``StepResult.tracked``)."""
+        self._tracked = rid
+        self.judge.extra_pages = ()
+
+    def _track_pages(self, plan: StepPlan) -> None:
+        """Add the tracked request's pages in ``plan`` to the judge's."""
+        table = plan.tables.get(self._tracked or "")
+        if table is None:
+            return
+        pages = list(self.judge.extra_pages)
+        known = {(view.name, b) for view, b in pages}
+        for g, blocks in enumerate(table):
+            for b in blocks:
+                for view in self.kv.layers_of(g):
+                    if b != 0 and (view.name, b) not in known:
+                        known.add((view.name, b))
+                        pages.append((view, b))
+        self.judge.extra_pages = pages
+
+    def _track_compute(self, plan: StepPlan) -> tuple[int, int] | None:
+        """In a step that computes the tracked request, once its loads of
+        the step landed: its first computed position and the wrong bytes of
+        what it attends to below it (what the decoder treats as loaded or
+        computed before).
+        vLLM discards a step whose synchronous load failed and computes the
+        request again: the last such step is the one that counts."""
+        item = next((c for c in plan.computes if c.rid == self._tracked), None)
+        if item is None:
+            return None
+        if item.start == 0:
+            return (0, 0)
+        n = item.start + 1
+        # Align mode: vLLM's model runner copies a state model's state to
+        # the block of the request's first computed position, every step.
+        self._precopy(item.tables, n)
+        below = Watch(item.rid, n, item.tokens[:n])
+        return (item.start, self.judge.wrong_bytes(below, item.tables))
+
     # -- one step ------------------------------------------------------------
 
     def execute(self, plan: StepPlan, watch: Watch | None) -> StepResult:
+        self._track_pages(plan)
         self.kv.zero_blocks(plan.zero)
         for src, dst in plan.copies:
             self.kv.copy_block(src, dst)
@@ -428,6 +528,7 @@ class Rank:
             if watch is not None and judging:
                 assert tables is not None
                 verdict = self.judge.verdict(watch, tables, plan)
+            tracked = self._track_compute(plan)
             for item in plan.computes:
                 self.compute(item)
             if self.cfg.mode == WRITE and self.cfg.role == "kv_producer":
@@ -448,6 +549,10 @@ class Rank:
             set(invalid),
             self.stats(),
             verdict,
+            faulted=int(
+                getattr(self.worker.moriio_engine.loopback_stats, "faulted_posts", 0)
+            ),
+            tracked=tracked,
         )
 
     # -- rank 0: the scheduler ---------------------------------------------
@@ -500,7 +605,7 @@ class Rank:
             )
         tables = {
             rid: [list(t) for t in manager.get_block_ids(rid)]
-            for rid in watch
+            for rid in [*watch, *([self._tracked] if self._tracked else [])]
             if rid in sched.requests
         }
         local_hits = {}
@@ -583,11 +688,17 @@ class Rank:
     def alive(self, rid: str) -> bool:
         return rid in self.scheduler.requests
 
-    def begin_step(self, add: tuple[Any, ...] | None, watch_ids: list[str]) -> StepPlan:
-        """Rank 0: add a request (``add``: ``add``'s arguments), then
-        schedule."""
-        if add is not None:
-            self.add(*add)
+    def free_blocks(self) -> int:
+        """Blocks in the pool's free queue (cached ones included)."""
+        return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    def begin_step(
+        self, add: tuple[Any, ...] | list[tuple[Any, ...]] | None, watch_ids: list[str]
+    ) -> StepPlan:
+        """Rank 0: add a request (``add``: ``add``'s arguments, or a list of
+        them: several requests), then schedule."""
+        for one in add if isinstance(add, list) else [add] if add else []:
+            self.add(*one)
         return self.schedule(watch_ids)
 
     def step1(
@@ -684,6 +795,8 @@ def _serve_rank(conn: Any, rank: Rank) -> bool:
         "alive": rank.alive,
         "reset": rank.reset,
         "step1": rank.step1,
+        "track": rank.track,
+        "free_blocks": rank.free_blocks,
     }
     while True:
         cmd, args = conn.recv()

@@ -78,6 +78,15 @@ class ConfigReport(msgspec.Struct, tag="bytes-config"):
     moved_bytes: int = 0
     min_bytes: int = 0
     seconds: float = 0.0
+    fault_outcomes: dict[str, int] = {}
+    """Transport fault cases (``--faults``) by what became of the faulted
+    request (``driver.FAULT_OUTCOMES``)."""
+    fault_fired: int = 0
+    """Posts the transport fault failed, left pending or cut short."""
+    leak_cases: int = 0
+    """Fault cases that left the decoder's blocks or a prefiller request
+    held."""
+    leak_notes: list[str] = []
 
 
 class BytesReport(msgspec.Struct):
@@ -147,6 +156,65 @@ def format_table(report: BytesReport) -> str:
         + "\n\ncell: cases / wrong-byte cases / bytes moved / minimum (the bytes "
         "of the pages the decoder lacked); recomputed: WRITE cases the prefiller "
         "failed, served without the transfer"
+    )
+
+
+FAULT_FAILURES = ("wrong", "hung")
+"""Outcomes of a faulted request that fail its case."""
+
+
+def fault_failures(r: ConfigReport) -> int:
+    """Fault cases of a configuration that fail: the faulted request
+    computed on wrong bytes or never finished, the request next to it moved
+    a wrong or stray byte, a case left blocks held, crashed or escaped."""
+    faulted = sum(r.fault_outcomes.get(o, 0) for o in FAULT_FAILURES)
+    return faulted + r.wrong_cases + r.leak_cases + r.error_cases
+
+
+def fault_cell(r: ConfigReport | None) -> str:
+    """recomputed / wrong / hung / escapes, then what else happened."""
+    if r is None:
+        return ""
+    if r.refused_at_start is not None:
+        return "refused at start: " + refusal_text(r.refused_at_start)
+    o = r.fault_outcomes
+    wrong = o.get("wrong", 0) + r.wrong_cases
+    text = f"{o.get('recomputed', 0)} / {wrong} / {o.get('hung', 0)} / {r.escape_cases}"
+    extra = [f"{o[k]} {k}" for k in ("loaded", "aborted") if o.get(k)]
+    if r.fallback_cases:
+        extra.append(f"{r.fallback_cases} other recomputed")
+    crashes = r.error_cases - r.escape_cases
+    if crashes:
+        extra.append(f"{crashes} errors")
+    if r.leak_cases:
+        extra.append(f"{r.leak_cases} leaks")
+    if not r.fault_fired and r.cases > r.error_cases:
+        extra.append("fault never fired")
+    return text + (f" ({', '.join(extra)})" if extra else "")
+
+
+def format_fault_table(report: BytesReport) -> str:
+    """Fault x layout x mode x TP, base and overlay side by side."""
+    variants = list(report.variants)
+    rows_by_key: dict[tuple[str, ...], dict[str, ConfigReport]] = {}
+    for r in report.configs:
+        fault = (r.item.fault or "").removeprefix("transport-")
+        rows_by_key.setdefault((fault, *row_key(r.item)[:3]), {})[r.variant] = r
+    rows: list[tuple[str, ...]] = [("fault", "layout", "mode", "TP", *variants)]
+    for fault_key, by_variant in rows_by_key.items():
+        rows.append((*fault_key, *(fault_cell(by_variant.get(v)) for v in variants)))
+    return (
+        table(rows)
+        + "\n\ncell: faulted requests recomputed (vLLM's load-failure path) / "
+        "wrong (the faulted request computed on a wrong byte, or the request "
+        "next to it moved a wrong or stray byte) / hung (not finished within "
+        "the bound) / escapes (an exception out of a scheduler hook); loaded: "
+        "served from a transfer whose every needed byte landed right; aborted: "
+        "finished without a forward; other recomputed: the request next to it "
+        "failed too (the prefiller refused it) and was recomputed; errors: a "
+        "worker raised (a real engine "
+        "dies); leaks: the decoder's free blocks did not come back or the "
+        "prefiller never released a request"
     )
 
 

@@ -14,6 +14,12 @@ from vllm_overlay.simulate.bytes.geometry import Geometry
 
 READ, WRITE = "read", "write"
 ESCAPED = "escaped"
+TRANSPORT = "transport-"
+"""A fault of the loopback transport itself (``simulate-bytes --faults``):
+``transport-`` and a kind of the stand-in's ``FAULT_KINDS``."""
+FAULTED_PREFIX = "x"
+"""Request ids a transport fault applies to; transfer ids are theirs after a
+``t`` (``driver.Driver.run_fault_case``)."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,13 @@ class StepResult:
     moved: int
     """Bytes this rank's engine has moved so far, as the initiator."""
     verdict: Verdict | None = None
+    faulted: int = 0
+    """Posts a transport fault has failed, left pending or cut short so far
+    on this rank's engine."""
+    tracked: tuple[int, int] | None = None
+    """The tracked (faulted) request's first computed step on this rank:
+    (its first computed position, wrong bytes of the pages it attends to
+    below that position)."""
 
 
 class SchedulerEscape(RuntimeError):

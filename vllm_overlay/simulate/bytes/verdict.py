@@ -22,6 +22,7 @@ from vllm_overlay.simulate.bytes.report import (
     ConfigItem,
     ConfigReport,
     config_name,
+    fault_failures,
 )
 from vllm_overlay.simulate.verdict import (
     KnownGap,
@@ -65,12 +66,36 @@ def problems(
         out.append(
             ("wrong KV", f"wrong or stray bytes in {r.wrong_cases} of {r.cases} cases")
         )
+    out.extend(fault_problems(r))
     crashes = r.error_cases - r.escape_cases
     if r.refused is not None and crashes:
         out.append(("errors", f"refused at the first transfer: {r.refused[:120]}"))
     elif crashes:
         out.append(("errors", f"crashes in {crashes} of {r.cases} cases"))
     out.extend(escape_problems(r.escape_cases, r.cases))
+    return out
+
+
+def fault_problems(r: ConfigReport) -> list[tuple[Problem, str]]:
+    """A transport fault configuration's faulted requests computed on wrong
+    bytes, never finished, or leaving blocks held (the request next to it is
+    judged as any case's request)."""
+    o = r.fault_outcomes
+    out: list[tuple[Problem, str]] = []
+    if o.get("wrong"):
+        out.append(
+            (
+                "wrong KV",
+                f"a faulted request computed on wrong bytes in {o['wrong']} of "
+                f"{r.cases} cases",
+            )
+        )
+    if o.get("hung"):
+        out.append(
+            ("errors", f"a faulted request hung in {o['hung']} of {r.cases} cases")
+        )
+    if r.leak_cases:
+        out.append(("errors", f"blocks left held in {r.leak_cases} of {r.cases} cases"))
     return out
 
 
@@ -82,6 +107,9 @@ class BytesVerdict:
     known: list[str] = field(default_factory=list)
     base_decoder_wrong: int = 0
     """Wrong cases of base-decoder pairs that the base pair has too."""
+    base_fault_failures: int = 0
+    """Failed transport fault cases of the base pair (vLLM's own MoRIIO:
+    reported, not judged)."""
 
     @property
     def exit_code(self) -> int:
@@ -93,6 +121,11 @@ class BytesVerdict:
             known += (
                 f"; {self.base_decoder_wrong} wrong case(s) of base decoders "
                 "where the base pair is wrong too"
+            )
+        if self.base_fault_failures:
+            known += (
+                f"; base (vLLM's own MoRIIO, not judged): "
+                f"{count(self.base_fault_failures, 'fault case')} failed"
             )
         if self.failures:
             shown = "; ".join(self.failures[:6])
@@ -123,6 +156,11 @@ def judge(report: BytesReport, gaps: list[KnownGap]) -> BytesVerdict:
         for r in report.configs
         if r.variant == "base" and r.refused_at_start is None
     }
+    verdict.base_fault_failures = sum(
+        fault_failures(r)
+        for r in report.configs
+        if r.variant == "base" and r.refused_at_start is None
+    )
     for r in rows:
         verdict.judged += 1
         verdict.refused += r.refused_at_start is not None

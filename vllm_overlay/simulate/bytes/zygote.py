@@ -138,7 +138,21 @@ def run_item(
         report.escape_cases += case.escaped
         if count_case(report, case.error):
             continue
-        if case.fallback:
+        if case.fault is not None:
+            outcomes = report.fault_outcomes
+            outcomes[case.fault] = outcomes.get(case.fault, 0) + 1
+            report.fault_fired += case.fault_fired
+            if case.leaks:
+                report.leak_cases += 1
+                if len(report.leak_notes) < 4:
+                    report.leak_notes.append(f"n={case.n}: {', '.join(case.leaks)}")
+            if case.fault == "hung" and len(report.wrong_notes) < 4:
+                report.wrong_notes.append(f"n={case.n}: the faulted request hung")
+            report.fallback_cases += case.fallback
+            if case.fault == "wrong" and not case.wrong:
+                report.wrong_notes += [f"n={case.n}: {note}" for note in case.notes]
+                del report.wrong_notes[4:]
+        elif case.fallback:
             report.fallback_cases += 1
             continue
         report.moved_bytes += case.moved_bytes

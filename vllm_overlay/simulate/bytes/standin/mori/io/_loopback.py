@@ -43,6 +43,16 @@ addresses; no GPUs, no NICs, no inbound notifications
 ``batch_read``/``batch_write`` taking memory descriptors are left out (the
 connector posts through sessions only). Every engine counts the bytes it moved
 (``loopback_stats``), which the simulator reports.
+
+Transport faults (the simulator's ``simulate-bytes --faults``,
+``set_transport_fault``) apply to the posts made for the requests a fault
+names (``posting_for`` marks the thread posting for a request): ``error``,
+every post completes failed and moves nothing; ``hang``, no post ever
+completes or moves a byte; ``partial``, the first post moves the first half of
+its runs (of its bytes, with one run) and fails, the next succeeds, and so on;
+``drop``, the first post completes and no later one ever does (its process
+left). ``lie`` (a self-test of the simulator's judge): every post moves the
+first half of its runs and reports success.
 """
 
 from __future__ import annotations
@@ -69,6 +79,50 @@ import numpy as np
 UINT32_MAX = (1 << 32) - 1
 Ints = Sequence[int]
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+FAULT_KINDS = ("error", "hang", "partial", "drop", "lie")
+
+
+@dataclass(frozen=True)
+class TransportFault:
+    """A fault for every post made for a request whose id starts with
+    ``prefix`` (``FAULT_KINDS``)."""
+
+    kind: str
+    prefix: str
+
+
+_FAULT: TransportFault | None = None
+_POSTING = threading.local()
+
+
+def set_transport_fault(fault: TransportFault | None) -> None:
+    """Fault this process's posts from now on (None: none)."""
+    global _FAULT
+    if fault is not None and fault.kind not in FAULT_KINDS:
+        raise ValueError(f"unknown transport fault {fault.kind!r}")
+    _FAULT = fault
+
+
+@contextlib.contextmanager
+def posting_for(request_id: str) -> Any:
+    """Posts on this thread are made for ``request_id`` until the block
+    ends."""
+    before = getattr(_POSTING, "request_id", None)
+    _POSTING.request_id = str(request_id)
+    try:
+        yield
+    finally:
+        _POSTING.request_id = before
+
+
+def faulted(request_id: str | None) -> TransportFault | None:
+    """The fault for posts made for ``request_id``, if any."""
+    fault = _FAULT
+    if fault is None or request_id is None:
+        return None
+    return fault if str(request_id).startswith(fault.prefix) else None
 
 
 class BackendType(enum.IntEnum):
@@ -369,6 +423,8 @@ class LoopbackStats:
     bytes_written: int = 0
     batches: int = 0
     failed_batches: int = 0
+    faulted_posts: int = 0
+    """Posts a transport fault failed, left pending or cut short."""
 
 
 @dataclass
@@ -380,6 +436,11 @@ class _Post:
     src_offsets: list[int]
     sizes: list[int]
     is_read: bool
+    fail_after: int | None = None
+    """A transport fault: move only this many bytes, in run order, then
+    fail."""
+    lie: bool = False
+    """Report success anyway (the ``lie`` fault)."""
 
 
 def _pending(first_error: StatusCode) -> StatusCode:
@@ -449,6 +510,10 @@ class IOEngine:
         self._lock = threading.Lock()
         self._control: _ControlPlane | None = None
         self._mapped: dict[tuple[str, int], _Mapped] = {}
+        self._fault_posts: dict[str, int] = {}
+        """Posts made so far per faulted request."""
+        self._never: list[TransferStatus] = []
+        """Statuses a transport fault keeps pending for good."""
         self._queue: queue.Queue[_Post | None] = queue.Queue()
         """Posts for the completion thread; None ends it."""
         self._worker = threading.Thread(
@@ -616,8 +681,37 @@ class IOEngine:
                 return status
         dst, src = (local, remote) if is_read else (remote, local)
         dst_off, src_off = (lo, ro) if is_read else (ro, lo)
-        self._queue.put(_Post(status, dst, src, dst_off, src_off, sz, is_read))
+        post = _Post(status, dst, src, dst_off, src_off, sz, is_read)
+        if not self._inject(post):
+            self._queue.put(post)
         return status
+
+    def _inject(self, post: _Post) -> bool:
+        """Apply the transport fault of the request this thread posts for:
+        True when the post never completes (nothing to queue)."""
+        request_id = getattr(_POSTING, "request_id", None)
+        fault = faulted(request_id)
+        if fault is None or request_id is None:
+            return False
+        with self._lock:
+            index = self._fault_posts.get(request_id, 0)
+            self._fault_posts[request_id] = index + 1
+            if fault.kind == "partial" and index % 2:
+                return False
+            if fault.kind == "drop" and index == 0:
+                return False
+            self.loopback_stats.faulted_posts += 1
+        if fault.kind in ("hang", "drop"):
+            self._never.append(post.status)
+            return True
+        if fault.kind == "error":
+            post.fail_after = 0
+        else:
+            post.lie = fault.kind == "lie"
+            total = sum(post.sizes)
+            half = post.sizes[: len(post.sizes) // 2]
+            post.fail_after = sum(half) if half else total // 2
+        return False
 
     def _complete_posts(self) -> None:
         while True:
@@ -625,9 +719,21 @@ class IOEngine:
             if post is None:
                 return
             runs = zip(post.dst_offsets, post.src_offsets, post.sizes, strict=True)
+            budget = post.fail_after
+            moved = 0
             for d, s, n in runs:
+                if budget is not None:
+                    n = min(n, budget - moved)
+                    if n <= 0:
+                        break
                 post.dst[d : d + n] = post.src[s : s + n]
-            moved = sum(post.sizes)
+                moved += n
+            if budget is not None and not post.lie:
+                post.status.Update(
+                    StatusCode.ERR_RDMA_OP,
+                    "mori loopback stand-in: injected transport fault",
+                )
+                continue
             with self._lock:
                 stats = self.loopback_stats
                 if post.is_read:
