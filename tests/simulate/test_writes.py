@@ -118,10 +118,10 @@ def test_a_page_left_unwritten_is_wrong_kv(kimi_write, monkeypatch):
 def test_a_layout_the_connector_refuses_in_write_is_refused_at_start():
     from vllm_overlay.simulate.worker import run_layout
 
-    report = run_layout("overlay", "lfm3", [17], [0.0], port=47800, mode="write")
+    report = run_layout("overlay", "step5-mtp", [17], [0.0], port=47800, mode="write")
     assert report.mode == "write"
     assert report.refused_by == "connector"
-    assert "WRITE mode does not support" in (report.refused_at_start or "")
+    assert "MoRIIO WRITE" in (report.refused_at_start or "")
     assert report.cases == 0
 
 
