@@ -225,9 +225,7 @@ def test_full_local_hit_reads_nothing(layout_pair, pages) -> None:
 # --------------------------------------------------------------------------
 
 
-def _connector(
-    model_dir: Path, layout: Layout, dcp: int = 1, **transfer: Any
-) -> Any:
+def _connector(model_dir: Path, layout: Layout, dcp: int = 1, **transfer: Any) -> Any:
     config = make_vllm_config(
         model_dir, moriio_kv_transfer_config("kv_producer", **transfer), block_size=B
     )

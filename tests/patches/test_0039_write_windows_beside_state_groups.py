@@ -186,7 +186,9 @@ def test_real_worker_checks_attention_pages_not_state_slots(
         # Positions [0, 112): 7 pages per attention group, the window's from
         # page 3 (N = 113, N - W = 49); the state group's running slot.
         local = [[9] if g == state else list(range(1, 8)) for g in range(len(groups))]
-        remote = [[7] if g == state else list(range(21, 28)) for g in range(len(groups))]
+        remote = [
+            [7] if g == state else list(range(21, 28)) for g in range(len(groups))
+        ]
         starts = [3 if g == window else 0 for g in range(len(groups))]
         info = types.SimpleNamespace(block_ids=remote, num_held_blocks=None)
         assert writer._unwritable_pages(_write_task(local, starts), info) is None
