@@ -2635,6 +2635,9 @@ class _Worker:
         # The state layers with a conv split (a conv + SSM pair).
         self._conv_decomps = {name: None for name in state_layers - whole_state_layers}
         self._has_mamba = bool(state_layers)
+        self._mamba_transfer_group_ids = frozenset(
+            group for name, group in layers.items() if name in state_layers
+        )
         self.moriio_config = type("C", (), {"defer_timeout": 1.0})()
         self.moriio_wrapper = wrapper
         self.tp_rank = 0

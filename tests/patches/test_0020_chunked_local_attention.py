@@ -128,8 +128,10 @@ def test_freed_chunk_page_is_prefilled_locally(
 
 def test_write_refuses_chunked_groups_at_start(llama_model_dir: Path) -> None:
     """WRITE would push a chunk the prefiller already freed: refused at start
-    in one line naming the spec. Beside a state group: the series later
-    serves WRITE chunked groups without one."""
+    in one line naming the spec. Beside a state group and under DCP 2: the
+    series later serves WRITE chunked groups under DCP 1."""
     groups = [*_groups(16, 64), (["model.layers.2.linear_attn"], kda_mamba_spec(16))]
     with pytest.raises(NotImplementedError, match="WRITE mode does not support"):
-        make_leg_connector(llama_model_dir, "kv_producer", groups, read_mode=False)
+        make_leg_connector(
+            llama_model_dir, "kv_producer", groups, read_mode=False, dcp=2
+        )

@@ -225,25 +225,28 @@ def test_full_local_hit_reads_nothing(layout_pair, pages) -> None:
 # --------------------------------------------------------------------------
 
 
-def _connector(model_dir: Path, layout: Layout, **transfer: Any) -> Any:
+def _connector(model_dir: Path, layout: Layout, dcp: int = 1, **transfer: Any) -> Any:
     config = make_vllm_config(
         model_dir, moriio_kv_transfer_config("kv_producer", **transfer), block_size=B
     )
+    config.parallel_config.decode_context_parallel_size = dcp
     return make_scheduler_connector(config, make_kv_cache_config(layout.groups()))
 
 
 def test_write_refuses_a_one_state_group_at_start(llama_model_dir: Path) -> None:
-    """LFM3-like stays refused in WRITE at start, in one line naming its
-    group: for its one-state group, or, where WRITE moves any state count,
-    for its window group beside the state group."""
+    """LFM3-like under DCP 2 stays refused in WRITE at start, in one line
+    naming its group: for its one-state group, or, where WRITE moves any
+    state count, for its window group (beside the state group, or under DCP
+    where WRITE serves it beside one)."""
     with pytest.raises(
         (moriio_common.MoRIIOError, NotImplementedError),
         match=r"WRITE supports exactly two Mamba states \(conv and SSM\), got 1 "
         r"in the MambaSpec of layer model\.layers\.0\.short_conv \(transfer group "
         r"2\); use READ mode|WRITE mode does not support sliding-window cache "
-        r"groups beside Mamba state groups: group 1 ",
+        r"groups (beside Mamba state groups|under decode context parallelism "
+        r"\(DCP 2\)): group 1 ",
     ):
-        _connector(llama_model_dir, lfm3_like(), read_mode=False)
+        _connector(llama_model_dir, lfm3_like(), dcp=2, read_mode=False)
 
 
 def test_a_state_without_its_dtype_is_refused_at_start(llama_model_dir: Path) -> None:

@@ -327,8 +327,8 @@ def test_null_page_falls_back_to_local_prefill_beside_a_write(
 def test_write_refuses_window_groups_it_cannot_pair(
     llama_model_dir: Path, layout: str
 ) -> None:
-    """Guard: a window group under DCP 2, or beside a Mamba state group, is
-    refused at start in one line naming the group."""
+    """Guard: a window group under DCP 2, with or without a Mamba state
+    group beside it, is refused at start in one line naming the group."""
     vllm_config = make_vllm_config(
         llama_model_dir,
         moriio_kv_transfer_config("kv_producer", read_mode=False),
@@ -338,9 +338,8 @@ def test_write_refuses_window_groups_it_cannot_pair(
         ([LAYER], full_attention_spec(64)),
         ([f"{LAYER}.1"], sliding_window_spec(64, 128)),
     ]
-    if layout == "dcp2":
-        vllm_config.parallel_config.decode_context_parallel_size = 2
-    else:
+    vllm_config.parallel_config.decode_context_parallel_size = 2
+    if layout == "mamba":
         groups.append(([f"{LAYER}.2"], kda_mamba_spec(64)))
     with pytest.raises(NotImplementedError, match="sliding-window cache groups"):
         make_scheduler_connector(vllm_config, make_kv_cache_config(groups))

@@ -128,13 +128,15 @@ def test_prefiller_writes_the_chunk_the_decoder_lacks(
 def test_chunk_group_beside_a_state_group_is_refused_in_one_line(
     llama_model_dir: Path,
 ) -> None:
-    """Guard: WRITE pairs chunk pages by position only without state groups
-    (as window pages): refused at start naming the group."""
+    """WRITE pairs chunk pages by position (as window pages) without state
+    groups, and under DCP 1 only where it serves them beside state groups:
+    beside one under DCP 2, refused at start naming the group."""
     vllm_config = make_vllm_config(
         llama_model_dir,
         moriio_kv_transfer_config("kv_producer", read_mode=False),
         block_size=16,
     )
+    vllm_config.parallel_config.decode_context_parallel_size = 2
     groups: list[tuple[list[str], KVCacheSpec]] = [
         ([LOCAL], chunked_local_spec(16, 64)),
         ([GLOBAL], full_attention_spec(16)),
@@ -142,8 +144,8 @@ def test_chunk_group_beside_a_state_group_is_refused_in_one_line(
     ]
     with pytest.raises(
         NotImplementedError,
-        match=r"chunked local attention cache groups beside Mamba state groups: "
-        r"group 0 \(model\.layers\.0",
+        match=r"chunked local attention cache groups (beside Mamba state groups|"
+        r"under decode context parallelism \(DCP 2\)): group 0 \(model\.layers\.0",
     ):
         make_scheduler_connector(vllm_config, make_kv_cache_config(groups))
 

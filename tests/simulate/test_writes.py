@@ -115,13 +115,25 @@ def test_a_page_left_unwritten_is_wrong_kv(kimi_write, monkeypatch):
     assert r.wrong and r.unread == 1
 
 
-def test_a_layout_the_connector_refuses_in_write_is_refused_at_start():
+def test_a_layout_the_connector_refuses_in_write_is_refused_at_start(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
+        moriio_connector,
+    )
+
     from vllm_overlay.simulate.worker import run_layout
 
-    report = run_layout("overlay", "lfm3", [17], [0.0], port=47800, mode="write")
+    # The connector takes EAGLE drafters only beside window groups, as it did
+    # before it took MTP ones: Step5-MTP is refused at start.
+    monkeypatch.setattr(
+        moriio_connector,
+        "_WINDOW_WRITE_SPECULATIVE_METHODS",
+        ("eagle", "eagle3"),
+        raising=False,
+    )
+    report = run_layout("overlay", "step5-mtp", [17], [0.0], port=47800, mode="write")
     assert report.mode == "write"
     assert report.refused_by == "connector"
-    assert "WRITE mode does not support" in (report.refused_at_start or "")
+    assert "MoRIIO WRITE" in (report.refused_at_start or "")
     assert report.cases == 0
 
 

@@ -140,9 +140,13 @@ def write_pairs(
     write_pages = getattr(writer, "_write_pages", None)
     unwritable = getattr(writer, "_unwritable_pages", None)
     if unwritable is not None and write_pages is not None:
-        fake = SimpleNamespace(
-            worker=SimpleNamespace(_has_mamba=has_mamba), _write_pages=write_pages
+        worker = SimpleNamespace(
+            _has_mamba=has_mamba,
+            _mamba_transfer_group_ids=frozenset(
+                t for t, is_state in enumerate(state_lists) if is_state
+            ),
         )
+        fake = SimpleNamespace(worker=worker, _write_pages=write_pages)
         if reason := unwritable(fake, task, info):
             raise WriteFailed(f"the prefiller writes nothing: {reason}")
     out: list[list[tuple[int, int]]] = []
