@@ -31,10 +31,9 @@ from tests.patches.builders import (
 from tests.patches.test_0009_rings_and_wrapped_state import (
     KPOOL,
     Grouping,
+    _configs,
     _transfer,
-    configs,  # noqa: F401 (fixture)
     glm5_next_layer_specs,
-    num_spec,  # noqa: F401 (fixture)
     real_grouping,
 )
 
@@ -42,6 +41,18 @@ B = 16
 ATTN = "model.layers.1.self_attn.attn"
 STATE = "model.layers.0.linear_attn"
 RING = "model.layers.1.self_attn.tail_cache"
+
+
+@pytest.fixture(params=[0, 1], ids=["no-spec", "mtp"])
+def num_spec(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
+@pytest.fixture
+def configs(
+    llama_model_dir: Path, deepseek_mtp_model_dir: Path, num_spec: int
+) -> tuple[Any, Any]:
+    return _configs(deepseek_mtp_model_dir if num_spec else llama_model_dir, num_spec)
 
 
 def stating_group_size(spec: CircularBufferSpec, group_size: int) -> Any:
@@ -96,13 +107,13 @@ def _ring_pages(
 
 # N - 1 a multiple of the kpool: the open group is empty.
 @pytest.mark.parametrize("n", [17, 641, 1297])
-def test_read_skips_a_ring_whose_open_group_is_empty(configs, num_spec, n) -> None:  # noqa: F811
+def test_read_skips_a_ring_whose_open_group_is_empty(configs, num_spec, n) -> None:
     grouping = stated_grouping(configs[0], num_spec)
     assert _ring_pages(configs, grouping, num_spec, n) == ([], [])
 
 
 @pytest.mark.parametrize("n", [2, 18, 640, 1300])
-def test_read_reads_a_ring_whose_open_group_holds_rows(configs, num_spec, n) -> None:  # noqa: F811
+def test_read_reads_a_ring_whose_open_group_holds_rows(configs, num_spec, n) -> None:
     grouping = stated_grouping(configs[0], num_spec)
     local, remote = _ring_pages(configs, grouping, num_spec, n)
     assert len(local) == len(remote) == 1
@@ -146,8 +157,8 @@ def test_write_writes_a_ring_whose_open_group_holds_rows(
 def test_a_ring_not_stating_its_group_size_moves_as_before(
     llama_model_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
-    configs,  # noqa: F811
-    num_spec,  # noqa: F811
+    configs: tuple[Any, Any],
+    num_spec: int,
 ) -> None:
     ring_pairs = _written_ring(llama_model_dir, monkeypatch, ring_spec(None))
     grouping = real_grouping(configs[0], num_spec)

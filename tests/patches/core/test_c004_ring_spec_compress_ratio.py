@@ -176,7 +176,8 @@ def test_the_uniform_type_group_keeps_each_ring_ratio() -> None:
 
     specs = {"layer.0.ring": ring(2), "layer.1.ring": ring(4)}
     group = KVCacheGroupSpec(
-        list(specs), UniformTypeKVCacheSpecs.from_specs(specs)  # type: ignore[arg-type]
+        list(specs),
+        UniformTypeKVCacheSpecs.from_specs(specs),  # type: ignore[arg-type]
     )
     wrapped = group.kv_cache_spec
     assert isinstance(wrapped, UniformTypeKVCacheSpecs)
