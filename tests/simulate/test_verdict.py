@@ -209,6 +209,7 @@ def _args(*argv: str) -> argparse.Namespace:
             "simulate.layouts-kimi_dcp2.whole.json",
         ),
         (("--lengths", "1-4096/13"), "simulate.lengths-1-4096_13.json"),
+        (("--layouts", "glm", "--core"), "simulate.layouts-glm.core.json"),
         (("--update-readme",), "simulate.families.json"),
         (("--bytes",), "simulate-bytes.json"),
         (("--bytes", "--layouts", "glm"), "simulate-bytes.layouts-glm.json"),

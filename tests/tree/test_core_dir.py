@@ -15,6 +15,15 @@ from vllm_overlay.series.pin import Pin
 from vllm_overlay.tree.variant import VariantError, core_modules, use_core_dir
 
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
+CORE_MODULES = [
+    "vllm.models.deepseek_v41.compressor",
+    "vllm.models.glm5next.common.attention",
+    "vllm.models.qwen4_exp.common.qsa_indexer",
+    "vllm.models.step5.common.csa_tail_ring",
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.kv_cache_interface",
+]
 FIXED = "if num_external_computed_tokens and self.connector is not None"
 
 
@@ -50,10 +59,7 @@ def test_an_unknown_core_patch_writes_nothing(
 
 
 def test_core_modules_leave_the_moriio_package_out(core_tree: Path) -> None:
-    assert list(core_modules(core_tree)) == [
-        "vllm.v1.core.kv_cache_manager",
-        "vllm.v1.core.sched.scheduler",
-    ]
+    assert list(core_modules(core_tree)) == CORE_MODULES
 
 
 def test_the_core_modules_load_from_the_tree(core_tree: Path) -> None:
@@ -72,7 +78,7 @@ def test_the_core_modules_load_from_the_tree(core_tree: Path) -> None:
         check=True,
     )
     names, file = done.stdout.strip().splitlines()[-2:]
-    assert names == "['vllm.v1.core.kv_cache_manager', 'vllm.v1.core.sched.scheduler']"
+    assert names == str(CORE_MODULES)
     assert file == str(core_tree / SCHEDULER)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import re
 import signal
@@ -23,6 +24,7 @@ from vllm_overlay.simulate.bytes.lifetime import (
     signals_raise,
 )
 from vllm_overlay.simulate.bytes.verdict import judge as judge_bytes
+from vllm_overlay.simulate.core import core_tree
 from vllm_overlay.simulate.families import family_layouts
 from vllm_overlay.simulate.faults import (
     DEFAULT_FAULT_HITS,
@@ -64,6 +66,7 @@ from vllm_overlay.simulate.verdict import (
 )
 from vllm_overlay.simulate.writes import MODES, READ, parse_modes
 from vllm_overlay.tree.baseopts import add_base_options, base_source
+from vllm_overlay.tree.materialize import BaseSource
 
 BYTES_REPORT = "simulate-bytes.json"
 DEPRECATED_BYTES = (
@@ -107,6 +110,7 @@ def selection(args: argparse.Namespace) -> list[tuple[str, str]]:
         ("faults", args.faults or ""),
         ("overlay-from", "" if args.overlay_from == "series" else args.overlay_from),
         ("whole", "yes" if args.whole else ""),
+        ("core", "yes" if args.core else ""),
         ("families", "yes" if args.update_readme else ""),
     ]
     given += [
@@ -258,6 +262,12 @@ def _add_selection(p: argparse.ArgumentParser, *, own_bytes: bool) -> None:
         "directory holding overlaid moriio files, or REPO@REF (a stack branch)",
     )
     p.add_argument(
+        "--core",
+        action="store_true",
+        help="run both legs on vLLM with the core series (patches/core/, "
+        "upstream-only) applied",
+    )
+    p.add_argument(
         "--processes",
         type=int,
         metavar="N",
@@ -342,36 +352,41 @@ def _run(app: App, args: argparse.Namespace) -> int:
         previous_seconds=previous_wall_seconds(out),
     )
     report: SweepReport | bytes_cli.BytesReport
-    if bytes_opts is not None:
-        if not args.bytes_command:  # the arguments are good: say it once
-            app.err.write(DEPRECATED_BYTES + "\n")
-        try:
-            report = _bytes_sweep(bytes_opts, layouts, variants, options)
-        except Interrupted as e:
-            app.end_progress()
-            app.fail(
-                f"simulate-bytes: interrupted by {e}; its zygote and rank "
-                "processes were stopped and their /dev/shm files removed"
+    with contextlib.ExitStack() as stack:
+        if args.core:
+            source = options.base_source or BaseSource()
+            applied = stack.enter_context(core_tree(source, app.checkout))
+            app.say(f"vLLM core: both legs run the core series ({applied})")
+        if bytes_opts is not None:
+            if not args.bytes_command:  # the arguments are good: say it once
+                app.err.write(DEPRECATED_BYTES + "\n")
+            try:
+                report = _bytes_sweep(bytes_opts, layouts, variants, options)
+            except Interrupted as e:
+                app.end_progress()
+                app.fail(
+                    f"simulate-bytes: interrupted by {e}; its zygote and rank "
+                    "processes were stopped and their /dev/shm files removed"
+                )
+                return e.exit_code
+            text = bytes_cli.show(report)
+            summary = bytes_cli.summary_line(report)
+        else:
+            hits = args.hits or (DEFAULT_FAULT_HITS if faults else DEFAULT_HITS)
+            lengths = args.lengths or (DEFAULT_FAULT_LENGTHS if faults else None)
+            report = run_sweep(
+                layouts or (list(BASE_LAYOUTS) if faults else []),
+                lengths,
+                hits,
+                variants,
+                options,
+                args.processes,
+                whole=args.whole,
+                faults=faults,
+                modes=[READ] if args.update_readme else modes,
             )
-            return e.exit_code
-        text = bytes_cli.show(report)
-        summary = bytes_cli.summary_line(report)
-    else:
-        hits = args.hits or (DEFAULT_FAULT_HITS if faults else DEFAULT_HITS)
-        lengths = args.lengths or (DEFAULT_FAULT_LENGTHS if faults else None)
-        report = run_sweep(
-            layouts or (list(BASE_LAYOUTS) if faults else []),
-            lengths,
-            hits,
-            variants,
-            options,
-            args.processes,
-            whole=args.whole,
-            faults=faults,
-            modes=[READ] if args.update_readme else modes,
-        )
-        text = _scheduler_text(report, args.markdown, bool(faults), variants)
-        summary = summary_line(report)
+            text = _scheduler_text(report, args.markdown, bool(faults), variants)
+            summary = summary_line(report)
     app.end_progress()
     for variant, where in report.variants.items():
         app.say(f"{variant}: {where}")

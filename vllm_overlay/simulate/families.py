@@ -154,6 +154,18 @@ def _one_head(cls: Any, block: int, head: int, dtype: Any, **kw: Any) -> Any:
     return cls(block_size=block, num_kv_heads=1, head_size=head, dtype=dtype, **kw)
 
 
+def ring_group(tokens: int) -> dict[str, int]:
+    """The group size a ring's model file states on its ``CircularBufferSpec``
+    where vLLM's spec has the field (core patch c004: ``compress_ratio``);
+    nothing on a vLLM without it."""
+    from dataclasses import fields
+
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    names = {f.name for f in fields(CircularBufferSpec)}
+    return {"compress_ratio": tokens} if "compress_ratio" in names else {}
+
+
 def _bf16_16(cls: Any, kv_heads: int, head: int = 128, **kw: Any) -> Any:
     """A bf16 attention spec of ``cls`` on block 16."""
     return cls(
@@ -373,6 +385,7 @@ def deepseek_v41(num_spec: int = 0) -> Specs:
                 2 * 512,
                 _torch().float32,
                 head_size_v=0,
+                **ring_group(2),
             )
     return specs
 
@@ -441,6 +454,7 @@ def glm5next(num_spec: int = 0) -> Specs:
         head_size_v=0,
         dtype=torch.bfloat16,
         dcp_sharded=False,
+        **ring_group(kpool),
     )
     specs: Specs = {}
 
@@ -522,6 +536,7 @@ def qwen4_exp(num_spec: int = 0) -> Specs:
         128,
         torch.bfloat16,
         head_size_v=0,
+        **ring_group(ratio),
     )
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
@@ -586,6 +601,7 @@ def step5(num_spec: int = 0, tp: int = 1) -> Specs:
         torch.bfloat16,
         head_size_v=0,
         block_stride_alignment=_STEP5_ROW_BYTES,
+        **ring_group(8),
     )
     full = {"attn": main, "summary_cache": summary, "csa_tail_ring": ring}
     specs: Specs = {}

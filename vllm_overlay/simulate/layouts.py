@@ -12,7 +12,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from vllm_overlay.simulate.families import family_dcp_sizes, family_layouts
+from vllm_overlay.simulate.families import (
+    family_dcp_sizes,
+    family_layouts,
+    ring_group,
+)
 from vllm_overlay.simulate.layout_types import Layout, Ring, SpecSlots
 
 
@@ -77,6 +81,7 @@ def _tail_ring(capacity: int, head_size: int) -> Any:
         head_size_v=0,
         dtype=_bf16(),
         dcp_sharded=False,
+        **ring_group(_GLM_KPOOL),
     )
 
 

@@ -27,6 +27,7 @@ import msgspec
 from vllm_overlay import cpuplatform
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.simulate.builds import BuildPair, load_pair
+from vllm_overlay.simulate.core import load_core_from_env
 from vllm_overlay.simulate.eta import (
     duration,
     eta_text,
@@ -282,6 +283,7 @@ def load_variant(args: argparse.Namespace) -> BuildPair:
     """In the child: load its pair's builds (``builds.load_pair``) from
     ``variant_parser``'s arguments."""
     pair = BuildPair.parse(args.variant)
+    load_core_from_env()
     load_pair(pair, dict(args.build))
     return pair
 
