@@ -28,6 +28,10 @@ from tests.patches.builders import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+# Four times the longest span (64-token blocks over 4 DCP ranks) and past
+# the longest of UPSTREAM_WRONG_LENGTHS: every case's pattern repeats below
+# it. The patch's own sweeps run every length to MAX_PROMPT_TOKENS.
+SWEPT_TOKENS = 1024
 
 
 def _materialize_base(out: Path) -> Path:
@@ -46,9 +50,13 @@ def _materialize_base(out: Path) -> Path:
 
 
 def sweep_base(
-    cases: Sequence[Case], model_dir: Path, work: Path
+    cases: Sequence[Case],
+    model_dir: Path,
+    work: Path,
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS,
 ) -> dict[str, list[int]]:
-    """Sweep ``cases`` against the pinned base in a separate interpreter."""
+    """Sweep ``cases`` against the pinned base in a separate interpreter,
+    every prompt length to ``max_prompt_tokens``."""
     moriio_dir = _materialize_base(work / "base")
     env = dict(os.environ)  # the CPU environment's platform switch included
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -67,7 +75,7 @@ def sweep_base(
             code,
             str(moriio_dir),
             str(model_dir),
-            encode_request(cases, MAX_PROMPT_TOKENS),
+            encode_request(cases, max_prompt_tokens),
         ],
         env=env,
         capture_output=True,
@@ -87,8 +95,8 @@ def test_base_wrong_lengths_match_the_mechanism(
     """The base's wrong prompt lengths are exactly those where one leg's table
     ends one block past the other's in a way the base's clip-then-align turns
     into a shift (``predicted_wrong_on_base``): our model of the bug holds."""
-    wrong = sweep_base(ALL_SWEEP_CASES, llama_model_dir, tmp_path)
-    lengths = range(1, MAX_PROMPT_TOKENS + 1)
+    wrong = sweep_base(ALL_SWEEP_CASES, llama_model_dir, tmp_path, SWEPT_TOKENS)
+    lengths = range(1, SWEPT_TOKENS + 1)
     for case in ALL_SWEEP_CASES:
         expected = predicted(case, lengths)
         assert expected, f"{case.name}: the sweep would not discriminate"

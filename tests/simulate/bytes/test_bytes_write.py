@@ -12,49 +12,86 @@ WRITE" after 30 s. The other length of the configuration is a real WRITE
 
 from __future__ import annotations
 
+import pytest
+
 from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport
 from vllm_overlay.simulate.bytes.run import run_zygote
 
+# Seconds the decoder is stepped for a promised WRITE. On loopback a WRITE
+# lands within a step or two; the dropped one is waited for this long.
+WRITE_WAIT = 5.0
 
-def _write(
-    layout: str, lengths: str, hits: str, fault: str | None = None
-) -> ConfigReport:
-    """One WRITE configuration at TP 1->1 on the installed build, started."""
-    item = ConfigItem(layout, "write", 1, 1, "LBNHC", fault=fault, lengths=lengths)
-    [report] = run_zygote("installed", None, [item], lengths, hits)
+
+def _item(layout: str, lengths: str, fault: str | None = None) -> ConfigItem:
+    return ConfigItem(layout, "write", 1, 1, "LBNHC", fault=fault, lengths=lengths)
+
+
+# TP 1->1 at a full hit, one zygote.
+FULL_HIT = {
+    "no-external": _item("kimi", "65,100"),
+    "minimum": _item("llama", "2,56"),
+}
+# At no hit and a full hit, one zygote that waits WRITE_WAIT for a WRITE.
+DROPPED = _item("kimi", "65", fault="drop-write")
+# ZAYA's state has no slice between TP 1 and 2 (write_failed), at no hit
+# only (the first length at the first hit).
+FAILED = ConfigItem("zaya", "write", 1, 2, "LBNHC", lengths="129", hit_offset=0)
+
+
+@pytest.fixture(scope="module")
+def full_hit() -> dict[ConfigItem, ConfigReport]:
+    reports = run_zygote("installed", None, list(FULL_HIT.values()), "100", "100")
+    return {r.item: r for r in reports}
+
+
+@pytest.fixture(scope="module")
+def no_and_full_hit() -> dict[ConfigItem, ConfigReport]:
+    reports = run_zygote(
+        "installed", None, [DROPPED, FAILED], "65", "0,100", write_wait=WRITE_WAIT
+    )
+    return {r.item: r for r in reports}
+
+
+def _started(report: ConfigReport) -> ConfigReport:
     assert report.refused_at_start is None, report.refused_at_start
     return report
 
 
 def _right(report: ConfigReport, cases: int) -> ConfigReport:
-    assert report.cases == cases
+    assert _started(report).cases == cases
     assert report.error_cases == 0, report.first_errors
     assert report.wrong_cases == 0, report.wrong_notes
     return report
 
 
-def test_a_write_with_no_external_token_is_judged_at_the_decoders_forward() -> None:
-    report = _right(_write("kimi", "65,100", "100"), 2)
+def test_a_write_with_no_external_token_is_judged_at_the_decoders_forward(
+    full_hit,
+) -> None:
+    report = _right(full_hit[FULL_HIT["no-external"]], 2)
     # 100 is written (65 moves nothing).
     assert report.moved_bytes > 0
 
 
-def test_a_write_minimum_counts_every_page_past_the_decoders_local_hit() -> None:
+def test_a_write_minimum_counts_every_page_past_the_decoders_local_hit(
+    full_hit,
+) -> None:
     """A WRITE request is not scheduled in the step that allocates it, so its
     local hit is its computed tokens less the external ones it waits for.
     Without it the minimum counted only pages holding wrong bytes: the fresh
     block after the hit, the warm-up's freed partial block holding the same
     bytes, was left out although the prefiller has to write it (llama at a
     full hit, lengths 2 and 56: one page each moved, a minimum of 0)."""
-    report = _right(_write("llama", "2,56", "100"), 2)
+    report = _right(full_hit[FULL_HIT["minimum"]], 2)
     assert report.moved_bytes == report.min_bytes > 0
 
 
-def test_a_write_promised_and_never_received_is_still_an_error() -> None:
+def test_a_write_promised_and_never_received_is_still_an_error(
+    no_and_full_hit,
+) -> None:
     """With the prefiller's WRITE dropped, the same KDA length at no hit
     (a WRITE promised) is a case error, while at a full hit (no WRITE
     promised) the decoder is judged on what it holds."""
-    report = _write("kimi", "65", "0,100", fault="drop-write")
+    report = _started(no_and_full_hit[DROPPED])
     assert report.cases == 2
     assert report.error_cases == 1
     assert report.first_errors == ["the decoder never received the WRITE"]
@@ -62,14 +99,14 @@ def test_a_write_promised_and_never_received_is_still_an_error() -> None:
     assert report.moved_bytes == 0
 
 
-def test_a_write_the_prefiller_fails_is_recomputed_not_judged() -> None:
+def test_a_write_the_prefiller_fails_is_recomputed_not_judged(
+    no_and_full_hit,
+) -> None:
     """A WRITE the prefiller fails (ZAYA's state has no slice between TP 1
     and 2: write_failed) reaches the decoder as a failed receive, and its
     scheduler recomputes the request: a fallback case, no byte judged.
     Judged as a received WRITE, its pages read as wrong bytes."""
-    item = ConfigItem("zaya", "write", 1, 2, "LBNHC", lengths="129")
-    [report] = run_zygote("installed", None, [item], "129", "0")
-    assert report.refused_at_start is None, report.refused_at_start
+    report = _started(no_and_full_hit[FAILED])
     assert report.cases == 1
     assert report.error_cases == 0, report.first_errors
     assert report.wrong_cases == 0, report.wrong_notes

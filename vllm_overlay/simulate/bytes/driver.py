@@ -63,6 +63,10 @@ _PORTS = 100
 PORT_RANGE = ports.PORT_RANGE
 """Where ``free_port_block`` draws: a sweep gives each of its zygotes its own
 part (``ports.port_ranges``)."""
+WRITE_WAIT = 30.0
+"""Seconds the decoder is stepped for a promised WRITE before the case is an
+error ("the decoder never received the WRITE"); the zygote's
+``--write-wait``."""
 
 
 def free_port_block(count: int = _PORTS) -> int:
@@ -671,7 +675,7 @@ class Driver:
             if not any(out[0] == rid and out[1] for out in outs):
                 self._until_finished(self.d, rid)
             return verdicts
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + WRITE_WAIT
         self._failed_recv = set()
         while True:
             self._step(self.d)

@@ -201,8 +201,10 @@ def _start_zygote(
     lengths: str,
     hits: str,
     ports: tuple[int, int] | None = None,
+    write_wait: float | None = None,
 ) -> subprocess.Popen[str]:
-    """``plan`` None: the zygote reads its configurations from stdin."""
+    """``plan`` None: the zygote reads its configurations from stdin;
+    ``write_wait`` None: the driver's ``WRITE_WAIT``."""
     args = [
         *procs.build_args(dirs),
         f"--variant={variant}",
@@ -212,6 +214,8 @@ def _start_zygote(
     ]
     if ports is not None:
         args.append(f"--ports={ports[0]}-{ports[1]}")
+    if write_wait is not None:
+        args.append(f"--write-wait={write_wait}")
     # MoRIIO's KDA transfer needs the dim-first conv state layout. The
     # zygote ends with this process (lifetime.py).
     env = {
@@ -234,13 +238,17 @@ def run_zygote(
     items: list[ConfigItem],
     lengths: str,
     hits: str,
+    write_wait: float | None = None,
 ) -> list[ConfigReport]:
     """One variant's plan in one zygote; ``files`` None runs the installed
-    moriio package."""
+    moriio package; ``write_wait``: seconds a promised WRITE is waited for
+    (None: the driver's ``WRITE_WAIT``)."""
     return procs.run_variant_process(
         variant,
         files,
-        lambda dirs: _start_zygote(dirs, variant, items, lengths, hits),
+        lambda dirs: _start_zygote(
+            dirs, variant, items, lengths, hits, write_wait=write_wait
+        ),
         MARK,
         _DECODER,
     )

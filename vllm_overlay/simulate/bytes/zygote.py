@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", required=True)
     ap.add_argument("--hits", required=True)
     ap.add_argument("--ports", default=None, metavar="LO-HI")
+    ap.add_argument("--write-wait", type=float, default=None, metavar="SECONDS")
     args = ap.parse_args(argv)
 
     cpuplatform.use_in_this_process()
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ports:
         lo, _, hi = args.ports.partition("-")
         driver.PORT_RANGE = (int(lo), int(hi))
+    if args.write_wait is not None:
+        driver.WRITE_WAIT = args.write_wait
     lengths, hits = parse_lengths(args.lengths), parse_hits(args.hits)
     for item in plan_of(args.plan):
         emit(run_item(args.variant, item, lengths, hits))
