@@ -45,6 +45,7 @@ CORE_FIXED = {
         SCHEDULER,
         "processed_computed_tokens = max(0, processed_computed_tokens - 1)",
     ),
+    "c004": ("vllm/v1/kv_cache_interface.py", "compress_ratio: int | None = None"),
 }
 
 
