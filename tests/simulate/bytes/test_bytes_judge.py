@@ -8,10 +8,11 @@ bytes are the decoder's own write, not stray bytes of the transfer."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from vllm_overlay.simulate.bytes.judge import ByteJudge
 from vllm_overlay.simulate.bytes.kvmem import SharedKV
-from vllm_overlay.simulate.bytes.steps import StepPlan, Watch
+from vllm_overlay.simulate.bytes.steps import StepPlan, Verdict, Watch
 from vllm_overlay.simulate.layouts import expand
 from vllm_overlay.simulate.legs import LegOptions, build_leg
 
@@ -92,3 +93,128 @@ def test_write_verdict_takes_the_zeroed_tile_of_a_new_block_as_the_decoders(
         assert np.all((stray >= lo) & (stray < lo + other.page_bytes))
     finally:
         kv.close()
+
+
+# -- a request the decoder recomputes instead of judging ----------------------
+#
+# Its arm leaves its destination pages out of the snapshot for the verdict to
+# copy; a request whose WRITE failed gets no verdict. Pages the decoder had
+# written before that arm (an earlier recomputed request's zeroed blocks) then
+# stay stale in the snapshot, and the next request's verdict took them for
+# stray bytes (LFM3 and ZAYA WRITE between TP 1 and 2, where the prefiller
+# fails every write).
+
+
+def _real_judge(tmp_path, name: str = "llama") -> ByteJudge:
+    from vllm_overlay.simulate.bytes.geometry import Geometry, model_json, rank_specs
+    from vllm_overlay.simulate.bytes.rows import NO_SHARD
+    from vllm_overlay.simulate.drive import group_infos
+
+    layout = expand([name])[0]
+    geometry = Geometry()
+    leg = build_leg(
+        layout,
+        "kv_consumer",
+        1,
+        300,
+        LegOptions(
+            kv_cache_layout="LBNHC",
+            model_json=model_json(layout, geometry),
+            specs=lambda: rank_specs(layout, 1, geometry, 0),
+            extra_config={"proxy_ip": ""},
+            with_scheduler=False,
+            pool_requests=1,
+        ),
+    )
+    kv = SharedKV(leg.worker_config, "LBNHC", str(tmp_path / "kv"), canary=0xC3)
+    groups = group_infos(leg, layout)
+    heads = {name: list(range(v.u8.shape[1])) for name, v in kv.layers.items()}
+    return ByteJudge(0, 1, kv, groups, [NO_SHARD] * len(groups), heads)
+
+
+def _arm(judge: ByteJudge, rid: str, blocks: list[int]) -> tuple[Watch, list]:
+    watch = Watch(rid, 17, list(range(17)), arm=True, dest="table")
+    tables = [blocks]
+    judge.arm(watch, tables, None)
+    return watch, tables
+
+
+def _foreign_write(judge: ByteJudge, block: int) -> None:
+    """Bytes another process (a prefiller's transfer) writes into ``block``
+    of the first layer: not noted by ``touch``."""
+    view = next(iter(judge.kv.layers.values()))
+    view.u8[block, ..., 0] ^= 0x5A
+
+
+def _only_stray(judge: ByteJudge, verdict: Verdict, block: int) -> bool:
+    """Whether ``verdict``'s stray bytes are exactly ``_foreign_write``'s
+    into ``block``."""
+    view = next(iter(judge.kv.layers.values()))
+    return verdict.stray_bytes == view.u8[block, ..., 0].size and (
+        f" block {block} +" in verdict.notes[-1]
+    )
+
+
+def test_a_recomputed_requests_arm_leaves_no_stale_page_for_the_next_verdict(
+    tmp_path,
+) -> None:
+    """The decoder zeroes block 3 (an earlier request's recompute), the next
+    request is armed with block 3 in its table, its WRITE fails and it is
+    released: the request after that sees no stray byte in block 3."""
+    judge = _real_judge(tmp_path)
+    try:
+        _arm(judge, "a", [1, 2])
+        judge.kv.zero_blocks([3])
+        _arm(judge, "b", [3, 4])
+        released = judge.release()
+        assert released is not None and released.stray_bytes == 0, released
+        judge.kv.zero_blocks([5, 6])
+        watch, tables = _arm(judge, "c", [5, 6])
+        verdict = judge.verdict(watch, tables, None)
+        assert verdict.stray_bytes == 0, verdict.notes
+    finally:
+        judge.kv.close()
+
+
+@pytest.mark.parametrize("block", [3, 4])
+def test_a_late_write_into_a_released_requests_page_is_still_stray(
+    tmp_path, block
+) -> None:
+    """After the release, the decoder's recompute writes block 7 (its own);
+    a write nobody on the decoder made into a page of the released request
+    (3: one the decoder wrote before its arm; 4: one it did not) is a stray
+    byte of the next verdict, whose pages are elsewhere."""
+    judge = _real_judge(tmp_path)
+    try:
+        _arm(judge, "a", [1, 2])
+        judge.kv.zero_blocks([3])
+        _arm(judge, "b", [3, 4])
+        assert judge.release() is not None
+        judge.kv.zero_blocks([7])
+        _foreign_write(judge, block)
+        watch, tables = _arm(judge, "c", [5, 6])
+        verdict = judge.verdict(watch, tables, None)
+        assert _only_stray(judge, verdict, block), verdict.notes
+    finally:
+        judge.kv.close()
+
+
+def test_a_release_counts_writes_outside_the_requests_pages_not_the_decoders(
+    tmp_path,
+) -> None:
+    """Between the arm and the release, a write into the request's own page
+    (a failed transfer's partial write) and the decoder's own writes (its
+    recompute) are not stray; a write into another page is. Nothing armed,
+    nothing to release."""
+    judge = _real_judge(tmp_path)
+    try:
+        _arm(judge, "b", [3, 4])
+        _foreign_write(judge, 4)
+        judge.kv.zero_blocks([8])
+        _foreign_write(judge, 9)
+        released = judge.release()
+        assert released is not None
+        assert _only_stray(judge, released, 9), released.notes
+        assert judge.release() is None
+    finally:
+        judge.kv.close()

@@ -112,3 +112,19 @@ def test_a_write_the_prefiller_fails_is_recomputed_not_judged(
     assert report.wrong_cases == 0, report.wrong_notes
     assert report.fallback_cases == 1
     assert report.moved_bytes == report.min_bytes == 0
+
+
+def test_a_recomputed_write_leaves_no_stray_bytes_for_the_next_case() -> None:
+    """LFM3 at TP 1->2: the prefiller fails every WRITE (its ShortConv state
+    has no slice) and the decoder recomputes each request. The request after
+    two recomputed ones, at a full local hit (no WRITE: judged at the
+    decoder's forward), holds every byte right, and no byte changed outside
+    its pages: the recomputed requests' zeroed blocks are the decoder's own
+    writes. Judged as stray, the third case read 45056 stray bytes a rank."""
+    item = ConfigItem("lfm3", "write", 1, 2, "LBNHC", lengths="2,17,65", hit_offset=0)
+    [report] = run_zygote("installed", None, [item], "2,17,65", "0,50,100")
+    assert report.refused_at_start is None, report.refused_at_start
+    assert report.cases == 3
+    assert report.error_cases == 0, report.first_errors
+    assert report.fallback_cases == 2
+    assert report.wrong_cases == report.stray_cases == 0, report.wrong_notes

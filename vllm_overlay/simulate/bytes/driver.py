@@ -600,18 +600,18 @@ class Driver:
         if shared > 0:
             warm = prompt_tokens(uid, shared + 1, shared=shared)
             self._until_finished(self.d, f"w{uid}", (f"w{uid}", warm, None))
+        recomputed = False
         if self.config.mode == READ:
-            verdicts: list[Verdict] | None = self._read_case(rid, uid, tokens)
+            verdicts = self._read_case(rid, uid, tokens)
         else:
-            verdicts = self._write_case(rid, uid, tokens)
+            verdicts, recomputed = self._write_case(rid, uid, tokens)
         self._until_freed(self.p, rid)
         moved = self._moved() - moved
         if self._seq % 64 == 0:
             self.p.call0("reset")
             self.d.call0("reset")
-        if verdicts is None:
-            return CaseBytes(n, hit_fraction, wrong=False, fallback=True)
-        return _case(n, hit_fraction, verdicts, moved)
+        case = _case(n, hit_fraction, verdicts, moved)
+        return msgspec.structs.replace(case, fallback=True) if recomputed else case
 
     def _read_case(self, rid: str, uid: int, tokens: list[int]) -> list[Verdict]:
         assert self.p is not None and self.d is not None
@@ -628,9 +628,11 @@ class Driver:
 
     def _write_case(
         self, rid: str, uid: int, tokens: list[int]
-    ) -> list[Verdict] | None:
-        """The decoder's verdicts, or None where it got the WRITE as failed
-        and recomputed the request (it must then finish it)."""
+    ) -> tuple[list[Verdict], bool]:
+        """The decoder's verdicts, and whether it got the WRITE as failed and
+        recomputed the request (it must then finish it): then the verdicts
+        are of stray bytes only, taken before the recompute
+        (``ByteJudge.release``)."""
         assert self.p is not None and self.d is not None
         p_cfg, d_cfg = self.p.configs[0], self.d.configs[0]
         transfer_id = f"t{uid}"
@@ -674,7 +676,7 @@ class Driver:
                 raise RankError(f"the decoder judged {rid} on some ranks only")
             if not any(out[0] == rid and out[1] for out in outs):
                 self._until_finished(self.d, rid)
-            return verdicts
+            return verdicts, False
         deadline = time.monotonic() + WRITE_WAIT
         self._failed_recv = set()
         while True:
@@ -685,9 +687,18 @@ class Driver:
                 raise RankError("the decoder never received the WRITE")
             time.sleep(0.002)
         if rid in self._failed_recv:
+            released = self._released()
+            if len(released) != self.d.tp:
+                raise RankError(f"the decoder had not armed {rid} on every rank")
             self._until_finished(self.d, rid)
-            return None
-        return self._judged(Watch(rid, n, tokens, judge=True, dest="table"))
+            return released, True
+        return self._judged(Watch(rid, n, tokens, judge=True, dest="table")), False
+
+    def _released(self) -> list[Verdict]:
+        """The decoder ranks' ``ByteJudge.release`` of the request they
+        armed, where they armed one."""
+        assert self.d is not None
+        return [v for v in self.d.call_all("release_watch") if v is not None]
 
     # -- one transport fault case --------------------------------------------
 
@@ -817,8 +828,10 @@ class Driver:
                 judge_next = True
             time.sleep(0.002)
         # The prefiller may fail the other request's WRITE too (it refuses
-        # the pair): recomputed, nothing of it to judge.
+        # the pair): recomputed, judged for stray bytes only.
         other_failed = cr in self._failed_recv
+        if other_failed and not verdicts and not hung:
+            verdicts.extend(self._released())
         if self.config.mode != READ and not verdicts and not (hung or other_failed):
             raise RankError(f"the decoder never judged {cr}")
         leaks = []

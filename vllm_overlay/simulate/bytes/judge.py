@@ -122,6 +122,8 @@ class ByteJudge:
         self._page_bytes: dict[int, int] = {}
         self._hashes: dict[str, np.ndarray] = {}
         self._armed = False
+        self._armed_pages: list[tuple[Any, int]] = []
+        """The destination pages of the armed request, as its arm saw them."""
         self._min_bytes = 0
         self._expected: dict[Any, np.ndarray] = {}
         """The watched request's expected attention rows by (layer, needs),
@@ -339,7 +341,8 @@ class ByteJudge:
         hit when that is known (the scheduler simulator's rule,
         ``check.past_hit``): a reallocated block can still hold identical
         bytes the decoder does not own."""
-        self.kv.snapshot(skip=self._destination(watch, tables, plan))
+        self._armed_pages = self._destination(watch, tables, plan)
+        self.kv.snapshot(skip=self._armed_pages)
         self._armed = True
         self._expected = {}
 
@@ -374,18 +377,44 @@ class ByteJudge:
                     "synchronous load (no external tokens): it lands after the "
                     "forward"
                 )
-        stray = self.kv.stray_bytes(
-            self._destination(watch, tables, plan, judging=True)
+        self._stray(verdict, self._destination(watch, tables, plan, judging=True))
+        self._armed = False
+        self._expected = {}
+        return verdict
+
+    def release(self) -> Verdict | None:
+        """End an armed request the decoder recomputes instead of judging
+        (its WRITE failed), before the snapshot serves the next request:
+        the bytes changed since its arm outside its destination pages (a
+        failed transfer writes its own pages at most) and outside the pages
+        this rank wrote since (its recompute: the decoder's own bytes), as
+        a verdict of stray bytes only; None when nothing is armed.
+
+        ``arm`` leaves the destination pages out of the snapshot, for the
+        verdict to copy; without this they stay as they were before the
+        arm, and the next verdict takes the decoder's own earlier writes
+        into them (a recomputed request's zeroed blocks) for stray bytes."""
+        if not self._armed:
+            return None
+        verdict = Verdict()
+        self._stray(
+            verdict,
+            [*self._armed_pages, *self.extra_pages, *self.kv.touched_pages()],
         )
+        self._armed = False
+        self._expected = {}
+        return verdict
+
+    def _stray(self, verdict: Verdict, pages: list[tuple[Any, int]]) -> None:
+        """Count in ``verdict`` the bytes changed since the arm outside
+        ``pages``; the snapshot equals the buffer again afterwards."""
+        stray = self.kv.stray_bytes(pages)
         verdict.stray_bytes = int(stray.size)
         if stray.size:
             verdict.notes.append(
                 f"rank {self.tp_rank}: {stray.size} bytes written outside the "
                 f"destination pages, first at {self._describe(int(stray[0]))}"
             )
-        self._armed = False
-        self._expected = {}
-        return verdict
 
     def _destination(
         self,

@@ -162,6 +162,15 @@ class SharedKV:
         if self._touched is not None:
             self._touched.setdefault(self._root[layer.name], set()).update(blocks)
 
+    def touched_pages(self) -> list[tuple[LayerView, int]]:
+        """The pages noted by ``touch`` since the last ``snapshot`` or
+        ``stray_bytes``: this process's own writes."""
+        return [
+            (self.layers[name], b)
+            for name, blocks in (self._touched or {}).items()
+            for b in blocks
+        ]
+
     def snapshot(self, skip: Iterable[tuple[LayerView, int]] = ()) -> None:
         """Make the copy ``stray_bytes`` compares with equal to what this
         rank wrote (one reused array): the whole buffer the first time, then

@@ -69,6 +69,7 @@ from vllm_overlay.simulate.bytes.steps import (
     SchedulerEscape,
     StepPlan,
     StepResult,
+    Verdict,
     Watch,
     aggregate,
 )
@@ -463,6 +464,11 @@ class Rank:
                     for view in self.kv.layers_of(g):
                         self.kv.zero_page(view, table[curr])
 
+    def release_watch(self) -> Verdict | None:
+        """The armed request is recomputed, not judged (its WRITE failed):
+        ``ByteJudge.release``."""
+        return self.judge.release()
+
     def track(self, rid: str | None) -> None:
         """Follow ``rid`` (a faulted request next to the watched one): its
         table's pages are no stray writes of the watched request's transfer,
@@ -796,6 +802,7 @@ def _serve_rank(conn: Any, rank: Rank) -> bool:
         "reset": rank.reset,
         "step1": rank.step1,
         "track": rank.track,
+        "release_watch": rank.release_watch,
         "free_blocks": rank.free_blocks,
     }
     while True:

@@ -153,10 +153,13 @@ def run_item(
                 report.wrong_notes += [f"n={case.n}: {note}" for note in case.notes]
                 del report.wrong_notes[4:]
         elif case.fallback:
+            # Recomputed: judged for stray bytes only, its moves not counted.
             report.fallback_cases += 1
-            continue
-        report.moved_bytes += case.moved_bytes
-        report.min_bytes += case.min_bytes
+            if not case.wrong:
+                continue
+        if case.fault is not None or not case.fallback:
+            report.moved_bytes += case.moved_bytes
+            report.min_bytes += case.min_bytes
         if case.wrong:
             report.wrong_cases += 1
             report.stray_cases += bool(case.stray_bytes)
