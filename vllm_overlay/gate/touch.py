@@ -161,7 +161,11 @@ class Recorder:
         while frame is not None:
             if frame.f_code.co_name == "<module>":
                 path = Path(frame.f_code.co_filename)
-                if path.is_relative_to(self.tests):
+                # Not pytest's own `__main__` in a venv inside the checkout.
+                if (
+                    path.is_relative_to(self.tests)
+                    and "site-packages" not in path.parts
+                ):
                     outermost = path
             frame = frame.f_back
         if outermost is None:
