@@ -116,7 +116,8 @@ class Recorder:
         self.hook_dir = str(self.work / "hook")
         os.mkdir(self.hook_dir)
         shutil.copyfile(childhook.__file__, Path(self.hook_dir, "sitecustomize.py"))
-        shutil.copyfile(runmark.__file__, Path(self.hook_dir, childhook.RUNMARK + ".py"))
+        marks = Path(self.hook_dir, childhook.RUNMARK + ".py")
+        shutil.copyfile(runmark.__file__, marks)
         self.code = str(self.work / "code")  # the marked code, shared with children
         self.scope = STARTUP
         self.untracked: set[str] = set()
