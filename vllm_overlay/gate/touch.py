@@ -56,6 +56,7 @@ OPTION = "--touch-json"
 STARTUP = "startup"
 SPAWN_EVENTS = ("subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn")
 COLLECT = "collect "
+CODE_CACHE = ".nox-cache/marked-code"
 # The notes of the marks, by event: the others are reads.
 MARKED = {runmark.RAN: "ran", runmark.USED: "used"}
 
@@ -118,7 +119,9 @@ class Recorder:
         shutil.copyfile(childhook.__file__, Path(self.hook_dir, "sitecustomize.py"))
         marks = Path(self.hook_dir, childhook.RUNMARK + ".py")
         shutil.copyfile(runmark.__file__, marks)
-        self.code = str(self.work / "code")  # the marked code, shared with children
+        # The marked code, shared with children and later runs (keyed by
+        # source, path, Python and the marks' own text).
+        self.code = str(root / CODE_CACHE)
         self.scope = STARTUP
         self.untracked: set[str] = set()
         self.unmarked: set[str] = set()
