@@ -14,6 +14,7 @@ from vllm_overlay.command import App, Subparsers, add_command
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.evidence import (
     Selection,
+    Touches,
     encode,
     load_selection,
     load_touches,
@@ -28,7 +29,7 @@ from vllm_overlay.gate.removable import (
     pytest_runner,
     workarounds,
 )
-from vllm_overlay.gate.reports import TestOutcome, encode_report
+from vllm_overlay.gate.reports import TestOutcome, encode_report, names
 from vllm_overlay.gate.revert_red import (
     build_report,
     evidence_problems,
@@ -51,6 +52,7 @@ from vllm_overlay.gate.sequence import (
 from vllm_overlay.gate.shards import (
     IDS,
     TIMES,
+    TOUCHES,
     load_file_seconds,
     load_times,
     plan,
@@ -58,7 +60,12 @@ from vllm_overlay.gate.shards import (
     test_files,
     weigh,
 )
-from vllm_overlay.gate.stack import LEVEL_OUTCOMES, level_plan, run_levels
+from vllm_overlay.gate.stack import (
+    LEVEL_OUTCOMES,
+    level_plan,
+    named_tests,
+    run_levels,
+)
 from vllm_overlay.series.core_series import load_core_series
 from vllm_overlay.series.patch_series import Series
 from vllm_overlay.text import count
@@ -99,7 +106,7 @@ def cmd_levels(app: App, args: argparse.Namespace) -> int:
 
 SELECTION = "selection.json"
 # Untouched tests run on the base too, as a check of the evidence: cheap ones.
-SAMPLE = 16
+SAMPLE = 24
 SAMPLE_MAX_SECONDS = 2.0
 
 
@@ -109,6 +116,20 @@ def _reasons(tests: dict[str, list[str]]) -> str:
         for kind in dict.fromkeys(w.split(" ", 1)[0] for w in why):
             kinds[kind] = kinds.get(kind, 0) + 1
     return ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+
+
+def below_first(touches: Touches, series: Series) -> Touches:
+    """The first patch's named tests are proven below it on the base run
+    (stack level 0): they run there whatever they read."""
+    if not series.patches:
+        return touches
+    named = named_tests(series.patches[0])
+    tests = {
+        t: why
+        or (["named by the first patch"] if any(names(n, t) for n in named) else [])
+        for t, why in touches.tests.items()
+    }
+    return Touches(touches.dirs, tests, [t for t in touches.loaded if not tests[t]])
 
 
 def cmd_suite(app: App, args: argparse.Namespace) -> int:
@@ -176,6 +197,8 @@ def cmd_suite(app: App, args: argparse.Namespace) -> int:
     summary = f"suite ({args.variant}): {count(len(outcomes), 'test')}, {failed} failed"
     result: dict[str, object] = {"outcomes": str(out / "outcomes.json")}
     if touches is not None:
+        touches = below_first(touches, app.checkout.series)
+        (out / TOUCHES).write_bytes(encode(touches))
         now = load_times(out / TIMES)
         cheap = {
             t
@@ -184,14 +207,18 @@ def cmd_suite(app: App, args: argparse.Namespace) -> int:
         }
         pool = {t: w for t, w in touches.tests.items() if w or t in cheap or not now}
         sel = select(
-            type(touches)(touches.dirs, pool), SAMPLE, app.checkout.series.series_id
+            type(touches)(touches.dirs, pool, touches.loaded),
+            SAMPLE,
+            app.checkout.series.series_id,
         )
         sel = Selection(sorted(t for t, w in touches.tests.items() if w), sel.sample)
         (out / SELECTION).write_bytes(encode(sel))
         touched = {t: w for t, w in touches.tests.items() if w}
         app.say(
             f"suite: {count(len(touched), 'test')} may read vLLM's MoRIIO package "
-            f"({_reasons(touched)}); {len(touches.tests) - len(touched)} cannot"
+            f"({_reasons(touched)}); {len(touches.tests) - len(touched)} cannot "
+            f"({len(touches.loaded)} of them had it loaded but neither read nor "
+            "ran it)"
         )
         summary += f"; base run: {len(sel.touched)} + a sample of {len(sel.sample)}"
         result["selection"] = str(out / SELECTION)

@@ -16,10 +16,13 @@ _T = TypeVar("_T")
 
 class Touches(msgspec.Struct, forbid_unknown_fields=True):
     """Per test id, why it may read the installed package (empty: it cannot);
-    ``dirs``: the package's directory as watched."""
+    ``dirs``: the package's directory as watched; ``loaded``: the tests
+    without a reason that ran with the package's modules in their process
+    (a figure of what the evidence spares the base run)."""
 
     dirs: list[str]
     tests: dict[str, list[str]]
+    loaded: list[str] = []
 
 
 class Selection(msgspec.Struct, forbid_unknown_fields=True):
@@ -64,11 +67,13 @@ def load_selection(path: Path) -> Selection:
 def merge(parts: list[Touches]) -> Touches:
     dirs: dict[str, None] = {}
     tests: dict[str, list[str]] = {}
+    loaded: dict[str, None] = {}
     for part in parts:
         dirs.update(dict.fromkeys(part.dirs))
+        loaded.update(dict.fromkeys(part.loaded))
         for test, why in part.tests.items():
             tests.setdefault(test, []).extend(why)
-    return Touches(list(dirs), tests)
+    return Touches(list(dirs), tests, [t for t in loaded if not tests.get(t)])
 
 
 def _fnv(text: str) -> int:
@@ -81,17 +86,32 @@ def _fnv(text: str) -> int:
 def select(touches: Touches, sample_size: int, seed: str) -> Selection:
     """Every touched test, and ``sample_size`` untouched ones picked by
     ``seed`` (the series id: another series, another sample), preferring one
-    per test file."""
+    per test file: half of them (or all there are) from those that had the
+    package loaded without reading or running it (`Touches.loaded`, the
+    ones a value read without a call could make differ), the rest from the
+    others."""
     touched = sorted(t for t, why in touches.tests.items() if why)
     untouched = sorted(t for t, why in touches.tests.items() if not why)
     ranked = sorted(untouched, key=lambda t: _fnv(f"{seed}\0{t}"))
+    loaded = set(touches.loaded)
+    near = [t for t in ranked if t in loaded]
+    far = [t for t in ranked if t not in loaded]
+    first = _spread(near, (sample_size + 1) // 2)
+    sample = first + _spread(far, sample_size - len(first))
+    sample += _spread([t for t in near if t not in sample], sample_size - len(sample))
+    return Selection(touched, sorted(sample))
+
+
+def _spread(ranked: list[str], size: int) -> list[str]:
+    """Up to ``size`` of ``ranked``: the first one per file, then the rest
+    in rank order."""
     sample: list[str] = []
     files: set[str] = set()
-    for t in ranked:  # first one per file, then the rest in rank order
-        if len(sample) < sample_size and t.split("::", 1)[0] not in files:
+    for t in ranked:
+        if len(sample) < size and t.split("::", 1)[0] not in files:
             sample.append(t)
             files.add(t.split("::", 1)[0])
     for t in ranked:
-        if len(sample) < sample_size and t not in sample:
+        if len(sample) < size and t not in sample:
             sample.append(t)
-    return Selection(touched, sorted(sample))
+    return sample

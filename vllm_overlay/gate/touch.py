@@ -14,10 +14,24 @@ why it may (an empty list: it cannot):
   (once per scope: a session fixture's read counts for every test using it);
 - ``collected NODE``: importing its module, package or a conftest read there
   (``collected (start-up)``: before collection, for every test);
-- ``loaded``: the package's modules are in this process (imported by this
-  test or earlier): their code may run without a read;
+- ``ran``: code of the package ran while the test ran, in this process, a
+  thread, or a child (`vllm_overlay.gate.runmark`: the package's modules
+  are compiled with a mark at the entry of every function);
+- ``used``: a value of the package's modules was looked up while the test
+  ran (``from ... import NAME``, ``module.NAME``, an import of a module
+  already loaded). A fixture's or collector's run or lookup counts as its
+  read;
+- ``unmarked``: a module of the package was loaded in this process without
+  the marks (before the plugin, or by a loader of its own): what it runs is
+  unseen;
 - ``untracked child``: it (or a fixture it uses) started a process whose
   environment drops the hook, whose reads would go unseen.
+
+A test that only had the package's modules in its process (imported by
+another test or a collector), and neither read, ran nor looked up anything
+of them, cannot change outcome between base and overlay: it is listed in
+``loaded`` (not a reason; the gate's sample of the untouched tests takes half
+of it, as a check of this evidence).
 """
 
 from __future__ import annotations
@@ -26,14 +40,14 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import pytest
 
-from vllm_overlay.gate import childhook
+from vllm_overlay.gate import childhook, runmark
 from vllm_overlay.gate.evidence import Touches, encode
 from vllm_overlay.series.pin import MODULE_PACKAGE
 from vllm_overlay.tree.variant import installed_moriio_dir
@@ -42,6 +56,9 @@ OPTION = "--touch-json"
 STARTUP = "startup"
 SPAWN_EVENTS = ("subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn")
 COLLECT = "collect "
+CODE_CACHE = ".nox-cache/marked-code"
+# The notes of the marks, by event: the others are reads.
+MARKED = {runmark.RAN: "ran", runmark.USED: "used"}
 
 
 def moriio_loaded() -> bool:
@@ -100,20 +117,43 @@ class Recorder:
         self.hook_dir = str(self.work / "hook")
         os.mkdir(self.hook_dir)
         shutil.copyfile(childhook.__file__, Path(self.hook_dir, "sitecustomize.py"))
+        marks = Path(self.hook_dir, childhook.RUNMARK + ".py")
+        shutil.copyfile(runmark.__file__, marks)
+        # The marked code, shared with children and later runs (keyed by
+        # source, path, Python and the marks' own text).
+        self.code = str(root / CODE_CACHE)
         self.scope = STARTUP
         self.untracked: set[str] = set()
+        self.unmarked: set[str] = set()
         self.loaded: set[str] = set()
+        self.marked: set[str] = set()  # the scopes a mark was noted in
+        self.arm: Callable[[], None] | None = None
         self.fixtures: dict[str, list[str]] = {}  # test id -> fixture scopes
         self.ran: list[str] = []
 
     def start(self) -> None:
         os.environ[childhook.TOUCH_LOG] = self.log
         os.environ[childhook.TOUCH_DIRS] = os.pathsep.join(self.dirs)
+        os.environ[childhook.TOUCH_PACKAGE] = MODULE_PACKAGE
+        os.environ[childhook.TOUCH_CODE] = self.code
         paths = [self.hook_dir, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         self._set(STARTUP)
         sys.addaudithook(childhook.make_hook(self.log, self.dirs, self._where))
         sys.addaudithook(self._spawn_hook)
+        self.arm = runmark.install(MODULE_PACKAGE, self._mark, self.code)
+
+    def _collecting(self) -> bool:
+        return self.scope == STARTUP or self.scope.startswith(COLLECT)
+
+    def _mark(self, event: str, what: str) -> bool:
+        """A mark's note, once per scope; armed on while collecting (the
+        scope of a note is then the module being imported)."""
+        where = self._where()
+        if where not in self.marked:
+            self.marked.add(where)
+            childhook.append(self.log, where, event, what)
+        return self._collecting()
 
     def _where(self) -> str:
         """The scope of a read: while collecting, the outermost module under
@@ -125,7 +165,11 @@ class Recorder:
         while frame is not None:
             if frame.f_code.co_name == "<module>":
                 path = Path(frame.f_code.co_filename)
-                if path.is_relative_to(self.tests):
+                # Not pytest's own `__main__` in a venv inside the checkout.
+                if (
+                    path.is_relative_to(self.tests)
+                    and "site-packages" not in path.parts
+                ):
                     outermost = path
             frame = frame.f_back
         if outermost is None:
@@ -136,6 +180,8 @@ class Recorder:
     def _set(self, scope: str) -> str:
         previous, self.scope = self.scope, scope
         os.environ[childhook.TOUCH_SCOPE] = scope
+        if self.arm is not None:
+            self.arm()
         return previous
 
     def _spawn_hook(self, event: str, args: tuple[Any, ...]) -> None:
@@ -185,11 +231,15 @@ class Recorder:
         self.ran.append(item.nodeid)
         if moriio_loaded():
             self.loaded.add(item.nodeid)
+            if runmark.unmarked(MODULE_PACKAGE):
+                self.unmarked.add(item.nodeid)
         return result
 
     def pytest_sessionfinish(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_bytes(encode(Touches(list(self.dirs), self.reasons())))
+        reasons = self.reasons()
+        loaded = sorted(t for t in self.loaded if not reasons.get(t))
+        self.path.write_bytes(encode(Touches(list(self.dirs), reasons, loaded)))
         shutil.rmtree(self.work, ignore_errors=True)
 
     def reasons(self) -> dict[str, list[str]]:
@@ -207,12 +257,14 @@ class Recorder:
                 if covers(s.removeprefix(COLLECT), test)
             )
             why.extend(s for s in self.fixtures.get(test, []) if s in scopes)
-            if test in notes:
+            events = {n.split(" ", 2)[1] for n in notes.get(test, [])}
+            if events - set(MARKED):
                 why.append("read")
+            why.extend(MARKED[e] for e in MARKED if e in events)
+            if test in self.unmarked:
+                why.append("unmarked")
             if test in self.untracked:
                 why.append("untracked child")
-            if test in self.loaded:
-                why.append("loaded")
             result[test] = why
         return result
 
