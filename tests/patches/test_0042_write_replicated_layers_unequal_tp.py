@@ -102,7 +102,9 @@ def _rank(
 
 def _leg(monkeypatch, model_dir, role, tp_size, kv_layout, kind):
     return [
-        _rank(monkeypatch, model_dir, role, (tp_size, r), kv_layout, specs(kind, tp_size))
+        _rank(
+            monkeypatch, model_dir, role, (tp_size, r), kv_layout, specs(kind, tp_size)
+        )
         for r in range(tp_size)
     ]
 
@@ -224,8 +226,12 @@ def test_a_layer_write_cannot_move_is_refused_at_the_handshake(
     prefill rank's handshake with the decoder logs one line naming the layer
     and both TP sizes, once, and each request's writes carry the refusal
     (the writer tells the decoder, which serves the request)."""
-    rank = _leg(monkeypatch, llama_model_dir, "kv_producer", p_tp, "LBNHC", "rank-page")[0]
-    decode = _leg(monkeypatch, llama_model_dir, "kv_consumer", d_tp, "LBNHC", "rank-page")
+    rank = _leg(
+        monkeypatch, llama_model_dir, "kv_producer", p_tp, "LBNHC", "rank-page"
+    )[0]
+    decode = _leg(
+        monkeypatch, llama_model_dir, "kv_consumer", d_tp, "LBNHC", "rank-page"
+    )
     logged: list[str] = []
     monkeypatch.setattr(
         moriio_connector.logger,
