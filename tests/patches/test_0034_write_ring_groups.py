@@ -6,13 +6,14 @@ tail are ``CircularBufferSpec`` groups: one block per request holding the
 rows of the still-open compressor group. READ moves them; WRITE refused them
 at start. A WRITE prefiller beside Mamba or window groups computes N - 1
 prompt tokens, so its ring holds the rows the decoder needs, and it writes
-that block into the decoder's. Between unequal TP sizes a ring's page is
-sized by the rank: the prefiller refuses the decoder at its first
-handshake, in one line naming the group and both TP sizes.
+that block into the decoder's. Between unequal TP sizes a ring whose page
+the decoder holds otherwise is refused at the prefiller's handshake, in one
+line naming the ring and both TP sizes (until patch 0042 every ring was).
 """
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 from typing import Any
 
@@ -110,9 +111,19 @@ def _ring_rank(model_dir: Path) -> RegisteredWorker:
 
 
 def _write_refusal(worker: Any, decode_tp: int) -> str:
-    """Why the prefiller will not write to a decoder of ``decode_tp`` ranks:
-    the refusal it states for that peer before writing, or the one its
-    first handshake's mapping raises."""
+    """Why the prefiller will not write to a decoder of ``decode_tp`` ranks
+    whose ring holds other rows: the refusal its handshake with the decoder
+    records (patch 0042, which writes a ring of the same rows whole), the one
+    it states for that peer before writing, or the one its first
+    handshake's mapping raises."""
+    if hasattr(worker, "_check_write_serves_peer"):
+        layouts = dict(worker.kv_head_layouts)
+        layouts[RING] = layouts[RING]._replace(num_tokens=2 * layouts[RING].num_tokens)
+        peer = types.SimpleNamespace(
+            kv_head_layouts={n: x.to_wire() for n, x in layouts.items()}
+        )
+        worker._check_write_serves_peer(peer, decode_tp)
+        return str(worker._write_peer_refusal(decode_tp))
     if hasattr(worker, "_write_peer_refusal"):
         refusal = worker._write_peer_refusal(decode_tp)
         assert refusal is not None
@@ -126,17 +137,15 @@ def _write_refusal(worker: Any, decode_tp: int) -> str:
 def test_unequal_tp_write_of_a_ring_is_refused_at_the_handshake(
     copying_mori: None, llama_model_dir: Path, decode_tp: int
 ) -> None:
-    """Before the prefiller dials a decoder of another TP size (the mapping
-    its first handshake takes), in one line naming the group and both TP
-    sizes; equal TP maps."""
+    """Before the prefiller writes to a decoder of another TP size whose
+    ring it cannot write, in one line naming the ring and both TP sizes;
+    equal TP maps."""
     rank = _ring_rank(llama_model_dir)
-    group = rank.worker.layer_to_group[RING]
     message = _write_refusal(rank.worker, decode_tp)
     assert "\n" not in message
-    assert message.startswith(
-        f"MoRIIO WRITE cannot serve circular-buffer group {group} ({RING}) "
-        f"between prefill TP 1 and decode TP {decode_tp}"
-    )
+    assert message.startswith("MoRIIO WRITE cannot serve ")
+    assert RING in message
+    assert f"between prefill TP 1 and decode TP {decode_tp}" in message
     assert rank.worker._write_tp_mapping(1) is not None
 
 
