@@ -756,6 +756,7 @@ class Driver:
         x_tokens = prompt_tokens(uid, n)
         c_tokens = prompt_tokens(uid + (1 << 20), n)
         free_before = self.d.call0("free_blocks")
+        held_before = self.d.call0("held_blocks")
         for leg in (self.p, self.d):
             leg.call_all("track", xr)
         xp, xd = self._params(uid, FAULTED_PREFIX)
@@ -842,7 +843,7 @@ class Driver:
         if not hung:
             # Blocks a failed READ still in flight may write are held until
             # it ends (the stand-in's hung posts never do): no leak.
-            held = self.d.call0("held_blocks")
+            held = self.d.call0("held_blocks") - held_before
             if self.d.call0("free_blocks") + held != free_before:
                 leaks.append("decoder blocks")
         # A prefiller that dropped out holds nothing: its process is gone.
