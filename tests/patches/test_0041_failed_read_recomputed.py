@@ -32,11 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
 )
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
 
 from tests.patches.builders import (
     build_worker,
     glm_like_groups,
     make_kv_cache_config,
+    make_request,
     make_scheduler_connector,
     read_blocks,
 )
@@ -140,12 +142,14 @@ def test_failed_read_is_reported_by_request(
         worker.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_blocks_of_a_read_in_flight_stay_out_of_the_pool(
-    stub_mori: None, mtp_vllm_configs: tuple[Any, Any]
+    stub_mori: None, mtp_vllm_configs: tuple[Any, Any], policy: str
 ) -> None:
     """The scheduler side counts the failed READ and holds its destination
     blocks, still in flight on two decode ranks, until both report it
-    ended."""
+    ended; a request vLLM failed (kv_load_failure_policy "fail") finished
+    before the output reached the connector."""
     connector = make_scheduler_connector(
         mtp_vllm_configs[1], make_kv_cache_config(glm_like_groups())
     )
@@ -154,7 +158,11 @@ def test_blocks_of_a_read_in_flight_stay_out_of_the_pool(
     scheduler = connector.connector_scheduler
     blocks = pool.get_new_blocks(4)
     scheduler._read_dest_blocks["x"] = list(blocks)
-    # The scheduler freed the request's blocks (it recomputes it).
+    # The scheduler freed the request's blocks (it recomputes or fails it).
+    if policy == "fail":
+        request = make_request("x", 64, {"transfer_id": "t-x"})
+        request.status = RequestStatus.FINISHED_ERROR
+        scheduler.request_finished(request, [[b.block_id for b in blocks]])
     pool.free_blocks(blocks)
     free = pool.get_num_free_blocks()
     meta_cls = moriio_connector.MoRIIOWorkerMetadata
