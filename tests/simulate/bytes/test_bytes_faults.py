@@ -186,6 +186,16 @@ def test_base_fault_failures_are_counted_not_judged():
     assert "error" in table and "0 / 0 / 2 / 0 (1 leaks)" in table
 
 
+def test_blocks_held_for_a_read_in_flight_show_and_pass():
+    """A decoder that holds the blocks of a failed READ whose posts never
+    ended (a hang) passes: held, not a leak."""
+    row = _row("overlay", fault_outcomes={"recomputed": 2}, held_cases=2)
+    assert fault_failures(row) == 0
+    assert fault_cell(row) == "2 / 0 / 0 / 0 (2 held)"
+    report = BytesReport([17], [0.0], {"overlay": "x"}, [row], 1.0)
+    assert judge(report, []).exit_code == 0
+
+
 def test_a_fault_that_never_fired_shows():
     row = _row("overlay", fault_outcomes={"loaded": 2})
     row.fault_fired = 0

@@ -122,6 +122,9 @@ class CaseBytes(msgspec.Struct, frozen=True):
     faulted request on the decoder, ``FAULT_OUTCOMES``."""
     fault_fired: int = 0
     """Posts the transport fault failed, left pending or cut short."""
+    held_blocks: int = 0
+    """(A fault case.) Decoder blocks the connector holds because the
+    faulted READ may still write them (its posts never ended): no leak."""
     leaks: list[str] = []
     """What a fault case left held: ``decoder blocks`` (the decoder's free
     blocks did not come back), ``prefiller blocks`` (the prefiller never
@@ -391,7 +394,7 @@ class _Leg:
 
     def step(
         self, watch: Watch | None, add: tuple[Any, ...] | None
-    ) -> tuple[list[StepResult], dict[str, set[Any]], list[Any]]:
+    ) -> tuple[list[StepResult], dict[str, Any], list[Any]]:
         """One scheduler step of the leg, as vLLM's engine core drives it:
         rank 0 adds ``add`` (a request) if given, schedules and, alone in its
         leg, also executes and updates the scheduler in the same round trip;
@@ -753,6 +756,7 @@ class Driver:
         x_tokens = prompt_tokens(uid, n)
         c_tokens = prompt_tokens(uid + (1 << 20), n)
         free_before = self.d.call0("free_blocks")
+        held_before = self.d.call0("held_blocks")
         for leg in (self.p, self.d):
             leg.call_all("track", xr)
         xp, xd = self._params(uid, FAULTED_PREFIX)
@@ -835,8 +839,13 @@ class Driver:
         if self.config.mode != READ and not verdicts and not (hung or other_failed):
             raise RankError(f"the decoder never judged {cr}")
         leaks = []
-        if not hung and self.d.call0("free_blocks") != free_before:
-            leaks.append("decoder blocks")
+        held = 0
+        if not hung:
+            # Blocks a failed READ still in flight may write are held until
+            # it ends (the stand-in's hung posts never do): no leak.
+            held = self.d.call0("held_blocks") - held_before
+            if self.d.call0("free_blocks") + held != free_before:
+                leaks.append("decoder blocks")
         # A prefiller that dropped out holds nothing: its process is gone.
         dropped = self.config.fault == TRANSPORT + "drop"
         for rid in (xr, cr):
@@ -883,6 +892,7 @@ class Driver:
             + ([f"{xr}: computed on {wrong} wrong bytes"] if wrong else []),
             fault=outcome,
             fault_fired=fired,
+            held_blocks=held,
             leaks=leaks,
             fallback=other_failed,
         )

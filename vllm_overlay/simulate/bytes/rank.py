@@ -546,6 +546,7 @@ class Rank:
             self.connector.wait_for_save()
             results = self.connector.get_transfer_results(plan.finished_req_ids)
             invalid = self.connector.get_block_ids_with_load_errors()
+            worker_meta = self.connector.build_connector_worker_meta()
         finally:
             self.connector.clear_connector_metadata()
         return StepResult(
@@ -559,6 +560,7 @@ class Rank:
                 getattr(self.worker.moriio_engine.loopback_stats, "faulted_posts", 0)
             ),
             tracked=tracked,
+            worker_meta=worker_meta,
         )
 
     # -- rank 0: the scheduler ---------------------------------------------
@@ -667,6 +669,7 @@ class Rank:
             finished_recving=output["finished_recving"] or None,
             invalid_block_ids=output["invalid_block_ids"],
             failed_recving=output["failed_recving"],
+            kv_connector_worker_meta=output["worker_meta"],
         )
         out = model_runner_output(
             ids,
@@ -698,6 +701,15 @@ class Rank:
         """Blocks in the pool's free queue (cached ones included)."""
         return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
 
+    def held_blocks(self) -> int:
+        """Blocks the connector holds out of the pool for failed READs still
+        in flight (0 for a connector without such a hold)."""
+        connector = self.scheduler.connector
+        held = getattr(
+            getattr(connector, "connector_scheduler", None), "num_held_read_blocks", 0
+        )
+        return int(held)
+
     def begin_step(
         self, add: tuple[Any, ...] | list[tuple[Any, ...]] | None, watch_ids: list[str]
     ) -> StepPlan:
@@ -709,7 +721,7 @@ class Rank:
 
     def step1(
         self, add: tuple[Any, ...] | None, watch_ids: list[str], watch: Watch | None
-    ) -> tuple[StepResult, dict[str, set[Any]], list[Any], list[str]]:
+    ) -> tuple[StepResult, dict[str, Any], list[Any], list[str]]:
         """A leg of one rank: schedule, execute and update in one command,
         the rank's output aggregated as the driver does for a wider leg."""
         plan = self.begin_step(add, watch_ids)
@@ -804,6 +816,7 @@ def _serve_rank(conn: Any, rank: Rank) -> bool:
         "track": rank.track,
         "release_watch": rank.release_watch,
         "free_blocks": rank.free_blocks,
+        "held_blocks": rank.held_blocks,
     }
     while True:
         cmd, args = conn.recv()

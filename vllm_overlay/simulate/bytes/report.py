@@ -87,6 +87,9 @@ class ConfigReport(msgspec.Struct, tag="bytes-config"):
     """Fault cases that left the decoder's blocks or a prefiller request
     held."""
     leak_notes: list[str] = []
+    held_cases: int = 0
+    """Fault cases whose decoder holds the blocks a failed READ still in
+    flight may write (``CaseBytes.held_blocks``)."""
 
 
 class BytesReport(msgspec.Struct):
@@ -188,6 +191,8 @@ def fault_cell(r: ConfigReport | None) -> str:
         extra.append(f"{crashes} errors")
     if r.leak_cases:
         extra.append(f"{r.leak_cases} leaks")
+    if r.held_cases:
+        extra.append(f"{r.held_cases} held")
     if not r.fault_fired and r.cases > r.error_cases:
         extra.append("fault never fired")
     return text + (f" ({', '.join(extra)})" if extra else "")
@@ -214,7 +219,8 @@ def format_fault_table(report: BytesReport) -> str:
         "failed too (the prefiller refused it) and was recomputed; errors: a "
         "worker raised (a real engine "
         "dies); leaks: the decoder's free blocks did not come back or the "
-        "prefiller never released a request"
+        "prefiller never released a request; held: the decoder holds the "
+        "blocks of the faulted READ, whose posts never ended, out of its pool"
     )
 
 

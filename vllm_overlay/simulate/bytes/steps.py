@@ -126,7 +126,7 @@ def aggregate(
     pending_sending: Counter[str],
     pending_recving: Counter[str],
     tp: int,
-) -> dict[str, set[Any]]:
+) -> dict[str, Any]:
     """The leg's ``KVConnectorOutput`` fields from its ranks' results, as
     vLLM's ``KVOutputAggregator`` makes them: a request finished sending or
     receiving once every rank of the leg said so (``pending_*`` count the
@@ -149,7 +149,18 @@ def aggregate(
         "finished_recving": done_recv,
         "failed_recving": set().union(*(r.failed_recving for r in results)),
         "invalid_block_ids": set().union(*(r.invalid_block_ids for r in results)),
+        "worker_meta": _aggregate_meta([r.worker_meta for r in results]),
     }
+
+
+def _aggregate_meta(metas: list[Any]) -> Any:
+    """The ranks' ``KVConnectorWorkerMetadata`` of a step, aggregated as
+    vLLM's ``KVOutputAggregator`` does (None when no rank has any)."""
+    merged = None
+    for meta in metas:
+        if meta is not None:
+            merged = meta if merged is None else merged.aggregate(meta)
+    return merged
 
 
 @dataclass
@@ -168,6 +179,8 @@ class StepResult:
     """The tracked (faulted) request's first computed step on this rank:
     (its first computed position, wrong bytes of the pages it attends to
     below that position)."""
+    worker_meta: Any = None
+    """The connector's ``build_connector_worker_meta()`` of the step."""
 
 
 class SchedulerEscape(RuntimeError):

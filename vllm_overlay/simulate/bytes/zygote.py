@@ -142,6 +142,7 @@ def run_item(
             outcomes = report.fault_outcomes
             outcomes[case.fault] = outcomes.get(case.fault, 0) + 1
             report.fault_fired += case.fault_fired
+            report.held_cases += bool(case.held_blocks)
             if case.leaks:
                 report.leak_cases += 1
                 if len(report.leak_notes) < 4:
