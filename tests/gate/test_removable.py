@@ -46,6 +46,10 @@ CORE_FIXED = {
         "processed_computed_tokens = max(0, processed_computed_tokens - 1)",
     ),
     "c004": ("vllm/v1/kv_cache_interface.py", "compress_ratio: int | None = None"),
+    "c005": (
+        "vllm/v1/request.py",
+        "self.num_local_hit_tokens_per_group: tuple[int, ...] | None = None",
+    ),
 }
 
 

@@ -2151,9 +2151,10 @@ class Group:
     kind: "target" (the model's MLA group; every target group has the same
     spec, so they share one prefix hit), "full" (a Llama-like full-attention
     group), "drafter" (an EAGLE drafter owning a full-attention group of its
-    own spec), "kda" (recurrent state), "wrapped" (the target's MLA layers and
-    an fp8 indexer cache, a full-attention group in
-    ``UniformTypeKVCacheSpecs`` as the workers' configs hold it).
+    own spec), "window" (a 64-token sliding window), "kda" (recurrent
+    state), "wrapped" (the target's MLA layers and an fp8 indexer cache, a
+    full-attention group in ``UniformTypeKVCacheSpecs`` as the workers'
+    configs hold it).
     """
 
     kind: str
@@ -2185,6 +2186,8 @@ class Group:
             return full_attention_spec(
                 self.block_size, head_size=128, dcp_sharded=self.dcp_sharded
             )
+        if self.kind == "window":
+            return sliding_window_spec(self.block_size, 64)
         assert self.kind == "kda"
         return kda_mamba_spec(16)
 
@@ -2421,13 +2424,21 @@ class ManagerRead:
 
 
 def read_after_manager_hit(
-    model_dir: Path, groups: Sequence[Group], block: int, *, divergent: bool
+    model_dir: Path,
+    groups: Sequence[Group],
+    block: int,
+    *,
+    divergent: bool,
+    stated_group_hits: bool = False,
 ) -> ManagerRead:
     """An earlier 200-token request leaves 160 shared tokens in the prefix
     cache of a real ``KVCacheManager`` (EAGLE on); a 220-token prompt with
     that prefix is then prefilled remotely and admitted by a READ consumer
     with the manager's hit (``divergent``: the per-group hit the connector
-    path gets, else the common one)."""
+    path gets, else the common one). ``stated_group_hits``: the request
+    carries each group's hit of a divergent lookup, as vLLM's scheduler
+    records it with core patch c005 (computed from the manager's per-group
+    lookup where vLLM lacks it)."""
     manager = KVCacheManager(
         make_kv_cache_config([g.group_spec(i) for i, g in enumerate(groups)], 512),
         max_model_len=4096,
@@ -2451,6 +2462,13 @@ def read_after_manager_hit(
         hit_blocks, local_hit, _, diverged = manager.get_computed_blocks_for_connector(
             decode
         )
+        if stated_group_hits:
+            hits = getattr(hit_blocks, "num_hit_tokens_per_group", None)
+            if hits is None:
+                _, hits = manager.coordinator.find_longest_cache_hit_per_group(  # type: ignore[attr-defined]
+                    decode.block_hashes, decode.get_max_cache_hit_length()
+                )
+            setattr(decode, "num_local_hit_tokens_per_group", hits)  # noqa: B010
     else:
         hit_blocks, local_hit, _ = manager.get_computed_blocks(decode)
 

@@ -23,6 +23,7 @@ CORE_MODULES = [
     "vllm.v1.core.kv_cache_manager",
     "vllm.v1.core.sched.scheduler",
     "vllm.v1.kv_cache_interface",
+    "vllm.v1.request",
 ]
 FIXED = "if num_external_computed_tokens and self.connector is not None"
 

@@ -31,7 +31,7 @@ CORE_ENV = "VLLM_OVERLAY_SIMULATE_CORE_DIR"
 def core_tree(source: BaseSource, checkout: Checkout) -> Iterator[str]:
     """Write the core files with the whole core series applied into a
     temporary directory, name it in ``CORE_ENV`` for the children started
-    meanwhile, and yield what was applied (``c001..c004``); both go
+    meanwhile, and yield what was applied (``c001..c005``); both go
     afterwards."""
     core = load_core_series(checkout.root)
     keys = [core_key(p) for p in core.patches]
