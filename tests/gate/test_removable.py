@@ -50,6 +50,7 @@ CORE_FIXED = {
         "vllm/v1/request.py",
         "self.num_local_hit_tokens_per_group: tuple[int, ...] | None = None",
     ),
+    "c006": (SCHEDULER, "recovers_failed_sync_kv_loads = True"),
 }
 
 
