@@ -11,6 +11,9 @@ import pytest
 
 from vllm_overlay.simulate.bytes.run import ZygoteSession
 
+SHARED_FIXTURES = ("byte_zygote",)
+"""The gate runs the test files using these in one pytest process."""
+
 
 @pytest.fixture(scope="session")
 def byte_zygote() -> Iterator[ZygoteSession]:
