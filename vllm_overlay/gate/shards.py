@@ -212,21 +212,16 @@ def shared_fixtures(conftest: Path) -> tuple[str, ...]:
     strings at module level), read without importing it."""
     tree = _parse(conftest) if conftest.is_file() else None
     for node in tree.body if tree is not None else []:
-        target = (
-            node.targets[0]
-            if isinstance(node, ast.Assign) and len(node.targets) == 1
-            else node.target
-            if isinstance(node, ast.AnnAssign)
-            else None
-        )
-        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
-        if isinstance(target, ast.Name) and target.id == SHARED:
-            if isinstance(value, ast.Tuple | ast.List):
-                return tuple(
-                    e.value
-                    for e in value.elts
-                    if isinstance(e, ast.Constant) and isinstance(e.value, str)
-                )
+        if not isinstance(node, ast.Assign | ast.AnnAssign):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        named = any(isinstance(t, ast.Name) and t.id == SHARED for t in targets)
+        if named and isinstance(node.value, ast.Tuple | ast.List):
+            return tuple(
+                e.value
+                for e in node.value.elts
+                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+            )
     return ()
 
 

@@ -3,8 +3,9 @@ overlaid in ``nox -s unit``) move real KV cache tensors over the loopback
 ``mori`` stand-in; ``nox -s simulate-bytes`` runs the full table.
 
 The session's zygote (``conftest.byte_zygote``) runs every configuration
-below, each in forked rank processes. The checker is tested in the same run: a shifted source offset, a
-shifted destination offset and a wrong head split must all be reported.
+below, each in forked rank processes. The checker is tested in the same run:
+a shifted source offset, a shifted destination offset and a wrong head split
+must all be reported.
 """
 
 from __future__ import annotations
