@@ -298,6 +298,11 @@ class ZygoteSession:
     def _zygote(self) -> subprocess.Popen[str]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
+        if self._proc is not None:  # ended: its pipes go
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
         if self._dirs is None:
             self._dirs = self._stack.enter_context(
                 procs.variant_dirs({self.variant: (self._files, "")})
@@ -335,7 +340,6 @@ class ZygoteSession:
             line = proc.stdout.readline()
             if not line:
                 code = proc.wait()
-                self._proc = None
                 raise RuntimeError(
                     f"simulator process ({self.variant}) exited {code}:\n"
                     + "".join(self._tail)
