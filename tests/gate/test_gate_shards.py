@@ -113,6 +113,37 @@ def test_the_lanes_share_the_time_and_keep_the_loading_files_apart(
     assert sum(bool(set(s) & set(loading)) for lane in lanes for s in lane) == 1
 
 
+def test_the_files_sharing_a_session_fixture_run_in_one_process(
+    tmp_path: Path,
+) -> None:
+    """A conftest's ``SHARED_FIXTURES``: the files under it that request one
+    (a test's or a fixture's parameter) form one block, which the lanes'
+    balance would otherwise spread; a file elsewhere asking for the same
+    name, or none, is spread as before."""
+    tests = tmp_path / "tests"
+    _write(tests / "sim" / "conftest.py", 'SHARED_FIXTURES = ("zygote",)\n')
+    uses = "def test_it(tmp_path, zygote):\n    pass\n"
+    sharing = [_write(tests / "sim" / f"test_z{i}.py", uses) for i in range(3)]
+    sharing.append(
+        _write(
+            tests / "sim" / "deep" / "test_z3.py",
+            "import pytest\n\n@pytest.fixture\ndef mine(zygote):\n    pass\n",
+        )
+    )
+    plain = "def test_it(tmp_path):\n    pass\n"
+    others = [_write(tests / "sim" / f"test_o{i}.py", plain) for i in range(3)]
+    far = "def test_it(zygote):\n    pass\n"
+    others.append(_write(tests / "far" / "test_far.py", far))
+    weights = {f: 30.0 for f in [*sharing, *others]}
+    lanes = plan(tmp_path, list(weights), 2, weights)
+    shards = [set(shard) for lane in lanes for shard in lane]
+    assert any(set(sharing) <= shard for shard in shards), lanes
+    assert sorted(f for s in shards for f in s) == sorted(weights)
+    # The other files balance the lanes around the block.
+    totals = [sum(weights[f] for shard in lane for f in shard) for lane in lanes]
+    assert totals == [120.0, 120.0]
+
+
 def test_a_file_without_a_record_is_weighed_by_the_recorded_rate(
     tmp_path: Path,
 ) -> None:

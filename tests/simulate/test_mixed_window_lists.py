@@ -38,16 +38,15 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("n", [529, 545])
-def test_base_decoder_reads_the_right_window(
-    tmp_path: Path, base_texts: dict[str, str], n: int
-) -> None:
-    """vLLM's pinned MoRIIO as the decoder (it cannot change), this build as
-    the prefiller, both legs vLLM's real schedulers (the simulator's mixed
-    pair, gemma: window 512, block 16): at N = 1 mod 16 the base decoder's
-    window READ lands on the pages of the same positions."""
+LENGTHS = (529, 545)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory, base_texts: dict[str, str]):
+    """Every length's (wrong, error, fallback), one child process (one
+    vLLM import, one scheduler pair) running them in turn."""
     overlay = Path(moriio_connector.__file__).parent
-    base = tmp_path / "base" / "moriio"
+    base = tmp_path_factory.mktemp("base") / "moriio"
     base.mkdir(parents=True)
     for path, text in base_texts.items():
         (base / Path(path).name).write_text(text)
@@ -58,8 +57,8 @@ def test_base_decoder_reads_the_right_window(
             textwrap.dedent(_CHILD),
             str(overlay),
             str(base),
-            str(47800 + n % 100),
-            str(n),
+            "47829",
+            ",".join(map(str, LENGTHS)),
         ],
         capture_output=True,
         text=True,
@@ -67,5 +66,13 @@ def test_base_decoder_reads_the_right_window(
         check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {str(n): [False, None, False]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_base_decoder_reads_the_right_window(results: dict[str, list], n: int) -> None:
+    """vLLM's pinned MoRIIO as the decoder (it cannot change), this build as
+    the prefiller, both legs vLLM's real schedulers (the simulator's mixed
+    pair, gemma: window 512, block 16): at N = 1 mod 16 the base decoder's
+    window READ lands on the pages of the same positions."""
+    assert results[str(n)] == [False, None, False]

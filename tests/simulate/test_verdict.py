@@ -8,12 +8,14 @@ import io
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from vllm_overlay.cli import build_parser, main
 from vllm_overlay.command import PROGRESS_EVERY, App
+from vllm_overlay.simulate import procs
 from vllm_overlay.simulate.cli import report_name, selection
 from vllm_overlay.simulate.eta import duration
 from vllm_overlay.simulate.layouts import expand
@@ -134,15 +136,49 @@ def _checkout(tmp_path: Path, gaps: str) -> Path:
     return root
 
 
+WorkerResults = dict[tuple[str, ...], list[Any]]
+
+
+@pytest.fixture
+def worker_results() -> WorkerResults:
+    """What the simulator's worker processes reported, by command line."""
+    return {}
+
+
+def _simulate(recorded: WorkerResults, argv: list[str]) -> int:
+    """``main(argv)``, whose worker processes run once per command line:
+    run again, the command is handed their recorded results. Everything
+    else it does (its plan and expected time, the report, the known gaps,
+    the verdict) runs every time. One worker process (``--processes 1``):
+    a case or two, not worth a second vLLM import."""
+    key = tuple(argv)
+    real = procs.run_processes
+
+    def run_processes(*args: Any, **kwargs: Any) -> None:
+        tally: procs.Tally = args[4]
+        if key in recorded:
+            for result in recorded[key]:
+                tally(result)
+            return
+        real(*args, **kwargs)
+        recorded[key] = list(tally.results)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(procs, "run_processes", run_processes)
+        return main(argv)
+
+
 def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], worker_results: WorkerResults
 ) -> None:
     """dsv4 at N=251 on the base: seed 001's window shifted by one block."""
     root = _checkout(tmp_path, "")
     report = tmp_path / "sim.json"
     argv = ["--repo", str(root), "simulate", "--layouts", "dsv4", "--lengths"]
     argv += ["251", "--hits", "0", "--variant", "overlay", "--report", str(report)]
-    assert main(argv) == 1
+    argv += ["--processes", "1"]
+    code = _simulate(worker_results, argv)
+    assert code == 1
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == (
         "simulate: FAILED: the overlay falls short in 1 layout: dsv4 reads "
@@ -153,7 +189,8 @@ def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
         '[[gap]]\nlayout = "dsv4"\nproblem = "wrong KV"\n'
         'tracked_by = "issue 12"\nwhy = "the test lists it"\n'
     )
-    assert main(argv) == 0
+    code = _simulate(worker_results, argv)
+    assert code == 0
     assert (
         capsys.readouterr()
         .out.splitlines()[-1]
@@ -162,7 +199,7 @@ def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
 
 
 def test_a_targeted_run_writes_its_own_report_and_keeps_the_full_one(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], worker_results: WorkerResults
 ) -> None:
     """A run given --layouts/--lengths/... writes a report named by its
     selection; the full run's .nox-reports/simulate.json stays as it was."""
@@ -171,7 +208,9 @@ def test_a_targeted_run_writes_its_own_report_and_keeps_the_full_one(
     full.parent.mkdir()
     full.write_text('{"the": "full run"}\n')
     argv = ["--repo", str(root), "simulate", "--layouts", "llama", "--lengths", "5"]
-    assert main([*argv, "--hits", "0", "--variant", "overlay"]) == 0
+    argv += ["--hits", "0", "--variant", "overlay", "--processes", "1"]
+    code = _simulate(worker_results, argv)
+    assert code == 0
     written = full.with_name(
         "simulate.layouts-llama.lengths-5.hits-0.variant-overlay.json"
     )
@@ -188,7 +227,8 @@ def test_a_targeted_run_writes_its_own_report_and_keeps_the_full_one(
     plan = "simulate: 6 cases: 3 layouts x 1 variant x 2 modes; expected about "
     assert err.startswith(plan)
     wall = json.loads(written.read_text())["wall_seconds"]
-    assert main([*argv, "--hits", "0", "--variant", "overlay"]) == 0
+    code = _simulate(worker_results, argv)
+    assert code == 0
     assert capsys.readouterr().err.startswith(
         f"{plan}{duration(wall)} (the last run of this selection took {duration(wall)})"
     )

@@ -9,16 +9,21 @@ every test's duration; then the tests that evidence selects run on the
 pinned base, again in shards. Test files that import the MoRIIO package at
 collection (`vllm_overlay.gate.imports`) never share a process with the
 others: in a process where the package is loaded every test counts as touching it.
+The test files that use a session fixture a conftest names in
+``SHARED_FIXTURES`` (`shared_groups`) run in one process, which sets it up
+once.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from math import ceil
 from pathlib import Path
 from xml.etree import ElementTree
@@ -155,15 +160,19 @@ def plan(
     never share a process with the others, but share the lanes' time.
 
     The loading files form as few blocks as fit a lane's share of the
-    expected time; the blocks and every other file go longest first into the
-    lightest lane. A lane runs its loading files in one process, then its
-    other files in another."""
+    expected time; each group of files sharing a session fixture
+    (`shared_groups`) is one block; the blocks and every other file go
+    longest first into the lightest lane. A lane runs its loading files in
+    one process, then its other files in another."""
     jobs = max(jobs, 1)
     loading = [f for f in files if imports_package(f, root, MODULE_PACKAGE)]
     share = sum(weights[f] for f in files) / jobs or 1.0
     heavy = sum(weights[f] for f in loading)
     blocks = pack({f: weights[f] for f in loading}, min(jobs, ceil(heavy / share)))
-    blocks += [[f] for f in files if f not in loading]
+    rest = [f for f in files if f not in loading]
+    groups = shared_groups(root, rest)
+    grouped = {f for group in groups for f in group}
+    blocks += groups + [[f] for f in rest if f not in grouped]
     lanes: list[tuple[float, list[Path]]] = [(0.0, []) for _ in range(jobs)]
     for block in sorted(blocks, key=lambda b: (-sum(weights[f] for f in b), b)):
         i = min(range(jobs), key=lambda i: lanes[i][0])
@@ -182,6 +191,77 @@ def plan(
         for _, members in lanes
         if members
     ]
+
+
+SHARED = "SHARED_FIXTURES"
+"""A conftest's module-level tuple of fixture names: session fixtures worth
+setting up once (a process that imports vLLM), whose test files `plan` keeps
+in one pytest process."""
+
+
+def _parse(path: Path) -> ast.Module | None:
+    try:
+        return ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+@cache
+def shared_fixtures(conftest: Path) -> tuple[str, ...]:
+    """The names a conftest lists in ``SHARED_FIXTURES`` (a tuple or list of
+    strings at module level), read without importing it."""
+    tree = _parse(conftest) if conftest.is_file() else None
+    for node in tree.body if tree is not None else []:
+        if not isinstance(node, ast.Assign | ast.AnnAssign):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        named = any(isinstance(t, ast.Name) and t.id == SHARED for t in targets)
+        if named and isinstance(node.value, ast.Tuple | ast.List):
+            return tuple(
+                e.value
+                for e in node.value.elts
+                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+            )
+    return ()
+
+
+def _parameters(path: Path) -> set[str]:
+    """The parameter names of every function a test file defines (the
+    fixtures its tests and its own fixtures request)."""
+    tree = _parse(path)
+    names: set[str] = set()
+    for node in ast.walk(tree) if tree is not None else []:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            names.update(x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs])
+    return names
+
+
+def shared_groups(root: Path, files: Sequence[Path]) -> list[list[Path]]:
+    """The files (two or more) that request one of the ``SHARED_FIXTURES``
+    of a conftest above them (in ``root``), by conftest and fixture; a file
+    requesting several joins their groups."""
+    root = root.resolve()
+    groups: list[tuple[set[tuple[Path, str]], list[Path]]] = []
+    for f in files:
+        wanted = _parameters(f)
+        keys: set[tuple[Path, str]] = set()
+        directory = f.resolve().parent
+        while directory.is_relative_to(root):
+            conftest = directory / "conftest.py"
+            keys |= {(conftest, n) for n in shared_fixtures(conftest) if n in wanted}
+            if directory == root:
+                break
+            directory = directory.parent
+        if not keys:
+            continue
+        members = [f]
+        for group in [g for g in groups if g[0] & keys]:
+            groups.remove(group)
+            keys |= group[0]
+            members += group[1]
+        groups.append((keys, members))
+    return [sorted(members) for _, members in groups if len(members) > 1]
 
 
 def junit_times(path: Path, root: Path) -> dict[str, float]:

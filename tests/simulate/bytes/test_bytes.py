@@ -2,9 +2,10 @@
 overlaid in ``nox -s unit``) move real KV cache tensors over the loopback
 ``mori`` stand-in; ``nox -s simulate-bytes`` runs the full table.
 
-One zygote process runs every configuration below, each in forked rank
-processes. The checker is tested in the same run: a shifted source offset, a
-shifted destination offset and a wrong head split must all be reported.
+The session's zygote (``conftest.byte_zygote``) runs every configuration
+below, each in forked rank processes. The checker is tested in the same run:
+a shifted source offset, a shifted destination offset and a wrong head split
+must all be reported.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport
-from vllm_overlay.simulate.bytes.run import run_zygote
+from vllm_overlay.simulate.bytes.run import ZygoteSession
 
 LENGTHS = "2,65,120,250,530"
 HITS = "0,50"
@@ -71,9 +72,9 @@ FAULTS = {
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[ConfigItem, ConfigReport]:
+def reports(byte_zygote: ZygoteSession) -> dict[ConfigItem, ConfigReport]:
     plan = [*SAMPLED, *FAIL_CLOSED_OR_RIGHT, *REFUSED, *FAULTS.values()]
-    results = run_zygote("installed", None, plan, LENGTHS, HITS)
+    results = byte_zygote.run(plan, LENGTHS, HITS)
     return {r.item: r for r in results}
 
 

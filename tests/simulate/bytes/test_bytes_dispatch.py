@@ -1,8 +1,9 @@
 """How a byte-level sweep hands out its configurations: each runs exactly
 once per variant, the costliest kinds first; a variant that finishes early
 gives its place to another zygote of the other; a zygote that fails stops
-the sweep with its own last lines. Fake zygotes (a few lines of Python
-speaking the zygote's stdin/stdout protocol) stand in for the real ones."""
+the sweep with its own last lines; a test session's zygote runs plan after
+plan. Fake zygotes (a few lines of Python speaking the zygote's stdin/stdout
+protocol) stand in for the real ones."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import textwrap
 import msgspec
 import pytest
 
+from vllm_overlay.simulate.bytes import run
 from vllm_overlay.simulate.bytes.dispatch import Dispatcher, order, variant_orders
 from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport, ZygoteLine
 from vllm_overlay.simulate.bytes.run import plan_items
@@ -202,3 +204,63 @@ def test_the_summary_says_one_case_in_one_configuration():
         wall_seconds=1.0,
     )
     assert summary_line(report).startswith("1 case in 1 configuration; overlay: ")
+
+
+_SESSION_FAKE = textwrap.dedent(
+    """
+    import json, os, sys
+    print("importing vLLM (not really)", flush=True)
+    for line in sys.stdin:
+        item = json.loads(line)
+        if item["layout"] == "crash":
+            print("boom: the fake zygote fails here", flush=True)
+            sys.exit(3)
+        progress = {"type": "progress", "variant": "installed",
+                    "layout": item["layout"], "done": 0, "total": 1}
+        print(MARK + json.dumps(progress), flush=True)
+        report = {"type": "bytes-config", "variant": "installed", "item": item,
+                  "first_errors": [str(os.getpid()), line.strip()]}
+        print(MARK + json.dumps(report), flush=True)
+    """
+).replace("MARK", repr(MARK))
+
+
+def test_a_session_runs_plan_after_plan_in_one_zygote_until_it_ends(monkeypatch):
+    """``ZygoteSession``: each plan's reports, in order and for the items
+    given, from one zygote that gets each item with the plan's lengths, hits
+    and WRITE wait (unless the item has its own); a zygote that ends fails
+    its plan with its last lines, and the next plan starts another."""
+    started: list[subprocess.Popen[str]] = []
+
+    def fake(dirs, variant, plan, lengths, hits, ports=None, write_wait=None):
+        assert plan is None  # the session hands its items over stdin
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SESSION_FAKE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(run, "_start_zygote", fake)
+    own = ConfigItem("b", "write", 1, 1, "LBNHC", lengths="7", write_wait=2.0)
+    with run.ZygoteSession("installed") as session:
+        first = session.run(_items(2), "17,65", "0,100")
+        second = session.run([own], "129", "50", write_wait=5.0)
+        with pytest.raises(RuntimeError, match="boom: the fake zygote fails here"):
+            session.run([ConfigItem("crash", "read", 1, 1, "LBNHC")], "1", "0")
+        third = session.run(_items(1), "2", "0")
+    assert [r.item for r in first] == _items(2) and [r.item for r in second] == [own]
+
+    def sent(reports: list[ConfigReport]) -> list[tuple[object, ...]]:
+        got = [msgspec.json.decode(r.first_errors[1], type=ConfigItem) for r in reports]
+        return [(i.lengths, i.hits, i.write_wait) for i in got]
+
+    assert sent(first) == [("17,65", "0,100", None)] * 2
+    assert sent(second) == [("7", "50", 2.0)]
+    pids = {r.first_errors[0] for r in [*first, *second]}
+    assert pids == {str(started[0].pid)} and session.started == 2
+    assert third[0].first_errors[0] == str(started[1].pid)
+    assert all(p.poll() is not None for p in started)  # none outlives the session

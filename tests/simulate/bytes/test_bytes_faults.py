@@ -27,7 +27,7 @@ from vllm_overlay.simulate.bytes.report import (
     fault_failures,
     format_fault_table,
 )
-from vllm_overlay.simulate.bytes.run import run_zygote
+from vllm_overlay.simulate.bytes.run import ZygoteSession
 from vllm_overlay.simulate.bytes.verdict import judge
 
 STANDIN = (
@@ -202,13 +202,13 @@ def test_a_fault_that_never_fired_shows():
     assert "fault never fired" in fault_cell(row)
 
 
-def _fault(mode: str, fault: str) -> ConfigReport:
+def _fault(zygote: ZygoteSession, mode: str, fault: str) -> ConfigReport:
     """llama at TP 1->1 on the installed build, one length, the transport
     fault ``fault`` under one of two requests in flight."""
     item = ConfigItem(
         "llama", mode, 1, 1, "LBNHC", fault=f"transport-{fault}", lengths="17"
     )
-    [report] = run_zygote("installed", None, [item], "17", "0")
+    [report] = zygote.run([item], "17", "0")
     assert report.refused_at_start is None, report.refused_at_start
     assert report.cases == 1
     assert report.error_cases == 0, report.first_errors
@@ -220,15 +220,15 @@ def _fault(mode: str, fault: str) -> ConfigReport:
     ("mode", "fault"),
     [("read", "error"), ("read", "partial"), ("write", "error"), ("write", "hang")],
 )
-def test_a_failed_transfer_is_recomputed_next_to_a_right_one(mode, fault):
-    report = _fault(mode, fault)
+def test_a_failed_transfer_is_recomputed_next_to_a_right_one(byte_zygote, mode, fault):
+    report = _fault(byte_zygote, mode, fault)
     assert report.fault_outcomes == {"recomputed": 1}
     assert report.wrong_cases == 0, report.wrong_notes
     assert report.leak_cases == 0, report.leak_notes
 
 
-def test_a_transfer_cut_short_that_reports_success_is_judged_wrong():
-    report = _fault("read", "lie")
+def test_a_transfer_cut_short_that_reports_success_is_judged_wrong(byte_zygote):
+    report = _fault(byte_zygote, "read", "lie")
     assert report.fault_outcomes == {"wrong": 1}
     assert fault_failures(report) == 1
     assert "wrong bytes" in report.wrong_notes[0]

@@ -1,7 +1,7 @@
 """A byte-level case's result does not depend on the cases run before it.
 
-One configuration's cases run in two orders and one case alone, in one
-zygote (so the rank processes and their slot files carry over from
+One configuration's cases run in two orders and one case alone, in the
+session's zygote (so the rank processes and their slot files carry over from
 configuration to configuration, as in a sweep). A transfer that lands late
 (after the judge, or in a later case), a buffer a rank slot keeps, or a
 scheduler's prefix cache left from an earlier case would show as a case
@@ -15,7 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport
-from vllm_overlay.simulate.bytes.run import run_zygote
+from vllm_overlay.simulate.bytes.run import ZygoteSession
 
 ITEM = ConfigItem("glm", "read", 1, 1, "LBNHC")
 LENGTHS = (65, 100, 129)
@@ -28,15 +28,13 @@ def _per_length(r: ConfigReport) -> dict[int, bool]:
     return {n: n in wrong for n in map(int, (r.item.lengths or "").split(","))}
 
 
-def test_case_results_do_not_depend_on_order() -> None:
+def test_case_results_do_not_depend_on_order(byte_zygote: ZygoteSession) -> None:
     forward = msgspec.structs.replace(ITEM, lengths=",".join(map(str, LENGTHS)))
     backward = msgspec.structs.replace(
         ITEM, lengths=",".join(map(str, reversed(LENGTHS)))
     )
     alone = msgspec.structs.replace(ITEM, lengths=str(LENGTHS[1]))
-    reports = run_zygote(
-        "installed", None, [forward, backward, alone], forward.lengths or "", "100"
-    )
+    reports = byte_zygote.run([forward, backward, alone], forward.lengths or "", "100")
     by_item = {r.item: r for r in reports}
     one, two, three = (by_item[i] for i in (forward, backward, alone))
     assert _per_length(one) == _per_length(two)

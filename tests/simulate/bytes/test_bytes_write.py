@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_overlay.simulate.bytes.report import ConfigItem, ConfigReport
-from vllm_overlay.simulate.bytes.run import run_zygote
+from vllm_overlay.simulate.bytes.run import ZygoteSession
 
 # Seconds the decoder is stepped for a promised WRITE. On loopback a WRITE
 # lands within a step or two; the dropped one is waited for this long.
@@ -26,12 +26,12 @@ def _item(layout: str, lengths: str, fault: str | None = None) -> ConfigItem:
     return ConfigItem(layout, "write", 1, 1, "LBNHC", fault=fault, lengths=lengths)
 
 
-# TP 1->1 at a full hit, one zygote.
+# TP 1->1 at a full hit.
 FULL_HIT = {
     "no-external": _item("kimi", "65,100"),
     "minimum": _item("llama", "2,56"),
 }
-# At no hit and a full hit, one zygote that waits WRITE_WAIT for a WRITE.
+# At no hit and a full hit, waiting WRITE_WAIT for a WRITE.
 DROPPED = _item("kimi", "65", fault="drop-write")
 # ZAYA's state has no slice between TP 1 and 2 (write_failed), at no hit
 # only (the first length at the first hit).
@@ -39,16 +39,14 @@ FAILED = ConfigItem("zaya", "write", 1, 2, "LBNHC", lengths="129", hit_offset=0)
 
 
 @pytest.fixture(scope="module")
-def full_hit() -> dict[ConfigItem, ConfigReport]:
-    reports = run_zygote("installed", None, list(FULL_HIT.values()), "100", "100")
+def full_hit(byte_zygote: ZygoteSession) -> dict[ConfigItem, ConfigReport]:
+    reports = byte_zygote.run(list(FULL_HIT.values()), "100", "100")
     return {r.item: r for r in reports}
 
 
 @pytest.fixture(scope="module")
-def no_and_full_hit() -> dict[ConfigItem, ConfigReport]:
-    reports = run_zygote(
-        "installed", None, [DROPPED, FAILED], "65", "0,100", write_wait=WRITE_WAIT
-    )
+def no_and_full_hit(byte_zygote: ZygoteSession) -> dict[ConfigItem, ConfigReport]:
+    reports = byte_zygote.run([DROPPED, FAILED], "65", "0,100", write_wait=WRITE_WAIT)
     return {r.item: r for r in reports}
 
 
@@ -114,7 +112,9 @@ def test_a_write_the_prefiller_fails_is_recomputed_not_judged(
     assert report.moved_bytes == report.min_bytes == 0
 
 
-def test_a_recomputed_write_leaves_no_stray_bytes_for_the_next_case() -> None:
+def test_a_recomputed_write_leaves_no_stray_bytes_for_the_next_case(
+    byte_zygote: ZygoteSession,
+) -> None:
     """LFM3 at TP 1->2: the prefiller fails every WRITE (its ShortConv state
     has no slice) and the decoder recomputes each request. The request after
     two recomputed ones, at a full local hit (no WRITE: judged at the
@@ -122,7 +122,7 @@ def test_a_recomputed_write_leaves_no_stray_bytes_for_the_next_case() -> None:
     its pages: the recomputed requests' zeroed blocks are the decoder's own
     writes. Judged as stray, the third case read 45056 stray bytes a rank."""
     item = ConfigItem("lfm3", "write", 1, 2, "LBNHC", lengths="2,17,65", hit_offset=0)
-    [report] = run_zygote("installed", None, [item], "2,17,65", "0,50,100")
+    [report] = byte_zygote.run([item], "2,17,65", "0,50,100")
     assert report.refused_at_start is None, report.refused_at_start
     assert report.cases == 3
     assert report.error_cases == 0, report.first_errors

@@ -32,6 +32,11 @@ class ConfigItem(msgspec.Struct, frozen=True):
     """None: every prompt length at every decoder prefix hit. Otherwise
     each length at one hit, in turn: the ``i``-th length at hit
     ``(i + hit_offset) % len(hits)`` (``run.plan_items``)."""
+    hits: str | None = None
+    """Decoder prefix hits (percentages) of this configuration; None: the
+    sweep's."""
+    write_wait: float | None = None
+    """Seconds a promised WRITE is waited for; None: the zygote's."""
 
     def cases(self, lengths: list[int], hits: list[float]) -> list[tuple[float, int]]:
         """(hit, length) of every case, hit by hit, in the order they run."""

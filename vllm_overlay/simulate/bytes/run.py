@@ -10,6 +10,7 @@ importable as ``mori``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -252,6 +253,105 @@ def run_zygote(
         MARK,
         _DECODER,
     )
+
+
+class ZygoteSession:
+    """One variant's zygote kept for plan after plan (``--plan -``), so that
+    a test session's byte-level tests import vLLM once: each plan's
+    configurations run after the previous plan's in the same zygote, as a
+    sweep's do. A zygote that ends (a plan crashed it) fails its plan with
+    its last lines; the next plan starts a fresh one. ``files`` None: the
+    installed moriio package."""
+
+    def __init__(self, variant: str, files: dict[str, str] | None = None) -> None:
+        self.variant = variant
+        self.started = 0
+        self._files = files
+        self._stack = contextlib.ExitStack()
+        self._dirs: dict[str, Path] | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._tail: list[str] = []
+
+    def __enter__(self) -> ZygoteSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the zygote's stdin (it ends once idle), stop it if it does
+        not, and remove its moriio directory."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            assert proc.stdin is not None
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            try:
+                proc.wait(procs.STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                procs.stop([proc])
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self._stack.close()
+        self._dirs = None
+
+    def _zygote(self) -> subprocess.Popen[str]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        if self._proc is not None:  # ended: its pipes go
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+        if self._dirs is None:
+            self._dirs = self._stack.enter_context(
+                procs.variant_dirs({self.variant: (self._files, "")})
+            )
+        # Its own lengths and hits are never used: every item carries them.
+        self._proc = _start_zygote(
+            procs.pair_dirs(self.variant, self._dirs), self.variant, None, "1", "0"
+        )
+        self._tail = []
+        self.started += 1
+        return self._proc
+
+    def run(
+        self,
+        items: list[ConfigItem],
+        lengths: str,
+        hits: str,
+        write_wait: float | None = None,
+    ) -> list[ConfigReport]:
+        """As ``run_zygote`` (each report's ``item`` is the one given), in
+        this session's zygote."""
+        proc = self._zygote()
+        assert proc.stdin is not None and proc.stdout is not None
+        for item in items:
+            planned = msgspec.structs.replace(
+                item,
+                lengths=item.lengths or lengths,
+                hits=item.hits or hits,
+                write_wait=write_wait if item.write_wait is None else item.write_wait,
+            )
+            proc.stdin.write(msgspec.json.encode(planned).decode() + "\n")
+        proc.stdin.flush()
+        reports: list[ConfigReport] = []
+        while len(reports) < len(items):
+            line = proc.stdout.readline()
+            if not line:
+                code = proc.wait()
+                raise RuntimeError(
+                    f"simulator process ({self.variant}) exited {code}:\n"
+                    + "".join(self._tail)
+                )
+            if not line.startswith(MARK):
+                self._tail = [*self._tail[-29:], line]
+                continue
+            result = _DECODER.decode(line[len(MARK) :])
+            if isinstance(result, ConfigReport):
+                result.item = items[len(reports)]
+                reports.append(result)
+        return reports
 
 
 def run_bytes_sweep(

@@ -122,6 +122,8 @@ def run_item(
     )
     if item.lengths is not None:
         lengths = parse_lengths(item.lengths)
+    if item.hits is not None:
+        hits = parse_hits(item.hits)
     cases = item.cases(lengths, hits)
     total = len(cases)
     report = ConfigReport(variant=variant, item=item, planned=total)
@@ -220,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_wait is not None:
         driver.WRITE_WAIT = args.write_wait
     lengths, hits = parse_lengths(args.lengths), parse_hits(args.hits)
+    write_wait = driver.WRITE_WAIT
     for item in plan_of(args.plan):
+        driver.WRITE_WAIT = write_wait if item.write_wait is None else item.write_wait
         emit(run_item(args.variant, item, lengths, hits))
     retire_idle()
     reap_ranks(wait=True)
