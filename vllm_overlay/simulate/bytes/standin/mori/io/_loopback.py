@@ -52,8 +52,9 @@ completes or moves a byte; ``partial``, the first post moves the first half of
 its runs (of its bytes, with one run) and fails, the next succeeds, and so on;
 ``drop``, the first post completes and no later one ever does (its process
 left); ``late``, the second post is made ``LATE_POST_S`` late (the posting
-thread stalls, then the post lands as any other). ``lie`` (a self-test of the simulator's judge): every post moves the
-first half of its runs and reports success.
+thread stalls, then the post lands as any other). ``lie`` (a self-test of
+the simulator's judge): every post moves the first half of its runs and
+reports success.
 """
 
 from __future__ import annotations
