@@ -13,7 +13,7 @@ request's until ``write_quarantine_timeout``, then the workers end the
 receive as failed and ignore any later report.
 
 The scheduler side is the real ``MoRIIOConnector`` of a WRITE decoder; the
-write side is two real WRITE workers (as in 0033's tests) over stubbed mori
+write side is two real WRITE workers over stubbed mori
 whose WRITEs copy bytes between the legs' tensors.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
     moriio_common,
     moriio_connector,
+    moriio_engine,
 )
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -48,17 +50,40 @@ from tests.patches.builders import (
 )
 from tests.patches.test_0033_write_failure_tells_the_decoder import (
     LAYERS,
+    LoopbackWrapper,
     _connect,
     _decoder_allocates,
+    _Event,
     _leg,
     _notices,
     _save_meta,
-    loopback,  # noqa: F401 (fixture)
+    _Socket,
 )
 
 B = 16
 DEADLINE_S = 0.2
 QUARANTINE_S = 0.4
+
+
+@pytest.fixture
+def loopback(
+    copying_mori: None, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[bytes]]:
+    """Workers built in the test get a ``LoopbackWrapper``; every
+    notification any of them sends lands in the yielded outbox."""
+    outbox: list[bytes] = []
+
+    def wrapper(**kwargs: Any) -> LoopbackWrapper:
+        built = LoopbackWrapper(**kwargs)
+        built.outbox = outbox
+        return built
+
+    monkeypatch.setattr(moriio_connector, "MoRIIOWrapper", wrapper)
+    monkeypatch.setattr(moriio_engine, "make_zmq_socket", lambda **kw: _Socket(outbox))
+    # The write task's event: the forward has run (CPU).
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    yield outbox
 
 
 class _Sent:
@@ -178,7 +203,7 @@ def _cancel(prefill: Any, transfer_id: str) -> None:
 
 
 def test_cancelled_write_posts_no_more_and_is_reported_failed(
-    loopback: list[bytes],  # noqa: F811
+    loopback: list[bytes],
     llama_model_dir: Path,
 ) -> None:
     """The cancel reaches the prefiller after it wrote the first layer: it
@@ -228,7 +253,7 @@ def test_cancelled_write_posts_no_more_and_is_reported_failed(
 
 
 def test_unacknowledged_write_ends_failed_and_ignores_late_reports(
-    loopback: list[bytes],  # noqa: F811
+    loopback: list[bytes],
     llama_model_dir: Path,
 ) -> None:
     """The scheduler ends a quarantined transfer: the decoder's worker
@@ -260,7 +285,7 @@ def test_unacknowledged_write_ends_failed_and_ignores_late_reports(
 
 
 def test_release_without_cancel_releases_at_once(
-    loopback: list[bytes],  # noqa: F811
+    loopback: list[bytes],
     llama_model_dir: Path,
 ) -> None:
     """A release without ``write_cancel`` (a decoder with a full local hit,
