@@ -124,6 +124,24 @@ def test_the_moriio_timeouts_reach_vllms_config(
     )  # fmt: skip
 
 
+def test_the_write_deadline_reaches_the_decoders_connector_config(
+    local_example: RunConfig,
+) -> None:
+    # The WRITE decoder's deadline and quarantine are read by the scheduler
+    # connector from kv_connector_extra_config.
+    moriio = msgspec.structs.replace(
+        local_example.moriio, write_recv_timeout=44.0, write_quarantine_timeout=45.0
+    )
+    config = msgspec.structs.replace(local_example, moriio=moriio)
+    kv = engine_config(serve_lines(config)["decode"]).kv_transfer_config
+    assert kv is not None
+    extra = kv.kv_connector_extra_config
+    assert (extra["write_recv_timeout"], extra["write_quarantine_timeout"]) == (
+        44.0,
+        45.0,
+    )
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_serve_line_builds_the_scheduler_connector(
     local_example: RunConfig, role: str

@@ -263,7 +263,10 @@ def test_failed_write_is_reported_to_the_decoder(
     # The decoder's worker receives what the prefiller sent.
     decoder = decode.worker
     decoder.start_load_kv(
-        types.SimpleNamespace(transfer_id_to_request_id={"t-ok": "ok", "t-bad": "bad"})
+        types.SimpleNamespace(
+            transfer_id_to_request_id={"t-ok": "ok", "t-bad": "bad"},
+            expired_write_transfers=[],
+        )
     )
     with _role(moriio_common, moriio_common.ROLE.CONSUMER):
         for payload in loopback:

@@ -395,6 +395,11 @@ class MoRIIO(msgspec.Struct, forbid_unknown_fields=True):
     # Seconds before an in-flight READ whose transfer never completes is
     # aborted on the decoder (the pinned MoRIIOConfig's recv_abort_timeout).
     recv_abort_timeout: Seconds | None = None
+    # Seconds before a WRITE decoder cancels a write it has not received, and
+    # then before it reuses the pages of one no prefiller acknowledged
+    # cancelling (patch 0043's write_recv_timeout, write_quarantine_timeout).
+    write_recv_timeout: Seconds | None = None
+    write_quarantine_timeout: Seconds | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("rdma", "xgmi"):

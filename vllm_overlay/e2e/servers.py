@@ -165,6 +165,8 @@ def kv_transfer_config(config: RunConfig, server: Server) -> str:
         "transfer_timeout": m.transfer_timeout,
         "defer_timeout": m.defer_timeout,
         "recv_abort_timeout": m.recv_abort_timeout,
+        "write_recv_timeout": m.write_recv_timeout,
+        "write_quarantine_timeout": m.write_quarantine_timeout,
     }
     extra.update({k: v for k, v in optional.items() if v is not None})
     kv = {

@@ -3,7 +3,8 @@
 The loopback stand-in faults only the posts made for the faulted requests
 (``posting_for``): an error moves nothing, a hang never completes, a partial
 transfer lands some layers and pages and fails the rest, a prefiller that
-drops out completes its first post and no other. The judge must fail a
+drops out completes its first post and no other, a late prefiller makes its
+second post late (past a WRITE decoder's deadline). The judge must fail a
 transfer cut short that reports success, and the table and verdict count
 what became of the faulted request.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +127,21 @@ def test_a_dropped_prefiller_completes_its_first_post_only(session):
     assert not dst[64:80].any()
 
 
+def test_a_late_post_stalls_then_lands(session, monkeypatch):
+    engine, sess, dst = session
+    monkeypatch.setattr(io, "LATE_POST_S", 0.3)
+    io.set_transport_fault(io.TransportFault("late", "x"))
+    started = time.monotonic()
+    assert _read(engine, sess, "x1", [0]).Succeeded()
+    assert time.monotonic() - started < 0.3
+    second = _read(engine, sess, "x1", [64])
+    assert time.monotonic() - started >= 0.3
+    assert second.Succeeded() and (dst[64:80] == 7).all()
+    assert _read(engine, sess, "x1", [128]).Succeeded()
+    assert time.monotonic() - started < 0.6
+    assert engine.loopback_stats.faulted_posts == 1
+
+
 def test_a_lying_transfer_reports_success_with_half_its_bytes(session):
     engine, sess, dst = session
     io.set_transport_fault(io.TransportFault("lie", "x"))
@@ -138,14 +155,15 @@ def test_an_unknown_fault_is_refused():
         io.set_transport_fault(io.TransportFault("slow", "x"))
 
 
-def test_the_fault_plan_runs_drop_in_write_only():
+def test_the_fault_plan_runs_drop_and_late_in_write_only():
     items = fault_items(
         parse_fault_kinds("all"), ["llama"], ["read", "write"], [(1, 1)], ["LBNHC"]
     )
     faults = [(item.fault, item.mode) for item in items]
-    assert ("transport-drop", "read") not in faults
-    assert ("transport-drop", "write") in faults
-    assert len(faults) == 7
+    for kind in ("drop", "late"):
+        assert (f"transport-{kind}", "read") not in faults
+        assert (f"transport-{kind}", "write") in faults
+    assert len(faults) == 8
     assert all(item.hit_offset is None for item in items)
     with pytest.raises(UsageError, match="unknown"):
         parse_fault_kinds("slow")
@@ -222,6 +240,16 @@ def _fault(zygote: ZygoteSession, mode: str, fault: str) -> ConfigReport:
 )
 def test_a_failed_transfer_is_recomputed_next_to_a_right_one(byte_zygote, mode, fault):
     report = _fault(byte_zygote, mode, fault)
+    assert report.fault_outcomes == {"recomputed": 1}
+    assert report.wrong_cases == 0, report.wrong_notes
+    assert report.leak_cases == 0, report.leak_notes
+
+
+def test_a_prefiller_silent_after_its_first_layer_is_cancelled_and_recomputed(byte_zygote):
+    """The decoder cancels the write past its deadline; with no
+    acknowledgement (the prefiller is gone) it reuses the pages only after
+    the quarantine, then recomputes the request; no stray byte, no leak."""
+    report = _fault(byte_zygote, "write", "drop")
     assert report.fault_outcomes == {"recomputed": 1}
     assert report.wrong_cases == 0, report.wrong_notes
     assert report.leak_cases == 0, report.leak_notes

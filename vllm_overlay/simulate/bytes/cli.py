@@ -114,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser, *, own_command: bool) -> None:
             help="instead of the sweep, fault the loopback transport under one "
             "request with another in flight: "
             + ", ".join(FAULT_KINDS)
-            + " (drop: WRITE only; all: every one, the default; lie, a "
+            + " (drop, late: WRITE only; all: every one, the default; lie, a "
             "self-test: a transfer cut short reports success); layouts default "
             f"{FAULT_LAYOUTS}, TP {_pairs_text(FAULT_TP)}, lengths "
             f"{FAULT_LENGTHS}, KV layout {FAULT_KV_LAYOUT}; hit 0 only",
@@ -127,7 +127,7 @@ def add_arguments(p: argparse.ArgumentParser, *, own_command: bool) -> None:
     )
 
 
-FAULT_KINDS = ("error", "hang", "partial", "drop")
+FAULT_KINDS = ("error", "hang", "partial", "drop", "late")
 """The loopback transport's faults (the stand-in's ``FAULT_KINDS``)."""
 FAULT_SELF_TESTS = ("lie",)
 """Faults the judge must fail: a transfer cut short that reports success."""
@@ -163,8 +163,8 @@ def fault_items(
     tp_pairs: list[tuple[int, int]] | None,
     kv_layouts: list[str],
 ) -> list[ConfigItem]:
-    """Every fault x configuration: each length at every hit, ``drop`` in
-    WRITE only (the prefiller posts WRITEs)."""
+    """Every fault x configuration: each length at every hit, ``drop`` and
+    ``late`` in WRITE only (the prefiller posts WRITEs)."""
     items = plan_items(
         layouts, modes, tp_pairs or list(FAULT_TP), kv_layouts, all_hits=True
     )
@@ -172,7 +172,7 @@ def fault_items(
         msgspec.structs.replace(item, fault=f"{TRANSPORT}{kind}")
         for kind in kinds
         for item in items
-        if kind != "drop" or item.mode == "write"
+        if kind not in ("drop", "late") or item.mode == "write"
     ]
 
 

@@ -308,6 +308,10 @@ class Rank:
                     {
                         "recv_abort_timeout": cfg.transfer_timeout,
                         "defer_timeout": cfg.transfer_timeout,
+                        # A WRITE decoder's deadline (past a writer's wait
+                        # for a stalled transfer) and quarantine (0043).
+                        "write_recv_timeout": 2 * cfg.transfer_timeout,
+                        "write_quarantine_timeout": cfg.transfer_timeout,
                     }
                     if cfg.fault and cfg.fault.startswith(TRANSPORT)
                     else {}

@@ -51,8 +51,10 @@ every post completes failed and moves nothing; ``hang``, no post ever
 completes or moves a byte; ``partial``, the first post moves the first half of
 its runs (of its bytes, with one run) and fails, the next succeeds, and so on;
 ``drop``, the first post completes and no later one ever does (its process
-left). ``lie`` (a self-test of the simulator's judge): every post moves the
-first half of its runs and reports success.
+left); ``late``, the second post is made ``LATE_POST_S`` late (the posting
+thread stalls, then the post lands as any other). ``lie`` (a self-test of
+the simulator's judge): every post moves the first half of its runs and
+reports success.
 """
 
 from __future__ import annotations
@@ -81,7 +83,11 @@ Ints = Sequence[int]
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
-FAULT_KINDS = ("error", "hang", "partial", "drop", "lie")
+FAULT_KINDS = ("error", "hang", "partial", "drop", "late", "lie")
+LATE_POST_S = 5.0
+"""How late ``late`` makes its post: past the simulator's WRITE deadline
+(``write_recv_timeout``, 4 s), so a decoder that reuses the pages at its
+deadline gets them written over."""
 
 
 @dataclass(frozen=True)
@@ -700,7 +706,12 @@ class IOEngine:
                 return False
             if fault.kind == "drop" and index == 0:
                 return False
+            if fault.kind == "late" and index != 1:
+                return False
             self.loopback_stats.faulted_posts += 1
+        if fault.kind == "late":
+            time.sleep(LATE_POST_S)
+            return False
         if fault.kind in ("hang", "drop"):
             self._never.append(post.status)
             return True
