@@ -8,7 +8,8 @@ at start. A WRITE prefiller beside Mamba or window groups computes N - 1
 prompt tokens, so its ring holds the rows the decoder needs, and it writes
 that block into the decoder's. Between unequal TP sizes a ring whose page
 the decoder holds otherwise is refused at the prefiller's handshake, in one
-line naming the ring and both TP sizes (until patch 0042 every ring was).
+line naming the ring and both TP sizes; a ring of the same rows on both
+sides is written whole.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _ring_rank(model_dir: Path) -> RegisteredWorker:
 def _write_refusal(worker: Any, decode_tp: int) -> str:
     """Why the prefiller will not write to a decoder of ``decode_tp`` ranks
     whose ring holds other rows: the refusal its handshake with the decoder
-    records (patch 0042, which writes a ring of the same rows whole), the one
+    records (where a ring of the same rows is written whole), the one
     it states for that peer before writing, or the one its first
     handshake's mapping raises."""
     if hasattr(worker, "_check_write_serves_peer"):

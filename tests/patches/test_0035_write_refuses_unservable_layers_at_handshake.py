@@ -32,7 +32,7 @@ from tests.patches.builders import (
 )
 
 B = 16
-PEER = "127.0.0.1:7000"
+DECODE_PEER = "127.0.0.1:7000"
 ATTN = "model.layers.1.self_attn.attn"
 CONV = "model.layers.0.short_conv"
 PAGE = full_attention_spec(B, num_kv_heads=1, head_size=128).page_size_bytes
@@ -67,7 +67,7 @@ def _prefill_rank(monkeypatch, model_dir, tp_size: int, kind: str) -> Registered
 
 
 def _metadata(d_tp: int) -> moriio_common.MoRIIOConnectorMetadata:
-    host, port = PEER.split(":")
+    host, port = DECODE_PEER.split(":")
     metadata = moriio_common.MoRIIOConnectorMetadata()
     metadata.reqs_to_save["r"] = moriio_common.ReqMeta(
         transfer_id="t",

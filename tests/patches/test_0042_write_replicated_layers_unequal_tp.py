@@ -3,9 +3,9 @@ whole, and refuses at the handshake the layers READ refuses.
 
 A layer whose ranks hold as many KV heads on both sides is replicated on
 every rank (GLM-5's kpool tail ring beside MLA, DeepSeek-V4.1's compressor
-ring): READ reads it whole from one prefill rank (patch 0024). WRITE failed
-every request with such a ring between unequal TP sizes (0035: "a ring's
-page is sized by its rank"), and wrote a replicated attention layer as if
+ring): READ reads it whole from one prefill rank. WRITE failed every
+request with such a ring between unequal TP sizes (its page was taken to
+be sized by its rank), and wrote a replicated attention layer as if
 its heads were split: with two prefill ranks each wrote its copy into the
 other's heads' place, past the decode rank's one head.
 

@@ -49,6 +49,7 @@ from tests.patches.builders import (
     write_params,
 )
 from tests.patches.test_0033_write_failure_tells_the_decoder import (
+    B,
     LAYERS,
     LoopbackWrapper,
     _connect,
@@ -60,7 +61,6 @@ from tests.patches.test_0033_write_failure_tells_the_decoder import (
     _Socket,
 )
 
-B = 16
 DEADLINE_S = 0.2
 QUARANTINE_S = 0.4
 

@@ -4,7 +4,7 @@ READ reads each group's pages past its own hit.
 With divergent local hybrid hits the KV cache manager looks each group up on
 its own and the scheduler reports the full-attention group's hit. An EAGLE
 drafter owning its group hits a page less (the manager drops its last
-matched page): without more, READ gives that group every prompt page (0006).
+matched page): without more, READ gives that group every prompt page.
 A window group, looked up on its own too, reads from its window's start.
 Where the request states each group's hit (``num_local_hit_tokens_per_group``,
 vLLM core patch c005), each group reads only the pages past its own hit. The
