@@ -245,7 +245,9 @@ def test_a_failed_transfer_is_recomputed_next_to_a_right_one(byte_zygote, mode, 
     assert report.leak_cases == 0, report.leak_notes
 
 
-def test_a_prefiller_silent_after_its_first_layer_is_cancelled_and_recomputed(byte_zygote):
+def test_a_prefiller_silent_after_its_first_layer_is_cancelled_and_recomputed(
+    byte_zygote,
+):
     """The decoder cancels the write past its deadline; with no
     acknowledgement (the prefiller is gone) it reuses the pages only after
     the quarantine, then recomputes the request; no stray byte, no leak."""
