@@ -177,9 +177,7 @@ def test_the_abort_runs_in_write_only_and_only_when_asked():
     items = fault_items(
         parse_fault_kinds("abort"), ["llama"], ["read", "write"], [(1, 1)], ["LBNHC"]
     )
-    assert [(item.fault, item.mode) for item in items] == [
-        ("transport-abort", "write")
-    ]
+    assert [(item.fault, item.mode) for item in items] == [("transport-abort", "write")]
 
 
 def _row(variant: str, **fields) -> ConfigReport:
