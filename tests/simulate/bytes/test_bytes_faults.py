@@ -170,6 +170,16 @@ def test_the_fault_plan_runs_drop_and_late_in_write_only():
     assert parse_fault_kinds("lie") == ("lie",)
 
 
+def test_the_abort_runs_in_write_only_and_only_when_asked():
+    """``abort`` (the decoder aborts a request waiting for its WRITE) is
+    not in ``all``; asked for, it runs in WRITE only."""
+    assert "abort" not in parse_fault_kinds("all")
+    items = fault_items(
+        parse_fault_kinds("abort"), ["llama"], ["read", "write"], [(1, 1)], ["LBNHC"]
+    )
+    assert [(item.fault, item.mode) for item in items] == [("transport-abort", "write")]
+
+
 def _row(variant: str, **fields) -> ConfigReport:
     item = ConfigItem("llama", "read", 1, 1, "LBNHC", fault="transport-error")
     return ConfigReport(variant=variant, item=item, cases=2, fault_fired=2, **fields)

@@ -115,7 +115,9 @@ def add_arguments(p: argparse.ArgumentParser, *, own_command: bool) -> None:
             "request with another in flight: "
             + ", ".join(FAULT_KINDS)
             + " (drop, late: WRITE only; all: every one, the default; lie, a "
-            "self-test: a transfer cut short reports success); layouts default "
+            "self-test: a transfer cut short reports success; abort, WRITE "
+            "only: the decoder aborts the request while it waits for its "
+            "WRITE); layouts default "
             f"{FAULT_LAYOUTS}, TP {_pairs_text(FAULT_TP)}, lengths "
             f"{FAULT_LENGTHS}, KV layout {FAULT_KV_LAYOUT}; hit 0 only",
         )
@@ -131,6 +133,10 @@ FAULT_KINDS = ("error", "hang", "partial", "drop", "late")
 """The loopback transport's faults (the stand-in's ``FAULT_KINDS``)."""
 FAULT_SELF_TESTS = ("lie",)
 """Faults the judge must fail: a transfer cut short that reports success."""
+FAULT_ABORT = "abort"
+"""Not a transport fault (the transport is left alone), and not in ``all``:
+the client aborts the faulted request on the decoder while it waits for
+its WRITE."""
 FAULT_LAYOUTS = "llama,gemma,kimi,glm"
 FAULT_TP = ((1, 1), (1, 2))
 FAULT_LENGTHS = "17,129"
@@ -147,12 +153,10 @@ def parse_fault_kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(x.strip() for x in text.split(",") if x.strip())
     if kinds in ((), ("all",)):
         return FAULT_KINDS
-    bad = [k for k in kinds if k not in FAULT_KINDS + FAULT_SELF_TESTS]
+    known = (*FAULT_KINDS, *FAULT_SELF_TESTS, FAULT_ABORT)
+    bad = [k for k in kinds if k not in known]
     if bad:
-        raise UsageError(
-            f"--faults: unknown {bad}; choose from "
-            f"{list(FAULT_KINDS + FAULT_SELF_TESTS)}"
-        )
+        raise UsageError(f"--faults: unknown {bad}; choose from {list(known)}")
     return kinds
 
 
@@ -163,8 +167,9 @@ def fault_items(
     tp_pairs: list[tuple[int, int]] | None,
     kv_layouts: list[str],
 ) -> list[ConfigItem]:
-    """Every fault x configuration: each length at every hit, ``drop`` and
-    ``late`` in WRITE only (the prefiller posts WRITEs)."""
+    """Every fault x configuration: each length at every hit, ``drop``,
+    ``late`` and ``abort`` in WRITE only (the prefiller posts WRITEs; a READ
+    ends within its step)."""
     items = plan_items(
         layouts, modes, tp_pairs or list(FAULT_TP), kv_layouts, all_hits=True
     )
@@ -172,7 +177,7 @@ def fault_items(
         msgspec.structs.replace(item, fault=f"{TRANSPORT}{kind}")
         for kind in kinds
         for item in items
-        if kind not in ("drop", "late") or item.mode == "write"
+        if kind not in ("drop", "late", FAULT_ABORT) or item.mode == "write"
     ]
 
 

@@ -810,6 +810,10 @@ class Driver:
                 Watch(cr, n, c_tokens, arm=True, dest="table", judge_if_computed=True),
                 [(xr, x_tokens, xd), (cr, c_tokens, cd)],
             )
+            if self.config.fault == TRANSPORT + "abort":
+                # The decoder sent the prefiller its pages; no byte moved.
+                self.d.call0("abort", xr)
+                fired = 1
             prefill()
         judge_next = False
         hung = False

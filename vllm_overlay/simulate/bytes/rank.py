@@ -112,7 +112,10 @@ def _apply_transport_fault(kind: str, role: str) -> None:
     worker posts a READ's layers from ``_read_blocks`` on the calling thread
     and a WRITE's from its writer's ``_execute_write_task``, so both mark the
     thread with the request they post for. A prefiller that drops out
-    (``drop``) also sends nothing more about the faulted transfers."""
+    (``drop``) also sends nothing more about the faulted transfers. An
+    ``abort`` faults no post (the driver aborts the request)."""
+    if kind == "abort":
+        return
     from mori.io._loopback import TransportFault, posting_for, set_transport_fault
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio import (
         moriio_connector as mc,
@@ -701,6 +704,15 @@ class Rank:
     def alive(self, rid: str) -> bool:
         return rid in self.scheduler.requests
 
+    def abort(self, rid: str) -> None:
+        """The client aborts ``rid`` (vLLM's ``finish_requests``)."""
+        from vllm.v1.request import RequestStatus
+
+        try:
+            self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        except Exception as exc:
+            raise SchedulerEscape.of(self.cfg.role, "finish_requests()", exc) from exc
+
     def free_blocks(self) -> int:
         """Blocks in the pool's free queue (cached ones included)."""
         return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
@@ -815,6 +827,7 @@ def _serve_rank(conn: Any, rank: Rank) -> bool:
         "add": rank.add,
         "update": rank.update,
         "alive": rank.alive,
+        "abort": rank.abort,
         "reset": rank.reset,
         "step1": rank.step1,
         "track": rank.track,
