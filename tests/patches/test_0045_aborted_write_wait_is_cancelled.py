@@ -7,12 +7,12 @@ vLLM's scheduler holds the blocks of a request aborted in
 ``request_finished`` dropped the request's transfer id at once, so the
 prefiller's final report (write_done, write_failed) was never matched to the
 request and its blocks were never freed. The decoder now cancels the write
-with the prefiller at once (0043's cancel and quarantine) and keeps the
-transfer mapped until it is reported.
+with the prefiller at once (the overdue write's cancel and quarantine) and
+keeps the transfer mapped until it is reported.
 
 The scheduler is vLLM's real ``Scheduler`` with the MoRIIO connector of a
 WRITE decoder; the write side is two real WRITE workers over stubbed mori
-whose WRITEs copy bytes between the legs' tensors (0033's loopback).
+whose WRITEs copy bytes between the legs' tensors (a loopback wrapper).
 """
 
 from __future__ import annotations
