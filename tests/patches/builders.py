@@ -1951,13 +1951,13 @@ def sweep_summary(
     judge_null: bool = True,
     clip: bool = False,
 ) -> dict[str, tuple[int, list[int]]]:
-    """Every prompt length 1..MAX_PROMPT_TOKENS of the named sweep: per case
+    """Every prompt length 1..SWEPT_TOKENS of the named sweep: per case
     with wrong lengths, their count and the first few."""
     cases = SWEEPS[sweep_name]
     wrong = sweep(
         leg_pairs(cases[0].layout),
         cases,
-        range(1, MAX_PROMPT_TOKENS + 1),
+        range(1, SWEPT_TOKENS + 1),
         judge_null=judge_null,
         clip=clip,
     )
@@ -2085,6 +2085,12 @@ def encode_request(cases: Sequence[Case], max_prompt_tokens: int) -> str:
 
 
 MAX_PROMPT_TOKENS = 4096
+SWEPT_TOKENS = 1024
+"""The sweeps' longest prompt: past every window (512) plus its lookahead
+tail and four times the longest span (64-token blocks over 4 DCP ranks),
+so each case's failing lengths repeat below it. Checked on the stack below
+0002, 0036 and 0008: every residue (mod 16 to 512) of a length in 1..4096
+a sweep case gets wrong there is one of a wrong length up to 1024."""
 # Prompt lengths upstream saw answered wrongly on DeepSeek-V4-Pro (block 64,
 # window 128, 9 decode lookahead slots).
 UPSTREAM_WRONG_LENGTHS = (251, 377, 384, 440, 447, 636, 832, 895)

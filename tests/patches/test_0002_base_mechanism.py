@@ -20,6 +20,7 @@ import pytest
 from tests.patches.builders import (
     ALL_SWEEP_CASES,
     MAX_PROMPT_TOKENS,
+    SWEPT_TOKENS,
     UPSTREAM_WRONG_LENGTHS,
     Case,
     SweepResult,
@@ -28,10 +29,6 @@ from tests.patches.builders import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-# Four times the longest span (64-token blocks over 4 DCP ranks) and past
-# the longest of UPSTREAM_WRONG_LENGTHS: every case's pattern repeats below
-# it. The patch's own sweeps run every length to MAX_PROMPT_TOKENS.
-SWEPT_TOKENS = 1024
 
 
 def _materialize_base(out: Path) -> Path:

@@ -28,8 +28,8 @@ from vllm.v1.core.kv_cache_planning import unify_hybrid_kv_cache_specs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from tests.patches.builders import (
-    MAX_PROMPT_TOKENS,
     SWEEPS,
+    SWEPT_TOKENS,
     WINDOW_LAYOUTS,
     Case,
     Layout,
@@ -274,7 +274,7 @@ def test_sweep_reads_the_window_start(
     leg_pairs: Callable[[Layout], LegPair], sweep_name: str
 ) -> None:
     cases = WINDOW_SWEEPS[sweep_name]
-    wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, MAX_PROMPT_TOKENS + 1))
+    wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, SWEPT_TOKENS + 1))
     summary = {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
     assert not summary, f"wrong prompt lengths (count, first): {summary}"
 
@@ -288,7 +288,7 @@ def test_sweep_reads_every_needed_block(
     lookahead tail, a small window with tails of 1..8 slots, DCP 2 and 4):
     with the prefiller's freed window blocks they pass only with this fix."""
     cases = SWEEPS[sweep_name]
-    wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, MAX_PROMPT_TOKENS + 1))
+    wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, SWEPT_TOKENS + 1))
     summary = {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
     assert not summary, f"wrong prompt lengths (count, first): {summary}"
 

@@ -56,6 +56,24 @@ def test_a_peer_refused_at_the_handshake_refuses_the_configuration(monkeypatch):
     assert len(run.cases) == 1
 
 
+SPLIT_REFUSAL = (
+    "MoRIIO READ cannot split the 3 KV heads of layer "
+    "model.layers.0.self_attn.attn between prefill tp_size=1 and decode "
+    "tp_size=2: MoRIIO WRITE cannot shard 3 KV heads over tp_size=2"
+)
+
+
+def test_a_layer_whose_heads_cannot_be_split_refuses_the_configuration(
+    monkeypatch,
+):
+    """The READ decoder's refusal of a layer whose KV heads the two TP sizes
+    cannot split (patch 0027), wrapped like any peer refusal."""
+    errors = [_wrapped(10000 + i).replace(REFUSAL, SPLIT_REFUSAL) for i in range(3)]
+    run = _run(monkeypatch, errors)
+    assert run.refused_at_start == SPLIT_REFUSAL
+    assert len(run.cases) == 1
+
+
 WRITE_REFUSAL = (
     "MoRIIO WRITE cannot serve circular-buffer group 2 "
     "(model.layers.1.self_attn.kpool_tail) between prefill TP 1 and decode "

@@ -925,10 +925,15 @@ def is_escape(error: str) -> bool:
     return f"{SchedulerEscape.__name__}: {ESCAPED} " in error
 
 
-_PEER_REFUSALS = ("MoRIIO READ cannot serve layer ", "MoRIIO WRITE cannot serve ")
+_PEER_REFUSALS = (
+    "MoRIIO READ cannot serve layer ",
+    "MoRIIO READ cannot split the ",
+    "MoRIIO WRITE cannot serve ",
+)
 """How a leg's connector refuses, at its first handshake, a peer whose TP
-size it cannot move a layer or group with: the READ decoder (patch 0032),
-the WRITE prefiller (patch 0034)."""
+size it cannot move a layer or group with: the READ decoder (patch 0032;
+a layer's KV heads the two TP sizes cannot split, patch 0027), the WRITE
+prefiller (patch 0034)."""
 
 
 def _first_error(text: str) -> str:
