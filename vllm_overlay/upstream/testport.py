@@ -4,12 +4,13 @@ The overlay's tests live in ``tests/patches/`` and use the fixtures of the
 ``conftest.py`` beside them and sibling helper modules (``builders.py``, a
 patch's harness). vLLM's tree has neither, so the port inlines every
 definition the test module needs, found by name: functions, classes and
-constants it references, fixtures it names as parameters, autouse fixtures,
-and what those need in turn. Imports are kept per module: an import is kept
-only when a statement the port takes from that module uses it (a local
-module the port draws nothing from adds no import), and then merged; imports
-of the local modules are dropped (an alias becomes an assignment). The
-result starts with vLLM's SPDX header.
+constants it references, fixtures it names as parameters (or by string, to
+``request.getfixturevalue`` and ``pytest.mark.usefixtures``), autouse
+fixtures, and what those need in turn. Imports are kept per module: an
+import is kept only when a statement the port takes from that module uses
+it (a local module the port draws nothing from adds no import), and then
+merged; imports of the local modules are dropped (an alias becomes an
+assignment). The result starts with vLLM's SPDX header.
 
 What cannot be ported is an error, never guessed around: a local module used
 as a module (``import helpers``; ``helpers.x``), a name defined twice by
@@ -181,6 +182,27 @@ def _parameters(node: ast.AST) -> set[str]:
     """The parameter names of the functions in a statement: pytest fixtures
     when a conftest defines them."""
     return {sub.arg for sub in ast.walk(node) if isinstance(sub, ast.arg)}
+
+
+# Calls naming fixtures by string: ``request.getfixturevalue(name)``,
+# ``pytest.mark.usefixtures("a", "b")``.
+_BY_NAME = ("getfixturevalue", "usefixtures")
+
+
+def _fixture_strings(node: ast.AST) -> set[str]:
+    """The strings of a statement that asks pytest for fixtures by name (the
+    name may be computed: every string the statement holds counts)."""
+    asks = any(
+        isinstance(sub, ast.Attribute) and sub.attr in _BY_NAME
+        for sub in ast.walk(node)
+    )
+    if not asks:
+        return set()
+    return {
+        sub.value
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.Constant) and isinstance(sub.value, str)
+    }
 
 
 def _names_in_string(value: object) -> set[str]:
@@ -473,13 +495,11 @@ class _Porter:
         return needed, imported
 
     def _fixtures(self, stmts: list[ast.stmt]) -> list[tuple[str, str]]:
-        """The conftest fixtures the statements' parameters name."""
+        """The conftest fixtures the statements name: as parameters, or as
+        strings where a statement asks pytest for fixtures by name."""
         fixtures = self.defs.get("conftest", {})
-        return [
-            ("conftest", n)
-            for n in sorted({n for s in stmts for n in _parameters(s)})
-            if n in fixtures
-        ]
+        names = {n for s in stmts for n in _parameters(s) | _fixture_strings(s)}
+        return [("conftest", n) for n in sorted(names) if n in fixtures]
 
     def check(self, needed: _Needed, body: list[ast.stmt]) -> None:
         """No name comes from two local modules; nothing reads a local
