@@ -419,3 +419,36 @@ def test_a_fixture_asked_for_by_name_runs_alone(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stdout
     assert "3 passed" in run.stdout
+
+
+def test_a_fixture_imported_from_another_test_module_runs_alone(
+    tmp_path: Path,
+) -> None:
+    """A fixture the test module imports from a sibling test module and names
+    only as a parameter is inlined; a helper's parameter named like a
+    non-fixture definition pulls nothing in."""
+    sibling = (
+        "import pytest\n\n\n"
+        "@pytest.fixture\ndef outbox() -> list[str]:\n    return ['x']\n\n\n"
+        "def table() -> int:\n    return 9\n"
+    )
+    test = (
+        "from test_0041_y import outbox, table  # noqa: F401\n\n\n"
+        "def _size(table: list[str]) -> int:\n    return len(table)\n\n\n"
+        "def test_x(outbox: list[str]) -> None:  # noqa: F811\n"
+        "    assert _size(outbox) == 1\n"
+    )
+    d = _layout(tmp_path, test_0041_y=sibling, test_0042_x=test)
+    text = port_test(d / "test_0042_x.py")
+    assert "def outbox" in text and "def table" not in text
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "test_port.py").write_text(text)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        cwd=alone,
+    )
+    assert run.returncode == 0, run.stdout
+    assert "1 passed" in run.stdout

@@ -223,6 +223,13 @@ def _is_type_checking(stmt: ast.stmt) -> bool:
     )
 
 
+def _is_fixture(stmt: object) -> bool:
+    return isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef) and any(
+        ast.unparse(d.func if isinstance(d, ast.Call) else d) == "pytest.fixture"
+        for d in stmt.decorator_list
+    )
+
+
 def _is_autouse_fixture(stmt: ast.stmt) -> bool:
     if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
         return False
@@ -469,13 +476,13 @@ class _Porter:
         needed: _Needed = {}
         imported: _Imported = set()
         todo = [(test, n) for n in sorted({n for s in body for n in _referenced(s)})]
-        todo.extend(self._fixtures(body))
+        todo.extend(self._fixtures(body, test))
         for mod in self.modules.values():
             for stmt in mod.tree.body:
                 if mod is not self.test and _is_autouse_fixture(stmt):
                     needed[id(stmt)] = (mod.name, stmt)
                     todo.extend((mod.name, n) for n in _referenced(stmt))
-                    todo.extend(self._fixtures([stmt]))
+                    todo.extend(self._fixtures([stmt], mod.name))
         seen: set[tuple[str, str]] = set()
         while todo:
             module, name = todo.pop()
@@ -491,15 +498,22 @@ class _Porter:
             elif where != test and id(what) not in needed:
                 needed[id(what)] = (where, what)
                 todo.extend((where, n) for n in _referenced(what))
-                todo.extend(self._fixtures([what]))
+                todo.extend(self._fixtures([what], where))
         return needed, imported
 
-    def _fixtures(self, stmts: list[ast.stmt]) -> list[tuple[str, str]]:
-        """The conftest fixtures the statements name: as parameters, or as
-        strings where a statement asks pytest for fixtures by name."""
+    def _fixtures(self, stmts: list[ast.stmt], module: str) -> list[tuple[str, str]]:
+        """The fixtures the statements of ``module`` name (as parameters, or
+        as strings where a statement asks pytest for fixtures by name): the
+        conftest's, and those ``module`` imports from another local module."""
         fixtures = self.defs.get("conftest", {})
         names = {n for s in stmts for n in _parameters(s) | _fixture_strings(s)}
-        return [("conftest", n) for n in sorted(names) if n in fixtures]
+        out = [("conftest", n) for n in sorted(names) if n in fixtures]
+        for n in sorted(names - set(fixtures)):
+            if n in self.links.get(module, {}):
+                found = self._resolve(module, n)
+                if found is not None and _is_fixture(found[1]):
+                    out.append((module, n))
+        return out
 
     def check(self, needed: _Needed, body: list[ast.stmt]) -> None:
         """No name comes from two local modules; nothing reads a local
