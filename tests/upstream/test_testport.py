@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -374,3 +376,79 @@ def test_a_parameter_names_a_conftest_fixture(tmp_path: Path) -> None:
     )
     text = port_test(d / "test_0042_x.py")
     assert "def model_dir" in text and "def unrelated" not in text
+
+
+def test_a_fixture_asked_for_by_name_runs_alone(tmp_path: Path) -> None:
+    """A helper that picks a conftest fixture by string
+    (``request.getfixturevalue``) and a test marked ``usefixtures`` get
+    those fixtures inlined: the port runs alone, with no conftest."""
+    conftest = (
+        "import pytest\n\n\n"
+        "@pytest.fixture(scope='session')\ndef small_dir() -> str:\n"
+        "    return 'small'\n\n\n"
+        "@pytest.fixture(scope='session')\ndef big_dir() -> str:\n"
+        "    return 'big'\n\n\n"
+        "@pytest.fixture\ndef marker(record: list[str]) -> None:\n"
+        "    record.append('marked')\n\n\n"
+        "@pytest.fixture\ndef record() -> list[str]:\n    return []\n\n\n"
+        "@pytest.fixture\ndef unrelated() -> int:\n    return 0\n"
+    )
+    test = (
+        "import pytest\n\n\n"
+        "def _model_dir(big: bool, request: pytest.FixtureRequest) -> str:\n"
+        "    name = 'big_dir' if big else 'small_dir'\n"
+        "    return request.getfixturevalue(name)\n\n\n"
+        "@pytest.mark.parametrize('big', [False, True])\n"
+        "def test_x(big: bool, request: pytest.FixtureRequest) -> None:\n"
+        "    assert _model_dir(big, request) == ('big' if big else 'small')\n\n\n"
+        "@pytest.mark.usefixtures('marker')\n"
+        "def test_marked(record: list[str]) -> None:\n"
+        "    assert record == ['marked']\n"
+    )
+    d = _layout(tmp_path, conftest=conftest, test_0042_x=test)
+    text = port_test(d / "test_0042_x.py")
+    assert "def unrelated" not in text
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "test_port.py").write_text(text)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        cwd=alone,
+    )
+    assert run.returncode == 0, run.stdout
+    assert "3 passed" in run.stdout
+
+
+def test_a_fixture_imported_from_another_test_module_runs_alone(
+    tmp_path: Path,
+) -> None:
+    """A fixture the test module imports from a sibling test module and names
+    only as a parameter is inlined; a helper's parameter named like a
+    non-fixture definition pulls nothing in."""
+    sibling = (
+        "import pytest\n\n\n"
+        "@pytest.fixture\ndef outbox() -> list[str]:\n    return ['x']\n\n\n"
+        "def table() -> int:\n    return 9\n"
+    )
+    test = (
+        "from test_0041_y import outbox, table  # noqa: F401\n\n\n"
+        "def _size(table: list[str]) -> int:\n    return len(table)\n\n\n"
+        "def test_x(outbox: list[str]) -> None:  # noqa: F811\n"
+        "    assert _size(outbox) == 1\n"
+    )
+    d = _layout(tmp_path, test_0041_y=sibling, test_0042_x=test)
+    text = port_test(d / "test_0042_x.py")
+    assert "def outbox" in text and "def table" not in text
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "test_port.py").write_text(text)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        cwd=alone,
+    )
+    assert run.returncode == 0, run.stdout
+    assert "1 passed" in run.stdout

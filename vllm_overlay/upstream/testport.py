@@ -4,12 +4,13 @@ The overlay's tests live in ``tests/patches/`` and use the fixtures of the
 ``conftest.py`` beside them and sibling helper modules (``builders.py``, a
 patch's harness). vLLM's tree has neither, so the port inlines every
 definition the test module needs, found by name: functions, classes and
-constants it references, fixtures it names as parameters, autouse fixtures,
-and what those need in turn. Imports are kept per module: an import is kept
-only when a statement the port takes from that module uses it (a local
-module the port draws nothing from adds no import), and then merged; imports
-of the local modules are dropped (an alias becomes an assignment). The
-result starts with vLLM's SPDX header.
+constants it references, fixtures it names as parameters (or by string, to
+``request.getfixturevalue`` and ``pytest.mark.usefixtures``), autouse
+fixtures, and what those need in turn. Imports are kept per module: an
+import is kept only when a statement the port takes from that module uses
+it (a local module the port draws nothing from adds no import), and then
+merged; imports of the local modules are dropped (an alias becomes an
+assignment). The result starts with vLLM's SPDX header.
 
 What cannot be ported is an error, never guessed around: a local module used
 as a module (``import helpers``; ``helpers.x``), a name defined twice by
@@ -183,6 +184,27 @@ def _parameters(node: ast.AST) -> set[str]:
     return {sub.arg for sub in ast.walk(node) if isinstance(sub, ast.arg)}
 
 
+# Calls naming fixtures by string: ``request.getfixturevalue(name)``,
+# ``pytest.mark.usefixtures("a", "b")``.
+_BY_NAME = ("getfixturevalue", "usefixtures")
+
+
+def _fixture_strings(node: ast.AST) -> set[str]:
+    """The strings of a statement that asks pytest for fixtures by name (the
+    name may be computed: every string the statement holds counts)."""
+    asks = any(
+        isinstance(sub, ast.Attribute) and sub.attr in _BY_NAME
+        for sub in ast.walk(node)
+    )
+    if not asks:
+        return set()
+    return {
+        sub.value
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.Constant) and isinstance(sub.value, str)
+    }
+
+
 def _names_in_string(value: object) -> set[str]:
     if not isinstance(value, str):
         return set()
@@ -198,6 +220,13 @@ def _is_type_checking(stmt: ast.stmt) -> bool:
         isinstance(stmt, ast.If)
         and isinstance(stmt.test, ast.Name | ast.Attribute)
         and ast.unparse(stmt.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+    )
+
+
+def _is_fixture(stmt: object) -> bool:
+    return isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef) and any(
+        ast.unparse(d.func if isinstance(d, ast.Call) else d) == "pytest.fixture"
+        for d in stmt.decorator_list
     )
 
 
@@ -447,13 +476,13 @@ class _Porter:
         needed: _Needed = {}
         imported: _Imported = set()
         todo = [(test, n) for n in sorted({n for s in body for n in _referenced(s)})]
-        todo.extend(self._fixtures(body))
+        todo.extend(self._fixtures(body, test))
         for mod in self.modules.values():
             for stmt in mod.tree.body:
                 if mod is not self.test and _is_autouse_fixture(stmt):
                     needed[id(stmt)] = (mod.name, stmt)
                     todo.extend((mod.name, n) for n in _referenced(stmt))
-                    todo.extend(self._fixtures([stmt]))
+                    todo.extend(self._fixtures([stmt], mod.name))
         seen: set[tuple[str, str]] = set()
         while todo:
             module, name = todo.pop()
@@ -469,17 +498,22 @@ class _Porter:
             elif where != test and id(what) not in needed:
                 needed[id(what)] = (where, what)
                 todo.extend((where, n) for n in _referenced(what))
-                todo.extend(self._fixtures([what]))
+                todo.extend(self._fixtures([what], where))
         return needed, imported
 
-    def _fixtures(self, stmts: list[ast.stmt]) -> list[tuple[str, str]]:
-        """The conftest fixtures the statements' parameters name."""
+    def _fixtures(self, stmts: list[ast.stmt], module: str) -> list[tuple[str, str]]:
+        """The fixtures the statements of ``module`` name (as parameters, or
+        as strings where a statement asks pytest for fixtures by name): the
+        conftest's, and those ``module`` imports from another local module."""
         fixtures = self.defs.get("conftest", {})
-        return [
-            ("conftest", n)
-            for n in sorted({n for s in stmts for n in _parameters(s)})
-            if n in fixtures
-        ]
+        names = {n for s in stmts for n in _parameters(s) | _fixture_strings(s)}
+        out = [("conftest", n) for n in sorted(names) if n in fixtures]
+        for n in sorted(names - set(fixtures)):
+            if n in self.links.get(module, {}):
+                found = self._resolve(module, n)
+                if found is not None and _is_fixture(found[1]):
+                    out.append((module, n))
+        return out
 
     def check(self, needed: _Needed, body: list[ast.stmt]) -> None:
         """No name comes from two local modules; nothing reads a local
