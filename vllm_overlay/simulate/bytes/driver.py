@@ -709,7 +709,8 @@ class Driver:
         deadline = time.monotonic() + WRITE_WAIT
         while rid not in self._last_recv:
             if time.monotonic() > deadline:
-                raise RankError(f"the decoder never received {rid}'s KV")
+                mode = "READ" if self.config.mode == READ else "WRITE"
+                raise RankError(f"the decoder never received the {mode}")
             self._step(self.d)
             time.sleep(0.002)
         if rid in self._failed_recv:
