@@ -51,6 +51,10 @@ CORE_FIXED = {
         "self.num_local_hit_tokens_per_group: tuple[int, ...] | None = None",
     ),
     "c006": (SCHEDULER, "recovers_failed_sync_kv_loads = True"),
+    "c007": (
+        "vllm/v1/kv_cache_interface.py",
+        "min_tokens_per_state: int | Fraction | None = field(",
+    ),
 }
 
 
