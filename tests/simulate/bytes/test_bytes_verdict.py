@@ -118,3 +118,11 @@ def test_a_base_decoder_is_judged_against_the_base_pair_when_it_ran() -> None:
 def test_an_overlaid_decoder_of_a_mixed_run_is_still_judged() -> None:
     verdict = judge(_mixed(_wrong("base->overlay")), [])
     assert verdict.exit_code == 1 and "(base->overlay)" in verdict.line()
+
+
+def test_a_sweep_without_faults_counts_no_failed_fault_case_of_the_base() -> None:
+    """The base pair's wrong cases of a plain sweep are shown as what the
+    base decoders share, not as failed fault cases."""
+    report = _mixed(_wrong("overlay->base"), _wrong("base"), base=True)
+    line = judge(report, []).line()
+    assert "fault case" not in line and "base pair is wrong too" in line, line

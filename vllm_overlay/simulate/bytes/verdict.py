@@ -178,7 +178,7 @@ def judge(report: BytesReport, gaps: list[KnownGap]) -> BytesVerdict:
     verdict.base_fault_failures = sum(
         fault_failures(r)
         for r in report.configs
-        if r.variant == "base" and r.refused_at_start is None
+        if r.variant == "base" and r.refused_at_start is None and r.item.fault
     )
     for r in rows:
         verdict.judged += 1
