@@ -206,7 +206,7 @@ def test_every_core_patch_is_red_without_it_and_green_with_it(
     assert report.core_rows and all(r.holds for r in report.core_rows)
     assert [v.line for v in report.verdicts] == [
         "0036 removable with core patch c002: yes",
-        "0047 removable with core patch c003: yes",
+        "0048 removable with core patch c003: yes",
         "0010 removable with core patch c001: yes",
     ]
 
@@ -233,7 +233,7 @@ def test_proofs_run_side_by_side_and_keep_the_series_order(inputs: Inputs) -> No
     )
     assert [v.line for v in report.verdicts] == [
         "0036 removable with core patch c002: yes",
-        "0047 removable with core patch c003: yes",
+        "0048 removable with core patch c003: yes",
         "0010 removable with core patch c001: yes",
     ]
     assert len(seen) == 2 * (len(inputs.core.patches) + len(report.verdicts))
@@ -274,5 +274,5 @@ def test_an_unknown_workaround_is_one_line_and_runs_nothing(
     err = capsys.readouterr().err
     assert err == (
         "error: --patch 0009: not a patch whose Remove-When names a core patch "
-        "(those are: 0036, 0047, 0010)\n"
+        "(those are: 0036, 0048, 0010)\n"
     )
