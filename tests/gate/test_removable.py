@@ -51,6 +51,10 @@ CORE_FIXED = {
         "self.num_local_hit_tokens_per_group: tuple[int, ...] | None = None",
     ),
     "c006": (SCHEDULER, "recovers_failed_sync_kv_loads = True"),
+    "c007": (
+        "vllm/v1/kv_cache_interface.py",
+        "min_tokens_per_state: int | Fraction | None = field(",
+    ),
 }
 
 
@@ -206,6 +210,7 @@ def test_every_core_patch_is_red_without_it_and_green_with_it(
     assert report.core_rows and all(r.holds for r in report.core_rows)
     assert [v.line for v in report.verdicts] == [
         "0036 removable with core patch c002: yes",
+        "0048 removable with core patch c003: yes",
         "0010 removable with core patch c001: yes",
     ]
 
@@ -232,6 +237,7 @@ def test_proofs_run_side_by_side_and_keep_the_series_order(inputs: Inputs) -> No
     )
     assert [v.line for v in report.verdicts] == [
         "0036 removable with core patch c002: yes",
+        "0048 removable with core patch c003: yes",
         "0010 removable with core patch c001: yes",
     ]
     assert len(seen) == 2 * (len(inputs.core.patches) + len(report.verdicts))
@@ -254,10 +260,10 @@ def test_the_command_prints_the_verdicts_and_sets_the_status(
             "0010 removable with core patch c001: " + ("yes" if not status else "no")
         )
         assert lines[-1].startswith(
-            "removable: ok, 2 of 2 workaround" if not status else "removable: FAILED"
+            "removable: ok, 3 of 3 workaround" if not status else "removable: FAILED"
         )
         report = load_removable(out)
-        assert [v.removable for v in report.verdicts] == [not status] * 2
+        assert [v.removable for v in report.verdicts] == [not status] * 3
         assert json.loads(out.read_text())["core_rows"][0]["with"] == "passed"
 
 
@@ -272,5 +278,5 @@ def test_an_unknown_workaround_is_one_line_and_runs_nothing(
     err = capsys.readouterr().err
     assert err == (
         "error: --patch 0009: not a patch whose Remove-When names a core patch "
-        "(those are: 0036, 0010)\n"
+        "(those are: 0036, 0048, 0010)\n"
     )

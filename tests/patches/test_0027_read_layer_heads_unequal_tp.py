@@ -170,8 +170,9 @@ def test_unsplittable_drafter_heads_are_refused_at_the_handshake(
 ) -> None:
     """Three drafter heads cannot be split over two prefill ranks: the
     decoder's handshake refuses before it dials the peer, in one line
-    naming the layer and both TP sizes, and the eager handshake before the
-    forward pass fails the step with that line."""
+    naming READ (not WRITE, whose mapping it shares), the layer and both TP
+    sizes, and the eager handshake before the forward pass fails the step
+    with that line."""
     rank = _rank(
         monkeypatch,
         gqa_model_dir,
@@ -193,6 +194,7 @@ def test_unsplittable_drafter_heads_are_refused_at_the_handshake(
         rank.worker._moriio_handshake("127.0.0.1", 7000, 2, PEER)
     message = str(refused.value)
     assert "\n" not in message
+    assert message.startswith("MoRIIO READ ") and "WRITE" not in message, message
     assert DRAFT in message
     assert "tp_size=2" in message and "tp_size=1" in message
 

@@ -50,7 +50,7 @@ def test_the_checkouts_core_series_is_sound(repo: Path) -> None:
     assert check_core_series(repo, pin, load_series(repo)) == []
     core = load_core_series(repo)
     keys = [p.name[:4] for p in core.patches]
-    assert keys == ["c001", "c002", "c003", "c004", "c005", "c006"]
+    assert keys == ["c001", "c002", "c003", "c004", "c005", "c006", "c007"]
     assert all(f.path in pin.core_files for p in core.patches for f in p.files)
 
 

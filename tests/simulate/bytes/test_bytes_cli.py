@@ -12,6 +12,7 @@ import pytest
 from vllm_overlay.command import UsageError
 from vllm_overlay.simulate.bytes.cli import BytesOptions, options_from
 from vllm_overlay.simulate.bytes.report import ConfigItem
+from vllm_overlay.simulate.bytes.steps import TRANSPORT
 
 SELECTION = ["--layouts", "llama", "--modes", "read", "--tp", "1-1,2-1"]
 
@@ -134,3 +135,31 @@ def test_bad_input_to_simulate_dash_dash_bytes_is_still_one_line(capsys) -> None
     assert main(["simulate", "--bytes", "--tp", "0-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --tp '0-1'"), err
+
+
+@pytest.mark.parametrize("faults", ["abort", "drop,error", "late"])
+def test_a_write_only_fault_without_write_is_one_line_before_anything_runs(
+    monkeypatch, capsys, tmp_path: Path, faults: str
+) -> None:
+    """A WRITE-only fault named with READ alone would run nothing: an
+    argument error (exit 2), not a verdict after a sweep."""
+    from vllm_overlay.cli import main
+    from vllm_overlay.simulate.bytes import cli
+
+    def ran(*_args, **_kwargs):
+        raise AssertionError("ran the sweep")
+
+    monkeypatch.setattr(cli, "run_bytes_sweep", ran)
+    report = tmp_path / "r.json"
+    argv = ["simulate-bytes", "--faults", faults, "--modes", "read"]
+    assert main([*argv, "--report", str(report)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --faults ") and "WRITE only" in err, err
+    assert err.count("\n") == 1 and not report.exists()
+
+
+def test_every_fault_with_read_alone_runs_the_read_faults(monkeypatch) -> None:
+    argv = ["simulate-bytes", "--faults", "--modes", "read", "--layouts", "llama"]
+    items = _planned(monkeypatch, argv)
+    assert items and {i.mode for i in items} == {"read"}
+    assert not {i.fault for i in items} & {f"{TRANSPORT}drop", f"{TRANSPORT}late"}

@@ -31,8 +31,21 @@ def test_step5_ring_is_one_page_of_its_ranks_main_layer(tp):
     assert ring.block_size == main.block_size
 
 
+@pytest.fixture
+def dim_first_conv_state(monkeypatch):
+    """vLLM caches the conv state layout it read first: clear it on both
+    sides, so a test that ran before in this process decides nothing."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    mamba_utils.get_conv_state_layout.cache_clear()
+    yield
+    mamba_utils.get_conv_state_layout.cache_clear()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_lfm3_conv_state_is_the_ranks_share(monkeypatch, tp):
+@pytest.mark.usefixtures("dim_first_conv_state")
+def test_lfm3_conv_state_is_the_ranks_share(tp):
     """``ShortConv.get_state_shape``: ``1 / tp`` of the conv channels, the
     page padded to the rank's own attention page; the full and windowed
     layers hold the rank's share of the KV heads."""
@@ -40,7 +53,6 @@ def test_lfm3_conv_state_is_the_ranks_share(monkeypatch, tp):
         MambaStateShapeCalculator,
     )
 
-    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     specs = _specs("lfm3", tp)
     conv, attn = (
         specs["model.layers.0.short_conv"],

@@ -59,7 +59,7 @@ def test_a_peer_refused_at_the_handshake_refuses_the_configuration(monkeypatch):
 SPLIT_REFUSAL = (
     "MoRIIO READ cannot split the 3 KV heads of layer "
     "model.layers.0.self_attn.attn between prefill tp_size=1 and decode "
-    "tp_size=2: MoRIIO WRITE cannot shard 3 KV heads over tp_size=2"
+    "tp_size=2"
 )
 
 

@@ -82,3 +82,47 @@ def test_a_gap_of_another_problem_scope_or_configuration_does_not_hide() -> None
 def test_the_gaps_file_reads_and_names_known_layouts() -> None:
     gaps = [g for g in load_gaps(REPO / GAPS_FILE) if g.scope == "bytes"]
     assert gaps and all(g.tracked_by.startswith("issue ") for g in gaps)
+
+
+def _mixed(*configs: ConfigReport, base: bool = False) -> BytesReport:
+    variants = {"base->overlay": "bo", "overlay->base": "ob"}
+    variants |= {"base": "b"} if base else {}
+    return BytesReport([2], [0.0], variants, list(configs), 1.0)
+
+
+def _wrong(variant: str) -> ConfigReport:
+    return _config(GLM, variant, cases=3, wrong_cases=1, wrong_lengths={"0": [17]})
+
+
+def test_a_base_decoder_without_the_base_pair_is_not_judged_a_failure() -> None:
+    """``--variant mixed`` alone: the wrong bytes of the base decoder may be
+    vLLM's own; the line says they cannot be judged without base."""
+    verdict = judge(_mixed(_wrong("overlay->base"), _config(LLAMA, cases=3)), [])
+    line = verdict.line()
+    assert verdict.exit_code == 0 and "FAILED" not in line, line
+    assert "cannot judge 1 configuration of base decoders" in line
+    assert "without the base pair" in line and "(overlay->base)" in line
+    assert "\n" not in line
+
+
+def test_a_base_decoder_is_judged_against_the_base_pair_when_it_ran() -> None:
+    shared = _mixed(_wrong("overlay->base"), _wrong("base"), base=True)
+    assert judge(shared, []).exit_code == 0
+    right = _config(GLM, "base", cases=3)
+    verdict = judge(_mixed(_wrong("overlay->base"), right, base=True), [])
+    assert verdict.exit_code == 1 and "where the base pair moves right" in (
+        verdict.line()
+    )
+
+
+def test_an_overlaid_decoder_of_a_mixed_run_is_still_judged() -> None:
+    verdict = judge(_mixed(_wrong("base->overlay")), [])
+    assert verdict.exit_code == 1 and "(base->overlay)" in verdict.line()
+
+
+def test_a_sweep_without_faults_counts_no_failed_fault_case_of_the_base() -> None:
+    """The base pair's wrong cases of a plain sweep are shown as what the
+    base decoders share, not as failed fault cases."""
+    report = _mixed(_wrong("overlay->base"), _wrong("base"), base=True)
+    line = judge(report, []).line()
+    assert "fault case" not in line and "base pair is wrong too" in line, line

@@ -137,6 +137,8 @@ FAULT_ABORT = "abort"
 """Not a transport fault (the transport is left alone), and not in ``all``:
 the client aborts the faulted request on the decoder while it waits for
 its WRITE."""
+WRITE_ONLY_FAULTS = ("drop", "late", FAULT_ABORT)
+"""Faults of the prefiller's posted WRITEs: a READ ends within its step."""
 FAULT_LAYOUTS = "llama,gemma,kimi,glm"
 FAULT_TP = ((1, 1), (1, 2))
 FAULT_LENGTHS = "17,129"
@@ -177,7 +179,7 @@ def fault_items(
         msgspec.structs.replace(item, fault=f"{TRANSPORT}{kind}")
         for kind in kinds
         for item in items
-        if kind not in ("drop", "late", FAULT_ABORT) or item.mode == "write"
+        if kind not in WRITE_ONLY_FAULTS or item.mode == "write"
     ]
 
 
@@ -239,6 +241,18 @@ def options_from(args: argparse.Namespace) -> BytesOptions:
             f"--tp {args.tp!r}: want PREFILL-DECODE pairs of positive integers, "
             "e.g. 1-1,2-1"
         ) from exc
+    faults = (
+        parse_fault_kinds(args.transport_faults)
+        if getattr(args, "transport_faults", None) is not None
+        else None
+    )
+    if faults is not None and "write" not in modes:
+        write_only = [k for k in faults if k in WRITE_ONLY_FAULTS]
+        if write_only and faults != FAULT_KINDS:
+            raise UsageError(
+                f"--faults {', '.join(write_only)}: WRITE only, and --modes "
+                f"{','.join(modes)} runs no WRITE"
+            )
     return BytesOptions(
         modes,
         kv_layouts,
@@ -248,11 +262,7 @@ def options_from(args: argparse.Namespace) -> BytesOptions:
         lengths=args.lengths,
         hits=args.hits,
         zygotes=getattr(args, "processes", None) or ZYGOTES,
-        faults=(
-            parse_fault_kinds(args.transport_faults)
-            if getattr(args, "transport_faults", None) is not None
-            else None
-        ),
+        faults=faults,
     )
 
 

@@ -102,13 +102,30 @@ def _is_gqa(spec: Any) -> bool:
     return isinstance(spec, AttentionSpec) and not is_mla(spec)
 
 
+def _is_ring(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    return isinstance(spec, CircularBufferSpec)
+
+
+def _takes_geometry(layout: Layout, spec: Any) -> bool:
+    """Whether a mechanism layout's layer takes ``Geometry``'s GQA heads: a
+    ring keeps its own spec, TP-replicated like the MLA latents beside it
+    (GLM-5's kpool tail ring: one head of the indexer's key on every
+    rank)."""
+    return not layout.family and _is_gqa(spec) and not _is_ring(spec)
+
+
 def layer_total_heads(layout: Layout, geometry: Geometry) -> dict[str, int | None]:
     """Global KV heads of each GQA layer (None: replicated on every rank).
     A model family keeps its own head geometry (its page sizes are what the
-    planner unifies); a mechanism layout takes ``geometry``'s."""
+    planner unifies); a mechanism layout takes ``geometry``'s, but for its
+    ring (``_takes_geometry``)."""
     return {
-        name: (spec.num_kv_heads if layout.family else geometry.kv_heads)
-        if _is_gqa(spec)
+        name: spec.num_kv_heads
+        if layout.family and _is_gqa(spec)
+        else geometry.kv_heads
+        if _takes_geometry(layout, spec)
         else None
         for name, spec in layout.layer_specs().items()
     }
@@ -142,7 +159,7 @@ def rank_specs(
             out[name] = replace(
                 spec, num_kv_heads=local_heads(tp_size, spec.num_kv_heads)
             )
-        elif _is_gqa(spec):
+        elif _takes_geometry(layout, spec):
             out[name] = replace(
                 spec,
                 num_kv_heads=local_heads(tp_size, geometry.kv_heads),

@@ -10,7 +10,9 @@ table prints it (``glm read 1->2 LBNHC``). A configuration refused at start
 is no failure; a run where every overlay configuration was refused is. The
 base is not judged: it is what the series fixes. A pair with a base decoder
 (``overlay->base``) moves wrong bytes only where the base pair of the same
-configuration moves right ones, as in ``simulate/verdict.py``.
+configuration moves right ones, as in ``simulate/verdict.py``; in a run
+without the base pair its wrong bytes cannot be judged (they may be vLLM's
+own decoder's): the verdict says so and does not count them as failures.
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ class BytesVerdict:
     base_fault_failures: int = 0
     """Failed transport fault cases of the base pair (vLLM's own MoRIIO:
     reported, not judged)."""
+    unjudged: list[str] = field(default_factory=list)
+    """Base-decoder configurations with wrong bytes in a run without the
+    base pair to tell the overlay's from vLLM's own."""
 
     @property
     def exit_code(self) -> int:
@@ -127,6 +132,13 @@ class BytesVerdict:
                 f"; base (vLLM's own MoRIIO, not judged): "
                 f"{count(self.base_fault_failures, 'fault case')} failed"
             )
+        if self.unjudged:
+            known += (
+                f"; cannot judge {count(len(self.unjudged), 'configuration')} of "
+                "base decoders with wrong bytes without the base pair (add base "
+                f"to --variant): {', '.join(self.unjudged[:3])}"
+                + (", ..." if len(self.unjudged) > 3 else "")
+            )
         if self.failures:
             shown = "; ".join(self.failures[:6])
             more = len(self.failures) - 6
@@ -137,6 +149,13 @@ class BytesVerdict:
             )
         if not self.judged:
             return "simulate-bytes: no overlay configuration ran: nothing to judge"
+        ran = self.judged - self.refused
+        if self.unjudged:
+            return (
+                "simulate-bytes: not judged in full: the overlay moves the right "
+                f"bytes in every other configuration that starts ({ran} run, "
+                f"{self.refused} refused at start){known}"
+            )
         return (
             f"simulate-bytes: ok: the overlay moves the right bytes in every "
             f"configuration that starts ({self.judged - self.refused} run, "
@@ -159,17 +178,21 @@ def judge(report: BytesReport, gaps: list[KnownGap]) -> BytesVerdict:
     verdict.base_fault_failures = sum(
         fault_failures(r)
         for r in report.configs
-        if r.variant == "base" and r.refused_at_start is None
+        if r.variant == "base" and r.refused_at_start is None and r.item.fault
     )
     for r in rows:
         verdict.judged += 1
         verdict.refused += r.refused_at_start is not None
         base = base_wrong.get(config_name(r.item))
+        found = problems(r, base)
         if base_decoder(r.variant) and r.refused_at_start is None:
             verdict.base_decoder_wrong += beyond_base(
                 wrong_cases(r.wrong_lengths), base
             )[1]
-        for problem, detail in problems(r, base):
+            if "base" not in report.variants and r.wrong_cases:
+                verdict.unjudged.append(shown(config_name(r.item), r.variant))
+                found = [(p, d) for p, d in found if p != "wrong KV"]
+        for problem, detail in found:
             gap = next(
                 (
                     g
