@@ -217,11 +217,15 @@ def cmd_supervise(name: str) -> int:
 
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A supervisor whose `docker run` exited is
+    reparented to init, which may reap it seconds after it died: a zombie
+    is dead (docker's `rm` returns once the container is gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            # The state follows the command name, which may hold spaces.
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
 def lookup(
