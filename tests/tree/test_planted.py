@@ -9,7 +9,6 @@ and leaves every file as it was. Issue 41, findings 1 and 2.
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import shutil
 import tempfile
@@ -18,8 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.faketree import COMMON, CONNECTOR, FakeTree, reference_states
-from vllm_overlay import cli, transaction
+from tests.faketree import (
+    COMMON,
+    CONNECTOR,
+    FakeTree,
+    cheap_cli_writes,
+    reference_states,
+)
+from vllm_overlay import transaction
 from vllm_overlay.cli import main
 from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.transaction import JOURNAL_NAME, LOCK_NAME
@@ -27,14 +32,9 @@ from vllm_overlay.tree.manifest import MANIFEST_NAME
 
 @pytest.fixture(autouse=True)
 def _cheap_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The commands here run some 1200 times: one argument parser for all
-    of them, and fsync a no-op (every step, fault hook included, is still
-    taken; what is checked is where bytes land, not that they are on disk)."""
-    monkeypatch.setattr(cli, "build_parser", _PARSER)
-    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    cheap_cli_writes(monkeypatch)  # the commands here run some 1200 times
 
 
-_PARSER = functools.cache(cli.build_parser)
 STATES = reference_states(Path(tempfile.mkdtemp(prefix="vllm-overlay-planted-")))
 PINNED = [Path(COMMON).name, Path(CONNECTOR).name]
 # Every path of the module directory a write creates, replaces or removes.
