@@ -189,7 +189,7 @@ def cmd_run(args: list[str]) -> int:
         spec = state() / f"{name}.cmd"
         spec.write_text(json.dumps({"argv": argv, "env": env}))
         sup = subprocess.Popen(
-            [sys.executable, __file__, "_supervise", name],
+            [sys.executable, "-S", __file__, "_supervise", name],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
