@@ -37,6 +37,7 @@ from vllm_overlay.tree.apply import ApplyError, apply_series, revert_series
 from vllm_overlay.tree.status import tree_status
 from vllm_overlay.tree.target import Target, detect_target
 
+
 @pytest.fixture(autouse=True)
 def _cheap_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     cheap_cli_writes(monkeypatch)  # the in-process writes here

@@ -30,6 +30,7 @@ from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.transaction import JOURNAL_NAME, LOCK_NAME
 from vllm_overlay.tree.manifest import MANIFEST_NAME
 
+
 @pytest.fixture(autouse=True)
 def _cheap_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     cheap_cli_writes(monkeypatch)  # the commands here run some 1200 times
