@@ -10,6 +10,7 @@ start-up of the process that gets killed.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -19,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from tests.repo import REPO
 from tests.workspace import fake_site, make_diff, patch_header
+from vllm_overlay import cli
 from vllm_overlay.cli import main
 from vllm_overlay.series.pin import (
     MODULE_DIR,
@@ -72,6 +75,18 @@ for line in sys.stdin:
     _, status = os.waitpid(pid, 0)
     print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
 """
+
+
+_PARSER = functools.cache(cli.build_parser)
+
+
+def cheap_cli_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For tests that run the CLI hundreds of times in this process: one
+    argument parser for all of them, and fsync a no-op. Every step of a
+    write, fault hook included, is still taken: what such tests check is
+    where bytes land, not that they reached the disk."""
+    monkeypatch.setattr(cli, "build_parser", _PARSER)
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,7 @@ def cmd_run(args: list[str]) -> int:
         spec = state() / f"{name}.cmd"
         spec.write_text(json.dumps({"argv": argv, "env": env}))
         sup = subprocess.Popen(
-            [sys.executable, __file__, "_supervise", name],
+            [sys.executable, "-S", __file__, "_supervise", name],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
@@ -217,11 +217,15 @@ def cmd_supervise(name: str) -> int:
 
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A supervisor whose `docker run` exited is
+    reparented to init, which may reap it seconds after it died: a zombie
+    is dead (docker's `rm` returns once the container is gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            # The state follows the command name, which may hold spaces.
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
 def lookup(

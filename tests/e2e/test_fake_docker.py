@@ -16,7 +16,7 @@ from vllm_overlay.e2e.report import read_report
 from vllm_overlay.e2e.runid import with_run_id
 from vllm_overlay.e2e.runner import run
 
-PULL_S = 10.0
+PULL_S = 3.0
 
 
 def with_timeouts(config: RunConfig, **kw: float) -> RunConfig:

@@ -6,11 +6,9 @@ executed here with stub programs, hand it on verbatim and never run it."""
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,29 +122,21 @@ def test_a_newline_is_refused_naming_the_field(field: str) -> None:
     assert "injected" not in message  # the value is never echoed: it may be secret
 
 
+# Shell scripts, not Pythons: a case runs a stub some twenty times. Each
+# call appends its argv to a file under $STUB_LOG named by its shell's pid
+# (an exec'd command keeps it), NUL-terminated after the number of
+# arguments; printf never evaluates them.
+RECORD = 'printf "%s\\0" "$#" "$0" "$@" >>"$STUB_LOG/$$"'
 STUBS = {
-    # Records its argv (and the env the run was handed, by name) and
-    # succeeds; `image inspect` finds the image.
-    "docker": """
-import json, os, sys
-with open(os.environ["STUB_LOG"], "a") as f:
-    f.write(json.dumps(["docker", *sys.argv[1:]]) + "\\n")
-""",
+    # Records its argv and succeeds; `image inspect` finds the image.
+    "docker": RECORD,
     # Runs the remote command with sh, as sshd runs it with the login shell.
-    "ssh": """
-import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["STUB_LOG"], "a") as f:
-    f.write(json.dumps(["ssh", *args]) + "\\n")
-os.execvp("sh", ["sh", "-c", args[-1]])
-""",
+    "ssh": f'{RECORD}\neval "remote=\\${{$#}}"\nexec sh -c "$remote"',
     # One task: rank 0 on this node.
-    "srun": """
-import os, sys
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
-os.environ["SLURM_PROCID"] = "0"
-os.execvp(args[0], args)
-""",
+    "srun": (
+        'for a do shift; case $a in --*) ;; *) set -- "$@" "$a" ;; esac; done\n'
+        'SLURM_PROCID=0 exec "$@"'
+    ),
 }
 
 
@@ -156,9 +146,10 @@ def stubs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     bin_dir.mkdir()
     for name, body in STUBS.items():
         path = bin_dir / name
-        path.write_text(f"#!{sys.executable}\n{body}")
+        path.write_text(f"#!/bin/sh\n{body}\n")
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    log = tmp_path / "calls.jsonl"
+    log = tmp_path / "calls"
+    log.mkdir()
     monkeypatch.setenv("STUB_LOG", str(log))
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.chdir(tmp_path)
@@ -166,9 +157,17 @@ def stubs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def calls(log: Path) -> list[list[str]]:
-    if not log.exists():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines()]
+    """Every stub call's argv, the program by its name."""
+    found = []
+    for record in sorted(log.iterdir()):
+        fields = record.read_bytes().decode().split("\0")
+        assert fields.pop() == "", record
+        while fields:
+            count, program = int(fields[0]), Path(fields[1]).name
+            found.append([program, *fields[2 : 2 + count]])
+            assert len(found[-1]) == count + 1, record
+            del fields[: 2 + count]
+    return found
 
 
 def run_everything(data: Data, tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ def test_health_wait_times_out_and_tears_down(
     tokenizer_json: Path, tmp_path: Path, heartbeats: list[MoRIIOHeartbeat]
 ) -> None:
     # Only the prefill registers: the router stays unhealthy.
-    config = loopback_config(tokenizer_json, health_s=8)
+    config = loopback_config(tokenizer_json, health_s=4)
     heartbeats.append(heartbeat_for(config, "prefill"))
     run = launcher(config, router_plan(config), tmp_path)
     with pytest.raises(HealthTimeout, match="Waiting for discovered workers"), run:

@@ -31,7 +31,9 @@ def slurm_config(
 ) -> RunConfig:
     config = loopback_config(
         tokenizer, prefill, decode, router_container=True, with_addresses=False,
-        checks__sweep_max_len=200, checks__sweep_min_count=10,
+        # Five sweep prompts (each P/D request reads the NIC counters
+        # through a job step on the decoder's node, a Slurm round trip).
+        checks__sweep_max_len=70, checks__sweep_min_count=1,
         checks__needle_words=[300], checks__prefix_hit_length=300,
         checks__repeat_length=300, **overrides,
     )  # fmt: skip

@@ -23,6 +23,7 @@ from tests.faketree import (
     PAUSE_DRIVER,
     FakeTree,
     Snapshot,
+    cheap_cli_writes,
     recorded_steps,
     reference_states,
 )
@@ -35,6 +36,12 @@ from vllm_overlay.transaction import JOURNAL_NAME, LOCK_NAME
 from vllm_overlay.tree.apply import ApplyError, apply_series, revert_series
 from vllm_overlay.tree.status import tree_status
 from vllm_overlay.tree.target import Target, detect_target
+
+
+@pytest.fixture(autouse=True)
+def _cheap_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    cheap_cli_writes(monkeypatch)  # the in-process writes here
+
 
 STATES = reference_states(Path(tempfile.mkdtemp(prefix="vllm-overlay-faults-")))
 # Every step of each write, by number (1 = before the first step).

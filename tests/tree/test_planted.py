@@ -17,12 +17,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.faketree import COMMON, CONNECTOR, FakeTree, reference_states
+from tests.faketree import (
+    COMMON,
+    CONNECTOR,
+    FakeTree,
+    cheap_cli_writes,
+    reference_states,
+)
 from vllm_overlay import transaction
 from vllm_overlay.cli import main
 from vllm_overlay.series.pin import MODULE_DIR
 from vllm_overlay.transaction import JOURNAL_NAME, LOCK_NAME
 from vllm_overlay.tree.manifest import MANIFEST_NAME
+
+
+@pytest.fixture(autouse=True)
+def _cheap_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    cheap_cli_writes(monkeypatch)  # the commands here run some 1200 times
+
 
 STATES = reference_states(Path(tempfile.mkdtemp(prefix="vllm-overlay-planted-")))
 PINNED = [Path(COMMON).name, Path(CONNECTOR).name]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -257,10 +258,25 @@ def _series_test_files() -> list[Path]:
     return [REPO / f for f in sorted(named)]
 
 
+@functools.cache
+def _series_ports() -> dict[Path, str | PortError]:
+    """Each of those files' port, or why it has none: made once for the
+    two tests below."""
+    ports: dict[Path, str | PortError] = {}
+    for test_file in _series_test_files():
+        try:
+            ports[test_file] = port_test(test_file)
+        except PortError as e:
+            ports[test_file] = e
+    return ports
+
+
 def test_the_series_tests_port_with_each_name_bound_once() -> None:
     twice = {}
-    for test_file in _series_test_files():
-        bindings = _top_level_bindings(port_test(test_file))
+    for test_file, port in _series_ports().items():
+        if isinstance(port, PortError):
+            raise port
+        bindings = _top_level_bindings(port)
         dup = sorted({n for n in bindings if bindings.count(n) > 1})
         if dup:
             twice[test_file.name] = dup
@@ -282,11 +298,9 @@ def test_the_series_ports_read_like_vllms_tests() -> None:
     schedulers with vLLM's ``create_scheduler`` from vLLM's unit ``utils``."""
     ours: dict[str, list[str]] = {}
     with_vllm_helpers = []
-    for test_file in _series_test_files():
-        try:
-            text = port_test(test_file)
-        except PortError as e:
-            ours[test_file.name] = [str(e)]
+    for test_file, text in _series_ports().items():
+        if isinstance(text, PortError):
+            ours[test_file.name] = [str(text)]
             continue
         hits = [ln.strip() for ln in text.splitlines() if _OURS.search(ln)]
         if hits:
