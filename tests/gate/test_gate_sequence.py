@@ -162,17 +162,18 @@ def test_a_beside_steps_output_is_printed_whole_when_it_ends(
     dirs = Dirs(tmp_path)
     todo = steps(dirs, "", "OUT")
     overlay = "suite --out " + str(dirs.overlay)
-    levels_done = threading.Event()
+    # The beside thread prints a step's block before it starts the next.
+    levels_printed = threading.Event()
 
     def run(step: Step, env: dict[str, str], out: list[str] | None) -> int:
         name = " ".join(step.args[:3])
         if name == overlay:
-            levels_done.wait(10)
+            levels_printed.wait(10)
             print("overlay line")
+        if step.args[0] == "removable":
+            levels_printed.set()
         if out is not None:
             out.append(f"{step.args[0]} line 1\n{step.args[0]} line 2\n")
-            if step.args[0] == "levels":
-                levels_done.set()
         return 0
 
     run_steps(todo, {}, run, print, dirs.phases, "r")
