@@ -200,6 +200,22 @@ def test_a_failed_beside_step_stops_the_gate_before_the_base_run(
     assert ran[0] == "apply" and ran[3:] == ["apply"]
 
 
+def test_a_beside_step_that_cannot_start_fails_the_gate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dirs = Dirs(tmp_path)
+    todo = steps(dirs, "", "OUT")
+
+    def run(step: Step, env: dict[str, str], out: list[str] | None) -> int:
+        if step.args[0] == "removable":
+            raise OSError("no such interpreter")
+        return 0
+
+    done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r")
+    assert done.failed is todo[2] and done.status == 1
+    assert "removable --out" in capsys.readouterr().out
+
+
 def test_an_interrupted_base_run_still_puts_the_overlay_back(tmp_path: Path) -> None:
     dirs = Dirs(tmp_path)
     ran, run = _record({}, interrupt="suite --variant base")

@@ -286,8 +286,12 @@ class _Beside:
             if self.stop.is_set() or any(self.codes.values()):
                 continue
             out: list[str] = []
-            with self.timing.timed(step):
-                code = self.run(step, env, out)
+            try:
+                with self.timing.timed(step):
+                    code = self.run(step, env, out)
+            except Exception as e:  # the gate must not pass a step it lost
+                out.append(f"gate: {command_line(step)} did not run: {e}\n")
+                code = 1
             self.codes[i] = code
             with self.timing.lock:
                 for line in step.say.splitlines():
