@@ -37,35 +37,31 @@ def test_the_steps_run_in_the_gates_order(tmp_path: Path) -> None:
         "apply",
         "levels",
         "removable",
-        "export",
         "simulate-bytes",
         "suite",
         "apply --revert",
         "suite",
         "apply",
         "revert-red",
+        "export",
     ]
     assert [s.phase for s in todo if s.phase] == [
         "levels",
         "removable",
-        "export",
         "bytes",
         "overlay",
         "base",
         "revert-red",
+        "export",
     ]
     # Only the re-apply after the base run runs after a failure.
-    assert [i for i, s in enumerate(todo) if s.always] == [8]
-    base = todo[7]
+    assert [i for i, s in enumerate(todo) if s.always] == [7]
+    base = todo[6]
     assert base.args[:3] == ("suite", "--variant", "base")
     # Beside the overlay run: the steps of materialized trees, never the
-    # base run: they end before the base goes on.
-    assert [s.phase for s in todo if s.beside] == [
-        "levels",
-        "removable",
-        "export",
-        "bytes",
-    ]
+    # base run: they end before the base goes on. The export reads the
+    # reports of revert-red and removable: it comes last.
+    assert [s.phase for s in todo if s.beside] == ["levels", "removable", "bytes"]
     assert [_commands([s])[0] for s in todo if s.joins] == [
         "apply --revert",
         "revert-red",
@@ -96,7 +92,6 @@ def _beside(dirs: Dirs) -> list[str]:
     return [
         f"levels --out {dirs.levels}",
         f"removable --out {dirs.removable}",
-        "export --out OUT",
         "simulate-bytes --layouts gemma,dsv4,kimi,glm",
     ]
 
@@ -107,12 +102,12 @@ def test_a_failed_base_run_still_puts_the_overlay_back(tmp_path: Path) -> None:
     ran, run = _record({"suite --variant base": 3})
     done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r1")
     overlay = "suite --out " + str(dirs.overlay)
-    assert ran[0] == "apply" and sorted(ran[1:6]) == sorted([*_beside(dirs), overlay])
-    assert ran[6:] == ["apply --revert", "suite --variant base", "apply"]
-    assert done.failed is todo[7] and done.status == 3
+    assert ran[0] == "apply" and sorted(ran[1:5]) == sorted([*_beside(dirs), overlay])
+    assert ran[5:] == ["apply --revert", "suite --variant base", "apply"]
+    assert done.failed is todo[6] and done.status == 3
     phases = json.loads((tmp_path / ".nox-reports" / PHASES_FILE).read_text())
     assert phases["run"] == "r1"
-    assert set(phases["phases"]) == {"levels", "removable", "export", "bytes"} | {
+    assert set(phases["phases"]) == {"levels", "removable", "bytes"} | {
         "overlay",
         "base",
     }
@@ -152,7 +147,7 @@ def test_the_tree_steps_run_beside_the_overlay_run_and_end_before_the_base(
     done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r")
     assert done.failed is None and done.ran == len(todo)
     assert seen["beside"] is True and seen["buffered"] is None
-    assert buffered == [True] * 4  # their output is printed whole
+    assert buffered == [True] * 3  # their output is printed whole
     assert seen["ended before the base"] == set(beside)
 
 
@@ -183,6 +178,8 @@ def test_a_beside_steps_output_is_printed_whole_when_it_ends(
     assert lines.index("levels line 2") < lines.index("overlay line")
     at = lines.index("a small byte sweep with the overlay: its verdict gates too")
     assert lines[at + 1 : at + 3] == ["simulate-bytes line 1", "simulate-bytes line 2"]
+    # The export's line once it passed, after revert-red.
+    assert lines[-1] == "unit-base: every patch exports (ruff, git am in stack order)"
 
 
 def test_a_failed_beside_step_stops_the_gate_before_the_base_run(

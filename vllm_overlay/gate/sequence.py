@@ -4,14 +4,15 @@ The suite with the series, spread over the cores by recorded seconds
 (ci/suite-times.json, then this machine's last run), recording which tests
 read vLLM's installed MoRIIO package; then those tests, and a sample of the
 others whose outcomes must not change, on the pinned base; the per-patch
-revert-red table and its verdict. Beside the overlay run, one after the
-other: each patch's named tests on the stack levels in between; each
-connector workaround proven removable with the core patch its Remove-When
-names (`removable`: "NNNN removable with core patch cNNN: yes"); the whole
-export into a temporary directory; a small byte sweep with the overlay.
-They read materialized trees, not the installed package, and they end
-before the base goes on: the installed package holds the overlay all the
-time they run, as when they ran after the base run. The shared
+revert-red table and its verdict; the whole export into a temporary
+directory (it reads the revert-red and removable reports). Beside the
+overlay run, one after the other: each patch's named tests on the stack
+levels in between; each connector workaround proven removable with the
+core patch its Remove-When names (`removable`: "NNNN removable with core
+patch cNNN: yes"); a small byte sweep with the overlay. They read
+materialized trees, not the installed package, and they end before the
+base goes on: the installed package holds the overlay all the time they
+run, as when they ran after the base run. The shared
 environment holds the base only while the base run lasts: the overlay goes
 back on even when that run fails or is interrupted.
 
@@ -80,6 +81,7 @@ class Step:
     # Starts once every `beside` step before it has ended (and stops the
     # gate if one failed).
     joins: bool = False
+    done: str = ""  # printed after it when it succeeds
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,8 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
     return [
         Step(("apply",)),
         # Beside the overlay run: materialized trees and the pinned wheel,
-        # never the installed package; they end before `apply --revert`.
+        # never the installed package, nor another step's report; they end
+        # before `apply --revert`.
         Step(
             ("levels", "--out", str(dirs.levels), f"--pytest-args={NO_SHRINK}"),
             say="running each patch's named tests on the stack levels in between",
@@ -149,21 +152,11 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
             wheels=(WHEEL_ENV,),
             beside=True,
         ),
-        # The whole export, thrown away: a ported test that fails vLLM's ruff,
-        # or mails that do not apply in order, fail the gate, not a later export.
-        Step(
-            ("export", "--out", export_out, "--no-signoff"),
-            phase="export",
-            wheels=(WHEEL_ENV,),
-            silent=True,
-            beside=True,
-        ),
         Step(
             ("simulate-bytes", *BYTES_GATE, "--variant", "overlay")
             + ("--kv-layouts", "LBNHC")
             + ("--report", str(dirs.reports / "simulate-bytes-gate.json")),
-            say="unit-base: every patch exports (ruff, git am in stack order)\n"
-            "a small byte sweep with the overlay: its verdict gates too",
+            say="a small byte sweep with the overlay: its verdict gates too",
             phase="bytes",
             parent=True,
             beside=True,
@@ -192,6 +185,16 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
             + ("--selection", selection, "--levels", str(dirs.levels)),
             phase="revert-red",
             joins=True,
+        ),
+        # The whole export, thrown away: a ported test that fails vLLM's ruff,
+        # or mails that do not apply in order, fail the gate, not a later export.
+        # It reads the reports of revert-red and removable.
+        Step(
+            ("export", "--out", export_out, "--no-signoff"),
+            phase="export",
+            wheels=(WHEEL_ENV,),
+            silent=True,
+            done="unit-base: every patch exports (ruff, git am in stack order)",
         ),
     ]
 
@@ -298,6 +301,8 @@ class _Beside:
                     self.say(line)
                 sys.stdout.write("".join(out))
                 sys.stdout.flush()
+                for line in step.done.splitlines() if not code else []:
+                    self.say(line)
 
     def join(self) -> dict[int, int]:
         """Wait for every step handed over so far; their exit statuses."""
@@ -369,6 +374,9 @@ def run_steps(
                 codes[at] = run(step, step_env(step, env), None)
             if codes[at]:
                 beside.stop.set()
+            with timing.lock:
+                for line in step.done.splitlines() if not codes[at] else []:
+                    say(line)
         if not joined:
             codes.update(beside.join())
     except KeyboardInterrupt:
