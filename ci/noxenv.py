@@ -236,9 +236,14 @@ def install_checkout(session: nox.Session, extras: str = "", *args: str) -> None
         cpuenv.stamp_editable(env, ROOT, extras)
 
 
-def typecheck_impl(session: nox.Session) -> None:
+def lint_tools(session: nox.Session) -> None:
+    """mypy, ruff and this checkout in the session's environment."""
     session.install("-r", str(LINT_REQUIREMENTS))
     install_checkout(session, "", "--no-deps")
+
+
+def typecheck_impl(session: nox.Session) -> None:
+    lint_tools(session)
     session.run("mypy")
 
 

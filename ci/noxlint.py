@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import nox
@@ -25,9 +28,9 @@ from ci.noxenv import (
     ROOT,
     TORCH,
     cpu_python,
+    lint_tools,
     pinned,
     pinned_wheel,
-    typecheck_impl,
 )
 from vllm_overlay.mypybase import (
     base_key,
@@ -146,8 +149,42 @@ def mypy_overlaid(
     )
 
 
+@contextmanager
+def beside(session: nox.Session, *cmd: str) -> Iterator[None]:
+    """``cmd`` (a tool of the session's environment, run in the checkout)
+    runs while the block does: mypy on this package shares the cores with
+    the CPU environment's build and the checks of the overlaid files. Its
+    output is printed whole after the block; its failure fails the session.
+    A block that fails stops it."""
+    name = " ".join(cmd)
+    session.log(f"{name}: beside what follows, its output after it")
+    proc = subprocess.Popen(
+        [str(Path(session.bin) / cmd[0]), *cmd[1:]], cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        yield
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    out, _ = proc.communicate()
+    session.log(f"{name}: exit status {proc.returncode}")
+    sys.stdout.write(out)
+    sys.stdout.flush()
+    if proc.returncode:
+        session.error(f"{name} failed (exit status {proc.returncode})")
+
+
 def lint_impl(session: nox.Session) -> None:
-    typecheck_impl(session)
+    lint_tools(session)
+    with beside(session, "mypy"):
+        touched = lint_rest(session)
+    session.log(f"lint: ok ({count(len(touched), 'overlaid vLLM file')} checked)")
+
+
+def lint_rest(session: nox.Session) -> list[str]:
+    """Everything of `lint` but mypy on this package; the overlaid files."""
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     touched = series_check(session)
@@ -167,4 +204,4 @@ def lint_impl(session: nox.Session) -> None:
         ROOT / "tests" / "image" / "fixtures" / "Containerfile.tiny",
     ]
     session.run("hadolint", *(str(f) for f in containerfiles))
-    session.log(f"lint: ok ({count(len(touched), 'overlaid vLLM file')} checked)")
+    return touched

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,29 +35,37 @@ def test_the_steps_run_in_the_gates_order(tmp_path: Path) -> None:
     todo = steps(Dirs(tmp_path), "", "OUT")
     assert _commands(todo) == [
         "apply",
+        "levels",
+        "removable",
+        "simulate-bytes",
         "suite",
         "apply --revert",
         "suite",
         "apply",
-        "levels",
         "revert-red",
-        "removable",
         "export",
-        "simulate-bytes",
     ]
     assert [s.phase for s in todo if s.phase] == [
+        "levels",
+        "removable",
+        "bytes",
         "overlay",
         "base",
-        "levels",
         "revert-red",
-        "removable",
         "export",
-        "bytes",
     ]
     # Only the re-apply after the base run runs after a failure.
-    assert [i for i, s in enumerate(todo) if s.always] == [4]
-    base = todo[3]
+    assert [i for i, s in enumerate(todo) if s.always] == [7]
+    base = todo[6]
     assert base.args[:3] == ("suite", "--variant", "base")
+    # Beside the overlay run: the steps of materialized trees, never the
+    # base run: they end before the base goes on. The export reads the
+    # reports of revert-red and removable: it comes last.
+    assert [s.phase for s in todo if s.beside] == ["levels", "removable", "bytes"]
+    assert [_commands([s])[0] for s in todo if s.joins] == [
+        "apply --revert",
+        "revert-red",
+    ]
 
 
 def test_pytest_arguments_go_to_the_overlay_and_base_runs(tmp_path: Path) -> None:
@@ -68,7 +77,7 @@ def test_pytest_arguments_go_to_the_overlay_and_base_runs(tmp_path: Path) -> Non
 def _record(codes: dict[str, int], interrupt: str = "") -> tuple[list[str], Run]:
     ran: list[str] = []
 
-    def run(step: Step, env: dict[str, str]) -> int:
+    def run(step: Step, env: dict[str, str], out: list[str] | None) -> int:
         name = " ".join(step.args[:3])
         ran.append(name)
         if name == interrupt:
@@ -78,18 +87,130 @@ def _record(codes: dict[str, int], interrupt: str = "") -> tuple[list[str], Run]
     return ran, run
 
 
+def _beside(dirs: Dirs) -> list[str]:
+    """The tree steps as `_record` names them."""
+    return [
+        f"levels --out {dirs.levels}",
+        f"removable --out {dirs.removable}",
+        "simulate-bytes --layouts gemma,dsv4,kimi,glm",
+    ]
+
+
 def test_a_failed_base_run_still_puts_the_overlay_back(tmp_path: Path) -> None:
     dirs = Dirs(tmp_path)
     todo = steps(dirs, "", "OUT")
     ran, run = _record({"suite --variant base": 3})
     done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r1")
-    assert ran == ["apply", "suite --out " + str(dirs.overlay), "apply --revert"] + [
-        "suite --variant base",
-        "apply",
-    ]
-    assert done.failed is todo[3] and done.status == 3
+    overlay = "suite --out " + str(dirs.overlay)
+    assert ran[0] == "apply" and sorted(ran[1:5]) == sorted([*_beside(dirs), overlay])
+    assert ran[5:] == ["apply --revert", "suite --variant base", "apply"]
+    assert done.failed is todo[6] and done.status == 3
     phases = json.loads((tmp_path / ".nox-reports" / PHASES_FILE).read_text())
-    assert phases["run"] == "r1" and set(phases["phases"]) == {"overlay", "base"}
+    assert phases["run"] == "r1"
+    assert set(phases["phases"]) == {"levels", "removable", "bytes"} | {
+        "overlay",
+        "base",
+    }
+
+
+def test_the_tree_steps_run_beside_the_overlay_run_and_end_before_the_base(
+    tmp_path: Path,
+) -> None:
+    """Levels, removable, export and the byte sweep share the cores with the
+    overlay run (it is still running when they start) and have all ended
+    before `apply --revert` puts the base on."""
+    dirs = Dirs(tmp_path)
+    todo = steps(dirs, "", "OUT")
+    overlay = "suite --out " + str(dirs.overlay)
+    beside = _beside(dirs)
+    started = {name: threading.Event() for name in [*beside, overlay]}
+    ended: set[str] = set()
+    buffered: list[bool] = []
+    seen: dict[str, object] = {}
+
+    def run(step: Step, env: dict[str, str], out: list[str] | None) -> int:
+        name = " ".join(step.args[:3])
+        if name in started:
+            started[name].set()
+        if name == overlay:
+            # The overlay run is still going when the last tree step starts.
+            seen["beside"] = started[beside[-1]].wait(10)
+            seen["buffered"] = out
+        if name in beside:
+            buffered.append(out is not None)
+            started[overlay].wait(10)
+            ended.add(name)
+        if name == "apply --revert":
+            seen["ended before the base"] = set(ended)
+        return 0
+
+    done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r")
+    assert done.failed is None and done.ran == len(todo)
+    assert seen["beside"] is True and seen["buffered"] is None
+    assert buffered == [True] * 3  # their output is printed whole
+    assert seen["ended before the base"] == set(beside)
+
+
+def test_a_beside_steps_output_is_printed_whole_when_it_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dirs = Dirs(tmp_path)
+    todo = steps(dirs, "", "OUT")
+    overlay = "suite --out " + str(dirs.overlay)
+    # The beside thread prints a step's block before it starts the next.
+    levels_printed = threading.Event()
+
+    def run(step: Step, env: dict[str, str], out: list[str] | None) -> int:
+        name = " ".join(step.args[:3])
+        if name == overlay:
+            levels_printed.wait(10)
+            print("overlay line")
+        if step.args[0] == "removable":
+            levels_printed.set()
+        if out is not None:
+            out.append(f"{step.args[0]} line 1\n{step.args[0]} line 2\n")
+        return 0
+
+    run_steps(todo, {}, run, print, dirs.phases, "r")
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("running each patch's named tests on the stack levels in between")
+    assert lines[at + 1 : at + 3] == ["levels line 1", "levels line 2"]
+    assert lines.index("levels line 2") < lines.index("overlay line")
+    at = lines.index("a small byte sweep with the overlay: its verdict gates too")
+    assert lines[at + 1 : at + 3] == ["simulate-bytes line 1", "simulate-bytes line 2"]
+    # The export's line once it passed, after revert-red.
+    assert lines[-1] == "unit-base: every patch exports (ruff, git am in stack order)"
+
+
+def test_a_failed_beside_step_stops_the_gate_before_the_base_run(
+    tmp_path: Path,
+) -> None:
+    dirs = Dirs(tmp_path)
+    todo = steps(dirs, "", "OUT")
+    ran, run = _record({"levels --out " + str(dirs.levels): 1})
+    done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r")
+    assert done.failed is todo[1] and done.status == 1
+    overlay = "suite --out " + str(dirs.overlay)
+    # The overlay run had started; no tree step after levels, no base run;
+    # the overlay is put back all the same.
+    assert sorted(ran[1:3]) == sorted(["levels --out " + str(dirs.levels), overlay])
+    assert ran[0] == "apply" and ran[3:] == ["apply"]
+
+
+def test_a_beside_step_that_cannot_start_fails_the_gate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dirs = Dirs(tmp_path)
+    todo = steps(dirs, "", "OUT")
+
+    def run(step: Step, env: dict[str, str], out: list[str] | None) -> int:
+        if step.args[0] == "removable":
+            raise OSError("no such interpreter")
+        return 0
+
+    done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r")
+    assert done.failed is todo[2] and done.status == 1
+    assert "removable --out" in capsys.readouterr().out
 
 
 def test_an_interrupted_base_run_still_puts_the_overlay_back(tmp_path: Path) -> None:
@@ -151,7 +272,8 @@ def test_prepare_keeps_the_last_times_and_removes_the_last_outputs(
     assert not any(d.exists() for d in (dirs.overlay, dirs.base, dirs.levels))
     assert len(done) == 4
     # The next run spreads the files by them too, after the checkout's.
-    times = [a for a in steps(dirs, "", "OUT")[1].args if a.endswith(".json")]
+    overlay = next(s for s in steps(dirs, "", "OUT") if s.phase == "overlay")
+    times = [a for a in overlay.args if a.endswith(".json")]
     assert times == [str(tmp_path / "ci" / "suite-times.json"), str(dirs.cached_times)]
 
 

@@ -17,6 +17,7 @@ from vllm_overlay.cli import main
 from vllm_overlay.gate.pytestargs import names_a_test, split_paths
 from vllm_overlay.gate.shards import (
     FILE_TIMES,
+    PROCESS,
     START,
     FileTimes,
     ShardError,
@@ -111,6 +112,28 @@ def test_the_lanes_share_the_time_and_keep_the_loading_files_apart(
     assert sorted(f for lane in lanes for s in lane for f in s) == sorted(weights)
     # The loading files stay in one process when they fit a lane's share.
     assert sum(bool(set(s) & set(loading)) for lane in lanes for s in lane) == 1
+
+
+def test_a_lane_with_a_loading_process_takes_a_process_start_less_of_files(
+    tmp_path: Path,
+) -> None:
+    """The loading files run in a pytest process of their own: their lane
+    starts one process more, so it gets ``PROCESS`` seconds less of files."""
+    loading = _write(tmp_path / "tests" / "patches" / "test_p.py", f"import {PKG}\n")
+    big = _write(tmp_path / "tests" / "sim" / "test_big.py", "import os\n")
+    small = [
+        _write(tmp_path / "tests" / "sim" / f"test_s{i:02}.py", "import os\n")
+        for i in range(20)
+    ]
+    weights = {loading: 40.0, big: 40.0} | {f: 1.0 for f in small}
+    lanes = plan(tmp_path, list(weights), 2, weights)
+    files = {
+        any(loading in shard for shard in lane): sum(
+            weights[f] for shard in lane for f in shard
+        )
+        for lane in lanes
+    }
+    assert files[False] - files[True] == PROCESS, lanes
 
 
 def test_the_files_sharing_a_session_fixture_run_in_one_process(

@@ -3,14 +3,18 @@
 The suite with the series, spread over the cores by recorded seconds
 (ci/suite-times.json, then this machine's last run), recording which tests
 read vLLM's installed MoRIIO package; then those tests, and a sample of the
-others whose outcomes must not change, on the pinned base; then each
-patch's named tests on the stack levels in between; the per-patch
-revert-red table and its verdict; each connector workaround proven
-removable with the core patch its Remove-When names (`removable`: "NNNN
-removable with core patch cNNN: yes"); the whole export into a temporary
-directory; a small byte sweep with the overlay. The shared environment
-holds the base only while the base run lasts: the overlay goes back on
-even when that run fails or is interrupted.
+others whose outcomes must not change, on the pinned base; the per-patch
+revert-red table and its verdict; the whole export into a temporary
+directory (it reads the revert-red and removable reports). Beside the
+overlay run, one after the other: each patch's named tests on the stack
+levels in between; each connector workaround proven removable with the
+core patch its Remove-When names (`removable`: "NNNN removable with core
+patch cNNN: yes"); a small byte sweep with the overlay. They read
+materialized trees, not the installed package, and they end before the
+base goes on: the installed package holds the overlay all the time they
+run, as when they ran after the base run. The shared
+environment holds the base only while the base run lasts: the overlay goes
+back on even when that run fails or is interrupted.
 
 Each step is one `vllm-overlay` process in the checkout, as the noxfile ran
 them; `gate --plan` prints the same steps without running any.
@@ -19,17 +23,20 @@ them; `gate --plan` prints the same steps without running any.
 from __future__ import annotations
 
 import os
+import queue
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_overlay import cpuplatform
 from vllm_overlay.checkout import REPORT_DIR
-from vllm_overlay.gate.phases import PHASES_FILE, timed
+from vllm_overlay.gate.phases import PHASES_FILE, record
 
 CACHE_DIR = ".nox-cache"
 # Seconds per test file of a gate run (`.nox-reports/suite-overlay/file-times.json`
@@ -68,6 +75,13 @@ class Step:
     silent: bool = False  # its output only when it fails
     always: bool = False  # runs even after a step before it failed
     parent: bool = False  # ends with the gate's parent (the byte sweep)
+    # Runs beside the steps after it, one such step at a time in order; its
+    # output (and its `say`) printed whole when it ends.
+    beside: bool = False
+    # Starts once every `beside` step before it has ended (and stops the
+    # gate if one failed).
+    joins: bool = False
+    done: str = ""  # printed after it when it succeeds
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,32 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
     selection = str(dirs.overlay / "selection.json")
     return [
         Step(("apply",)),
+        # Beside the overlay run: materialized trees and the pinned wheel,
+        # never the installed package, nor another step's report; they end
+        # before `apply --revert`.
+        Step(
+            ("levels", "--out", str(dirs.levels), f"--pytest-args={NO_SHRINK}"),
+            say="running each patch's named tests on the stack levels in between",
+            phase="levels",
+            wheels=(WHEEL_ENV,),
+            beside=True,
+        ),
+        Step(
+            ("removable", "--out", str(dirs.removable)),
+            say="proving each connector workaround removable with its core patch",
+            phase="removable",
+            wheels=(WHEEL_ENV,),
+            beside=True,
+        ),
+        Step(
+            ("simulate-bytes", *BYTES_GATE, "--variant", "overlay")
+            + ("--kv-layouts", "LBNHC")
+            + ("--report", str(dirs.reports / "simulate-bytes-gate.json")),
+            say="a small byte sweep with the overlay: its verdict gates too",
+            phase="bytes",
+            parent=True,
+            beside=True,
+        ),
         Step(
             ("suite", "--out", str(dirs.overlay), f"--pytest-args={SLOWEST}{more}")
             + times,
@@ -128,7 +168,7 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
             phase="overlay",
             wheels=TEST_WHEELS,
         ),
-        Step(("apply", "--revert")),
+        Step(("apply", "--revert"), joins=True),
         Step(
             ("suite", "--variant", "base", "--selection", selection)
             + ("--out", str(dirs.base), "--times", str(dirs.overlay / "times.json"))
@@ -139,40 +179,22 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
         ),
         Step(("apply",), always=True),
         Step(
-            ("levels", "--out", str(dirs.levels), f"--pytest-args={NO_SHRINK}"),
-            say="running each patch's named tests on the stack levels in between",
-            phase="levels",
-            wheels=(WHEEL_ENV,),
-        ),
-        Step(
             ("revert-red", "--base-outcomes", str(dirs.base / "outcomes.json"))
             + ("--overlay-outcomes", str(dirs.overlay / "outcomes.json"))
             + ("--touches", str(dirs.overlay / "touches.json"))
             + ("--selection", selection, "--levels", str(dirs.levels)),
             phase="revert-red",
-        ),
-        Step(
-            ("removable", "--out", str(dirs.removable)),
-            say="proving each connector workaround removable with its core patch",
-            phase="removable",
-            wheels=(WHEEL_ENV,),
+            joins=True,
         ),
         # The whole export, thrown away: a ported test that fails vLLM's ruff,
         # or mails that do not apply in order, fail the gate, not a later export.
+        # It reads the reports of revert-red and removable.
         Step(
             ("export", "--out", export_out, "--no-signoff"),
             phase="export",
             wheels=(WHEEL_ENV,),
             silent=True,
-        ),
-        Step(
-            ("simulate-bytes", *BYTES_GATE, "--variant", "overlay")
-            + ("--kv-layouts", "LBNHC")
-            + ("--report", str(dirs.reports / "simulate-bytes-gate.json")),
-            say="unit-base: every patch exports (ruff, git am in stack order)\n"
-            "a small byte sweep with the overlay: its verdict gates too",
-            phase="bytes",
-            parent=True,
+            done="unit-base: every patch exports (ruff, git am in stack order)",
         ),
     ]
 
@@ -210,14 +232,24 @@ def command_line(step: Step, python: str = "vllm-overlay") -> str:
     return shlex.join([*head, *step.args])
 
 
-Run = Callable[[Step, dict[str, str]], int]
+# A step's exit status; with ``out`` given, its output goes there (stdout and
+# stderr in one), not to the gate's.
+Run = Callable[[Step, dict[str, str], list[str] | None], int]
 
 
 def run_step(root: Path) -> Run:
     """A step as a process of this Python in ``root``; its exit status."""
 
-    def run(step: Step, env: dict[str, str]) -> int:
+    def run(step: Step, env: dict[str, str], out: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "vllm_overlay.cli", *step.args]
+        if out is not None:
+            done = subprocess.run(
+                cmd, cwd=root, env=env, check=False, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            if not step.silent or done.returncode:
+                out.append(done.stdout)
+            return done.returncode
         if not step.silent:
             return subprocess.run(cmd, cwd=root, env=env, check=False).returncode
         done = subprocess.run(
@@ -233,9 +265,78 @@ def run_step(root: Path) -> Run:
 
 @dataclass(frozen=True)
 class Outcome:
-    failed: Step | None  # the first step that failed
+    failed: Step | None  # the first step that failed, in the gate's order
     status: int
     ran: int
+
+
+class _Beside:
+    """The `beside` steps: a thread running them one after the other while
+    the gate's other steps go on; each one's `say` and output printed whole,
+    under the timing's lock, when it ends."""
+
+    def __init__(self, run: Run, say: Callable[[str], None], timing: _Timing) -> None:
+        self.run, self.say, self.timing = run, say, timing
+        self.todo: queue.Queue[tuple[int, Step, dict[str, str]] | None] = queue.Queue()
+        self.codes: dict[int, int] = {}  # exit status by position in the gate
+        self.stop = threading.Event()  # start no more of them
+        self.thread = threading.Thread(target=self._work, daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while (item := self.todo.get()) is not None:
+            i, step, env = item
+            if self.stop.is_set() or any(self.codes.values()):
+                continue
+            out: list[str] = []
+            try:
+                with self.timing.timed(step):
+                    code = self.run(step, env, out)
+            except Exception as e:  # the gate must not pass a step it lost
+                out.append(f"gate: {command_line(step)} did not run: {e}\n")
+                code = 1
+            self.codes[i] = code
+            with self.timing.lock:
+                for line in step.say.splitlines():
+                    self.say(line)
+                sys.stdout.write("".join(out))
+                sys.stdout.flush()
+                for line in step.done.splitlines() if not code else []:
+                    self.say(line)
+
+    def join(self) -> dict[int, int]:
+        """Wait for every step handed over so far; their exit statuses."""
+        self.todo.put(None)
+        self.thread.join()
+        return self.codes
+
+
+@dataclass(frozen=True)
+class _Timing:
+    phases: Path
+    run_id: str
+    lock: threading.Lock
+
+    def timed(self, step: Step) -> _Timed:
+        return _Timed(self, step)
+
+
+class _Timed:
+    """A step's seconds as its phase of the run, even if it fails; phases
+    recorded one at a time (the `beside` thread records too)."""
+
+    def __init__(self, timing: _Timing, step: Step) -> None:
+        self.timing, self.step = timing, step
+        self.started = 0.0
+
+    def __enter__(self) -> None:
+        self.started = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.step.phase:
+            seconds = time.monotonic() - self.started
+            with self.timing.lock:
+                record(self.timing.phases, self.step.phase, seconds, self.timing.run_id)
 
 
 def run_steps(
@@ -246,28 +347,44 @@ def run_steps(
     phases: Path,
     run_id: str,
 ) -> Outcome:
-    """Run ``todo`` in order, each phase timed; after a failure only the
-    ``always`` steps (the overlay back on). An interrupt still runs them."""
-    failed: Step | None = None
-    status = 0
-    ran = 0
-    for step in todo:
-        if failed is not None and not step.always:
-            continue
-        for line in step.say.splitlines():
-            say(line)
-        try:
-            if step.phase:
-                with timed(phases, step.phase, run_id):
-                    code = run(step, step_env(step, env))
-            else:
-                code = run(step, step_env(step, env))
-        except KeyboardInterrupt:
-            rest = [s for s in todo[todo.index(step) + 1 :] if s.always]
-            for after in rest:
-                run(after, step_env(after, env))
-            raise
-        ran += 1
-        if code and failed is None:
-            failed, status = step, code
-    return Outcome(failed, status, ran)
+    """Run ``todo`` in order, each phase timed; the `beside` steps in a
+    thread of their own, one after the other, while the others go on, up
+    to the first `joins` step. After a failure only the ``always`` steps
+    (the overlay back on). An interrupt still runs them."""
+    timing = _Timing(phases, run_id, threading.Lock())
+    beside = _Beside(run, say, timing)
+    codes: dict[int, int] = {}
+    joined = False
+    at = 0
+    try:
+        for at, step in enumerate(todo):
+            if step.joins and not joined:
+                codes.update(beside.join())
+                joined = True
+            failed = any(codes.values()) or any(beside.codes.values())
+            if failed and not step.always:
+                continue
+            if step.beside and not joined:
+                beside.todo.put((at, step, step_env(step, env)))
+                continue
+            with timing.lock:
+                for line in step.say.splitlines():
+                    say(line)
+            with timing.timed(step):
+                codes[at] = run(step, step_env(step, env), None)
+            if codes[at]:
+                beside.stop.set()
+            with timing.lock:
+                for line in step.done.splitlines() if not codes[at] else []:
+                    say(line)
+        if not joined:
+            codes.update(beside.join())
+    except KeyboardInterrupt:
+        beside.stop.set()
+        for after in [s for s in todo[at + 1 :] if s.always]:
+            run(after, step_env(after, env), None)
+        raise
+    first = min((i for i, code in codes.items() if code), default=None)
+    if first is None:
+        return Outcome(None, 0, len(codes))
+    return Outcome(todo[first], codes[first], len(codes))
