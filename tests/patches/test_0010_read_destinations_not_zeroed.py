@@ -3,9 +3,10 @@
 vLLM zeroes freshly allocated blocks when the cache holds Mamba state or
 mixes precisions (``KVCacheConfig.needs_kv_cache_zeroing``; e.g. DeepSeek-V4's
 fp32 compressor states next to its bf16 attention pages). The scheduler skips
-the blocks an asynchronous connector load fills, but MoRIIO READ loads
-synchronously, so ``build_connector_meta`` has to drop its READ destinations
-from ``new_block_ids_to_zero`` itself, or the zeroing races the RDMA READ.
+the blocks an asynchronous connector load fills, but a synchronous MoRIIO
+READ (where the scheduler recovers a failed synchronous load by request)
+needs ``build_connector_meta`` to drop its READ destinations from
+``new_block_ids_to_zero`` itself, or the zeroing races the RDMA READ.
 The tests drive a real prefill ``Scheduler`` and a real decode ``Scheduler``
 through the connector and check the decoder's first step: the pages it READs
 are not zeroed, every other fresh page is.
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from vllm.config import set_current_vllm_config
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -89,7 +91,12 @@ def _pair(model_dir: Path, groups: list[KVCacheGroupSpec]) -> SchedulerPair:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("n", [100, 700])
-def test_read_destinations_are_not_zeroed(llama_model_dir: Path, layout, n) -> None:
+def test_read_destinations_are_not_zeroed(
+    llama_model_dir: Path, layout, n, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race needs a synchronous load: a scheduler that recovers a failed
+    # synchronous load by request keeps READ synchronous.
+    monkeypatch.setattr(Scheduler, "recovers_failed_sync_kv_loads", True, raising=False)
     pair = _pair(llama_model_dir, LAYOUTS[layout])
     rid = f"zero-{next(_ids)}"
     tokens = prompt(next(_ids), n)
