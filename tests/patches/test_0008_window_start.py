@@ -24,8 +24,6 @@ from vllm.v1.core.kv_cache_planning import unify_hybrid_kv_cache_specs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from tests.patches.builders import (
-    SWEEPS,
-    SWEPT_TOKENS,
     Case,
     Layout,
     LegPair,
@@ -138,25 +136,6 @@ def test_write_full_and_window_layers(llama_model_dir: Path, disable_hma: bool):
         return
     with pytest.raises(NotImplementedError, match="sliding-window cache groups"):
         make_scheduler_connector(vllm_config, make_kv_cache_config(groups))
-
-
-# ---------------------------------------------------------------------------
-# Every prompt length, every lookahead tail, DCP, hybrid READ
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sweep_name", list(SWEEPS))
-def test_sweep_reads_every_needed_block(
-    leg_pairs: Callable[[Layout], LegPair], sweep_name: str
-) -> None:
-    """The prompt-trim sweeps (DSv4-like window with a decode or prefill
-    lookahead tail, a small window with tails of 1..8 slots, DCP 2 and 4):
-    with the prefiller's freed window blocks they pass only with this fix."""
-    cases = SWEEPS[sweep_name]
-    wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, SWEPT_TOKENS + 1))
-    summary = {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
-    assert not summary, f"wrong prompt lengths (count, first): {summary}"
 
 
 @pytest.mark.parametrize(

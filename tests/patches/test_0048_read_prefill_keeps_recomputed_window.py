@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.patches.builders import (
+    SWEEPS,
     SWEPT_TOKENS,
     WINDOW_LAYOUTS,
     Case,
@@ -159,6 +160,21 @@ def test_sweep_reads_the_window_start(
     leg_pairs: Callable[[Layout], LegPair], sweep_name: str
 ) -> None:
     cases = WINDOW_SWEEPS[sweep_name]
+    wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, SWEPT_TOKENS + 1))
+    summary = {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
+    assert not summary, f"wrong prompt lengths (count, first): {summary}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sweep_name", list(SWEEPS))
+def test_sweep_reads_every_needed_block(
+    leg_pairs: Callable[[Layout], LegPair], sweep_name: str
+) -> None:
+    """The prompt-trim sweeps (DSv4-like window with a decode or prefill
+    lookahead tail, a small window with tails of 1..8 slots, DCP 2 and 4)
+    read every block the decoder needs once the prefiller keeps the window
+    of the token the decoder recomputes."""
+    cases = SWEEPS[sweep_name]
     wrong = sweep(leg_pairs(cases[0].layout), cases, range(1, SWEPT_TOKENS + 1))
     summary = {name: (len(ns), ns[:8]) for name, ns in wrong.items() if ns}
     assert not summary, f"wrong prompt lengths (count, first): {summary}"
