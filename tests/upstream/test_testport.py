@@ -78,6 +78,19 @@ def _layout(tmp_path: Path, **files: str) -> Path:
     return d
 
 
+def _run_alone(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    """pytest on the ported ``text`` alone, in a directory of its own."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "test_port.py").write_text(text)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        cwd=alone,
+    )
+
+
 def test_port_inlines_across_local_modules(tmp_path: Path) -> None:
     d = _layout(tmp_path, conftest=CONFTEST, helpers=HELPERS, test_0042_thing=TEST)
     out = port_test(d / "test_0042_thing.py")
@@ -422,15 +435,7 @@ def test_a_fixture_asked_for_by_name_runs_alone(tmp_path: Path) -> None:
     d = _layout(tmp_path, conftest=conftest, test_0042_x=test)
     text = port_test(d / "test_0042_x.py")
     assert "def unrelated" not in text
-    alone = tmp_path / "alone"
-    alone.mkdir()
-    (alone / "test_port.py").write_text(text)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-        capture_output=True,
-        text=True,
-        cwd=alone,
-    )
+    run = _run_alone(tmp_path, text)
     assert run.returncode == 0, run.stdout
     assert "3 passed" in run.stdout
 
@@ -455,14 +460,6 @@ def test_a_fixture_imported_from_another_test_module_runs_alone(
     d = _layout(tmp_path, test_0041_y=sibling, test_0042_x=test)
     text = port_test(d / "test_0042_x.py")
     assert "def outbox" in text and "def table" not in text
-    alone = tmp_path / "alone"
-    alone.mkdir()
-    (alone / "test_port.py").write_text(text)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-        capture_output=True,
-        text=True,
-        cwd=alone,
-    )
+    run = _run_alone(tmp_path, text)
     assert run.returncode == 0, run.stdout
     assert "1 passed" in run.stdout
