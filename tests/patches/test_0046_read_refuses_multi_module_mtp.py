@@ -1,9 +1,9 @@
-"""Patch 0046: READ refuses a drafter reading more than one prefill token
-ahead (multi-module MTP) at start.
+"""Patch 0046: READ, and WRITE without window groups, refuse a drafter
+reading more than one prefill token ahead (multi-module MTP) at start.
 
 MTP module k writes its KV row of position p from token p + k + 1, so the
 prefiller's last rows of every module past the first hold its own sampled
-token and drafts. A READ decoder reads every position but N - 1 and
+token and drafts. A decoder read or written every position but N - 1
 recomputes that one only; vLLM rebuilds a module's stale rows after rejected
 drafts only, none before the first decode. vLLM builds the configuration
 (``SpeculativeConfig``: ``num_nextn_predict_layers`` modules,
@@ -45,13 +45,15 @@ def _groups(window: bool) -> Groups:
     return groups
 
 
-def _read_config(tmp_path: Path, role: str, modules: int, tokens: int):
+def _read_config(
+    tmp_path: Path, role: str, modules: int, tokens: int, read_mode: bool = True
+):
     model_dir = write_model_dir(
         tmp_path, {**TINY_DEEPSEEK_MTP_CONFIG, "num_nextn_predict_layers": modules}
     )
     return make_vllm_config(
         model_dir,
-        moriio_kv_transfer_config(role),
+        moriio_kv_transfer_config(role, read_mode=read_mode),
         block_size=B,
         speculative_config={"method": "mtp", "num_speculative_tokens": tokens},
     )
@@ -90,3 +92,36 @@ def test_mtp_reading_one_prefill_token_ahead_still_starts_in_read(
         vllm_config = _read_config(tmp_path, role, modules, tokens)
         assert vllm_config.num_prefill_lookahead_tokens == 1
         make_scheduler_connector(vllm_config, make_kv_cache_config(_groups(window)))
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+@pytest.mark.parametrize("modules", [2, 3])
+def test_multi_module_mtp_write_without_windows_is_refused_in_one_line(
+    tmp_path: Path, role: str, modules: int
+) -> None:
+    """WRITE writes the decoder every position but N - 1 of the full group as
+    READ reads them, the later modules' last rows included: without a window
+    group each leg refuses WRITE at start in one line too."""
+    vllm_config = _read_config(tmp_path, role, modules, modules, read_mode=False)
+    assert vllm_config.num_prefill_lookahead_tokens == modules
+    with pytest.raises(NotImplementedError) as refused:
+        make_scheduler_connector(vllm_config, make_kv_cache_config(_groups(False)))
+    assert (
+        "MoRIIO WRITE supports drafters reading one prefill token ahead, "
+        f"got method='mtp' reading {modules} "
+    ) in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("modules", "tokens"), [(2, 1), (1, 3)], ids=["2modules-1token", "1module-3tokens"]
+)
+def test_mtp_reading_one_prefill_token_ahead_still_starts_in_write(
+    tmp_path: Path, modules: int, tokens: int
+) -> None:
+    """A drafter reading one prefill token ahead starts in WRITE on both legs
+    of a full-attention layout."""
+    for role in ("kv_producer", "kv_consumer"):
+        vllm_config = _read_config(tmp_path, role, modules, tokens, read_mode=False)
+        assert vllm_config.num_prefill_lookahead_tokens == 1
+        make_scheduler_connector(vllm_config, make_kv_cache_config(_groups(False)))
