@@ -1147,15 +1147,16 @@ def build_scheduler(
     *,
     read_mode: bool = True,
     disable_hma: bool = False,
+    extra_config: dict[str, Any] | None = None,
 ) -> Scheduler:
     """A real ``Scheduler`` over ``groups`` (one block size, prefix caching on)
     with the MoRIIO connector in READ mode (WRITE unless ``read_mode``). In
     WRITE a failed load is recomputed (``kv_load_failure_policy``) and state
     groups cache a state per block ("align" mode), so a decoder hit holds its
-    state."""
+    state. ``extra_config`` adds to the connector's extra config."""
     vllm_config = make_vllm_config(
         model_dir,
-        moriio_kv_transfer_config(kv_role, read_mode=read_mode),
+        moriio_kv_transfer_config(kv_role, read_mode=read_mode, **(extra_config or {})),
         block_size=block_size,
         disable_hybrid_kv_cache_manager=disable_hma,
     )

@@ -61,7 +61,10 @@ QUARANTINE_S = 0.3
 
 
 def _scheduler(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, sent: list
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sent: list,
+    extra_config: dict[str, Any] | None = None,
 ) -> Scheduler:
     monkeypatch.setattr(
         moriio_connector,
@@ -75,6 +78,7 @@ def _scheduler(
         B,
         NUM_BLOCKS,
         read_mode=False,
+        extra_config=extra_config,
     )
 
 
@@ -213,13 +217,13 @@ def test_unacknowledged_aborted_write_frees_the_blocks_after_quarantine(
 ) -> None:
     """No prefiller ever reports the aborted request's write (it is gone):
     its pages stay held through write_quarantine_timeout, then are freed."""
-    monkeypatch.setattr(
-        moriio_common.MoRIIOConstants,
-        "DEFAULT_WRITE_QUARANTINE_TIMEOUT",
-        QUARANTINE_S,
-    )
     sent: list[tuple[str, dict[str, Any]]] = []
-    scheduler = _scheduler(llama_model_dir, monkeypatch, sent)
+    scheduler = _scheduler(
+        llama_model_dir,
+        monkeypatch,
+        sent,
+        {"write_quarantine_timeout": QUARANTINE_S},
+    )
     free = _free_blocks(scheduler)
     _waiting(scheduler, "x")
     decoder = _leg(llama_model_dir, "kv_consumer").worker
