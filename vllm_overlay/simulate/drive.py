@@ -637,7 +637,13 @@ class Pair:
             ]
             box["local_hit"] = local_hit
             box["check"] = ReadCheck(
-                self.groups, tables, self.d_store, n, uid, local_hit
+                self.groups,
+                tables,
+                self.d_store,
+                n,
+                uid,
+                local_hit,
+                load_before_copy=True,
             )
 
         def judge_fallback(so: Any) -> None:
@@ -1025,7 +1031,9 @@ class Pair:
         req = self.d.scheduler.requests[rid]
         local_hit = req.num_computed_tokens - self._external.pop(rid, 0)
         tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
-        check = ReadCheck(self.groups, tables, self.d_store, n, uid, local_hit)
+        check = ReadCheck(
+            self.groups, tables, self.d_store, n, uid, local_hit, load_before_copy=True
+        )
         req_meta = so.kv_connector_metadata.reqs_to_recv[rid]
         local = [list(x) for x in req_meta.local_block_ids]
         remote = [list(x) for x in req_meta.remote_block_ids]
@@ -1041,9 +1049,11 @@ class Pair:
         self, so: Any, rid: str, n: int, hit_fraction: float, pending: _AsyncRead
     ) -> CaseResult:
         """Judge an asynchronous load in the step that computes its request,
-        before the forward (after the align-mode state copy)."""
+        before the forward (after the align-mode state copy), on that step's
+        tables: a state group's table grew by the block of position N-1."""
         tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
         precopy_states(self.groups, tables, self.d_store, n)
+        pending.check.tables = tables
         result = pending.check.judge(
             self.d_store,
             pending.reads,
