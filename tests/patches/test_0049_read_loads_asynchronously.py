@@ -109,9 +109,7 @@ def test_read_waits_for_remote_kvs(
     )
     request = make_request("x", 64, {"do_remote_prefill": True})
     assert connector.get_num_new_matched_tokens(request, 16) == (47, True)
-    monkeypatch.setattr(
-        Scheduler, "recovers_failed_sync_kv_loads", True, raising=False
-    )
+    monkeypatch.setattr(Scheduler, "recovers_failed_sync_kv_loads", True, raising=False)
     assert connector.get_num_new_matched_tokens(request, 16) == (47, False)
     assert connector.get_num_new_matched_tokens(request, 63) == (0, False)
 
@@ -163,6 +161,95 @@ def test_failed_read_is_reported_without_waiting(
         assert worker.get_transfer_results().finished_recving == set()
         meta = worker.build_connector_worker_meta()
         assert meta.ended == {"x": 1} and not meta.held
+    finally:
+        worker.shutdown()
+
+
+def _start_before_handshake(worker: Any, req_ids: list[str]) -> dict[str, Any]:
+    """start_load_kv of READs whose prefiller's handshake has not completed
+    (started in the background, left pending); their metadata by request."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
+        ReqMeta,
+    )
+
+    worker._eager_handshake_all_dp_ranks = lambda metadata: None
+    worker._background_moriio_handshake = lambda req_id, engine_id, meta: None
+    # A synchronous load waits for the handshake this long first.
+    worker.moriio_config.transfer_timeout = 0.0
+    metadata = moriio_connector.MoRIIOConnectorMetadata()
+    for req_id in req_ids:
+        metadata.reqs_to_recv[req_id] = ReqMeta(
+            transfer_id=f"t-{req_id}",
+            local_block_ids=ASYNC_LOCAL,
+            remote_block_ids=ASYNC_REMOTE,
+            remote_host="127.0.0.1",
+            remote_port=1,
+            remote_handshake_port=2,
+            remote_notify_port=3,
+            remote_engine_id="",
+            tp_size=1,
+            remote_dp_size=1,
+        )
+        metadata.transfer_id_to_request_id[f"t-{req_id}"] = req_id
+    worker.start_load_kv(metadata)
+    return metadata.reqs_to_recv
+
+
+def _handshake_done(worker: Any, metas: dict[str, Any]) -> None:
+    """The background handshake completes: its requests are ready."""
+    for req_id, meta in metas.items():
+        worker._ready_requests.put((req_id, meta))
+        worker.load_ready_flag[meta.remote_engine_id] = True
+
+
+def test_read_awaiting_its_handshake_fails_after_recv_abort_timeout(
+    stub_mori: None, mtp_vllm_configs: tuple[Any, Any]
+) -> None:
+    """A READ not posted because its prefiller's handshake has not completed
+    ends as a failed READ after recv_abort_timeout, its prefiller released;
+    a handshake completing later posts nothing into its blocks."""
+    worker, posted = _async_decoder(mtp_vllm_configs[1], "done")
+    try:
+        metas = _start_before_handshake(worker, ["x"])
+        assert not posted
+        assert worker.get_transfer_results().finished_recving == set()
+        worker.moriio_config.recv_abort_timeout = -1.0  # overdue
+        results = worker.get_transfer_results()
+        assert results.failed_recving == {"x"}
+        assert results.finished_recving == {"x"}
+        assert worker.released == ["t-x"]
+        _handshake_done(worker, metas)
+        worker.start_load_kv(moriio_connector.MoRIIOConnectorMetadata())
+        assert not posted
+        assert worker.get_transfer_results().finished_recving == set()
+    finally:
+        worker.shutdown()
+
+
+def test_reads_ready_after_their_handshake_are_all_posted_in_one_step(
+    stub_mori: None, mtp_vllm_configs: tuple[Any, Any]
+) -> None:
+    """Every READ whose handshake completed is posted in the next step,
+    whether or not that step names a READ; a post that raises fails its
+    request, not the step."""
+    worker, posted = _async_decoder(mtp_vllm_configs[1], "done")
+    try:
+        metas = _start_before_handshake(worker, ["x", "y", "z"])
+        assert not posted
+        _handshake_done(worker, metas)
+        post = worker._read_blocks_for_req
+
+        def post_or_raise(req_id: str, meta: Any) -> None:
+            if req_id == "z":
+                raise KeyError("no session")
+            post(req_id, meta)
+
+        worker._read_blocks_for_req = post_or_raise
+        worker.start_load_kv(moriio_connector.MoRIIOConnectorMetadata())
+        results = worker.get_transfer_results()
+        assert results.finished_recving == {"x", "y", "z"}
+        assert results.failed_recving == {"z"}
+        assert sorted(worker.released) == ["t-x", "t-y", "t-z"]
     finally:
         worker.shutdown()
 
