@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
+from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import KVConnectorOutput
 
 from tests.patches.builders import (
     Group,
@@ -141,7 +143,9 @@ def test_payload_without_a_prefiller_address_is_prefilled_locally(
     for rid in (ok, bad):
         pair.decode.add_request(pair._request(rid, tokens[rid], params[rid]))
     output = pair.decode.schedule()
-    assert output.num_scheduled_tokens == {ok: 1, bad: N}
+    # ``ok`` loads (asynchronously: computed once loaded), ``bad`` is prefilled.
+    assert output.num_scheduled_tokens.get(ok, 1) == 1
+    assert output.num_scheduled_tokens[bad] == N
     assert bad not in output.kv_connector_metadata.reqs_to_recv
     pair._finish_step(pair.decode, output)
     while {ok, bad} & set(pair.decode.requests):
@@ -172,6 +176,13 @@ def test_refusal_after_allocation_with_several_groups_is_released_and_counted(
     _, local = scheduler._reqs_need_recv[request_id]
     assert local == [[], []]
     assert decode.kv_transfer_params["do_remote_prefill"] is False
+    if request_id in scheduler._reqs_load_failed:
+        # An asynchronous load: the workers report it failed.
+        consumer.update_connector_output(
+            KVConnectorOutput(
+                finished_recving={request_id}, failed_recving={request_id}
+            )
+        )
     stats = consumer.get_kv_connector_stats()
     assert stats is not None and stats.reduce() == {"num_fallbacks": 1}
     assert consumer.get_kv_connector_stats() is None
@@ -219,31 +230,36 @@ def test_refusal_after_allocation_with_one_group_is_a_load_error(
     assert meta.reqs_load_failed == {bad: list(table)}
     assert meta.reqs_to_recv[bad].local_block_ids == [[]]
     assert all(meta.reqs_to_recv[ok].local_block_ids)
-    # The workers report the refused request's blocks as load errors.
-    result = pair.decode.update_from_output(
-        output,
-        create_model_runner_output(
-            [pair.decode.requests[r] for r in output.num_scheduled_tokens],
-            invalid_block_ids=set(meta.reqs_load_failed[bad]),
-            token_id=7,
-        ),
-    )
-    finished = {
-        o.request_id: o.finish_reason
-        for eco in result.values()
-        for o in eco.outputs
-        if o.finish_reason is not None
-    }
-    assert ok in finished
-    if policy == "fail":
-        assert bad in finished and bad not in pair.decode.requests
+    reqs = [pair.decode.requests[r] for r in output.num_scheduled_tokens]
+    if bad in output.num_scheduled_tokens:
+        # A synchronous load: the workers report its blocks as load errors.
+        runner = create_model_runner_output(
+            reqs, invalid_block_ids=set(meta.reqs_load_failed[bad]), token_id=7
+        )
     else:
-        assert bad not in finished
-        assert pair.decode.requests[bad].num_computed_tokens == 0
+        # An asynchronous one: they report it failed (and received).
+        runner = create_model_runner_output(
+            reqs, finished_recving={ok, bad}, token_id=7
+        )
+        assert runner.kv_connector_output is not None
+        runner.kv_connector_output.failed_recving = {bad}
+    result = pair.decode.update_from_output(output, runner)
+    outputs = [o for eco in result.values() for o in eco.outputs]
+    scheduled_bad = []
+    for _ in range(4):
+        if not {ok, bad} & set(pair.decode.requests):
+            break
         again = pair.decode.schedule()
-        assert again.num_scheduled_tokens == {bad: N}
-        pair._finish_step(pair.decode, again)
-        assert bad not in pair.decode.requests
+        scheduled_bad.append(again.num_scheduled_tokens.get(bad))
+        outputs += pair._finish_step(pair.decode, again)
+    finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}
+    assert finished[ok] != FinishReason.ERROR
+    if policy == "fail":
+        assert finished[bad] == FinishReason.ERROR
+    else:
+        assert finished[bad] != FinishReason.ERROR
+        assert N in scheduled_bad
+    assert not {ok, bad} & set(pair.decode.requests)
     assert counted.fallbacks == 1
     pair._step(pair.prefill, finished_sending={ok, bad})
 

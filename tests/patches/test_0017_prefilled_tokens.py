@@ -53,6 +53,12 @@ def _decode(pair: SchedulerPair, request_id: str, tokens: list[int], params: Any
     output = pair.decode.schedule()
     tables = [list(t) for t in pair.decode.kv_cache_manager.get_block_ids(request_id)]
     meta = output.kv_connector_metadata.reqs_to_recv[request_id]
+    for _ in range(4):
+        if request_id in output.num_scheduled_tokens:
+            break
+        # An asynchronous load: the request is computed once it landed.
+        pair._finish_step(pair.decode, output)
+        output = pair.decode.schedule()
     scheduled = output.num_scheduled_tokens[request_id]
     pair._finish_step(pair.decode, output)
     while request_id in pair.decode.requests:

@@ -185,24 +185,3 @@ def test_blocks_of_a_read_in_flight_stay_out_of_the_pool(
     assert pool.get_num_free_blocks() == free
     assert scheduler.num_held_read_blocks == 0
 
-
-def test_without_recovery_a_read_in_flight_fails_the_step(
-    stub_mori: None,
-    monkeypatch: pytest.MonkeyPatch,
-    mtp_vllm_configs: tuple[Any, Any],
-) -> None:
-    """A vLLM that recovers no failed synchronous load by request (0.34.0):
-    a READ still in flight fails the step, never lets the forward consume
-    blocks it may still write."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    monkeypatch.setattr(
-        Scheduler, "recovers_failed_sync_kv_loads", False, raising=False
-    )
-    worker, _ = _decoder(mtp_vllm_configs[1], "pending")
-    try:
-        read_blocks(worker, LOCAL, REMOTE, "t-x")
-        with pytest.raises(TransferError):
-            worker._await_reads_issued_this_step()
-    finally:
-        worker.shutdown()

@@ -140,6 +140,32 @@ def test_state_precopy_uses_the_pre_read_contents():
     assert not result.wrong and result.min_pages == 0
 
 
+def test_asynchronous_load_of_a_state_is_judged_on_the_computing_step_table():
+    """33 tokens, loaded asynchronously: the allocation's table ends at the
+    32 tokens loaded (index 1 holds the state after them); the computing
+    step's table adds index 2, which the worker's copy fills from index 1."""
+    p, d = PageStore(0), PageStore(0)
+    p.write_state(7, 0, 1, 33, 32)
+    allocated = [0, 21]
+    check = ReadCheck([STATE], [allocated], d, 33, 1, 0, load_before_copy=True)
+    assert check.lacked == {(0, 21)}
+    d.put(21, p.get(7))  # the READ
+    computing = [0, 21, 22]
+    precopy_states([STATE], [computing], d, 33)
+    check.tables = [computing]
+    result = check.judge(d, [(0, 21)], 0.0, 0)
+    assert not result.wrong
+    assert (result.pages_read, result.min_pages, result.unread) == (1, 1, 0)
+    # The state read into the block the copy overwrites is lost.
+    d = PageStore(0)
+    check = ReadCheck([STATE], [allocated], d, 33, 1, 0, load_before_copy=True)
+    d.put(22, p.get(7))
+    precopy_states([STATE], [computing], d, 33)
+    check.tables = [computing]
+    result = check.judge(d, [(0, 22)], 0.0, 0)
+    assert result.wrong and result.unread == 1
+
+
 def test_compressed_cache_needs_only_complete_groups():
     from vllm_overlay.simulate.check import GroupInfo as G
 

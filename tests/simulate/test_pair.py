@@ -6,6 +6,8 @@ these tests hold for either; they prove the checker sees what it must.
 
 from __future__ import annotations
 
+import pytest
+
 
 def _shift_by_one_page(local, remote, tables):
     del tables
@@ -84,3 +86,22 @@ def test_a_read_without_external_tokens_lands_after_the_forward(llama_pair):
     assert late.error is None
     assert late.wrong and late.wrong_groups == [0]
     assert late.late_reads == 1
+
+
+@pytest.mark.parametrize("layout", ["lfm3", "zaya"])
+@pytest.mark.parametrize("n", [17, 129])
+def test_state_read_on_a_block_boundary_is_judged_where_it_is_computed(layout, n):
+    """N - 1 a multiple of the state group's block size: a decoder that
+    loads asynchronously allocates the N - 1 tokens it loads (the state in
+    their last block) and adds the block of position N - 1 when it computes
+    it, copied from the one before. The READ is judged on that table."""
+    from vllm_overlay.simulate.drive import Pair
+    from vllm_overlay.simulate.layouts import expand
+
+    pair = Pair(expand([layout])[0], max_model_len=256, port=47200)
+    state = [g for g, info in enumerate(pair.groups) if info.kind == "state"]
+    assert state and all(pair.groups[g].block_tokens == 16 for g in state)
+    result = pair.run_case(n, 0.0)
+    assert result.error is None and not result.fallback
+    assert not result.wrong, result.wrong_groups
+    assert result.unread == 0

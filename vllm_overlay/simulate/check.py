@@ -232,9 +232,15 @@ class ReadCheck:
         n: int,
         uid: int,
         computed_tokens: int | None = None,
+        load_before_copy: bool = False,
     ) -> None:
         """``computed_tokens``: the decoder's local hit; ``None`` judges by
-        page contents alone."""
+        page contents alone. ``load_before_copy``: the load lands before the
+        align-mode state copy of the step that computes the request (an
+        asynchronous load: ``tables`` are its allocation's, which end at
+        N-1 tokens); a state is lacked in the block that copy reads, (N-2) //
+        block_size. Judge such a load with ``tables`` set to the computing
+        step's, after ``precopy_states``."""
         self.groups = groups
         self.tables = tables
         self.n = n
@@ -242,6 +248,9 @@ class ReadCheck:
         self.needs = needs(groups, n)
         self.lacked: set[tuple[int, int]] = set()
         for need in self.needs:
+            if load_before_copy and need.hi == 0:
+                bt = groups[need.group].block_tokens
+                need = need._replace(index=(need.lo - 1) // bt)
             if past_hit(need, computed_tokens) or not _satisfied(
                 store, tables[need.group], need, uid
             ):

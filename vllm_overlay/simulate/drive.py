@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -205,6 +205,16 @@ def worker_routes(leg: Leg) -> list[int | None]:
     return routes
 
 
+class _AsyncRead(NamedTuple):
+    """An asynchronous READ done, to judge when its request is computed."""
+
+    check: ReadCheck
+    tables: list[list[int]]
+    reads: list[tuple[int, int]]
+    null_reads: list[int]
+    local_hit: int
+
+
 class _Refused(Exception):
     """The workers refuse the READ (``_read`` raised); ``__cause__`` says why."""
 
@@ -273,6 +283,11 @@ class Pair:
         self._seq = 0
         self._external: dict[str, int] = {}
         self._prefilled: dict[str, int] = {}
+        # Asynchronous READs: read in the step that allocated the request,
+        # reported loaded in that step's output, judged when computed.
+        self._async_reads: dict[str, _AsyncRead] = {}
+        self._received: set[str] = set()
+        self._failed: set[str] = set()
         connector = self.d.scheduler.connector
         update = connector.update_state_after_alloc
 
@@ -412,6 +427,11 @@ class Pair:
         self._compute(leg, store, so, meta)
         if after_compute is not None:
             after_compute(so)
+        if self._received:
+            # Failed ones too, as vLLM's output aggregator hands them over.
+            finished_recving = {*(finished_recving or ()), *self._received}
+            failed_recving = {*(failed_recving or ()), *self._failed}
+            self._received, self._failed = set(), set()
         ids = list(so.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -502,10 +522,12 @@ class Pair:
         refused: list[BaseException] = []
 
         def read_and_check(so: Any) -> None:
+            if "result" in box:
+                return
             try:
-                box["result"] = self._read_and_check(
-                    so, rid, n, uid, hit_fraction, rewrite
-                )
+                got = self._read_and_check(so, rid, n, uid, hit_fraction, rewrite)
+                if got is not None:
+                    box["result"] = got
             except _Refused as exc:
                 if not self.recover or exc.__cause__ is None:
                     raise
@@ -529,7 +551,13 @@ class Pair:
         for _ in range(8):
             if rid not in self.d.scheduler.requests:
                 break
-            self._step(self.d, self.d_store, meta, after_compute=judge_fallback)
+            self._step(
+                self.d,
+                self.d_store,
+                meta,
+                before_compute=read_and_check,
+                after_compute=judge_fallback,
+            )
         self._step(self.p, self.p_store, {}, finished_sending={rid})
         if rid in self.p.scheduler.requests:
             raise RuntimeError("prefill did not free the request")
@@ -609,7 +637,13 @@ class Pair:
             ]
             box["local_hit"] = local_hit
             box["check"] = ReadCheck(
-                self.groups, tables, self.d_store, n, uid, local_hit
+                self.groups,
+                tables,
+                self.d_store,
+                n,
+                uid,
+                local_hit,
+                load_before_copy=True,
             )
 
         def judge_fallback(so: Any) -> None:
@@ -839,10 +873,15 @@ class Pair:
                     [list(x) for x in bad.remote_block_ids],
                 )
                 bad_reads[0] += len(reads)
-            if rid_ok in so.num_scheduled_tokens and "ok" not in box:
-                box["ok"] = self._read_and_check(
+                if rid_bad not in so.num_scheduled_tokens:
+                    # An asynchronous load: reported loaded in this step.
+                    self._received.add(rid_bad)
+            if "ok" not in box:
+                got = self._read_and_check(
                     so, rid_ok, n, uids["ok"], hit_fraction, None
                 )
+                if got is not None:
+                    box["ok"] = got
 
         def after(so: Any) -> None:
             got = box.get("ok")
@@ -910,9 +949,30 @@ class Pair:
         uid: int,
         hit_fraction: float,
         rewrite: RewriteFn | None,
-    ) -> CaseResult:
+    ) -> CaseResult | None:
+        """The READ of ``rid`` in the step of ``so``, judged before its
+        forward. An asynchronous load (``rid`` allocated, not scheduled)
+        reads in this step and is reported loaded in its output: None, and
+        the step that computes it judges it."""
+        meta = so.kv_connector_metadata
+        req_meta = meta.reqs_to_recv.get(rid) if meta is not None else None
+        pending = self._async_reads.pop(rid, None)
         if rid not in so.num_scheduled_tokens:
-            raise RuntimeError("decoder did not schedule the request")
+            if req_meta is None or pending is not None:
+                if pending is not None:
+                    self._async_reads[rid] = pending
+                return None
+            self._received.add(rid)
+            if rid in meta.reqs_load_failed:
+                # Refused after allocation: the workers report its load failed
+                # and vLLM recomputes it (judged once computed).
+                self._failed.add(rid)
+                self._external.pop(rid, None)
+                return _nothing_read(n, hit_fraction, 0, fallback=True)
+            self._async_reads[rid] = self._read_async(so, rid, n, uid, rewrite)
+            return None
+        if pending is not None:
+            return self._judge_async(so, rid, n, hit_fraction, pending)
         req = self.d.scheduler.requests[rid]
         computed = req.num_computed_tokens - so.num_scheduled_tokens[rid]
         external = self._external.pop(rid, 0)
@@ -922,8 +982,6 @@ class Pair:
         check = ReadCheck(self.groups, tables, self.d_store, n, uid, local_hit)
         reads: list[tuple[int, int]] = []
         null_reads: list[int] = []
-        meta = so.kv_connector_metadata
-        req_meta = meta.reqs_to_recv.get(rid) if meta is not None else None
         if (
             external == 0
             and local_hit < n - 1
@@ -964,6 +1022,50 @@ class Pair:
         return msgspec.structs.replace(
             result, wrong=True, wrong_groups=wrong_groups, late_reads=len(reads)
         )
+
+    def _read_async(
+        self, so: Any, rid: str, n: int, uid: int, rewrite: RewriteFn | None
+    ) -> _AsyncRead:
+        """Read the pages of an asynchronous load (its request allocated in
+        the step of ``so``, not computed there), what it lacked noted first."""
+        req = self.d.scheduler.requests[rid]
+        local_hit = req.num_computed_tokens - self._external.pop(rid, 0)
+        tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
+        check = ReadCheck(
+            self.groups, tables, self.d_store, n, uid, local_hit, load_before_copy=True
+        )
+        req_meta = so.kv_connector_metadata.reqs_to_recv[rid]
+        local = [list(x) for x in req_meta.local_block_ids]
+        remote = [list(x) for x in req_meta.remote_block_ids]
+        if rewrite is not None:
+            local, remote = rewrite(local, remote, tables)
+        try:
+            reads, null_reads = self._read(local, remote)
+        except RuntimeError as exc:
+            raise _Refused() from exc
+        return _AsyncRead(check, tables, reads, null_reads, local_hit)
+
+    def _judge_async(
+        self, so: Any, rid: str, n: int, hit_fraction: float, pending: _AsyncRead
+    ) -> CaseResult:
+        """Judge an asynchronous load in the step that computes its request,
+        before the forward (after the align-mode state copy), on that step's
+        tables: a state group's table grew by the block of position N-1."""
+        tables = [list(t) for t in self.d.scheduler.kv_cache_manager.get_block_ids(rid)]
+        precopy_states(self.groups, tables, self.d_store, n)
+        pending.check.tables = tables
+        result = pending.check.judge(
+            self.d_store,
+            pending.reads,
+            hit_fraction,
+            pending.local_hit,
+            pending.null_reads,
+        )
+        prefilled = self._prefilled.pop(rid, n)
+        sampled = sampled_drafter_rows(
+            self.groups, pending.tables, pending.reads, n, prefilled
+        )
+        return msgspec.structs.replace(result, sampled_drafter_rows=sampled)
 
     def _read(
         self, local: Sequence[list[int]], remote: Sequence[list[int]]

@@ -117,7 +117,10 @@ def test_unsupported_pairs_fail_closed(reports, item):
 def test_a_shifted_source_offset_is_reported(reports, fault):
     report = reports[FAULTS[fault]]
     assert report.first_errors == []
-    assert report.wrong_cases == report.cases == 10
+    # A READ the shift takes past the prefiller's region fails: recomputed
+    # where it loads asynchronously.
+    assert report.wrong_cases + report.fallback_cases == report.cases == 10
+    assert report.wrong_cases >= report.cases - 1
     assert report.stray_cases == 0
 
 
@@ -125,7 +128,8 @@ def test_a_shifted_destination_is_a_write_outside_the_destination_pages(reports)
     # A stray write of the bytes already there changes nothing and cannot be
     # seen (nor harm); recycled blocks make that possible in some cases.
     report = reports[FAULTS["shift-local"]]
-    assert report.wrong_cases == report.cases == 10
+    assert report.wrong_cases + report.fallback_cases == report.cases == 10
+    assert report.wrong_cases >= report.cases - 1
     assert report.stray_cases >= report.cases // 2
     assert any("outside the destination pages" in n for n in report.wrong_notes)
 

@@ -230,11 +230,13 @@ def test_a_fault_that_never_fired_shows():
     assert "fault never fired" in fault_cell(row)
 
 
-def _fault(zygote: ZygoteSession, mode: str, fault: str) -> ConfigReport:
-    """llama at TP 1->1 on the installed build, one length, the transport
-    fault ``fault`` under one of two requests in flight."""
+def _fault(
+    zygote: ZygoteSession, mode: str, fault: str, layout: str = "llama"
+) -> ConfigReport:
+    """``layout`` at TP 1->1 on the installed build, one length, the
+    transport fault ``fault`` under one of two requests in flight."""
     item = ConfigItem(
-        "llama", mode, 1, 1, "LBNHC", fault=f"transport-{fault}", lengths="17"
+        layout, mode, 1, 1, "LBNHC", fault=f"transport-{fault}", lengths="17"
     )
     [report] = zygote.run([item], "17", "0")
     assert report.refused_at_start is None, report.refused_at_start
@@ -250,6 +252,17 @@ def _fault(zygote: ZygoteSession, mode: str, fault: str) -> ConfigReport:
 )
 def test_a_failed_transfer_is_recomputed_next_to_a_right_one(byte_zygote, mode, fault):
     report = _fault(byte_zygote, mode, fault)
+    assert report.fault_outcomes == {"recomputed": 1}
+    assert report.wrong_cases == 0, report.wrong_notes
+    assert report.leak_cases == 0, report.leak_notes
+
+
+@pytest.mark.parametrize("fault", ["error", "partial"])
+def test_a_recomputed_requests_zeroed_blocks_are_no_stray_bytes(byte_zygote, fault):
+    """LFM3 (a state group beside attention groups of other bytes per
+    block): the faulted READ's request is recomputed on new blocks, which
+    vLLM zeroes whole (every layer's page), next to the judged request."""
+    report = _fault(byte_zygote, "read", fault, layout="lfm3")
     assert report.fault_outcomes == {"recomputed": 1}
     assert report.wrong_cases == 0, report.wrong_notes
     assert report.leak_cases == 0, report.leak_notes

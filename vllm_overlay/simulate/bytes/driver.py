@@ -603,9 +603,8 @@ class Driver:
         if shared > 0:
             warm = prompt_tokens(uid, shared + 1, shared=shared)
             self._until_finished(self.d, f"w{uid}", (f"w{uid}", warm, None))
-        recomputed = False
         if self.config.mode == READ:
-            verdicts = self._read_case(rid, uid, tokens)
+            verdicts, recomputed = self._read_case(rid, uid, tokens)
         else:
             verdicts, recomputed = self._write_case(rid, uid, tokens)
         self._until_freed(self.p, rid)
@@ -616,7 +615,14 @@ class Driver:
         case = _case(n, hit_fraction, verdicts, moved)
         return msgspec.structs.replace(case, fallback=True) if recomputed else case
 
-    def _read_case(self, rid: str, uid: int, tokens: list[int]) -> list[Verdict]:
+    def _read_case(
+        self, rid: str, uid: int, tokens: list[int]
+    ) -> tuple[list[Verdict], bool]:
+        """The decoder's verdicts, and whether it got the READ as failed and
+        recomputed the request (as ``_write_case``). A synchronous load (or
+        none) is judged in the decoder's first step, before its forward; an
+        asynchronous one in the step that computes the request, once the
+        workers reported it loaded."""
         assert self.p is not None and self.d is not None
         p_params = {"do_remote_decode": True, "transfer_id": f"t{uid}"}
         _, _, params = self._until_finished(self.p, rid, (rid, tokens, p_params))
@@ -624,10 +630,20 @@ class Driver:
             raise RankError("prefill returned no kv_transfer_params")
         d_params = copy.deepcopy(params)
         d_params["do_remote_prefill"] = True
-        return self._judged(
-            Watch(rid, len(tokens), tokens, arm=True, judge=True),
+        n = len(tokens)
+        self._failed_recv = set()
+        outs, verdicts = self._step(
+            self.d,
+            Watch(rid, n, tokens, arm=True, dest="table", judge_if_computed=True),
             (rid, tokens, d_params),
         )
+        if verdicts:
+            if len(verdicts) != self.d.tp:
+                raise RankError(f"the decoder judged {rid} on some ranks only")
+            if not any(out[0] == rid and out[1] for out in outs):
+                self._until_finished(self.d, rid)
+            return verdicts, False
+        return self._judged_once_received(rid, n, tokens)
 
     def _write_case(
         self, rid: str, uid: int, tokens: list[int]
@@ -680,14 +696,22 @@ class Driver:
             if not any(out[0] == rid and out[1] for out in outs):
                 self._until_finished(self.d, rid)
             return verdicts, False
-        deadline = time.monotonic() + WRITE_WAIT
         self._failed_recv = set()
-        while True:
-            self._step(self.d)
-            if rid in self._last_recv:
-                break
+        return self._judged_once_received(rid, n, tokens)
+
+    def _judged_once_received(
+        self, rid: str, n: int, tokens: list[int]
+    ) -> tuple[list[Verdict], bool]:
+        """Step the decoder until its workers report ``rid`` received, then
+        judge it in the step that computes it; a failed receive is recomputed
+        and judged for stray bytes only."""
+        assert self.d is not None
+        deadline = time.monotonic() + WRITE_WAIT
+        while rid not in self._last_recv:
             if time.monotonic() > deadline:
-                raise RankError("the decoder never received the WRITE")
+                mode = "READ" if self.config.mode == READ else "WRITE"
+                raise RankError(f"the decoder never received the {mode}")
+            self._step(self.d)
             time.sleep(0.002)
         if rid in self._failed_recv:
             released = self._released()
@@ -803,7 +827,11 @@ class Driver:
                 d_params = copy.deepcopy(params[rid])
                 d_params["do_remote_prefill"] = True
                 adds.append((rid, tokens, d_params))
-            step(self.d, Watch(cr, n, c_tokens, arm=True, judge=True), adds)
+            step(
+                self.d,
+                Watch(cr, n, c_tokens, arm=True, dest="table", judge_if_computed=True),
+                adds,
+            )
         else:
             step(
                 self.d,
@@ -815,7 +843,8 @@ class Driver:
                 self.d.call0("abort", xr)
                 fired = 1
             prefill()
-        judge_next = False
+        # An asynchronous READ may be reported received in its first step.
+        judge_next = cr in self._last_recv and cr not in self._failed_recv
         hung = False
         while True:
             live = set(self.d.live or ())
@@ -828,11 +857,7 @@ class Driver:
             if not verdicts and judge_next:
                 watch = Watch(cr, n, c_tokens, judge=True, dest="table")
             step(self.d, watch)
-            if (
-                cr in self._last_recv
-                and cr not in self._failed_recv
-                and self.config.mode != READ
-            ):
+            if cr in self._last_recv and cr not in self._failed_recv:
                 judge_next = True
             time.sleep(0.002)
         # The prefiller may fail the other request's WRITE too (it refuses
@@ -840,7 +865,7 @@ class Driver:
         other_failed = cr in self._failed_recv
         if other_failed and not verdicts and not hung:
             verdicts.extend(self._released())
-        if self.config.mode != READ and not verdicts and not (hung or other_failed):
+        if not verdicts and not (hung or other_failed):
             raise RankError(f"the decoder never judged {cr}")
         leaks = []
         held = 0

@@ -484,15 +484,20 @@ class Rank:
         self.judge.extra_pages = ()
 
     def _track_pages(self, plan: StepPlan) -> None:
-        """Add the tracked request's pages in ``plan`` to the judge's."""
+        """Add the tracked request's pages in ``plan`` to the judge's: a
+        block vLLM zeroes in ``plan`` (allocated to it in this step, as a
+        recomputed request's new blocks) with every layer's page, as
+        ``ByteJudge._destination`` takes the watched request's."""
         table = plan.tables.get(self._tracked or "")
         if table is None:
             return
         pages = list(self.judge.extra_pages)
         known = {(view.name, b) for view, b in pages}
+        zeroed = set(plan.zero)
         for g, blocks in enumerate(table):
             for b in blocks:
-                for view in self.kv.layers_of(g):
+                views = self.kv.layers.values() if b in zeroed else self.kv.layers_of(g)
+                for view in views:
                     if b != 0 and (view.name, b) not in known:
                         known.add((view.name, b))
                         pages.append((view, b))
