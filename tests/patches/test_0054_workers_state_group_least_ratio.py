@@ -13,6 +13,7 @@ before any request. The helpers here hand it over as the engine core does.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -207,14 +208,17 @@ def test_another_connectors_metadata_moves_as_before(
 def test_a_group_some_worker_does_not_state_moves_as_before(
     stub_mori: None, llama_model_dir: Path
 ) -> None:
+    # A worker stating 1 for the attention group and nothing of the others.
     configs = _configs(llama_model_dir, 0)
     worker = _worker_config((RATIO,))
     stated = _worker_metadata(configs[1], worker)
-    unstated = _worker_metadata(configs[1], _worker_config((1,)))
-    assert unstated is None
+    other = (
+        None
+        if stated is None
+        else replace(stated, least_tokens_per_state=(1, None, None))
+    )
     scheduler = generate_scheduler_kv_cache_config([worker])
     p_conn, d_conn = connector_pair(configs, scheduler)
-    other = type(stated)(least_tokens_per_state=(1, None, None))
     _hand_over(d_conn, [stated, other])
     t = run_transfer(p_conn, d_conn, scheduler.kv_cache_groups, 2, 0)
     assert len(t.local[1]) == 1
