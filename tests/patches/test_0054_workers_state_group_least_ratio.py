@@ -59,12 +59,13 @@ def _groups(ratios: tuple[int, ...]) -> list[tuple[list[str], KVCacheSpec]]:
     ]
 
 
-def _worker_config(ratios: tuple[int, ...]) -> KVCacheConfig:
-    """A worker's config on a vLLM whose groups do not state their least
-    ratio (the field cleared where the build has it)."""
+def _worker_config(ratios: tuple[int, ...], stated: bool = True) -> KVCacheConfig:
+    """A worker's config; ``stated=False``: as on a vLLM whose groups do not
+    state their least ratio (the field cleared where the build has it)."""
     config = make_kv_cache_config(_groups(ratios))
-    for group in config.kv_cache_groups:
-        _stating(group, stated=False)
+    if not stated:
+        for group in config.kv_cache_groups:
+            _stating(group, stated=False)
     return config
 
 
@@ -117,11 +118,16 @@ def _written(
         for names, spec in _groups(ratios)
     ]
     pair = build_write_pair(model_dir, groups, B, monkeypatch)
+    worker = _worker_config(ratios)
     for leg in (pair.legs.prefill, pair.legs.decode):
-        for group in leg.kv_cache_config.kv_cache_groups:
-            _stating(group, stated=False)
+        # What the scheduler's copy keeps of the workers' groups.
+        for group, kept in zip(
+            leg.kv_cache_config.kv_cache_groups, worker.kv_cache_groups, strict=True
+        ):
+            if hasattr(kept, "min_tokens_per_state"):
+                group.min_tokens_per_state = kept.min_tokens_per_state
     decode = pair.legs.decode
-    metadata = _worker_metadata(decode.vllm_config, _worker_config(ratios))
+    metadata = _worker_metadata(decode.vllm_config, worker)
     _hand_over(decode.connector, [metadata])
 
     def compressed_pairs(n: int) -> list[tuple[int, int]]:
@@ -198,7 +204,8 @@ def test_another_connectors_metadata_moves_as_before(
 ) -> None:
     # A MultiConnector hands every connector the first one's metadata.
     configs = _configs(llama_model_dir, 0)
-    scheduler = generate_scheduler_kv_cache_config([_worker_config((RATIO,))])
+    worker = _worker_config((RATIO,), stated=False)
+    scheduler = generate_scheduler_kv_cache_config([worker])
     p_conn, d_conn = connector_pair(configs, scheduler)
     _hand_over(d_conn, [_OtherConnectorsMetadata()])
     t = run_transfer(p_conn, d_conn, scheduler.kv_cache_groups, 2, 0)
@@ -210,7 +217,7 @@ def test_a_group_some_worker_does_not_state_moves_as_before(
 ) -> None:
     # A worker stating 1 for the attention group and nothing of the others.
     configs = _configs(llama_model_dir, 0)
-    worker = _worker_config((RATIO,))
+    worker = _worker_config((RATIO,), stated=False)
     stated = _worker_metadata(configs[1], worker)
     other = (
         None
