@@ -229,3 +229,16 @@ def test_a_group_some_worker_does_not_state_moves_as_before(
     _hand_over(d_conn, [stated, other])
     t = run_transfer(p_conn, d_conn, scheduler.kv_cache_groups, 2, 0)
     assert len(t.local[1]) == 1
+
+
+def test_a_wrapped_connector_sends_no_metadata(
+    stub_mori: None, llama_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine's connector is another one wrapping MoRIIO (a MultiConnector):
+    # it returns one of its connectors' metadata to all of them, and NIXL's
+    # scheduler side refuses any but its own.
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", object())
+    config = _worker_config((RATIO,), stated=False)
+    assert _worker_metadata(_configs(llama_model_dir, 0)[1], config) is None
