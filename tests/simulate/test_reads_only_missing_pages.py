@@ -70,3 +70,18 @@ def test_one_token_prompt_reads_nothing(kimi: Pair):
     result = kimi.run_case(1, 0.0)
     assert result.error is None and not result.wrong
     assert result.pages_read == result.min_pages == 0
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_group_holding_no_state_moves_no_page(mode: str):
+    """The engine core hands the workers' handshake metadata to the
+    scheduler's connector before it schedules (``hand_over_worker_metadata``):
+    with it the decoder knows the least ``tokens_per_state`` of Qwen4 exp's
+    compressed-key group (16, 0054), whose layers hold no state at N = 2."""
+    pair = Pair(expand(["qwen4-exp-mtp"])[0], max_model_len=4160, port=50700, mode=mode)
+    result = pair.run_case(2, 0.0)
+    assert result.error is None and not result.wrong
+    assert (result.pages_read, result.bytes_read) == (
+        result.min_pages,
+        result.min_bytes,
+    )

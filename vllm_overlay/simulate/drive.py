@@ -168,6 +168,21 @@ def group_infos(leg: Leg, layout: Layout) -> list[GroupInfo]:
     return out
 
 
+def hand_over_worker_metadata(leg: Leg) -> None:
+    """What vLLM's engine core does before it schedules: its workers'
+    handshake metadata to the scheduler's connector. No worker connector is
+    built here; what its ``get_handshake_metadata`` returns is its build's
+    ``_worker_group_states`` on the workers' config (a build without it
+    returns none)."""
+    connector = leg.scheduler.connector
+    build = module_of(connector).get("_worker_group_states")
+    config = leg.worker_config or leg.kv_cache_config
+    metadata = None if build is None else build(config)
+    connector.set_xfer_handshake_metadata_pp_aware(
+        {} if metadata is None else {(0, 0): metadata}
+    )
+
+
 def worker_routes(leg: Leg) -> list[int | None]:
     """Payload index each transfer group's layers READ from, per worker.
 
@@ -272,6 +287,7 @@ class Pair:
         hashes = PromptHashes()
         for leg in (self.p, self.d):
             leg.block_hasher = hashes.wrap(leg.block_hasher, leg)
+            hand_over_worker_metadata(leg)
         self.groups = group_infos(self.d, self.layout)
         self.p_store = PageStore(self._null_id(self.p))
         self.d_store = PageStore(self._null_id(self.d))

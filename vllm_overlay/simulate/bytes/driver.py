@@ -514,6 +514,11 @@ class Driver:
         for started in (self.p, self.d):
             try:
                 started.wait_ready()
+                # The engine core hands its workers' handshake metadata to
+                # the scheduler's connector once they registered their KV.
+                started.call0(
+                    "set_handshake_metadata", started.call_all("handshake_metadata")
+                )
             except RankError as exc:
                 errors.append(exc)
         if errors:

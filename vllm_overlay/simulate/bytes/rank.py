@@ -706,6 +706,25 @@ class Rank:
         ]
         return outs, list(sched.requests)
 
+    def handshake_metadata(self) -> bytes | None:
+        """The worker's ``get_handshake_metadata()``, pickled as vLLM's
+        executor sends it to the engine core (the driver may hold another
+        build's classes)."""
+        metadata = self.connector.get_handshake_metadata()
+        return None if metadata is None else pickle.dumps(metadata)
+
+    def set_handshake_metadata(self, workers: list[bytes | None]) -> None:
+        """What vLLM's engine core does after the KV caches are registered,
+        before it schedules (``_set_kv_connector_handshake_metadata``): each
+        worker's metadata, keyed by (pp_rank, tp_rank), to the scheduler's
+        connector. An exception fails the engine's start."""
+        content = {
+            (0, rank): pickle.loads(metadata)
+            for rank, metadata in enumerate(workers)
+            if metadata is not None
+        }
+        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(content)
+
     def alive(self, rid: str) -> bool:
         return rid in self.scheduler.requests
 
@@ -832,6 +851,8 @@ def _serve_rank(conn: Any, rank: Rank) -> bool:
         "add": rank.add,
         "update": rank.update,
         "alive": rank.alive,
+        "handshake_metadata": rank.handshake_metadata,
+        "set_handshake_metadata": rank.set_handshake_metadata,
         "abort": rank.abort,
         "reset": rank.reset,
         "step1": rank.step1,
