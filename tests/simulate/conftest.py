@@ -9,11 +9,31 @@ import pytest
 
 from tests.simulate.mixed import MixedPairs
 from vllm_overlay import cpuplatform
+from vllm_overlay.simulate.plan import PlanItem, base_files
+from vllm_overlay.simulate.report import LayoutReport
 
 cpuplatform.use_in_this_process()
 
-SHARED_FIXTURES = ("mixed_pairs",)
+SHARED_FIXTURES = ("mixed_pairs", "base_worker_reports")
 """The gate runs the test files using these in one pytest process."""
+
+# What the tests run on the pinned base's moriio files, by test file: one
+# worker process (one vLLM import) runs them all, in this order.
+BASE_PLANS: dict[str, list[PlanItem]] = {
+    # test_base_agrees_with_seeds
+    "seeds": [
+        PlanItem.of("dsv4", "1-1024", "0"),
+        PlanItem.of("kimi", "3001-4096/73", "89.7"),
+        PlanItem.of("glm", "100,300", "0,50"),
+        PlanItem.of("gemma", "500-620", "0"),
+    ],
+    # test_shrink: each layout shrunk, then run whole.
+    "shrink": [
+        PlanItem.of(name, "1-600/7,601-4096/53", "0,50,89.7,100", whole)
+        for name in ("dsv4", "gemma")
+        for whole in (False, True)
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +62,19 @@ def mixed_pairs(
     pairs = MixedPairs(overlay, base)
     yield pairs
     pairs.close()
+
+
+@pytest.fixture(scope="session")
+def base_worker_reports() -> dict[str, list[LayoutReport]]:
+    """The reports of every plan in ``BASE_PLANS``, by name, each in its
+    plan's order, from one worker on the pinned base's moriio files."""
+    from vllm_overlay.simulate.run import run_variant
+
+    files, _ = base_files()
+    plan = [item for items in BASE_PLANS.values() for item in items]
+    reports = run_variant("base", files, plan, port=46000)
+    assert len(reports) == len(plan), [r.layout for r in reports]
+    out: dict[str, list[LayoutReport]] = {}
+    for name, items in BASE_PLANS.items():
+        out[name], reports = reports[: len(items)], reports[len(items) :]
+    return out
