@@ -155,15 +155,21 @@ def test_vllm_picks_it_and_the_simulators_legs_schedule_on_it() -> None:
 def test_vllms_own_cpu_platform_refuses_without_triton() -> None:
     """Why the platform exists: on vLLM's CpuPlatform the same leg does not
     build on an x86 CPU without Triton, also with the plugin asked for
-    while VLLM_TARGET_DEVICE=cpu (vLLM then asks no plugin)."""
+    while VLLM_TARGET_DEVICE=cpu (vLLM then asks no plugin).
+
+    Without the variable vLLM picks the same CpuPlatform, whose refusal is
+    the one the leg below meets; that probe builds no leg (seconds of CPU).
+    In the CPU environment its .pth sets the variable in every child anyway
+    (``test_the_device_pth_turns_the_platform_on_unless_told_otherwise``)."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the Triton requirement is x86's")
-    for env in ({"VLLM_TARGET_DEVICE": "cpu"}, {**ON, "VLLM_TARGET_DEVICE": "cpu"}):
-        result = _probe(env, ["llama"])
-        assert result["platform"] == "vllm.platforms.cpu.CpuPlatform"
-        assert "requires Triton" in result["llama"]["error"]
+    cpu = "vllm.platforms.cpu.CpuPlatform"
+    assert _probe({"VLLM_TARGET_DEVICE": "cpu"}, []) == {"platform": cpu}
+    result = _probe({**ON, "VLLM_TARGET_DEVICE": "cpu"}, ["llama"])
+    assert result["platform"] == cpu
+    assert "requires Triton" in result["llama"]["error"]
 
 
 def test_the_device_pth_turns_the_platform_on_unless_told_otherwise() -> None:

@@ -8,22 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_overlay.simulate.plan import PlanItem, base_files
-from vllm_overlay.simulate.run import run_variant
-
 SEED_001_EXAMPLES = (251, 377, 384, 440, 447, 636, 832, 895)
 
 
 @pytest.fixture(scope="module")
-def base_reports():
-    files, _ = base_files()
-    plan = [
-        PlanItem.of("dsv4", "1-1024", "0"),
-        PlanItem.of("kimi", "3001-4096/73", "89.7"),
-        PlanItem.of("glm", "100,300", "0,50"),
-        PlanItem.of("gemma", "500-620", "0"),
-    ]
-    return {r.layout: r for r in run_variant("base", files, plan, port=46000)}
+def base_reports(base_worker_reports):
+    """Our plan's reports (``conftest.BASE_PLANS["seeds"]``), by layout."""
+    return {r.layout: r for r in base_worker_reports["seeds"]}
 
 
 def test_dsv4_wrong_lengths_include_upstream_examples(base_reports):

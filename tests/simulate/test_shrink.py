@@ -16,8 +16,6 @@ from hypothesis import strategies as st
 
 from vllm_overlay.simulate import shrink
 from vllm_overlay.simulate.check import FULL, WINDOW, CaseResult, GroupInfo
-from vllm_overlay.simulate.plan import PlanItem, base_files
-from vllm_overlay.simulate.run import run_variant
 
 HITS = [0.0, 0.5, 0.897, 1.0]
 
@@ -178,17 +176,10 @@ def _shrunk_equals_whole(name: str, mode: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def base_both_ways():
-    """The pinned base's reports, shrunk and whole, in one worker."""
-    files, _ = base_files()
-    lengths = "1-600/7,601-4096/53"
-    plan = [
-        PlanItem.of(name, lengths, "0,50,89.7,100", whole)
-        for name in ("dsv4", "gemma")
-        for whole in (False, True)
-    ]
-    reports = run_variant("base", files, plan, port=46400)
-    return reports
+def base_both_ways(base_worker_reports):
+    """The pinned base's reports, shrunk and whole, in one worker
+    (``conftest.BASE_PLANS["shrink"]``)."""
+    return base_worker_reports["shrink"]
 
 
 @pytest.mark.slow

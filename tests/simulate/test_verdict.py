@@ -139,19 +139,29 @@ def _checkout(tmp_path: Path, gaps: str) -> Path:
 WorkerResults = dict[tuple[str, ...], list[Any]]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def worker_results() -> WorkerResults:
-    """What the simulator's worker processes reported, by command line."""
+    """What the simulator's worker processes reported, by selection: the
+    tests of this file that run the same selection share one worker run."""
     return {}
 
 
+# Where the checkout and the report are, which the workers do not read:
+# every checkout here is the real pin with an empty series.
+_NOT_THE_WORKERS = ("--repo", "--report")
+
+
 def _simulate(recorded: WorkerResults, argv: list[str]) -> int:
-    """``main(argv)``, whose worker processes run once per command line:
-    run again, the command is handed their recorded results. Everything
-    else it does (its plan and expected time, the report, the known gaps,
-    the verdict) runs every time. One worker process (``--processes 1``):
-    a case or two, not worth a second vLLM import."""
-    key = tuple(argv)
+    """``main(argv)``, whose worker processes run once per selection: run
+    again, the command is handed their recorded results. Everything else it
+    does (its plan and expected time, the report, the known gaps, the
+    verdict) runs every time. One worker process (``--processes 1``): a case
+    or two, not worth a second vLLM import."""
+    key = tuple(
+        a
+        for i, a in enumerate(argv)
+        if a not in _NOT_THE_WORKERS and (i == 0 or argv[i - 1] not in _NOT_THE_WORKERS)
+    )
     real = procs.run_processes
 
     def run_processes(*args: Any, **kwargs: Any) -> None:
@@ -168,15 +178,22 @@ def _simulate(recorded: WorkerResults, argv: list[str]) -> int:
         return main(argv)
 
 
+# One selection for the tests that run the simulator: a case per mode.
+DSV4_251 = ["--layouts", "dsv4", "--lengths", "251", "--hits", "0"]
+DSV4_251 += ["--variant", "overlay", "--processes", "1"]
+DSV4_GAP = (
+    '[[gap]]\nlayout = "dsv4"\nproblem = "wrong KV"\n'
+    'tracked_by = "issue 12"\nwhy = "the test lists it"\n'
+)
+
+
 def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], worker_results: WorkerResults
 ) -> None:
     """dsv4 at N=251 on the base: seed 001's window shifted by one block."""
     root = _checkout(tmp_path, "")
     report = tmp_path / "sim.json"
-    argv = ["--repo", str(root), "simulate", "--layouts", "dsv4", "--lengths"]
-    argv += ["251", "--hits", "0", "--variant", "overlay", "--report", str(report)]
-    argv += ["--processes", "1"]
+    argv = ["--repo", str(root), "simulate", *DSV4_251, "--report", str(report)]
     code = _simulate(worker_results, argv)
     assert code == 1
     out = capsys.readouterr().out.splitlines()
@@ -185,10 +202,7 @@ def test_the_command_exits_1_on_wrong_kv_and_0_when_the_gap_is_listed(
         "wrong KV at 1 of 1 lengths"
     )
     assert json.loads(report.read_text())["layouts"][0]["wrong_lengths"] == [251]
-    (root / GAPS_FILE).write_text(
-        '[[gap]]\nlayout = "dsv4"\nproblem = "wrong KV"\n'
-        'tracked_by = "issue 12"\nwhy = "the test lists it"\n'
-    )
+    (root / GAPS_FILE).write_text(DSV4_GAP)
     code = _simulate(worker_results, argv)
     assert code == 0
     assert (
@@ -203,20 +217,21 @@ def test_a_targeted_run_writes_its_own_report_and_keeps_the_full_one(
 ) -> None:
     """A run given --layouts/--lengths/... writes a report named by its
     selection; the full run's .nox-reports/simulate.json stays as it was."""
-    root = _checkout(tmp_path, "")
+    root = _checkout(tmp_path, DSV4_GAP)
     full = root / ".nox-reports" / "simulate.json"
     full.parent.mkdir()
     full.write_text('{"the": "full run"}\n')
-    argv = ["--repo", str(root), "simulate", "--layouts", "llama", "--lengths", "5"]
-    argv += ["--hits", "0", "--variant", "overlay", "--processes", "1"]
+    argv = ["--repo", str(root), "simulate", *DSV4_251]
     code = _simulate(worker_results, argv)
     assert code == 0
     written = full.with_name(
-        "simulate.layouts-llama.lengths-5.hits-0.variant-overlay.json"
+        "simulate.layouts-dsv4.lengths-251.hits-0.variant-overlay.json"
     )
     rows = json.loads(written.read_text())["layouts"]
-    # Both modes by default (as simulate-bytes): a READ row, then WRITE's.
-    assert [(r["mode"], r["cases"]) for r in rows[:2]] == [("read", 1), ("write", 1)]
+    # Both modes by default (as simulate-bytes): a READ row, then WRITE's,
+    # which the connector refuses at start for dsv4's sliding window.
+    assert [(r["mode"], r["cases"]) for r in rows] == [("read", 1), ("write", 0)]
+    assert rows[1]["refused_by"] == "connector"
     assert full.read_text() == '{"the": "full run"}\n'
     out, err = capsys.readouterr()
     assert (
@@ -224,7 +239,7 @@ def test_a_targeted_run_writes_its_own_report_and_keeps_the_full_one(
     )
     # Before it starts, the plan and its expected time; the next run of the
     # same selection is expected to take what this one took.
-    plan = "simulate: 6 cases: 3 layouts x 1 variant x 2 modes; expected about "
+    plan = "simulate: 2 cases: 1 layout x 1 variant x 2 modes; expected about "
     assert err.startswith(plan)
     wall = json.loads(written.read_text())["wall_seconds"]
     code = _simulate(worker_results, argv)
