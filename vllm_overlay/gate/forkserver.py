@@ -49,12 +49,13 @@ def preload(names: Sequence[str]) -> int:
     return done
 
 
-def _child(root: Path, job: LevelJob) -> None:
-    """In the forked child: pytest in-process, its output in the level's log."""
+def child_pytest(root: Path, args: Sequence[str], log: str, name: str) -> None:
+    """In a forked child: pytest in-process, its output in ``log``; never
+    returns (exit status 3 when pytest did not run)."""
     code = 3
     try:
         os.chdir(root)
-        fd = os.open(job.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
@@ -62,9 +63,9 @@ def _child(root: Path, job: LevelJob) -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         import pytest
 
-        code = int(pytest.main(job.args))
+        code = int(pytest.main(list(args)))
     except BaseException as e:  # noqa: BLE001  (a child never returns)
-        print(f"level {job.k}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -97,7 +98,7 @@ def serve(plan: LevelPlan, results: Path) -> dict[int, int]:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _child(root, job)
+                child_pytest(root, job.args, job.log, f"level {job.k}")
             running[pid] = (job, time.monotonic())
         pid, status = os.wait()
         if pid not in running:
