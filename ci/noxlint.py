@@ -9,6 +9,7 @@ imports this module; nothing in the package does.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -107,6 +108,10 @@ def mypy_overlaid(
     # overlaid run re-checks only what the series changes.
     args = ["--config-file", str(MYPY_VLLM_CONFIG), "--python-executable", python]
     args += ["--python-version", version, "--cache-dir", str(work / ".cache")]
+    # One mypy worker per core: the same errors, and a cold run (vLLM, torch,
+    # transformers, ... read through follow_imports) no longer holds one core
+    # while the other idles.
+    args += ["--num-workers", str(os.cpu_count() or 1)]
 
     def check(side: str) -> str:
         tree = work / side
