@@ -13,6 +13,7 @@ thread, each run's output in a log file of its own.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import select
@@ -139,7 +140,11 @@ def serve() -> None:
     start = msgspec.json.decode(line, type=PoolStart)
     root = Path(start.root)
     started = time.monotonic()
-    _send(PoolReady(preload(root, start.preload), time.monotonic() - started))
+    modules = preload(root, start.preload)
+    # The preloaded objects out of the collector's sight: a run's full
+    # collections no longer walk (and copy, page by page) torch and the rest.
+    gc.freeze()
+    _send(PoolReady(modules, time.monotonic() - started))
     running: dict[int, int] = {}  # pid -> run id
     ended = False
     while not ended or running:
