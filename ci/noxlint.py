@@ -9,9 +9,11 @@ imports this module; nothing in the package does.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -107,6 +109,10 @@ def mypy_overlaid(
     # overlaid run re-checks only what the series changes.
     args = ["--config-file", str(MYPY_VLLM_CONFIG), "--python-executable", python]
     args += ["--python-version", version, "--cache-dir", str(work / ".cache")]
+    # One mypy worker per core: the same errors, and a cold run (vLLM, torch,
+    # transformers, ... read through follow_imports) no longer holds one core
+    # while the other idles.
+    args += ["--num-workers", str(os.cpu_count() or 1)]
 
     def check(side: str) -> str:
         tree = work / side
@@ -176,32 +182,60 @@ def beside(session: nox.Session, *cmd: str) -> Iterator[None]:
         session.error(f"{name} failed (exit status {proc.returncode})")
 
 
+@contextmanager
+def cpu_env_beside(session: nox.Session) -> Iterator[None]:
+    """The CPU environment built (or found current) while the block runs:
+    pip's installs, mostly waiting on the disk, share the cores with the
+    lint tools' install and the checks that do not need the environment.
+    The block waits for it at its end; its failure fails the session."""
+    failed: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            cpu_python(session)
+        except BaseException as e:  # noqa: BLE001  (raised in the session's thread)
+            failed.append(e)
+
+    thread = threading.Thread(target=build, name="cpu-env", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
+
+
 def lint_impl(session: nox.Session) -> None:
-    lint_tools(session)
-    with beside(session, "mypy"):
-        touched = lint_rest(session)
+    # The wheel first: the environment's build installs it, materialize reads it.
+    wheel = pinned_wheel(session, Path(session.bin) / "python")
+    with cpu_env_beside(session):
+        lint_tools(session)
+        with beside(session, "mypy"):
+            touched, out = lint_rest(session, wheel)
+    if touched:
+        mypy_overlaid(session, wheel, out, touched)
     session.log(f"lint: ok ({count(len(touched), 'overlaid vLLM file')} checked)")
 
 
-def lint_rest(session: nox.Session) -> list[str]:
-    """Everything of `lint` but mypy on this package; the overlaid files."""
+def lint_rest(session: nox.Session, wheel: Path) -> tuple[list[str], Path]:
+    """Everything of `lint` but the type checks; the overlaid files and the
+    tree they are materialized in."""
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     touched = series_check(session)
     out = CACHE / "overlaid"
     shutil.rmtree(out, ignore_errors=True)
-    wheel = pinned_wheel(session, Path(session.bin) / "python")
     session.run("vllm-overlay", "materialize", "--wheel", str(wheel), "--out", str(out))
     config = ("--config", str(ROOT / "ci" / "ruff-vllm.toml"))
     if touched:
         files = [str(out / path) for path in touched]
         session.run("ruff", "check", *config, *files)
         session.run("ruff", "format", "--check", *config, *files)
-        mypy_overlaid(session, wheel, out, touched)
     containerfiles = [
         ROOT / "docker" / "Dockerfile",
         ROOT / "docker" / "standin" / "Containerfile",
         ROOT / "tests" / "image" / "fixtures" / "Containerfile.tiny",
     ]
     session.run("hadolint", *(str(f) for f in containerfiles))
-    return touched
+    return touched, out

@@ -10,6 +10,7 @@ plan (``levels-results.json``) and prints one line per level.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -49,12 +50,13 @@ def preload(names: Sequence[str]) -> int:
     return done
 
 
-def _child(root: Path, job: LevelJob) -> None:
-    """In the forked child: pytest in-process, its output in the level's log."""
+def child_pytest(root: Path, args: Sequence[str], log: str, name: str) -> None:
+    """In a forked child: pytest in-process, its output in ``log``; never
+    returns (exit status 3 when pytest did not run)."""
     code = 3
     try:
         os.chdir(root)
-        fd = os.open(job.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
@@ -62,9 +64,9 @@ def _child(root: Path, job: LevelJob) -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         import pytest
 
-        code = int(pytest.main(job.args))
+        code = int(pytest.main(list(args)))
     except BaseException as e:  # noqa: BLE001  (a child never returns)
-        print(f"level {job.k}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -81,6 +83,9 @@ def serve(plan: LevelPlan, results: Path) -> dict[int, int]:
     root = Path(plan.root)
     started = time.monotonic()
     done = preload(plan.preload)
+    # The preloaded objects out of the collector's sight: a child's full
+    # collections no longer walk (and copy, page by page) the whole of vLLM.
+    gc.freeze()
     jobs = max(1, plan.jobs or os.cpu_count() or 1)
     print(
         f"levels: vLLM loaded once ({done} modules, {time.monotonic() - started:.0f}"
@@ -97,7 +102,7 @@ def serve(plan: LevelPlan, results: Path) -> dict[int, int]:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _child(root, job)
+                child_pytest(root, job.args, job.log, f"level {job.k}")
             running[pid] = (job, time.monotonic())
         pid, status = os.wait()
         if pid not in running:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ import msgspec
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.outcomes import load_outcomes
+from vllm_overlay.gate.pytestpool import PytestPool
 from vllm_overlay.gate.reports import ReportError, TestOutcome, names
 from vllm_overlay.series.core_series import core_fix, core_key
 from vllm_overlay.series.diff import HunkError, apply_file_patch
@@ -169,10 +169,12 @@ def _merge_revert(path: str, current: str, with_: str, below: str) -> str:
 Runner = Callable[[dict[str, str], Sequence[str], Path], dict[str, TestOutcome]]
 
 
-def pytest_runner(root: Path, pin: Pin, pytest_args: Sequence[str] = ()) -> Runner:
-    """Materialize the files, run pytest on ``entries`` in a child of this
-    Python with vLLM's MoRIIO package (and the core modules the files
-    hold) loaded from them."""
+def pytest_runner(
+    root: Path, pin: Pin, pool: PytestPool, pytest_args: Sequence[str] = ()
+) -> Runner:
+    """Materialize the files, run pytest on ``entries`` in a child of
+    ``pool``'s server with vLLM's MoRIIO package (and the core modules the
+    files hold) loaded from them."""
 
     def run(
         files: dict[str, str], entries: Sequence[str], work: Path
@@ -181,7 +183,7 @@ def pytest_runner(root: Path, pin: Pin, pytest_args: Sequence[str] = ()) -> Runn
         outcomes = work / "outcomes.json"
         core = [p for p in files if p in pin.core_files]
         args = [
-            sys.executable, "-m", "pytest", "--rootdir", str(root),
+            "--rootdir", str(root),
             "-p", "no:cacheprovider", "-q", "--no-header", "-rN", "--tb=no",
             "-p", "vllm_overlay.gate.outcomes", "--outcomes-json", str(outcomes),
             "-p", "vllm_overlay.gate.level",
@@ -189,18 +191,23 @@ def pytest_runner(root: Path, pin: Pin, pytest_args: Sequence[str] = ()) -> Runn
             *(["--core-dir", str(work)] if core else []),
             *pytest_args, *entries,
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-        done = subprocess.run(
-            args, cwd=root, env=env, capture_output=True, text=True, check=False
-        )
-        if done.returncode not in (0, 1) or not outcomes.is_file():
-            tail = [ln for ln in done.stdout.splitlines() if ln.strip()][-6:]
-            raise RemovableError(
-                f"pytest exited {done.returncode} on {work}: " + " | ".join(tail)
-            )
+        log = work / "pytest.log"
+        code = pool.run(args, log)
+        if code not in (0, 1) or not outcomes.is_file():
+            text = log.read_text(errors="replace") if log.is_file() else ""
+            tail = [ln for ln in text.splitlines() if ln.strip()][-6:]
+            raise RemovableError(f"pytest exited {code} on {work}: " + " | ".join(tail))
         return load_outcomes(outcomes)
 
     return run
+
+
+def named_entries(inputs: Inputs) -> list[str]:
+    """The test entries the proofs run: each core patch's and each
+    workaround's."""
+    patches = [*inputs.core.patches]
+    patches += [w for w, _ in workarounds(inputs.series, inputs.core)]
+    return list(dict.fromkeys(t for p in patches for t in p.header.tests))
 
 
 def _outcome(outcomes: dict[str, TestOutcome], entry: str) -> list[TestOutcome]:

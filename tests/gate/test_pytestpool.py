@@ -1,0 +1,55 @@
+"""`vllm_overlay.gate.pytestpool`: the runs `vllm-overlay removable` forks
+from one server find the third-party modules loaded and vLLM not, so each
+run loads vLLM (and its MoRIIO and core modules) from its own tree; runs
+handed over from several threads each get their own exit status and log."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from vllm_overlay.gate.pytestpool import PytestPool
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Checked inside a run: the server's head start holds torch, a module vLLM
+# brought in when the probe imported it, and no module of vLLM itself.
+CHECKS = """
+import sys
+
+
+def test_torch_is_loaded_and_vllm_is_not():
+    assert "torch" in sys.modules
+    assert not [m for m in sys.modules if m.split(".")[0] == "vllm"]
+
+
+def test_fails():
+    assert False
+"""
+
+
+def test_runs_find_the_head_start_without_vllm(tmp_path: Path) -> None:
+    tests = tmp_path / "test_pool_checks.py"
+    tests.write_text(CHECKS)
+    codes: dict[str, int] = {}
+
+    def run(name: str, pool: PytestPool) -> None:
+        args = ["-p", "no:cacheprovider", "-q", f"{tests}::{name}"]
+        codes[name] = pool.run(args, tmp_path / f"{name}.log")
+
+    with PytestPool(ROOT, ["vllm.envs"]) as pool:
+        threads = [
+            threading.Thread(target=run, args=(name, pool))
+            for name in ("test_torch_is_loaded_and_vllm_is_not", "test_fails")
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert codes == {"test_torch_is_loaded_and_vllm_is_not": 0, "test_fails": 1}
+    assert (
+        "1 passed"
+        in (tmp_path / "test_torch_is_loaded_and_vllm_is_not.log").read_text()
+    )
+    assert "1 failed" in (tmp_path / "test_fails.log").read_text()
+    assert pool.ready is not None and pool.ready.modules > 0
