@@ -1,7 +1,7 @@
 """The workers tell the scheduler-side connector each group's least ratio.
 
 A group none of whose layers holds a compressed state before the last prompt
-token moves no page (0047), where the scheduler knows the least
+token moves no page where the scheduler knows the least
 ``tokens_per_state`` of the group's layers. vLLM 0.34.0's group does not
 state it, and the scheduler's copy of a uniform-type group keeps one layer's
 spec. The workers hold every layer's spec: each worker's connector states the
