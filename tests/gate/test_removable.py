@@ -213,6 +213,7 @@ def test_every_core_patch_is_red_without_it_and_green_with_it(
         "0006 removable with core patch c005: yes",
         "0048 removable with core patch c003: yes",
         "0010 removable with core patch c001: yes",
+        "0051 removable with core patch c003: yes",
     ]
 
 
@@ -241,6 +242,7 @@ def test_proofs_run_side_by_side_and_keep_the_series_order(inputs: Inputs) -> No
         "0006 removable with core patch c005: yes",
         "0048 removable with core patch c003: yes",
         "0010 removable with core patch c001: yes",
+        "0051 removable with core patch c003: yes",
     ]
     assert len(seen) == 2 * (len(inputs.core.patches) + len(report.verdicts))
 
@@ -262,10 +264,10 @@ def test_the_command_prints_the_verdicts_and_sets_the_status(
             "0010 removable with core patch c001: " + ("yes" if not status else "no")
         )
         assert lines[-1].startswith(
-            "removable: ok, 4 of 4 workaround" if not status else "removable: FAILED"
+            "removable: ok, 5 of 5 workaround" if not status else "removable: FAILED"
         )
         report = load_removable(out)
-        assert [v.removable for v in report.verdicts] == [not status] * 4
+        assert [v.removable for v in report.verdicts] == [not status] * 5
         assert json.loads(out.read_text())["core_rows"][0]["with"] == "passed"
 
 
@@ -280,5 +282,5 @@ def test_an_unknown_workaround_is_one_line_and_runs_nothing(
     err = capsys.readouterr().err
     assert err == (
         "error: --patch 0009: not a patch whose Remove-When names a core patch "
-        "(those are: 0036, 0006, 0048, 0010)\n"
+        "(those are: 0036, 0006, 0048, 0010, 0051)\n"
     )
