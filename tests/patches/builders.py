@@ -3039,3 +3039,48 @@ def check_drafted_write(
         prefill, decode = write.prefill_tables[group], write.decode_tables[group]
         assert pairs == [(prefill[k], decode[k]) for k in range(first, last)], layer
         assert all(0 not in p for p in pairs)
+
+
+def window_write_pair(
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    block_size: int,
+    window: int,
+    with_full: bool,
+) -> WritePair:
+    """A WRITE pair of real schedulers over one window group of ``window``
+    (without the hybrid KV cache manager), or a full-attention group and a
+    window group (``with_full``, with it)."""
+    groups = [([LAYER], sliding_window_spec(block_size, window))]
+    if with_full:
+        groups = [([LAYER], full_attention_spec(block_size))] + [
+            ([f"{LAYER}.1"], sliding_window_spec(block_size, window))
+        ]
+    return build_write_pair(
+        model_dir, groups, block_size, monkeypatch, disable_hma=not with_full
+    )
+
+
+def expected_window_pairs(
+    write: Write, group: int, block_size: int, window: int | None
+) -> list[tuple[int, int]]:
+    """P's page k to D's page k for every page the decoder lacks that holds a
+    position in [N - W, N - 1) (every position below N - 1 for full
+    attention)."""
+    n = write.num_prompt_tokens
+    first = max(n - window, 0) // block_size if window else 0
+    first = max(first, write.decode_hit_tokens // block_size)
+    return [
+        (write.prefill_tables[group][k], write.decode_tables[group][k])
+        for k in range(first, cdiv(n - 1, block_size))
+    ]
+
+
+def assert_window_written(
+    write: Write, block_size: int, windows: list[int | None]
+) -> None:
+    assert write.notices == []
+    for group, window in enumerate(windows):
+        pairs = write.group_pairs[group]
+        assert pairs == expected_window_pairs(write, group, block_size, window)
+        assert all(0 not in pair for pair in pairs)
