@@ -16,7 +16,5 @@ def test_a_level_label_names_a_patch_out_of_number_order_alone(
     assert level_label(series, 4) == "base + 0001..0004"
     assert level_label(series, 5) == "base + 0001..0004, 0036"
     assert level_label(series, 6) == "base + 0001..0004, 0036, 0005"
-    assert level_label(series, len(numbers)).startswith(
-        "base + 0001..0004, 0036, 0005"
-    )
+    assert level_label(series, len(numbers)).startswith("base + 0001..0004, 0036, 0005")
     assert level_label(series, len(numbers)).endswith(numbers[-1])
