@@ -20,6 +20,7 @@ import json
 import shutil
 import sys
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nox
@@ -36,6 +37,9 @@ CPU_ENV_STAMP = ".cpu-env-stamp"
 PIN = tomllib.loads((ROOT / "pin.toml").read_text())
 
 TORCH = "torch==2.13.0"
+# torch's one requirement the frozen file leaves out (pip freeze omits
+# setuptools); torch goes in --no-deps beside that file (`_build_cpu_env`).
+TORCH_SETUPTOOLS = "setuptools>=77.0.3"
 # Installed --no-deps next to vllm: their own pins would pull CUDA builds.
 NO_DEPS = ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.11")
 LINT_REQUIREMENTS = ROOT / "ci" / "requirements-lint.txt"
@@ -154,10 +158,21 @@ def _build_cpu_env(session: nox.Session, location: Path, python: Path) -> None:
     )
     session.run(sys.executable, "-m", "venv", str(location), external=True)
     _pip(session, python, "--upgrade", "pip")
-    _pip(session, python, TORCH)
-    _pip(session, python, "--no-deps", str(pinned_wheel(session, python)), *NO_DEPS)
-    for req in REQUIREMENTS:
-        _pip(session, python, "-r", str(req))
+    pinned = pinned_wheel(session, python)
+    # Two pip processes side by side, one per core: the frozen requirements
+    # in one, torch and vllm in the other. Both --no-deps, so neither
+    # resolves (and writes) a package the other installs; pip check below
+    # fails on any requirement the two leave unmet.
+    with ThreadPoolExecutor(1) as pool:
+        frozen = pool.submit(
+            _pip, session, python, "--no-deps", "-r", str(REQUIREMENTS[0])
+        )
+        try:
+            _pip(session, python, "--no-deps", TORCH, TORCH_SETUPTOOLS)
+            _pip(session, python, "--no-deps", str(pinned), *NO_DEPS)
+        finally:
+            frozen.result()
+    _pip(session, python, "-r", str(REQUIREMENTS[1]))
     _pip_check(session, python)
 
 
@@ -166,7 +181,7 @@ def cpu_python(session: nox.Session) -> Path:
     package in editable mode), built or reused."""
     location = CPU_ENV
     python = location / "bin" / "python"
-    inputs = [TORCH, *NO_DEPS, PIN["vllm"]["wheel_sha256"]]
+    inputs = [TORCH, TORCH_SETUPTOOLS, *NO_DEPS, PIN["vllm"]["wheel_sha256"]]
     inputs += [p.read_text() for p in REQUIREMENTS]
     key = hashlib.sha256("\n".join(inputs).encode()).hexdigest()
     stamp = location / CPU_ENV_STAMP
