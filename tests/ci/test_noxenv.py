@@ -71,3 +71,34 @@ def test_lint_checks_the_files_series_check_lists(
     series = load_series(REPO)
     said = f"series check: ok, {len(series.patches)} patches, series {series.series_id}"
     assert session.log.call_args.args[0] == said
+
+
+def test_the_side_by_side_installs_share_no_package(noxenv: ModuleType) -> None:
+    """The frozen requirements and torch with vLLM install in two pip
+    processes at once, each --no-deps: neither may list what the other
+    installs."""
+    from ci import cpuenv
+
+    frozen = cpuenv.requirement_names(noxenv.REQUIREMENTS[0].read_text().splitlines())
+    beside = [noxenv.TORCH, noxenv.TORCH_SETUPTOOLS, "vllm", *noxenv.NO_DEPS]
+    assert not frozen & {cpuenv.requirement_name(spec) for spec in beside}
+
+
+def test_torch_goes_in_without_its_requirements_only_where_they_are_frozen(
+    noxenv: ModuleType,
+) -> None:
+    """torch is installed --no-deps: every requirement of the installed
+    torch is in the frozen file or installed beside it."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    from ci import cpuenv
+
+    frozen = cpuenv.requirement_names(noxenv.REQUIREMENTS[0].read_text().splitlines())
+    frozen.add(cpuenv.requirement_name(noxenv.TORCH_SETUPTOOLS))
+    needed = [Requirement(r) for r in requires("torch") or []]
+    needed = [r for r in needed if r.marker is None or r.marker.evaluate()]
+    assert needed
+    missing = {cpuenv.normalize(r.name) for r in needed} - frozen
+    assert not missing
