@@ -7,10 +7,14 @@ three-identical-errors rule never saw one refusal."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from vllm_overlay.simulate.bytes import driver
+import pytest
+
+from vllm_overlay.simulate.bytes import driver, rank
 from vllm_overlay.simulate.bytes.driver import CaseBytes, run_config
+from vllm_overlay.simulate.bytes.steps import PeerRefused
 
 REFUSAL = (
     "MoRIIO READ cannot serve layer model.layers.0.short_conv between prefill "
@@ -101,3 +105,21 @@ def test_other_case_errors_are_still_crashes(monkeypatch):
     assert [c.error for c in run.cases] == [
         f"RuntimeError: rank {i} died" for i in range(3)
     ]
+
+
+def test_a_refusal_the_connector_logs_is_raised_by_the_rank():
+    """A READ decoder that logs its refusal of the peer (and recomputes the
+    step's READs from it) ends the case with that line, as one that raises
+    it does; another error line ends nothing."""
+    logger = logging.getLogger("vllm.distributed.kv_transfer.moriio_test")
+    with rank._logged_refusal_raised():
+        logger.error("MoRIIO READ of request %s could not be posted", "r1")
+    with pytest.raises(PeerRefused) as raised, rank._logged_refusal_raised():
+        logger.error(
+            "Eager MoRIIO handshake failed for %s on at least one TP rank; "
+            "its READs of this step are recomputed: %s",
+            "127.0.0.1:10000",
+            REFUSAL,
+        )
+    error = driver._first_error(f"{type(raised.value).__name__}: {raised.value}")
+    assert driver.peer_refusal(error) == REFUSAL

@@ -46,6 +46,7 @@ from vllm_overlay.simulate.bytes.shm import remove_shm, shm_path
 from vllm_overlay.simulate.bytes.steps import (
     ESCAPED,
     FAULTED_PREFIX,
+    PEER_REFUSALS,
     READ,
     TRANSPORT,
     RankConfig,
@@ -955,17 +956,6 @@ def is_escape(error: str) -> bool:
     return f"{SchedulerEscape.__name__}: {ESCAPED} " in error
 
 
-_PEER_REFUSALS = (
-    "MoRIIO READ cannot serve layer ",
-    "MoRIIO READ cannot split the ",
-    "MoRIIO WRITE cannot serve ",
-)
-"""How a leg's connector refuses, at its first handshake, a peer whose TP
-size it cannot move a layer or group with: the READ decoder (patch 0032;
-a layer's KV heads the two TP sizes cannot split, patch 0027), the WRITE
-prefiller (patch 0034)."""
-
-
 def _first_error(text: str) -> str:
     """The last line of a traceback that says something (pydantic ends its
     errors with a link: the line above says what is wrong); a refusal of the
@@ -977,14 +967,14 @@ def _first_error(text: str) -> str:
         if line.strip() and "errors.pydantic.dev" not in line
     ]
     line = lines[-1] if lines else text
-    start = max((line.find(refusal) for refusal in _PEER_REFUSALS), default=-1)
+    start = max((line.find(refusal) for refusal in PEER_REFUSALS), default=-1)
     return line[max(0, start) :][:300]
 
 
 def peer_refusal(error: str | None) -> str | None:
     """A leg's refusal of its peer at the handshake, before any byte moved,
     if ``error`` (a case's ``_first_error``) is one."""
-    return error if error is not None and error.startswith(_PEER_REFUSALS) else None
+    return error if error is not None and error.startswith(PEER_REFUSALS) else None
 
 
 def _case(n: int, hit: float, verdicts: list[Verdict], moved: int) -> CaseBytes:

@@ -31,12 +31,13 @@ This module executes the steps; what crosses the pipe is ``steps.py``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import sys
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -61,10 +62,12 @@ from vllm_overlay.simulate.bytes.rows import (
 from vllm_overlay.simulate.bytes.shm import shm_path
 from vllm_overlay.simulate.bytes.steps import (
     FAULTED_PREFIX,
+    PEER_REFUSALS,
     READ,
     TRANSPORT,
     WRITE,
     Compute,
+    PeerRefused,
     RankConfig,
     SchedulerEscape,
     StepPlan,
@@ -257,6 +260,34 @@ def _undo_cuda_shim() -> None:
 
     for name, original in _CUDA_ORIGINALS.items():
         setattr(torch.cuda, name, original)
+
+
+class _Refusals(logging.Handler):
+    """The refusals of a peer (``PEER_REFUSALS``) vLLM's loggers record."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        if any(refusal in line for refusal in PEER_REFUSALS):
+            self.lines.append(line)
+
+
+@contextlib.contextmanager
+def _logged_refusal_raised() -> Iterator[None]:
+    """Raise the first refusal of its peer the connector logged in the
+    block (``PeerRefused``)."""
+    refusals = _Refusals()
+    logger = logging.getLogger("vllm")
+    logger.addHandler(refusals)
+    try:
+        yield
+    finally:
+        logger.removeHandler(refusals)
+    if refusals.lines:
+        raise PeerRefused(refusals.lines[0])
 
 
 class Rank:
@@ -542,7 +573,8 @@ class Rank:
         self.connector.bind_connector_metadata(plan.metadata)
         try:
             if plan.has_sync_kv_loads:
-                self.connector.start_load_kv(None)
+                with _logged_refusal_raised():
+                    self.connector.start_load_kv(None)
             if watch is not None and judging:
                 assert tables is not None
                 verdict = self.judge.verdict(watch, tables, plan)
@@ -554,7 +586,8 @@ class Rank:
                     if self.groups[view.group].kind != STATE_KIND:
                         self.connector.save_kv_layer(name, view.tensor, None)
             if not plan.has_sync_kv_loads:
-                self.connector.start_load_kv(None)
+                with _logged_refusal_raised():
+                    self.connector.start_load_kv(None)
             self.connector.wait_for_save()
             results = self.connector.get_transfer_results(plan.finished_req_ids)
             invalid = self.connector.get_block_ids_with_load_errors()

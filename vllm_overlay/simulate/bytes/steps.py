@@ -17,6 +17,15 @@ ESCAPED = "escaped"
 TRANSPORT = "transport-"
 """A fault of the loopback transport itself (``simulate-bytes --faults``):
 ``transport-`` and a kind of the stand-in's ``FAULT_KINDS``."""
+PEER_REFUSALS = (
+    "MoRIIO READ cannot serve layer ",
+    "MoRIIO READ cannot split the ",
+    "MoRIIO WRITE cannot serve ",
+)
+"""How a leg's connector refuses, at its first handshake, a peer whose TP
+size it cannot move a layer or group with: the READ decoder (patch 0032;
+a layer's KV heads the two TP sizes cannot split, patch 0027), the WRITE
+prefiller (patch 0034)."""
 FAULTED_PREFIX = "x"
 """Request ids a transport fault applies to; transfer ids are theirs after a
 ``t`` (``driver.Driver.run_fault_case``)."""
@@ -181,6 +190,13 @@ class StepResult:
     below that position)."""
     worker_meta: Any = None
     """The connector's ``build_connector_worker_meta()`` of the step."""
+
+
+class PeerRefused(RuntimeError):
+    """A refusal of its peer (``PEER_REFUSALS``) the connector logged instead
+    of raising it (a READ decoder recomputes the step's READs from that
+    peer): the rank raises it, which refuses the configuration as a raised
+    one does."""
 
 
 class SchedulerEscape(RuntimeError):
