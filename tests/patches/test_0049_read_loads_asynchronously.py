@@ -172,7 +172,7 @@ def _start_before_handshake(worker: Any, req_ids: list[str]) -> dict[str, Any]:
         ReqMeta,
     )
 
-    worker._eager_handshake_all_dp_ranks = lambda metadata: None
+    worker._eager_handshake_all_dp_ranks = lambda metadata: set()
     worker._background_moriio_handshake = lambda req_id, engine_id, meta: None
     # A synchronous load waits for the handshake this long first.
     worker.moriio_config.transfer_timeout = 0.0
