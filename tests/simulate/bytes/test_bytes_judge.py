@@ -218,3 +218,49 @@ def test_a_release_counts_writes_outside_the_requests_pages_not_the_decoders(
         assert judge.release() is None
     finally:
         judge.kv.close()
+
+
+# -- the faulted request checked next to the judged one -----------------------
+#
+# A fault case checks the faulted request's pages (``Rank._track_compute``) in
+# each step that computes it, between the other request's arm and verdict.
+# Both requests are as long, so they have the same needs: the expected rows
+# the judge kept for one were taken for the other's, and a READ whose faulted
+# request was reported loaded a step before the other's judged the other's
+# right pages wrong (test_bytes_faults' ``lie``, now and then).
+
+
+def _forward(judge: ByteJudge, rid: str, tokens: list[int], blocks: list[int]) -> None:
+    """The decoder's forward of ``tokens`` into ``blocks`` (``Rank.compute``)."""
+    from types import SimpleNamespace
+
+    from vllm_overlay.simulate.bytes.rank import Rank
+    from vllm_overlay.simulate.bytes.steps import Compute
+
+    rank = SimpleNamespace(
+        judge=judge, groups=judge.groups, kv=judge.kv, _shards=judge.shards
+    )
+    Rank.compute(rank, Compute(rid, tokens, 0, len(tokens), [blocks]))
+
+
+@pytest.mark.parametrize("local_hit", [None, 0])
+def test_another_requests_check_between_arm_and_verdict_leaves_both_alone(
+    tmp_path, local_hit
+) -> None:
+    """``c`` and ``x`` hold their own right bytes; ``x`` is checked between
+    ``c``'s arm and its verdict: both are right, whether the arm read ``c``'s
+    pages (``local_hit`` None) or took them all for lacking (0, a READ at hit
+    0: the check is the first to read)."""
+    judge = _real_judge(tmp_path)
+    try:
+        c_tokens, x_tokens = list(range(17)), list(range(100, 117))
+        _forward(judge, "c", c_tokens, [1, 2])
+        _forward(judge, "x", x_tokens, [3, 4])
+        watch = Watch("c", 17, c_tokens, arm=True, dest="table")
+        judge.arm(watch, [[1, 2]], local_hit)
+        assert judge.wrong_bytes(Watch("x", 17, x_tokens), [[3, 4]]) == 0
+        verdict = judge.verdict(watch, [[1, 2]], None)
+        assert verdict.wrong_bytes == 0, verdict.notes
+        assert verdict.stray_bytes == 0, verdict.notes
+    finally:
+        judge.kv.close()

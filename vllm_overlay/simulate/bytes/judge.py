@@ -126,8 +126,10 @@ class ByteJudge:
         """The destination pages of the armed request, as its arm saw them."""
         self._min_bytes = 0
         self._expected: dict[Any, np.ndarray] = {}
-        """The watched request's expected attention rows by (layer, needs),
-        from its arm to its verdict."""
+        """Expected attention rows by (layer, (request, needs)), from the
+        watched request's arm to its verdict: the watched request's, and
+        those of a request checked meanwhile (``wrong_bytes``: a fault case's
+        faulted request), which has the same needs when it is as long."""
 
     def _state_page_bytes(self, view: Any) -> int:
         return sum(size for _, _, size, _ in self._regions[view.name])
@@ -192,8 +194,9 @@ class ByteJudge:
         """Wrong bytes of each page ``blocks[i]``'s rows ``slots[i]`` (which
         should hold the positions of prefix hashes ``hashes[i]``), in one
         gather and one comparison for the layer. The bytes they should hold
-        are kept in ``expected`` under ``key``: they depend on the positions
-        only, not on the blocks holding them."""
+        are kept in ``expected`` under ``key``: they depend on the request's
+        positions (their prefix hashes) only, not on the blocks holding
+        them."""
         if info.kind == RING and info.ring_row_bytes:
             return np.array(
                 [
@@ -275,7 +278,8 @@ class ByteJudge:
         for g, indices in pending.items():
             info = self.groups[g]
             group_needs = [out[i][0] for i in indices]
-            needs_key = tuple(group_needs)
+            # The rows depend on the request's tokens, not on its needs only.
+            needs_key = (watch.rid, tuple(group_needs))
             blocks = [tables[g][need.index] for need in group_needs]
             wrong = np.zeros(len(indices), dtype=np.int64)
             # Layers whose rows per state agree share their rows: one gather
