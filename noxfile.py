@@ -28,7 +28,8 @@ from vllm_overlay.gate.phases import PHASES_FILE, timed  # noqa: E402  (the same
 
 noxlog.drop_uv_note(logging.getLogger("nox"))
 
-nox.options.default_venv_backend = "venv"
+# uv (ci/requirements-nox.txt) fills the tool environments; venv where it is missing.
+nox.options.default_venv_backend = "uv|venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "unit"]
 

@@ -129,6 +129,20 @@ def classify_pip_check(
     return PipCheck(expected, unexpected)
 
 
+def pip_find_links(config: str) -> list[str]:
+    """The ``find-links`` locations in ``pip config list`` output (every
+    scope: ``global.find-links='/opt/wheels'``, ``:env:.find-links=...``),
+    in order, each once. uv reads no pip configuration: the CPU environment's
+    build hands these over, so both installers see the same local wheels."""
+    links: dict[str, None] = {}
+    for line in config.splitlines():
+        key, sep, value = line.partition("=")
+        if not sep or key.strip().rpartition(".")[2] != "find-links":
+            continue
+        links.update(dict.fromkeys(value.strip().strip("'\"").split()))
+    return list(links)
+
+
 def site_packages(env: Path) -> Path:
     """The one ``lib/pythonX.Y/site-packages`` of a POSIX virtualenv."""
     found = sorted(env.glob("lib/python3.*/site-packages"))

@@ -2,13 +2,15 @@
 wheels, and how a session runs `vllm-overlay` and pytest there.
 
 The CPU vLLM environment (torch 2.13.0+cpu, the pinned vLLM --no-deps, vLLM's
-pure-Python requirements from ci/requirements-vllm-cpu.txt) is a plain pip
-virtualenv that nox does not manage (uv does not see the local CPU torch):
-`.nox/cpu-vllm`, shared by every session that needs vLLM; `.venv` (the `dev`
-session) is a link to it. It is rebuilt only when the requirement files
-change; this package is installed there in editable mode once (again only
-when the checkout or pyproject.toml changes; see ci/cpuenv.py). The 336 MB
-vLLM wheel is downloaded once into pip's cache and `.nox-cache/wheels`,
+pure-Python requirements from ci/requirements-vllm-cpu.txt) is a plain
+virtualenv that nox does not manage, filled by uv (installed beside nox by
+ci/requirements-nox.txt) from the places pip's configuration names, where
+the CPU torch lies: `.nox/cpu-vllm`, shared by every session that needs
+vLLM; `.venv` (the `dev` session) is a link to it. It is rebuilt only when
+the requirement files change; this package is installed there in editable
+mode once (again only when the checkout or pyproject.toml changes; see
+ci/cpuenv.py). The 239 MB vLLM wheel is downloaded once into
+`.nox-cache/wheels`,
 checked against the pin's sha256. Every download is named in the log before
 it starts. The noxfile imports this module; nothing in the package does.
 """
@@ -16,6 +18,7 @@ it starts. The noxfile imports this module; nothing in the package does.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import shutil
 import sys
@@ -34,6 +37,8 @@ REPORTS = ROOT / ".nox-reports"
 CPU_ENV = ROOT / ".nox" / "cpu-vllm"
 DEV_ENV = ROOT / ".venv"
 CPU_ENV_STAMP = ".cpu-env-stamp"
+# Written once `compile_cpu_env` compiled the build of that stamp.
+BYTECODE_STAMP = ".bytecode-stamp"
 PIN = tomllib.loads((ROOT / "pin.toml").read_text())
 
 TORCH = "torch==2.13.0"
@@ -116,10 +121,34 @@ def old_wheel(session: nox.Session) -> Path:
     return _checked(session, sorted(dest.glob(pattern))[0], sha)
 
 
-def _pip(session: nox.Session, python: Path, *args: str, silent: bool = False) -> None:
-    # The unmet requirements of the --no-deps installs are expected; pip
-    # check sorts them out once the environment is complete (_pip_check).
-    cmd = (str(python), "-m", "pip", "install", "-q", "--no-warn-conflicts", *args)
+def _find_links(session: nox.Session, python: Path) -> tuple[str, ...]:
+    """``--find-links`` for each local wheel directory pip's configuration
+    names (the CPU torch's): uv reads no pip configuration."""
+    out = session.run(
+        str(python), "-m", "pip", "config", "list", silent=True, external=True
+    )
+    links = cpuenv.pip_find_links(str(out or ""))
+    return tuple(f"--find-links={link}" for link in links if Path(link).is_dir())
+
+
+def _uv(
+    session: nox.Session,
+    python: Path,
+    *args: str,
+    links: tuple[str, ...] = (),
+    silent: bool = False,
+) -> None:
+    """``uv pip install ARGS`` into the environment of ``python``, without
+    bytecode (`compile_cpu_env` compiles it). The unmet requirements of the
+    --no-deps installs are expected; pip check sorts them out once the
+    environment is complete (_pip_check)."""
+    if importlib.util.find_spec("uv") is None:
+        session.error(
+            "uv is not installed beside nox: "
+            "python3 -m pip install -r ci/requirements-nox.txt"
+        )
+    cmd = (sys.executable, "-m", "uv", "pip", "install", "-q", "--python", str(python))
+    cmd += (*links, *args)
     session.run(*cmd, external=True, silent=silent)
 
 
@@ -149,36 +178,59 @@ def _build_cpu_env(session: nox.Session, location: Path, python: Path) -> None:
     wheel = CACHE / "wheels" / PIN["vllm"]["wheel"]
     count = len(cpuenv.requirement_names(REQUIREMENTS[0].read_text().splitlines()))
     session.log(
-        f"building {location.relative_to(ROOT)}: pip installs (and downloads "
-        f"what its cache lacks) {TORCH} (CPU build), "
+        f"building {location.relative_to(ROOT)}: uv installs (and downloads "
+        f"what its cache lacks) {TORCH} (CPU build, where pip's configuration "
+        "finds it), "
         + ("" if wheel.is_file() else f"the vllm {PIN['vllm']['version']} wheel, ")
         + f"{', '.join(NO_DEPS)}, {count} pure-Python requirements of vLLM "
         f"({REQUIREMENTS[0].relative_to(ROOT)}) and the test tools "
         f"({REQUIREMENTS[1].relative_to(ROOT)})"
     )
     session.run(sys.executable, "-m", "venv", str(location), external=True)
-    _pip(session, python, "--upgrade", "pip")
+    links = _find_links(session, python)
+    _uv(session, python, "--upgrade", "pip")
     pinned = pinned_wheel(session, python)
-    # Two pip processes side by side, one per core: the frozen requirements
-    # in one, torch and vllm in the other. Both --no-deps, so neither
-    # resolves (and writes) a package the other installs; pip check below
-    # fails on any requirement the two leave unmet.
+    # Two uv processes side by side: the frozen requirements in one, torch
+    # and vllm in the other. Both --no-deps, so neither resolves (and
+    # writes) a package the other installs; pip check below fails on any
+    # requirement the two leave unmet.
     with ThreadPoolExecutor(1) as pool:
         frozen = pool.submit(
-            _pip, session, python, "--no-deps", "-r", str(REQUIREMENTS[0])
+            _uv, session, python, "--no-deps", "-r", str(REQUIREMENTS[0])
         )
         try:
-            _pip(session, python, "--no-deps", TORCH, TORCH_SETUPTOOLS)
-            _pip(session, python, "--no-deps", str(pinned), *NO_DEPS)
+            _uv(session, python, "--no-deps", TORCH, TORCH_SETUPTOOLS, links=links)
+            _uv(session, python, "--no-deps", str(pinned), *NO_DEPS)
         finally:
             frozen.result()
-    _pip(session, python, "-r", str(REQUIREMENTS[1]))
+    _uv(session, python, "-r", str(REQUIREMENTS[1]))
     _pip_check(session, python)
 
 
-def cpu_python(session: nox.Session) -> Path:
+def compile_cpu_env(session: nox.Session) -> None:
+    """The bytecode of `.nox/cpu-vllm`, compiled once per build (uv's
+    installs write none): the tests run with PYTHONDONTWRITEBYTECODE, so
+    without it every vLLM start would compile its sources again. compileall
+    skips what is current, so an interrupted run goes on where it stopped;
+    a file that does not compile (a template shipped as .py) is left as it
+    is, as pip leaves it."""
+    python = CPU_ENV / "bin" / "python"
+    key = (CPU_ENV / CPU_ENV_STAMP).read_text()
+    stamp = CPU_ENV / BYTECODE_STAMP
+    if stamp.is_file() and stamp.read_text() == key:
+        return
+    where = cpuenv.site_packages(CPU_ENV)
+    session.log(f"compiling the bytecode of {where.relative_to(ROOT)} (once)")
+    cmd = (str(python), "-m", "compileall", "-q", "-j", "0", str(where))
+    session.run(*cmd, silent=True, success_codes=[0, 1], external=True)
+    stamp.write_text(key)
+
+
+def cpu_python(session: nox.Session, compiled: bool = True) -> Path:
     """The python of `.nox/cpu-vllm` (torch CPU, the pinned vLLM, this
-    package in editable mode), built or reused."""
+    package in editable mode), built or reused; ``compiled`` False: its
+    bytecode is left to a later `compile_cpu_env` (the lint session runs it
+    beside mypy, which reads sources only)."""
     location = CPU_ENV
     python = location / "bin" / "python"
     inputs = [TORCH, TORCH_SETUPTOOLS, *NO_DEPS, PIN["vllm"]["wheel_sha256"]]
@@ -193,10 +245,12 @@ def cpu_python(session: nox.Session) -> Path:
         stamp.write_text(key)
     if not cpuenv.editable_is_current(location, ROOT, "vllm-moriio-overlay"):
         session.log(f"installing this checkout in editable mode into {location.name}")
-        _pip(session, python, "--no-deps", "-e", str(ROOT), silent=True)
+        _uv(session, python, "--no-deps", "-e", str(ROOT), silent=True)
         cpuenv.stamp_editable(location, ROOT)
     if cpuenv.ensure_device_pth(location):
         session.log(f"{cpuenv.DEVICE_PTH}: vLLM picks its CPU platform there")
+    if compiled:
+        compile_cpu_env(session)
     return python
 
 

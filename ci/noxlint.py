@@ -15,8 +15,8 @@ import subprocess
 import sys
 import threading
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import nox
@@ -29,6 +29,7 @@ from ci.noxenv import (
     REQUIREMENTS,
     ROOT,
     TORCH,
+    compile_cpu_env,
     cpu_python,
     lint_tools,
     pinned,
@@ -95,7 +96,7 @@ def mypy_overlaid(
     the session. The base's errors are read from ci/mypy-base-errors/ (or
     this machine's .nox-cache/mypy-base-errors/) by the wheel, mypy and the
     settings; mypy runs on the base only when neither has them."""
-    python = str(cpu_python(session))
+    python = str(cpu_python(session, compiled=False))
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     sha, mypy_version, settings = mypy_base_inputs(touched)
     key = base_key(sha, mypy_version, settings)
@@ -183,20 +184,20 @@ def beside(session: nox.Session, *cmd: str) -> Iterator[None]:
 
 
 @contextmanager
-def cpu_env_beside(session: nox.Session) -> Iterator[None]:
-    """The CPU environment built (or found current) while the block runs:
-    pip's installs, mostly waiting on the disk, share the cores with the
-    lint tools' install and the checks that do not need the environment.
-    The block waits for it at its end; its failure fails the session."""
+def in_thread(
+    session: nox.Session, name: str, work: Callable[[], object]
+) -> Iterator[None]:
+    """``work`` (in the session, in a thread) while the block runs; the block
+    waits for it at its end; its failure fails the session."""
     failed: list[BaseException] = []
 
-    def build() -> None:
+    def run() -> None:
         try:
-            cpu_python(session)
+            work()
         except BaseException as e:  # noqa: BLE001  (raised in the session's thread)
             failed.append(e)
 
-    thread = threading.Thread(target=build, name="cpu-env", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     try:
         yield
@@ -206,15 +207,27 @@ def cpu_env_beside(session: nox.Session) -> Iterator[None]:
         raise failed[0]
 
 
+def cpu_env_beside(session: nox.Session) -> AbstractContextManager[None]:
+    """The CPU environment's files installed (or found current) while the
+    block runs: its installs, mostly waiting on the disk, share the cores
+    with the lint tools' install and the checks that do not need the
+    environment."""
+    return in_thread(session, "cpu-env", lambda: cpu_python(session, compiled=False))
+
+
 def lint_impl(session: nox.Session) -> None:
-    # The wheel first: the environment's build installs it, materialize reads it.
-    wheel = pinned_wheel(session, Path(session.bin) / "python")
+    # The wheel first: the environment's build installs it, materialize reads
+    # it. pip downloads it from nox's own environment (uv's has no pip).
+    wheel = pinned_wheel(session)
     with cpu_env_beside(session):
         lint_tools(session)
         with beside(session, "mypy"):
             touched, out = lint_rest(session, wheel)
-    if touched:
-        mypy_overlaid(session, wheel, out, touched)
+    # mypy reads sources only: the environment's bytecode compiles beside it
+    # (mypy's workers leave a core idle much of the time).
+    with in_thread(session, "compileall", lambda: compile_cpu_env(session)):
+        if touched:
+            mypy_overlaid(session, wheel, out, touched)
     session.log(f"lint: ok ({count(len(touched), 'overlaid vLLM file')} checked)")
 
 

@@ -65,6 +65,25 @@ def test_a_listed_requirement_at_the_wrong_version_is_not_expected() -> None:
     ).summary() == ("pip check: every requirement is met")
 
 
+def test_uv_is_handed_every_place_pip_finds_wheels_in_once() -> None:
+    """uv reads no pip configuration: the build hands it pip's find-links
+    (where the CPU torch lies), from every scope, in order, each once."""
+    config = (
+        ":env:.find-links='/opt/wheels'\n"
+        "global.cert='/etc/ssl/certs/ca-certificates.crt'\n"
+        "global.extra-index-url='file:///opt/pypi/simple'\n"
+        "global.find-links='/opt/wheels /srv/more-wheels'\n"
+        'user.find-links="/home/me/wheels"\n'
+        "global.no-find-links-here='/nowhere'\n"
+    )
+    assert cpuenv.pip_find_links(config) == [
+        "/opt/wheels",
+        "/srv/more-wheels",
+        "/home/me/wheels",
+    ]
+    assert cpuenv.pip_find_links("global.cert='/x'\n") == []
+
+
 def test_the_editable_install_is_current_so_no_session_reinstalls_it() -> None:
     """The session that started this run installed this checkout once and
     stamped it: the next session finds it current and skips pip."""
