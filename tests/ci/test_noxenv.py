@@ -102,3 +102,25 @@ def test_torch_goes_in_without_its_requirements_only_where_they_are_frozen(
     assert needed
     missing = {cpuenv.normalize(r.name) for r in needed} - frozen
     assert not missing
+
+
+def test_the_bytecode_is_compiled_once_per_build(
+    noxenv: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uv writes no bytecode: compileall runs on the environment once per
+    build (its stamp), again only after a rebuild."""
+    env = tmp_path / "cpu-vllm"
+    (env / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    monkeypatch.setattr(noxenv, "CPU_ENV", env)
+    monkeypatch.setattr(noxenv, "ROOT", tmp_path)
+    (env / noxenv.CPU_ENV_STAMP).write_text("build 1")
+    session = mock.MagicMock()
+    for _ in range(2):
+        noxenv.compile_cpu_env(session)
+    assert session.run.call_count == 1
+    args = session.run.call_args.args
+    assert args[1:4] == ("-m", "compileall", "-q")
+    assert args[-1] == str(env / "lib" / "python3.11" / "site-packages")
+    (env / noxenv.CPU_ENV_STAMP).write_text("build 2")
+    noxenv.compile_cpu_env(session)
+    assert session.run.call_count == 2
