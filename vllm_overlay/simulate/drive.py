@@ -15,6 +15,7 @@ check (``_run_write_case``; ``writes.py``).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -173,11 +174,18 @@ def hand_over_worker_metadata(leg: Leg) -> None:
     handshake metadata to the scheduler's connector. No worker connector is
     built here; what its ``get_handshake_metadata`` returns is its build's
     ``_worker_group_states`` on the workers' config (a build without it
-    returns none)."""
+    returns none), and on the leg's ``VllmConfig`` where the build reads the
+    ring layers of its static forward context (0056): this simulator builds
+    no layer, so those state no ring group size."""
     connector = leg.scheduler.connector
     build = module_of(connector).get("_worker_group_states")
     config = leg.worker_config or leg.kv_cache_config
-    metadata = None if build is None else build(config)
+    metadata = None
+    if build is not None:
+        takes_vllm_config = len(inspect.signature(build).parameters) > 1
+        metadata = (
+            build(config, leg.vllm_config) if takes_vllm_config else build(config)
+        )
     connector.set_xfer_handshake_metadata_pp_aware(
         {} if metadata is None else {(0, 0): metadata}
     )
