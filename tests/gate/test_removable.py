@@ -215,6 +215,7 @@ def test_every_core_patch_is_red_without_it_and_green_with_it(
         "0010 removable with core patch c001: yes",
         "0051 removable with core patch c003: yes",
         "0054 removable with core patch c007: yes",
+        "0057 removable with core patch c004: yes",
     ]
 
 
@@ -245,6 +246,7 @@ def test_proofs_run_side_by_side_and_keep_the_series_order(inputs: Inputs) -> No
         "0010 removable with core patch c001: yes",
         "0051 removable with core patch c003: yes",
         "0054 removable with core patch c007: yes",
+        "0057 removable with core patch c004: yes",
     ]
     assert len(seen) == 2 * (len(inputs.core.patches) + len(report.verdicts))
 
@@ -266,10 +268,10 @@ def test_the_command_prints_the_verdicts_and_sets_the_status(
             "0010 removable with core patch c001: " + ("yes" if not status else "no")
         )
         assert lines[-1].startswith(
-            "removable: ok, 6 of 6 workaround" if not status else "removable: FAILED"
+            "removable: ok, 7 of 7 workaround" if not status else "removable: FAILED"
         )
         report = load_removable(out)
-        assert [v.removable for v in report.verdicts] == [not status] * 6
+        assert [v.removable for v in report.verdicts] == [not status] * 7
         assert json.loads(out.read_text())["core_rows"][0]["with"] == "passed"
 
 
@@ -284,5 +286,5 @@ def test_an_unknown_workaround_is_one_line_and_runs_nothing(
     err = capsys.readouterr().err
     assert err == (
         "error: --patch 0009: not a patch whose Remove-When names a core patch "
-        "(those are: 0036, 0006, 0048, 0010, 0051, 0054)\n"
+        "(those are: 0036, 0006, 0048, 0010, 0051, 0054, 0057)\n"
     )

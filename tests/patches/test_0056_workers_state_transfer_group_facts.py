@@ -5,9 +5,10 @@ hold and the scheduler's groups do not (the least ``tokens_per_state`` of a
 group's layers, a ring's compression group size) in its handshake metadata
 (``get_handshake_metadata``), which vLLM's engine core hands to the
 scheduler-side connector at start (``set_xfer_handshake_metadata_pp_aware``).
-The scheduler skips by them as by the groups' own (0047, 0038). Which facts
-a worker can state is each statement's patch (0054, 0057); here the
-statements are made to state a fact, and the fact must reach the scheduler.
+The scheduler skips by them as by the groups' own: a group whose layers hold
+no state yet, a ring whose open group is empty. Here the statements are made
+to state a fact, whatever the worker's layers hold, and the fact must reach
+the scheduler.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
+from tests.patches.builders import connector_pair, run_transfer
 from tests.patches.test_0009_rings_and_wrapped_state import _configs
 from tests.patches.test_0047_skip_group_holding_no_state import COMPRESSED, RATIO
 from tests.patches.test_0054_workers_state_group_least_ratio import (
+    _hand_over,
     _read_pages,
     _worker_config,
     _worker_metadata,
@@ -30,7 +34,7 @@ from tests.patches.test_0054_workers_state_group_least_ratio import (
 from tests.patches.test_0057_workers_state_ring_group_size import (
     RING,
     _read_ring_pages,
-    _worker,
+    _ring_worker,
 )
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector"
@@ -103,11 +107,6 @@ def test_the_scheduler_takes_the_least_ratio_and_a_common_ring_size(
 def _read_pages_told(model_dir: Path, workers: list[Any], n: int) -> list[int]:
     """The compressed group's pages READ fills for N = n, the decoder's
     scheduler told ``workers``' metadata."""
-    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
-
-    from tests.patches.builders import connector_pair, run_transfer
-    from tests.patches.test_0054_workers_state_group_least_ratio import _hand_over
-
     configs = _configs(model_dir, 0)
     scheduler = generate_scheduler_kv_cache_config([_worker_config((RATIO,))])
     p_conn, d_conn = connector_pair(configs, scheduler)
@@ -122,7 +121,7 @@ def test_a_worker_stating_nothing_sends_no_metadata(
     _state(monkeypatch, raising=False)
     configs = _configs(llama_model_dir, 0)
     assert _worker_metadata(configs[1], _worker_config((RATIO,))) is None
-    assert _worker_metadata(configs[1], _worker(configs[1], [RING])) is None
+    assert _worker_metadata(configs[1], _ring_worker(configs[1], [RING])) is None
 
 
 def test_a_wrapped_connector_sends_no_metadata_whatever_it_states(

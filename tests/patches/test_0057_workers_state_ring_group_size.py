@@ -38,15 +38,13 @@ from tests.patches.builders import (
     prompt,
 )
 from tests.patches.test_0009_rings_and_wrapped_state import _configs
+from tests.patches.test_0047_skip_group_holding_no_state import ATTN, RATIO, STATE
 from tests.patches.test_0054_workers_state_group_least_ratio import (
     _hand_over,
     _worker_metadata,
 )
 
-RATIO = 16
-ATTN = "model.layers.3.self_attn.attn"
 RING = "model.layers.3.self_attn.raw_key_cache"
-STATE = "model.layers.0.linear_attn"
 
 
 def _qsa_ring(vllm_config: Any, name: str) -> Any:
@@ -74,7 +72,7 @@ def _deepseek_ring(vllm_config: Any, name: str) -> Any:
         return CompressorStateCache(state_dim=256, dtype=torch.float32, prefix=name)
 
 
-def _groups(
+def _ring_groups(
     vllm_config: Any, rings: list[str], build: Any = _qsa_ring
 ) -> list[tuple[list[str], KVCacheSpec]]:
     """A QSA model's groups, the ring layers registered in ``vllm_config``'s
@@ -88,10 +86,10 @@ def _groups(
     ]
 
 
-def _worker(
+def _ring_worker(
     vllm_config: Any, rings: list[str], build: Any = _qsa_ring
 ) -> KVCacheConfig:
-    return make_kv_cache_config(_groups(vllm_config, rings, build))
+    return make_kv_cache_config(_ring_groups(vllm_config, rings, build))
 
 
 def _tables(config: KVCacheConfig, request: Any) -> list[list[int]]:
@@ -120,7 +118,7 @@ def _read_ring_pages(
     ``tp`` workers (the last stating ``other`` ring sizes if given; none
     at ``tp=0``)."""
     configs = _configs(model_dir, 0)
-    worker = _worker(configs[1], list(rings), build)
+    worker = _ring_worker(configs[1], list(rings), build)
     metadata = _worker_metadata(configs[1], worker)
     workers = [metadata] * tp
     if other is not None and metadata is not None:
@@ -149,10 +147,10 @@ def _written_ring(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, build: Any = _qsa_ring
 ) -> Any:
     spec_config = _configs(model_dir, 0)[1]
-    groups = _groups(spec_config, [RING], build)
+    groups = _ring_groups(spec_config, [RING], build)
     pair = build_write_pair(model_dir, groups, B, monkeypatch)
     decode = pair.legs.decode
-    worker = _worker(decode.vllm_config, [RING], build)
+    worker = _ring_worker(decode.vllm_config, [RING], build)
     _hand_over(decode.connector, [_worker_metadata(decode.vllm_config, worker)])
 
     def ring_pairs(n: int) -> list[tuple[int, int]]:
@@ -216,19 +214,11 @@ def test_a_ring_layer_missing_from_the_forward_context_moves_as_before(
     stub_mori: None, llama_model_dir: Path
 ) -> None:
     configs = _configs(llama_model_dir, 0)
-    worker = _worker(configs[1], [RING])
+    worker = _ring_worker(configs[1], [RING])
     # A second ring layer of the group the worker holds no layer object of.
     ring_group = worker.kv_cache_groups[1]
     ring_group.layer_names.append("model.layers.7.self_attn.raw_key_cache")
     assert _worker_metadata(configs[1], worker) is None
-
-
-def test_workers_stating_different_sizes_skip_at_a_multiple_of_both(
-    stub_mori: None, llama_model_dir: Path
-) -> None:
-    other = (None, 2 * RATIO, None)
-    assert len(_read_ring_pages(llama_model_dir, RATIO + 1, tp=2, other=other)) == 1
-    assert _read_ring_pages(llama_model_dir, 2 * RATIO + 1, tp=2, other=other) == []
 
 
 def test_a_ring_some_worker_does_not_state_moves_as_before(
