@@ -174,9 +174,10 @@ def hand_over_worker_metadata(leg: Leg) -> None:
     handshake metadata to the scheduler's connector. No worker connector is
     built here; what its ``get_handshake_metadata`` returns is its build's
     ``_worker_group_states`` on the workers' config (a build without it
-    returns none), and on the leg's ``VllmConfig`` where the build reads the
-    ring layers of its static forward context (0056): this simulator builds
-    no layer, so those state no ring group size."""
+    returns none), and on the leg's ``VllmConfig`` where the build takes it:
+    its static forward context holds the ring layer objects the model
+    registers (``legs.build_ring_layers``), whose group size a worker may
+    state (0057)."""
     connector = leg.scheduler.connector
     build = module_of(connector).get("_worker_group_states")
     config = leg.worker_config or leg.kv_cache_config

@@ -21,7 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_overlay.simulate.layout_types import Layout, Ring, SpecDecode
+from vllm_overlay.simulate.layout_types import (
+    Layout,
+    QSARawKeyRing,
+    Ring,
+    SpecDecode,
+)
 
 Specs = dict[str, Any]
 Shapes = tuple[tuple[int, ...], ...]
@@ -501,21 +506,37 @@ def qwen35(num_spec: int = 0, eagle3: bool = False) -> Specs:
     return specs
 
 
+@dataclass(frozen=True)
+class _Qwen4ExpIndexerConfig:
+    """The model config fields Qwen4-exp's QSA indexer reads
+    (models/qwen4_exp/{amd,nvidia}/qsa_indexer.py: ``config.
+    indexer_compress_ratio``, ``config.indexer_head_dim``). No default
+    config ships; these are the simulated model's."""
+
+    indexer_compress_ratio: int = 16
+    indexer_head_dim: int = 128
+
+
+QWEN4_EXP_INDEXER = _Qwen4ExpIndexerConfig()
+
+
 def qwen4_exp(num_spec: int = 0) -> Specs:
     """Qwen4-exp (vllm/models/qwen4_exp): GDN layers (``get_mamba_specs_from_
     config``, nvidia/model.py) and QSA layers: GQA keys/values
     (``Qwen4ExpQSAAttention.get_kv_cache_spec``, nvidia/qsa.py), a ring of
-    the open compression group's keys (``QSAKeyStateCache.
-    get_kv_cache_spec``, common/qsa_cache.py: ``CircularBufferSpec``,
+    the open compression group's raw keys (``QSARawKeyCache.
+    get_kv_cache_spec``, common/qsa_indexer.py: ``CircularBufferSpec``,
     capacity round_up(ratio + num_spec, ratio)) and one compressed key per
     group (``QSACompressedKeyCache``: ``MLAAttentionSpec``,
     ``tokens_per_state = ratio``); the PLE layer's short-conv state is a
     second, replicated ``MambaSpec``. No default config ships: 40 layers,
-    every 4th QSA (compression ratio 16), PLE on layer 0."""
+    every 4th QSA (``QWEN4_EXP_INDEXER``: compression ratio 16), PLE on
+    layer 0."""
     from vllm.v1.kv_cache_interface import CircularBufferSpec
 
     torch = _torch()
-    ratio = 16
+    ratio = QWEN4_EXP_INDEXER.indexer_compress_ratio
+    index_head = QWEN4_EXP_INDEXER.indexer_head_dim
     k_heads, v_heads, head = 16, 32, 128
     conv_dim = (head * k_heads * 2 + head * v_heads) // _TP
     shapes = ((conv_dim, 4 - 1 + num_spec), (v_heads // _TP, head, head))
@@ -533,7 +554,7 @@ def qwen4_exp(num_spec: int = 0) -> Specs:
     key_ring = _one_head(
         CircularBufferSpec,
         capacity,
-        128,
+        index_head,
         torch.bfloat16,
         head_size_v=0,
         **ring_group(ratio),
@@ -543,7 +564,7 @@ def qwen4_exp(num_spec: int = 0) -> Specs:
     compressed = _one_head(
         MLAAttentionSpec,
         block,
-        128,
+        index_head,
         torch.bfloat16,
         tokens_per_state=ratio,
     )
@@ -924,7 +945,13 @@ def families() -> list[Family]:
         "Qwen4-exp (GDN + PLE + QSA ring)",
         qwen4_exp,
         0,
-        ring=Ring(group_tokens=16),
+        ring=Ring(
+            group_tokens=QWEN4_EXP_INDEXER.indexer_compress_ratio,
+            qsa_raw_key=QSARawKeyRing(
+                compress_ratio=QWEN4_EXP_INDEXER.indexer_compress_ratio,
+                head_size=QWEN4_EXP_INDEXER.indexer_head_dim,
+            ),
+        ),
         kv_cache_layouts=BOTH,
     )
     step = Family(

@@ -26,6 +26,21 @@ class SpecDecode:
 
 
 @dataclass(frozen=True)
+class QSARawKeyRing:
+    """A ring vLLM builds as Qwen4 exp's QSA raw-key ring layer
+    (``QSARawKeyCache``, models/qwen4_exp/common/qsa_indexer.py), which
+    states its compression group size (``compress_ratio``) on the layer
+    object. The simulated workers build the real layer for each ring layer
+    of the specs, as the model's QSA indexer does
+    (``legs.build_ring_layers``)."""
+
+    compress_ratio: int
+    """The model config's ``indexer_compress_ratio``."""
+    head_size: int
+    """The model config's ``indexer_head_dim``."""
+
+
+@dataclass(frozen=True)
 class Ring:
     """What a ``CircularBufferSpec`` group holds for the checker.
 
@@ -44,6 +59,10 @@ class Ring:
     """Bytes of one row in a head's part of the page; 0 means one row of the
     layer's ``[H, N, C]`` view (the model addresses rows of its own size
     when they differ, as Step5's tail ring does)."""
+    qsa_raw_key: QSARawKeyRing | None = None
+    """The ring's layers are Qwen4 exp's QSA raw-key ring layers; None: the
+    simulated workers build no layer object of the ring (vLLM's model code
+    keeps its group size private or nowhere)."""
 
 
 @dataclass(frozen=True)

@@ -292,6 +292,57 @@ def _allocation_bytes(kv_cache_config: Any) -> int:
     return max(device, default=0)
 
 
+class RingLayerError(RuntimeError):
+    """A ring layer object vLLM builds does not state the layout's spec."""
+
+
+def build_ring_layers(layout: Layout, vllm_config: Any, specs: dict[str, Any]) -> int:
+    """The ring layer objects a worker's model registers at load, where the
+    layout's ring is one vLLM builds as a layer stating its group size
+    (``Ring.qsa_raw_key``: Qwen4 exp's ``QSARawKeyCache``): one per ring
+    layer of ``specs``, built as the model's QSA indexer builds it
+    (models/qwen4_exp/{amd,nvidia}/qsa_indexer.py), each registering itself
+    in ``vllm_config``'s static forward context, where the worker's connector
+    may read it. Its own ``get_kv_cache_spec`` must be the layout's spec
+    (the drafter's marked as ``GPUModelRunner`` marks it), or
+    ``RingLayerError``. Returns how many it built."""
+    from dataclasses import replace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    qsa = layout.ring.qsa_raw_key if layout.ring is not None else None
+    if qsa is None:
+        return 0
+    import torch
+    from vllm.models.qwen4_exp.common.qsa_indexer import QSARawKeyCache
+
+    built = 0
+    for name, spec in specs.items():
+        if not isinstance(spec, CircularBufferSpec):
+            continue
+        with set_current_vllm_config(vllm_config):
+            layer = QSARawKeyCache(
+                head_size=qsa.head_size,
+                dtype=torch.bfloat16,
+                cache_rope_positions=vllm_config.model_config.uses_mrope,
+                prefix=name,
+                cache_config=vllm_config.cache_config,
+                compress_ratio=qsa.compress_ratio,
+                vllm_config=vllm_config,
+            )
+            own = layer.get_kv_cache_spec(vllm_config)
+        if spec.is_draft:
+            own = replace(own, is_draft=True)
+        if own != spec:
+            raise RingLayerError(
+                f"{layout.name}: {name}: vLLM's QSARawKeyCache states {own}, "
+                f"the layout {spec}"
+            )
+        built += 1
+    return built
+
+
 def build_leg(
     layout: Layout,
     role: str,
@@ -320,6 +371,8 @@ def build_leg(
 
     dcp = layout.dcp
     vllm_config, specs = leg_config(layout, role, port, max_model_len, options)
+    # The model loads before the KV caches are planned.
+    build_ring_layers(layout, vllm_config, specs)
     register_all_kvcache_specs(vllm_config)
     groups = get_global_kv_cache_groups(vllm_config, [specs])
     vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
