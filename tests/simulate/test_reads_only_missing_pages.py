@@ -85,3 +85,18 @@ def test_a_group_holding_no_state_moves_no_page(mode: str):
         result.min_pages,
         result.min_bytes,
     )
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_ring_whose_open_group_is_empty_moves_no_page(mode: str):
+    """The workers' model registers Qwen4 exp's QSA ring layers
+    (``QSARawKeyCache``, ``legs.build_ring_layers``), whose group size (16)
+    they state to the decoder's scheduler (0057): at N - 1 = 16 the ring's
+    open group is empty, and its page does not move."""
+    pair = Pair(expand(["qwen4-exp-mtp"])[0], max_model_len=4160, port=50900, mode=mode)
+    result = pair.run_case(17, 0.0)
+    assert result.error is None and not result.wrong
+    assert (result.pages_read, result.bytes_read) == (
+        result.min_pages,
+        result.min_bytes,
+    )
