@@ -101,12 +101,12 @@ def _checked(session: nox.Session, wheel: Path, sha256: str) -> Path:
 
 
 def pinned_wheel(session: nox.Session, python: str | Path | None = None) -> Path:
-    """The pinned vLLM wheel, downloaded once (through pip's cache) and
+    """The pinned vLLM wheel, downloaded once into `.nox-cache/wheels` and
     checked against the pin's sha256."""
     wheel = CACHE / "wheels" / PIN["vllm"]["wheel"]
     if not wheel.is_file():
         spec = f"vllm=={PIN['vllm']['version']}"
-        what = "the pinned base, once; pip's cache is reused"
+        what = "the pinned base, once per checkout"
         _download(session, str(python or sys.executable), wheel.parent, spec, what)
     return _checked(session, wheel, PIN["vllm"]["wheel_sha256"])
 
