@@ -131,6 +131,15 @@ def _find_links(session: nox.Session, python: Path) -> tuple[str, ...]:
     return tuple(f"--find-links={link}" for link in links if Path(link).is_dir())
 
 
+def _require_uv(session: nox.Session) -> None:
+    """Stop, before anything is written, when uv is not beside nox."""
+    if importlib.util.find_spec("uv") is None:
+        session.error(
+            "uv is not installed beside nox: "
+            "python3 -m pip install -r ci/requirements-nox.txt"
+        )
+
+
 def _uv(
     session: nox.Session,
     python: Path,
@@ -142,11 +151,7 @@ def _uv(
     bytecode (`compile_cpu_env` compiles it). The unmet requirements of the
     --no-deps installs are expected; pip check sorts them out once the
     environment is complete (_pip_check)."""
-    if importlib.util.find_spec("uv") is None:
-        session.error(
-            "uv is not installed beside nox: "
-            "python3 -m pip install -r ci/requirements-nox.txt"
-        )
+    _require_uv(session)
     cmd = (sys.executable, "-m", "uv", "pip", "install", "-q", "--python", str(python))
     cmd += (*links, *args)
     session.run(*cmd, external=True, silent=silent)
@@ -240,6 +245,7 @@ def cpu_python(session: nox.Session, compiled: bool = True) -> Path:
     if python.exists() and stamp.exists() and stamp.read_text() == key:
         session.log(f"reusing {location.relative_to(ROOT)}")
     else:
+        _require_uv(session)
         shutil.rmtree(location, ignore_errors=True)
         _build_cpu_env(session, location, python)
         stamp.write_text(key)

@@ -124,3 +124,31 @@ def test_the_bytecode_is_compiled_once_per_build(
     (env / noxenv.CPU_ENV_STAMP).write_text("build 2")
     noxenv.compile_cpu_env(session)
     assert session.run.call_count == 2
+
+
+def test_without_uv_the_build_stops_before_it_touches_the_environment(
+    noxenv: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An environment due for a rebuild is left as it is when uv is missing
+    beside nox: one line says how to install it."""
+    env = tmp_path / "cpu-vllm"
+    (env / "bin").mkdir(parents=True)
+    kept = env / "bin" / "python"
+    kept.write_text("an older build")
+    monkeypatch.setattr(noxenv, "CPU_ENV", env)
+    build = mock.Mock(side_effect=SystemExit)
+    monkeypatch.setattr(noxenv, "_build_cpu_env", build)
+    real = noxenv.importlib.util.find_spec
+    monkeypatch.setattr(
+        noxenv.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "uv" else real(name, *a),
+    )
+    session = mock.MagicMock()
+    session.error.side_effect = SystemExit
+    with pytest.raises(SystemExit):
+        noxenv.cpu_python(session)
+    assert kept.is_file() and kept.read_text() == "an older build"
+    build.assert_not_called()
+    message = session.error.call_args.args[0]
+    assert message.startswith("uv is not installed beside nox")
