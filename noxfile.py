@@ -57,10 +57,10 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def unit(session: nox.Session) -> None:
-    """Every test, on CPU, against vLLM with the series applied, one lane per core.
+    """Every test, on CPU, against vLLM with the series applied, a shard per core.
 
-    The files spread over the cores by their recorded seconds (as in
-    unit-base, without its evidence); `-- tests/AREA -k EXPR` narrows it. A
+    The files in shards by their recorded seconds, handed to the cores as
+    they free up (as in unit-base, without its evidence); `-- tests/AREA -k EXPR` narrows it. A
     test id (`FILE::TEST`) runs in one plain pytest process.
     """
     python = cpu_python(session)

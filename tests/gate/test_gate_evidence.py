@@ -20,7 +20,6 @@ from vllm_overlay.gate.cli import below_first
 from vllm_overlay.gate.evidence import Selection, Touches, select
 from vllm_overlay.gate.imports import imports_package
 from vllm_overlay.gate.revert_red import evidence_problems
-from vllm_overlay.gate.shards import pack
 from vllm_overlay.gate.stack import named_tests
 from vllm_overlay.series.patch_series import load_series
 
@@ -139,7 +138,7 @@ def test_imports_package_follows_module_level_imports_only(tmp_path: Path) -> No
 def test_each_module_is_parsed_once_for_every_test_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The lanes' plan asks for every test file's imports: the checkout's
+    """The shards' plan asks for every test file's imports: the checkout's
     modules they share are read once (it cost 17 CPU-seconds a plan)."""
     tests = tmp_path / "tests"
     tests.mkdir()
@@ -161,13 +160,6 @@ def test_each_module_is_parsed_once_for_every_test_file(
     assert sorted(parsed) == sorted(
         ["helper.py", "deep.py", *(f"test_{i}.py" for i in range(5))]
     ), parsed
-
-
-def test_pack_spreads_the_weight() -> None:
-    files = {Path(f"f{i}"): w for i, w in enumerate([8.0, 5.0, 4.0, 3.0])}
-    shards = pack(files, 2)
-    weights = sorted(sum(files[f] for f in s) for s in shards)
-    assert weights == [9.0, 11.0]
 
 
 def test_the_plugin_sees_reads_in_the_test_and_in_a_child(tmp_path: Path) -> None:

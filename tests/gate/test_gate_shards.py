@@ -1,12 +1,14 @@
-"""How `vllm-overlay suite` spreads the suite over processes: what pytest
-collects in a shard (conftest ignores honoured), the lanes balanced by
-recorded seconds, and the estimate for a file with no record."""
+"""How `vllm-overlay suite` spreads the suite over pytest runs: what pytest
+collects in a shard (conftest ignores honoured), the shards cut by recorded
+seconds and handed to the cores as they free up, and the estimate for a
+file with no record."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from math import ceil
 from pathlib import Path
 
 import msgspec
@@ -17,7 +19,7 @@ from vllm_overlay.cli import main
 from vllm_overlay.gate.pytestargs import names_a_test, split_paths
 from vllm_overlay.gate.shards import (
     FILE_TIMES,
-    PROCESS,
+    SHARDS_PER_CORE,
     START,
     FileTimes,
     ShardError,
@@ -65,11 +67,12 @@ def test_a_shard_collects_what_the_conftests_leave_in(
     files = listed(tmp_path, ["tests"])
     assert len(files) == 4
     weights = {f: 1.0 for f in files}
-    lanes = plan(tmp_path, files, 2, weights)
-    assert len(lanes) == 2
+    shards = plan(tmp_path, files, 2, weights)
+    assert len(shards) == 4
     outcomes, _ = run_shards(
-        tmp_path, tmp_path / "out", lanes, paths=["tests"], progress=lambda _: None
-    )
+        tmp_path, tmp_path / "out", shards, jobs=2, paths=["tests"],
+        progress=lambda _: None,
+    )  # fmt: skip
     assert outcomes == {
         "tests/area/test_kept.py::test_it": "passed",
         "tests/other/test_b.py::test_it": "passed",
@@ -88,12 +91,12 @@ def test_targets_are_directories_unless_a_file_was_named(tmp_path: Path) -> None
     ]
 
 
-def test_the_lanes_share_the_time_and_keep_the_loading_files_apart(
+def test_the_loading_files_never_share_a_shard_with_the_others(
     tmp_path: Path,
 ) -> None:
     """The files that load the MoRIIO package cost 120 s, the others 544 s
-    (the last gate's shape): two lanes of about 332 s each, never a
-    loading file in a process with another file."""
+    (a gate's shape): every file in one shard, no loading file beside
+    another file, the heaviest shards first."""
     loading = [
         _write(tmp_path / "tests" / "patches" / f"test_p{i}.py", f"import {PKG}\n")
         for i in range(4)
@@ -103,46 +106,87 @@ def test_the_lanes_share_the_time_and_keep_the_loading_files_apart(
         for i in range(16)
     ]
     weights = {f: 30.0 for f in loading} | {f: 34.0 for f in others}
-    lanes = plan(tmp_path, [*loading, *others], 2, weights)
-    totals = [sum(weights[f] for shard in lane for f in shard) for lane in lanes]
-    assert max(totals) - min(totals) <= 34.0, totals
-    for lane in lanes:
-        for shard in lane:
-            assert set(shard) <= set(loading) or not set(shard) & set(loading)
-    assert sorted(f for lane in lanes for s in lane for f in s) == sorted(weights)
-    # The loading files stay in one process when they fit a lane's share.
-    assert sum(bool(set(s) & set(loading)) for lane in lanes for s in lane) == 1
+    shards = plan(tmp_path, [*loading, *others], 2, weights)
+    for shard in shards:
+        assert set(shard) <= set(loading) or not set(shard) & set(loading)
+    assert sorted(f for s in shards for f in s) == sorted(weights)
+    totals = [sum(weights[f] for f in shard) for shard in shards]
+    assert totals == sorted(totals, reverse=True)
 
 
-def test_a_lane_with_a_loading_process_takes_a_process_start_less_of_files(
+def test_neighbouring_files_share_a_shard_of_the_share_per_core(
     tmp_path: Path,
 ) -> None:
-    """The loading files run in a pytest process of their own: their lane
-    starts one process more, so it gets ``PROCESS`` seconds less of files."""
-    loading = _write(tmp_path / "tests" / "patches" / "test_p.py", f"import {PKG}\n")
-    big = _write(tmp_path / "tests" / "sim" / "test_big.py", "import os\n")
-    small = [
-        _write(tmp_path / "tests" / "sim" / f"test_s{i:02}.py", "import os\n")
-        for i in range(20)
+    """Files in path order, cut where the next would pass the suite's
+    seconds over ``SHARDS_PER_CORE`` per core; a heavier file alone."""
+    files = [
+        _write(tmp_path / "tests" / d / f"test_{i:02}.py", "import os\n")
+        for d in ("a", "b")
+        for i in range(12)
     ]
-    weights = {loading: 40.0, big: 40.0} | {f: 1.0 for f in small}
-    lanes = plan(tmp_path, list(weights), 2, weights)
-    files = {
-        any(loading in shard for shard in lane): sum(
-            weights[f] for shard in lane for f in shard
-        )
-        for lane in lanes
-    }
-    assert files[False] - files[True] == PROCESS, lanes
+    heavy = _write(tmp_path / "tests" / "c" / "test_heavy.py", "import os\n")
+    weights = {f: 1.0 for f in files} | {heavy: 24.0}
+    jobs = 2
+    target = sum(weights.values()) / (jobs * SHARDS_PER_CORE)
+    shards = plan(tmp_path, [*files, heavy], jobs, weights)
+    assert shards[0] == [heavy]
+    for shard in shards[1:]:
+        assert sum(weights[f] for f in shard) <= target
+        first = files.index(shard[0])
+        assert shard == files[first : first + len(shard)]
+    assert len(shards) == 1 + ceil(len(files) / int(target))
+
+
+# A shard that waits for the shards after it: it passes only if they run
+# while it waits, on the core it does not hold.
+WAITS = """
+import time
+from pathlib import Path
+
+
+def test_it():
+    for _ in range(1200):
+        if all((Path(__file__).parent / f"{m}.done").exists() for m in "cd"):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the shards after this one did not run beside it")
+"""
+MARKS = """
+from pathlib import Path
+
+
+def test_it():
+    (Path(__file__).parent / "{mark}.done").write_text("")
+"""
+
+
+def test_the_next_shard_goes_to_the_core_that_frees_up(
+    tmp_path: Path, importable: None
+) -> None:
+    """Four shards of equal recorded seconds on two cores; the first takes
+    as long as the other three: they run one after the other on the other
+    core (shards fixed to cores up front would queue the third behind the
+    first, which waits for it)."""
+    tests = tmp_path / "tests"
+    _write(tests / "test_a.py", WAITS)
+    for mark in "bcd":
+        _write(tests / f"test_{mark}.py", MARKS.replace("{mark}", mark))
+    files = listed(tmp_path, ["tests"])
+    shards = plan(tmp_path, files, 2, {f: 1.0 for f in files})
+    assert [s[0].name for s in shards] == [f"test_{m}.py" for m in "abcd"]
+    outcomes, _ = run_shards(
+        tmp_path, tmp_path / "out", shards, jobs=2, progress=lambda _: None
+    )
+    assert set(outcomes.values()) == {"passed"} and len(outcomes) == 4
 
 
 def test_the_files_sharing_a_session_fixture_run_in_one_process(
     tmp_path: Path,
 ) -> None:
     """A conftest's ``SHARED_FIXTURES``: the files under it that request one
-    (a test's or a fixture's parameter) form one block, which the lanes'
-    balance would otherwise spread; a file elsewhere asking for the same
-    name, or none, is spread as before."""
+    (a test's or a fixture's parameter) form one shard, which the cut by
+    seconds would otherwise spread; a file elsewhere asking for the same
+    name, or none, is cut as before."""
     tests = tmp_path / "tests"
     _write(tests / "sim" / "conftest.py", 'SHARED_FIXTURES = ("zygote",)\n')
     uses = "def test_it(tmp_path, zygote):\n    pass\n"
@@ -158,13 +202,10 @@ def test_the_files_sharing_a_session_fixture_run_in_one_process(
     far = "def test_it(zygote):\n    pass\n"
     others.append(_write(tests / "far" / "test_far.py", far))
     weights = {f: 30.0 for f in [*sharing, *others]}
-    lanes = plan(tmp_path, list(weights), 2, weights)
-    shards = [set(shard) for lane in lanes for shard in lane]
-    assert any(set(sharing) <= shard for shard in shards), lanes
+    shards = [set(shard) for shard in plan(tmp_path, list(weights), 2, weights)]
+    assert set(sharing) in shards, shards
     assert sorted(f for s in shards for f in s) == sorted(weights)
-    # The other files balance the lanes around the block.
-    totals = [sum(weights[f] for shard in lane for f in shard) for lane in lanes]
-    assert totals == [120.0, 120.0]
+    assert all(not set(others) & s for s in shards if s == set(sharing))
 
 
 def test_a_file_without_a_record_is_weighed_by_the_recorded_rate(
@@ -204,12 +245,12 @@ def test_a_run_that_runs_nothing_fails(tmp_path: Path, importable: None) -> None
     _write(tests / "conftest.py", 'collect_ignore = ["test_a.py"]\n')
     _write(tests / "test_a.py", "def test_it():\n    pass\n")
     files = listed(tmp_path, ["tests"])
-    lanes = plan(tmp_path, files, 1, {f: 1.0 for f in files})
+    shards = plan(tmp_path, files, 1, {f: 1.0 for f in files})
     with pytest.raises(ShardError, match="no test ran in 1 shard"):
-        run_shards(tmp_path, tmp_path / "out", lanes, progress=lambda _: None)
+        run_shards(tmp_path, tmp_path / "out", shards, progress=lambda _: None)
 
 
-def test_unit_hands_the_paths_to_the_lanes_and_the_rest_to_pytest() -> None:
+def test_unit_hands_the_paths_to_the_shards_and_the_rest_to_pytest() -> None:
     args = ["tests/gate", "-k", "tests", "-x", "tests/image", "-p", "tests"]
     assert split_paths(REPO, args) == (
         ["tests/gate", "tests/image"],

@@ -136,10 +136,10 @@ def below_first(touches: Touches, series: Series) -> Touches:
 
 
 def cmd_suite(app: App, args: argparse.Namespace) -> int:
-    """Run the suite in parallel pytest processes: with the overlay, or the
+    """Run the suite in parallel pytest runs: with the overlay, or the
     selected tests on the base.
 
-    ``--variant overlay``: every test under PATHS, one process per job, each
+    ``--variant overlay``: every test under PATHS, in shards run JOBS at a time, each
     recording which tests read vLLM's installed MoRIIO package; writes
     OUT/outcomes.json, OUT/touches.json and OUT/selection.json (the tests
     that read it, and a small sample of those that do not). ``--variant
@@ -176,19 +176,18 @@ def cmd_suite(app: App, args: argparse.Namespace) -> int:
         known.update(load_file_seconds(record, ids) or {})
     weights = weigh(files, root, known)
     recorded = sum(f.relative_to(root).as_posix() in known for f in files)
-    lanes = plan(root, files, jobs, weights) if files else []
-    expected = ", ".join(
-        f"{sum(weights[f] for shard in lane for f in shard):.0f}" for lane in lanes
-    )
-    processes = count(sum(map(len, lanes)), "pytest process", "pytest processes")
+    shards = plan(root, files, jobs, weights) if files else []
+    expected = sum(weights.values()) / jobs
     app.say(
-        f"suite: {count(len(lanes), 'lane')} of {processes}, about {expected} s "
-        f"(recorded times of {recorded}/{count(len(files), 'file')})"
+        f"suite: {count(len(shards), 'shard')}, {jobs} at a time, forked from one "
+        f"process that loaded vLLM once; about {expected:.0f} s per core (recorded "
+        f"times of {recorded}/{count(len(files), 'file')})"
     )
     outcomes, touches = run_shards(
         root,
         out,
-        lanes,
+        shards,
+        jobs=jobs,
         paths=paths,
         pytest_args=shlex.split(args.pytest_args),
         touch=args.variant == "overlay" and args.evidence,

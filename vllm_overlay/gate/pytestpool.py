@@ -1,13 +1,16 @@
 """pytest runs in forked children of one process that imported their
-third-party modules once (`vllm-overlay removable`).
+third-party modules once (`vllm-overlay removable`, `vllm-overlay suite`).
 
-Each run loads vLLM's MoRIIO package and core modules from a tree of its own
-(`vllm_overlay.gate.level`), before vLLM imports them: the server
-(``python -m vllm_overlay.gate.pytestpool``) never imports vLLM. A probe
-child imports the vLLM modules the runs need and lists the other modules
-that brought in (torch, transformers, pydantic, ...); the server imports
-those, then forks one child per run, which runs pytest in-process and loads
-vLLM itself. ``PytestPool`` starts the server and hands it runs from any
+In `removable` each run loads vLLM's MoRIIO package and core modules from a
+tree of its own (`vllm_overlay.gate.level`), before vLLM imports them: the
+server (``python -m vllm_overlay.gate.pytestpool``) never imports vLLM. A
+probe child imports the vLLM modules the runs need and lists the other
+modules that brought in (torch, transformers, pydantic, ...); the server
+imports those, then forks one child per run, which runs pytest in-process
+and loads vLLM itself. The suite's runs read the installed vLLM
+(``installed``): the server imports vLLM too, all but its MoRIIO package,
+which each run loads (and the evidence of `vllm_overlay.gate.touch` sees
+loaded) itself. ``PytestPool`` starts the server and hands it runs from any
 thread, each run's output in a log file of its own.
 """
 
@@ -29,6 +32,7 @@ import msgspec
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.forkserver import child_pytest
+from vllm_overlay.series.pin import MODULE_PACKAGE
 
 # Never imported by the server: what the runs load from their own trees, and
 # what imports it.
@@ -40,6 +44,9 @@ POLL_S = 0.05
 class PoolStart(msgspec.Struct, forbid_unknown_fields=True):
     root: str  # the checkout: the runs' working directory
     preload: list[str]  # the vLLM modules the runs import (the probe's)
+    # The runs read the installed vLLM: the server loads it too, but for its
+    # MoRIIO package.
+    installed: bool = False
 
 
 class PoolJob(msgspec.Struct, forbid_unknown_fields=True):
@@ -62,17 +69,24 @@ class PoolError(OverlayError):
     """The server exited before a run ended."""
 
 
-def _third_party(name: str, module: object, root: Path) -> bool:
-    if name.split(".", 1)[0] in KEEP_OUT:
+def _moriio(name: str) -> bool:
+    return name == MODULE_PACKAGE or name.startswith(MODULE_PACKAGE + ".")
+
+
+def _third_party(name: str, module: object, root: Path, installed: bool) -> bool:
+    top = name.split(".", 1)[0]
+    if top in KEEP_OUT and not (installed and top == "vllm"):
         return False
     # The checkout's own modules, not the environments it may hold.
     where = Path(getattr(module, "__file__", None) or "/").resolve()
     return not where.is_relative_to(root) or "site-packages" in where.parts
 
 
-def probe(root: Path, names: Sequence[str]) -> list[str]:
-    """In a forked child: import ``names`` (torch and pytest first); the
-    modules outside vLLM and the checkout that brought in, in import order."""
+def probe(root: Path, names: Sequence[str], installed: bool = False) -> list[str]:
+    """In a forked child: import ``names`` (torch, if any, and pytest first); the
+    modules outside vLLM (``installed``: outside its MoRIIO package) and the
+    checkout that brought in, in import order. A name whose import loads the
+    MoRIIO package ends the list: what it brought in stays out."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -82,13 +96,17 @@ def probe(root: Path, names: Sequence[str]) -> list[str]:
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
             os.dup2(null, 2)
-            for name in ["torch", "pytest", *names]:
+            loaded = list(sys.modules.items())
+            # torch first where vLLM is wanted: vLLM expects it.
+            for name in [*(["torch"] if names else []), "pytest", *names]:
                 try:
                     importlib.import_module(name)
                 except Exception:  # noqa: BLE001  (only a head start)
                     continue
-            loaded = list(sys.modules.items())
-            found = [n for n, m in loaded if _third_party(n, m, root)]
+                if any(_moriio(m) for m in sys.modules):
+                    break
+                loaded = list(sys.modules.items())
+            found = [n for n, m in loaded if _third_party(n, m, root, installed)]
             with os.fdopen(write, "wb") as out:
                 out.write(msgspec.json.encode(found))
             code = 0
@@ -103,21 +121,23 @@ def probe(root: Path, names: Sequence[str]) -> list[str]:
     return msgspec.json.decode(data, type=list[str])
 
 
-def preload(root: Path, names: Sequence[str]) -> int:
-    """Import the third-party modules ``names`` bring in; the number
-    imported. A run must find vLLM unloaded."""
+def preload(root: Path, names: Sequence[str], installed: bool = False) -> int:
+    """Import the modules ``names`` bring in (`probe`); the number imported.
+    A run must find vLLM unloaded, or with ``installed`` its MoRIIO package."""
     done = 0
-    for name in probe(root, names):
+    for name in probe(root, names, installed):
         try:
             importlib.import_module(name)
             done += 1
         except Exception:  # noqa: BLE001  (only a head start)
             continue
-    loaded = [m for m in sys.modules if m.split(".", 1)[0] == "vllm"]
+    unloaded = _moriio if installed else (lambda m: m.split(".", 1)[0] == "vllm")
+    loaded = [m for m in sys.modules if unloaded(m)]
     if loaded:
+        where = "installed package" if installed else "trees"
         raise PoolError(
-            f"preloading the third-party modules imported {loaded[0]}; the runs "
-            "could not load vLLM from their trees"
+            f"preloading the modules the runs import loaded {loaded[0]}; the runs "
+            f"could not load it from their {where}"
         )
     return done
 
@@ -140,7 +160,7 @@ def serve() -> None:
     start = msgspec.json.decode(line, type=PoolStart)
     root = Path(start.root)
     started = time.monotonic()
-    modules = preload(root, start.preload)
+    modules = preload(root, start.preload, start.installed)
     # The preloaded objects out of the collector's sight: a run's full
     # collections no longer walk (and copy, page by page) torch and the rest.
     gc.freeze()
@@ -171,8 +191,10 @@ def serve() -> None:
 class PytestPool:
     """The server, started by the first run; ``run`` from any thread."""
 
-    def __init__(self, root: Path, preload: Sequence[str]) -> None:
-        self.root, self.preload = root, list(preload)
+    def __init__(
+        self, root: Path, preload: Sequence[str], *, installed: bool = False
+    ) -> None:
+        self.root, self.preload, self.installed = root, list(preload), installed
         self.proc: subprocess.Popen[bytes] | None = None
         self.lock = threading.Lock()
         self.waiting: dict[int, tuple[threading.Event, list[int]]] = {}
@@ -187,7 +209,8 @@ class PytestPool:
         self.proc = subprocess.Popen(
             cmd, cwd=self.root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
-        self._write(msgspec.json.encode(PoolStart(str(self.root), self.preload)))
+        start = PoolStart(str(self.root), self.preload, self.installed)
+        self._write(msgspec.json.encode(start))
         self.reader.start()
         return self.proc
 

@@ -1,30 +1,28 @@
-"""Run the suite (or the selected tests of it) in parallel pytest processes.
+"""Run the suite (or the selected tests of it) in parallel pytest runs.
 
-`nox -s unit-base` runs the suite with the overlay in shards: one lane per
-core, each a pytest process or two run one after the other, the files spread
-over the lanes by their recorded seconds (`plan`). Each shard writes its
-outcomes (`vllm_overlay.gate.outcomes`), its evidence of reading vLLM's
-installed MoRIIO package (`vllm_overlay.gate.touch`) and a JUnit XML with
-every test's duration; then the tests that evidence selects run on the
-pinned base, again in shards. Test files that import the MoRIIO package at
-collection (`vllm_overlay.gate.imports`) never share a process with the
-others: in a process where the package is loaded every test counts as touching it.
+`nox -s unit-base` runs the suite with the overlay in shards: pytest runs
+forked from one process that loaded vLLM once (all but its MoRIIO package,
+`vllm_overlay.gate.pytestpool`), one per core at a time, the heaviest
+first, the next one as a core frees up, so the cores end together whatever
+the recorded seconds missed (`plan`). Each shard writes its outcomes
+(`vllm_overlay.gate.outcomes`), its evidence of reading vLLM's installed
+MoRIIO package (`vllm_overlay.gate.touch`) and a JUnit XML with every
+test's duration; then the tests that evidence selects run on the pinned
+base, again in shards. Test files that import the MoRIIO package at
+collection (`vllm_overlay.gate.imports`) never share a run with the others:
+in a process where the package is loaded every test counts as touching it.
 The test files that use a session fixture a conftest names in
-``SHARED_FIXTURES`` (`shared_groups`) run in one process, which sets it up
+``SHARED_FIXTURES`` (`shared_groups`) run in one shard, which sets it up
 once.
 """
 
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from math import ceil
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -32,8 +30,9 @@ import msgspec
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.evidence import Touches, encode, load_touches, merge
-from vllm_overlay.gate.imports import imports_package
+from vllm_overlay.gate.imports import collection_imports, imports_package
 from vllm_overlay.gate.outcomes import Outcomes, load_outcomes
+from vllm_overlay.gate.pytestpool import PytestPool
 from vllm_overlay.gate.reports import TestOutcome
 from vllm_overlay.series.pin import MODULE_PACKAGE
 from vllm_overlay.text import count
@@ -67,12 +66,12 @@ class FileTimes(msgspec.Struct, forbid_unknown_fields=True):
     files: dict[str, float]
 
 
-# A test file's own cost beyond its tests' seconds (collection), and a pytest
-# process's own start (interpreter, plugins, conftests), in seconds: a gate
-# run's lanes took 10 to 15 s more than their files' recorded seconds, one
-# process or two, 54 files or 106.
+# A test file's own cost beyond its tests' seconds (collection), in seconds.
 START = 0.2
-PROCESS = 10.0
+# Shards per core: the suite's files in shards of about their seconds over
+# this many per core, so that the last shards, dispatched as cores free up,
+# are short enough for the cores to end together.
+SHARDS_PER_CORE = 6
 
 
 def test_files(root: Path, paths: Sequence[str]) -> list[Path]:
@@ -146,62 +145,43 @@ def weigh(
     }
 
 
-def pack(weights: dict[Path, float], bins: int) -> list[list[Path]]:
-    """Longest first into the lightest bin; each bin in path order."""
-    shards: list[tuple[float, list[Path]]] = [(0.0, []) for _ in range(max(bins, 1))]
-    for f in sorted(weights, key=lambda f: (-weights[f], f)):
-        i = min(range(len(shards)), key=lambda i: shards[i][0])
-        total, members = shards[i]
-        shards[i] = (total + weights[f], [*members, f])
-    return [sorted(m) for _, m in shards if m]
+def _neighbours(
+    files: Sequence[Path], weights: dict[Path, float], target: float
+) -> list[list[Path]]:
+    """``files`` in path order, cut into runs of about ``target`` seconds
+    (a heavier file alone): an area's files share a shard, and the modules
+    they import on first use load once."""
+    runs: list[list[Path]] = []
+    total = 0.0
+    for f in sorted(files):
+        if runs and runs[-1] and total + weights[f] <= target:
+            runs[-1].append(f)
+            total += weights[f]
+        else:
+            runs.append([f])
+            total = weights[f]
+    return runs
 
 
 def plan(
     root: Path, files: Sequence[Path], jobs: int, weights: dict[Path, float]
-) -> list[list[list[Path]]]:
-    """The lanes, one per core, each a list of pytest processes run one
-    after the other: the files importing the MoRIIO package at collection
-    never share a process with the others, but share the lanes' time.
-
-    The loading files form as few blocks as fit a lane's share of the
-    expected time, each weighing a process start more (``PROCESS``); each
-    group of files sharing a session fixture (`shared_groups`) is one
-    block; the blocks and every other file go longest first into the
-    lightest lane. A lane runs its loading files in
-    one process, then its other files in another."""
-    jobs = max(jobs, 1)
+) -> list[list[Path]]:
+    """The shards, heaviest first (the order they are handed to the cores):
+    the files importing the MoRIIO package at collection never share a
+    shard with the others; each group of files sharing a session fixture
+    (`shared_groups`) is one shard; the other files, in path order, form
+    shards of about the suite's seconds over ``SHARDS_PER_CORE`` per core."""
+    target = sum(weights[f] for f in files) / (max(jobs, 1) * SHARDS_PER_CORE)
     loading = [f for f in files if imports_package(f, root, MODULE_PACKAGE)]
-    share = sum(weights[f] for f in files) / jobs or 1.0
-    heavy = sum(weights[f] for f in loading)
-    blocks = pack({f: weights[f] for f in loading}, min(jobs, ceil(heavy / share)))
     rest = [f for f in files if f not in loading]
     groups = shared_groups(root, rest)
     grouped = {f for group in groups for f in group}
-    chosen = set(loading)
-
-    def weight(block: list[Path]) -> float:
-        # A block of loading files is a pytest process of its own.
-        extra = PROCESS if block and block[0] in chosen else 0.0
-        return sum(weights[f] for f in block) + extra
-
-    blocks += groups + [[f] for f in rest if f not in grouped]
-    lanes: list[tuple[float, list[Path]]] = [(0.0, []) for _ in range(jobs)]
-    for block in sorted(blocks, key=lambda b: (-weight(b), b)):
-        i = min(range(jobs), key=lambda i: lanes[i][0])
-        total, members = lanes[i]
-        lanes[i] = (total + weight(block), [*members, *block])
-    return [
-        [
-            part
-            for part in (
-                sorted(f for f in members if f in chosen),
-                sorted(f for f in members if f not in chosen),
-            )
-            if part
-        ]
-        for _, members in lanes
-        if members
+    shards = [
+        *_neighbours(loading, weights, target),
+        *groups,
+        *_neighbours([f for f in rest if f not in grouped], weights, target),
     ]
+    return sorted(shards, key=lambda s: (-sum(weights[f] for f in s), s))
 
 
 SHARED = "SHARED_FIXTURES"
@@ -299,83 +279,93 @@ def junit_times(path: Path, root: Path) -> dict[str, float]:
     return times
 
 
+def preload_names(root: Path, files: Sequence[Path]) -> list[str]:
+    """The vLLM modules ``files`` import at collection, but for the MoRIIO
+    package: what the shards' server loads once."""
+    names = {n for f in files for n in collection_imports(f, root)}
+    return sorted(
+        n
+        for n in names
+        if n.split(".", 1)[0] == "vllm"
+        and n != MODULE_PACKAGE
+        and not n.startswith(MODULE_PACKAGE + ".")
+    )
+
+
 def run_shards(
     root: Path,
     out: Path,
-    lanes: Sequence[Sequence[Sequence[Path]]],
+    shards: Sequence[Sequence[Path]],
     *,
+    jobs: int = 1,
     paths: Sequence[str] = ("tests",),
     pytest_args: Sequence[str] = (),
     touch: bool = False,
     only: Path | None = None,
     progress: Callable[[str], None] = print,
 ) -> tuple[dict[str, TestOutcome], Touches | None]:
-    """Run the lanes side by side, each one's pytest processes (shards) one
-    after the other; merge their outcomes (and touches) into ``out``. Each
-    shard is handed the ``paths`` holding its files (`targets`). A pytest
-    exit status other than 0 or 1 (tests failed) is an error."""
+    """Run the shards, ``jobs`` at a time in the order given, each forked
+    from one server (`PytestPool`) as a core frees up; merge their outcomes
+    (and touches) into ``out``. Each shard is handed the ``paths`` holding
+    its files (`targets`). A pytest exit status other than 0, 1 (tests
+    failed) or 5 (a conftest left every file out) is an error."""
     out.mkdir(parents=True, exist_ok=True)
-    numbered: list[list[tuple[int, list[str]]]] = []
-    i = 0
-    for lane in lanes:
-        numbered.append([])
-        for files in lane:
-            plugins = ["-p", "vllm_overlay.gate.within", "--shard-files",
-                       str(out / f"files-{i}.txt")]  # fmt: skip
-            (out / f"files-{i}.txt").write_text("".join(f"{f}\n" for f in files))
-            if only:
-                plugins += ["-p", "vllm_overlay.gate.only", "--only-ids", str(only)]
-            if touch:
-                plugins += ["-p", "vllm_overlay.gate.touch", "--touch-json",
-                            str(out / f"touches-{i}.json")]  # fmt: skip
-            cmd = [
-                sys.executable, "-m", "pytest", "--rootdir", str(root),
-                "-p", "vllm_overlay.gate.outcomes",
-                "--outcomes-json", str(out / f"outcomes-{i}.json"),
-                f"--junitxml={out / f'junit-{i}.xml'}", "-o", "junit_family=xunit1",
-                *plugins,
-                *pytest_args,
-                *targets(root, paths, files),
-            ]  # fmt: skip
-            numbered[-1].append((i, cmd))
-            where = f"lane {len(numbered) - 1}"
-            progress(
-                f"  shard {i} ({where}): {count(len(files), 'test file')}, "
-                f"log {out / f'shard-{i}.log'}"
-            )
-            i += 1
+    runs: list[tuple[int, list[str]]] = []
+    for i, files in enumerate(shards):
+        plugins = ["-p", "vllm_overlay.gate.within", "--shard-files",
+                   str(out / f"files-{i}.txt")]  # fmt: skip
+        (out / f"files-{i}.txt").write_text("".join(f"{f}\n" for f in files))
+        if only:
+            plugins += ["-p", "vllm_overlay.gate.only", "--only-ids", str(only)]
+        if touch:
+            plugins += ["-p", "vllm_overlay.gate.touch", "--touch-json",
+                        str(out / f"touches-{i}.json")]  # fmt: skip
+        args = [
+            "--rootdir", str(root),
+            "-p", "vllm_overlay.gate.outcomes",
+            "--outcomes-json", str(out / f"outcomes-{i}.json"),
+            f"--junitxml={out / f'junit-{i}.xml'}", "-o", "junit_family=xunit1",
+            *plugins,
+            *pytest_args,
+            *targets(root, paths, files),
+        ]  # fmt: skip
+        runs.append((i, args))
     started = time.monotonic()
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-
-    def run_lane(lane: list[tuple[int, list[str]]]) -> list[tuple[int, int]]:
-        codes = []
-        for k, cmd in lane:
-            with (out / f"shard-{k}.log").open("wb") as log:
-                proc = subprocess.run(cmd, cwd=root, env=env, stdout=log, stderr=log)
-            codes.append((k, proc.returncode))
-        return codes
-
-    with ThreadPoolExecutor(max_workers=max(len(numbered), 1)) as pool:
-        codes = sorted(c for cs in pool.map(run_lane, numbered) for c in cs)
     problems: list[str] = []
-    for k, code in codes:
-        text = (out / f"shard-{k}.log").read_text(errors="replace")
+    codes: dict[int, int] = {}
+    names = preload_names(root, [f for files in shards for f in files])
+
+    def run(pool: PytestPool, i: int, args: list[str]) -> None:
+        t0 = time.monotonic()
+        code = pool.run(args, out / f"shard-{i}.log")
+        codes[i] = code
+        text = (out / f"shard-{i}.log").read_text(errors="replace")
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
         for line in lines:
             if line.startswith(("FAILED ", "ERROR ")):
-                progress(f"  shard {k}: {line}")
+                progress(f"  shard {i}: {line}")
         summary = lines[-1].strip("= ") if lines else f"exit {code}"
         if code == NO_TESTS:
             summary += " (its files are all left out by a conftest or deselected)"
-        progress(f"  shard {k}: {summary}")
-        if code not in (0, 1, NO_TESTS) or not (out / f"outcomes-{k}.json").is_file():
+        files = count(len(shards[i]), "test file")
+        took = time.monotonic() - t0
+        progress(f"  shard {i + 1}/{len(runs)} ({files}, {took:.0f} s): {summary}")
+        if code not in (0, 1, NO_TESTS) or not (out / f"outcomes-{i}.json").is_file():
             tail = " | ".join(lines[-8:])
-            problems.append(f"shard {k}: pytest exited {code}: {tail}")
+            problems.append(f"shard {i}: pytest exited {code}: {tail}")
+
+    workers = max(1, min(jobs, len(runs)))
+    with (
+        PytestPool(root, names, installed=True) as pool,
+        ThreadPoolExecutor(max_workers=workers) as threads,
+    ):
+        for done in [threads.submit(run, pool, i, args) for i, args in runs]:
+            done.result()
     if problems:
-        raise ShardError("; ".join(problems))
+        raise ShardError("; ".join(sorted(problems)))
     outcomes: dict[str, TestOutcome] = {}
     times: dict[str, float] = {}
-    for k, _ in codes:
+    for k in sorted(codes):
         outcomes.update(load_outcomes(out / f"outcomes-{k}.json"))
         times.update(junit_times(out / f"junit-{k}.xml", root))
     if codes and not outcomes:
@@ -390,7 +380,7 @@ def run_shards(
     )
     touches = None
     if touch:
-        touches = merge([load_touches(out / f"touches-{k}.json") for k, _ in codes])
+        touches = merge([load_touches(out / f"touches-{k}.json") for k in codes])
         (out / TOUCHES).write_bytes(encode(touches))
     return outcomes, touches
 
