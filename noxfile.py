@@ -60,8 +60,9 @@ def unit(session: nox.Session) -> None:
     """Every test, on CPU, against vLLM with the series applied, a shard per core.
 
     The files in shards by their recorded seconds, handed to the cores as
-    they free up (as in unit-base, without its evidence); `-- tests/AREA -k EXPR` narrows it. A
-    test id (`FILE::TEST`) runs in one plain pytest process.
+    they free up (as in unit-base, without its evidence); `-- tests/AREA -k
+    EXPR` narrows it. A test id (`FILE::TEST`) runs in one plain pytest
+    process.
     """
     python = cpu_python(session)
     overlay(session, python, "apply")

@@ -8,7 +8,10 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from vllm_overlay.gate.pytestpool import PytestPool
+import pytest
+
+from vllm_overlay.gate.pytestpool import PoolError, PytestPool
+from vllm_overlay.series.pin import MODULE_PACKAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,3 +56,40 @@ def test_runs_find_the_head_start_without_vllm(tmp_path: Path) -> None:
     )
     assert "1 failed" in (tmp_path / "test_fails.log").read_text()
     assert pool.ready is not None and pool.ready.modules > 0
+
+
+INSTALLED_CHECKS = f"""
+import sys
+
+
+def test_vllm_is_loaded_and_its_moriio_package_is_not():
+    assert "vllm.envs" in sys.modules
+    assert not [m for m in sys.modules if m.startswith("{MODULE_PACKAGE}")]
+"""
+
+
+def test_the_suites_runs_find_vllm_loaded_but_not_its_moriio_package(
+    tmp_path: Path,
+) -> None:
+    """``installed``: the server imports the installed vLLM's modules the
+    runs name, all but the MoRIIO package each run loads itself."""
+    tests = tmp_path / "test_installed_checks.py"
+    tests.write_text(INSTALLED_CHECKS)
+    args = ["-p", "no:cacheprovider", "-q", str(tests)]
+    with PytestPool(ROOT, ["vllm.envs"], installed=True) as pool:
+        assert pool.run(args, tmp_path / "run.log") == 0, (
+            tmp_path / "run.log"
+        ).read_text()
+
+
+def test_a_name_that_loads_the_moriio_package_stops_the_server(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    name = f"{MODULE_PACKAGE}.moriio_common"
+    args = ["-p", "no:cacheprovider", "-q", str(tmp_path)]
+    with (
+        PytestPool(ROOT, ["vllm.envs", name], installed=True) as pool,
+        pytest.raises(PoolError, match="exited 1"),
+    ):
+        pool.run(args, tmp_path / "run.log")
+    assert f"importing {name} loaded vLLM's MoRIIO package" in capfd.readouterr().err

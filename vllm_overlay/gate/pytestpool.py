@@ -8,10 +8,11 @@ probe child imports the vLLM modules the runs need and lists the other
 modules that brought in (torch, transformers, pydantic, ...); the server
 imports those, then forks one child per run, which runs pytest in-process
 and loads vLLM itself. The suite's runs read the installed vLLM
-(``installed``): the server imports vLLM too, all but its MoRIIO package,
-which each run loads (and the evidence of `vllm_overlay.gate.touch` sees
-loaded) itself. ``PytestPool`` starts the server and hands it runs from any
-thread, each run's output in a log file of its own.
+(``installed``): the server imports the vLLM modules they need itself, all
+but its MoRIIO package, which each run loads (and the evidence of
+`vllm_overlay.gate.touch` sees loaded) itself. ``PytestPool`` starts the
+server and hands it runs from any thread, each run's output in a log file of
+its own.
 """
 
 from __future__ import annotations
@@ -73,20 +74,17 @@ def _moriio(name: str) -> bool:
     return name == MODULE_PACKAGE or name.startswith(MODULE_PACKAGE + ".")
 
 
-def _third_party(name: str, module: object, root: Path, installed: bool) -> bool:
-    top = name.split(".", 1)[0]
-    if top in KEEP_OUT and not (installed and top == "vllm"):
+def _third_party(name: str, module: object, root: Path) -> bool:
+    if name.split(".", 1)[0] in KEEP_OUT:
         return False
     # The checkout's own modules, not the environments it may hold.
     where = Path(getattr(module, "__file__", None) or "/").resolve()
     return not where.is_relative_to(root) or "site-packages" in where.parts
 
 
-def probe(root: Path, names: Sequence[str], installed: bool = False) -> list[str]:
-    """In a forked child: import ``names`` (torch, if any, and pytest first); the
-    modules outside vLLM (``installed``: outside its MoRIIO package) and the
-    checkout that brought in, in import order. A name whose import loads the
-    MoRIIO package ends the list: what it brought in stays out."""
+def probe(root: Path, names: Sequence[str]) -> list[str]:
+    """In a forked child: import ``names`` (torch and pytest first); the
+    modules outside vLLM and the checkout that brought in, in import order."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -96,17 +94,13 @@ def probe(root: Path, names: Sequence[str], installed: bool = False) -> list[str
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
             os.dup2(null, 2)
-            loaded = list(sys.modules.items())
-            # torch first where vLLM is wanted: vLLM expects it.
-            for name in [*(["torch"] if names else []), "pytest", *names]:
+            for name in ["torch", "pytest", *names]:
                 try:
                     importlib.import_module(name)
                 except Exception:  # noqa: BLE001  (only a head start)
                     continue
-                if any(_moriio(m) for m in sys.modules):
-                    break
-                loaded = list(sys.modules.items())
-            found = [n for n, m in loaded if _third_party(n, m, root, installed)]
+            loaded = list(sys.modules.items())
+            found = [n for n, m in loaded if _third_party(n, m, root)]
             with os.fdopen(write, "wb") as out:
                 out.write(msgspec.json.encode(found))
             code = 0
@@ -121,24 +115,42 @@ def probe(root: Path, names: Sequence[str], installed: bool = False) -> list[str
     return msgspec.json.decode(data, type=list[str])
 
 
-def preload(root: Path, names: Sequence[str], installed: bool = False) -> int:
-    """Import the modules ``names`` bring in (`probe`); the number imported.
-    A run must find vLLM unloaded, or with ``installed`` its MoRIIO package."""
+def preload(root: Path, names: Sequence[str]) -> int:
+    """Import the third-party modules ``names`` bring in; the number
+    imported. A run must find vLLM unloaded."""
     done = 0
-    for name in probe(root, names, installed):
+    for name in probe(root, names):
         try:
             importlib.import_module(name)
             done += 1
         except Exception:  # noqa: BLE001  (only a head start)
             continue
-    unloaded = _moriio if installed else (lambda m: m.split(".", 1)[0] == "vllm")
-    loaded = [m for m in sys.modules if unloaded(m)]
+    loaded = [m for m in sys.modules if m.split(".", 1)[0] == "vllm"]
     if loaded:
-        where = "installed package" if installed else "trees"
         raise PoolError(
-            f"preloading the modules the runs import loaded {loaded[0]}; the runs "
-            f"could not load it from their {where}"
+            f"preloading the third-party modules imported {loaded[0]}; the runs "
+            "could not load vLLM from their trees"
         )
+    return done
+
+
+def preload_installed(names: Sequence[str]) -> int:
+    """Import ``names`` of the installed vLLM (torch, if any, and pytest
+    first); the number imported. A run must find vLLM's MoRIIO package
+    unloaded: a name that loads it stops the server, naming it (leave it
+    out of ``names``)."""
+    done = 0
+    for name in [*(["torch"] if names else []), "pytest", *names]:
+        try:
+            importlib.import_module(name)
+            done += 1
+        except Exception:  # noqa: BLE001  (only a head start)
+            continue
+        if any(_moriio(m) for m in sys.modules):
+            raise PoolError(
+                f"importing {name} loaded vLLM's MoRIIO package, which each run "
+                "must load itself"
+            )
     return done
 
 
@@ -160,7 +172,10 @@ def serve() -> None:
     start = msgspec.json.decode(line, type=PoolStart)
     root = Path(start.root)
     started = time.monotonic()
-    modules = preload(root, start.preload, start.installed)
+    if start.installed:
+        modules = preload_installed(start.preload)
+    else:
+        modules = preload(root, start.preload)
     # The preloaded objects out of the collector's sight: a run's full
     # collections no longer walk (and copy, page by page) torch and the rest.
     gc.freeze()
