@@ -57,7 +57,7 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def unit(session: nox.Session) -> None:
-    """Every test, on CPU, against vLLM with the series applied, a shard per core.
+    """Every test, on CPU, against vLLM with the series applied, in shards.
 
     The files in shards by their recorded seconds, handed to the cores as
     they free up (as in unit-base, without its evidence); `-- tests/AREA -k

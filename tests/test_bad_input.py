@@ -450,3 +450,18 @@ def test_replace_file_replaces_a_symlink_and_leaves_its_target(tmp_path: Path) -
     assert target.read_text() == "keep"
     assert not link.is_symlink() and link.read_bytes() == b"{}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["precious", "report.json"]
+
+
+@pytest.mark.parametrize("command", ["suite", "levels", "removable"])
+@pytest.mark.parametrize("jobs", ["-1", "two"])
+def test_jobs_is_a_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, jobs: str
+) -> None:
+    """`--jobs` takes 1 or more (0: one per core); anything else is one
+    line, and nothing is run or written."""
+    out = tmp_path / "out"
+    err = _one_error(
+        capsys, [command, "--out", str(out), "--jobs", jobs], json_too=False
+    )
+    assert f"--jobs: '{jobs}': how many at a time, 1 or more" in err
+    assert not out.exists()

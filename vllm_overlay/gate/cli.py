@@ -148,7 +148,9 @@ def cmd_suite(app: App, args: argparse.Namespace) -> int:
     """
     root = app.checkout.root
     out: Path = args.out
-    jobs = args.jobs or os.cpu_count() or 1
+    # One shard more than the cores: a shard waiting on a child process or a
+    # deadline leaves its core to the extra one.
+    jobs = args.jobs or (os.cpu_count() or 1) + 1
     only = None
     ids: set[str] | None = None
     if args.variant == "base":
@@ -476,6 +478,19 @@ def cmd_removable(app: App, args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def jobs_count(text: str) -> int:
+    """``--jobs``: how many at a time, 0 for one per core."""
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = -1
+    if jobs < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: how many at a time, 1 or more (0: one per core)"
+        )
+    return jobs
+
+
 def register(sub: Subparsers) -> None:
     ga = add_command(sub, "gate", cmd_gate)
     ga.add_argument("--plan", action="store_true", help="print the steps; run nothing")
@@ -508,7 +523,9 @@ def register(sub: Subparsers) -> None:
     su.add_argument("--out", type=Path, required=True, metavar="DIR")
     su.add_argument("--variant", choices=("overlay", "base"), default="overlay")
     su.add_argument("--selection", type=Path, metavar="JSON", help="base: the tests")
-    su.add_argument("--jobs", type=int, default=0, help="processes (default: cores)")
+    su.add_argument(
+        "--jobs", type=jobs_count, default=0, help="shards at a time (cores + 1)"
+    )
     su.add_argument(
         "--times",
         type=Path,
@@ -536,7 +553,9 @@ def register(sub: Subparsers) -> None:
         metavar="ARGS",
         help="more pytest arguments for every level",
     )
-    lv.add_argument("--jobs", type=int, default=0, help="levels at a time (cores)")
+    lv.add_argument(
+        "--jobs", type=jobs_count, default=0, help="levels at a time (cores)"
+    )
     add_base_options(lv, "the pinned base files")
     rm = add_command(sub, "removable", cmd_removable)
     rm.add_argument(
@@ -554,7 +573,9 @@ def register(sub: Subparsers) -> None:
     rm.add_argument(
         "--pytest-args", default="", metavar="ARGS", help="more pytest arguments"
     )
-    rm.add_argument("--jobs", type=int, default=0, help="proofs at a time (cores)")
+    rm.add_argument(
+        "--jobs", type=jobs_count, default=0, help="proofs at a time (cores)"
+    )
     add_base_options(rm, "the pinned base files")
     rr = add_command(sub, "revert-red", cmd_revert_red)
     rr.add_argument("--base-outcomes", type=Path, required=True, metavar="JSON")

@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -950,7 +951,10 @@ def export(ctx: Context, names: Sequence[str], out: Path) -> list[Path]:
             f"not in the series: {', '.join(sorted(unknown))} (the series: "
             f"{', '.join(p.slug for p in (*ctx.series.patches, *core))})"
         )
-    bundles = [build_bundle(ctx, p) for p in chosen]
+    # A bundle's checks wait on git, ruff and pytest much of the time: one
+    # bundle per core at a time; the first failure in series order is raised.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        bundles = list(pool.map(lambda p: build_bundle(ctx, p), chosen))
     if len(chosen) == len(ctx.series.patches):
         _check_stack(ctx, bundles)
     bundles += [build_core_bundle(ctx, p) for p in chosen_core]

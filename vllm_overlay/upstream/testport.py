@@ -339,7 +339,10 @@ def our_names(text: str, modules: set[str]) -> list[tuple[int, str]]:
     found = []
     for n, line in enumerate(text.splitlines(), 1):
         for word in words:
-            if re.search(rf"(?<![\w/.]){re.escape(word)}(?![\w])", line):
+            # The substring test first: most lines hold none of the words.
+            if word in line and re.search(
+                rf"(?<![\w/.]){re.escape(word)}(?![\w])", line
+            ):
                 found.append((n, word))
         found.extend((n, m.group()) for m in _PATCH_NUMBER.finditer(line))
     return found
