@@ -9,7 +9,7 @@ import textwrap
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from types import CodeType
+from types import CodeType, ModuleType
 from typing import Any
 
 import pytest
@@ -105,3 +105,27 @@ def test_every_function_of_the_installed_package_keeps_its_lines() -> None:
             function = code.co_flags & inspect.CO_OPTIMIZED
             if function and "<" not in code.co_qualname:
                 assert runmark.MARK in code.co_names, (path.name, code.co_qualname)
+
+
+def test_a_module_keeps_its_class_and_notes_lookups_while_armed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A marked module is a `WatchedModule` for good: a lookup is noted
+    while a listener is armed (the note disarms it) and not after; arming
+    again notes again, the module's class never swapped."""
+    marks = runmark.Marks("pkg")
+    monkeypatch.setattr(runmark, "MARKS", [marks])
+    module = ModuleType("pkg.mod")
+    module.x = 1  # type: ignore[attr-defined]
+    marks.add(module)
+    seen: list[tuple[str, str]] = []
+    arm = marks.listen(lambda event, what: bool(seen.append((event, what))))
+    assert type(module) is runmark.WatchedModule
+    assert module.x == 1  # type: ignore[attr-defined]
+    assert module.x == 1  # type: ignore[attr-defined]
+    assert seen == [(runmark.USED, "pkg.mod.x")]
+    assert type(module) is runmark.WatchedModule
+    arm()
+    assert module.x == 1  # type: ignore[attr-defined]
+    assert seen == [(runmark.USED, "pkg.mod.x")] * 2
+    assert type(module) is runmark.WatchedModule

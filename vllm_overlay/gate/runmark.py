@@ -14,14 +14,16 @@ coroutine, and at the start of what a resumed one runs on a throw (an
     if __vllm_overlay_mark__.armed: __vllm_overlay_mark__.ran()
 
 placed on the line of the statement it precedes, so tracebacks, ``inspect``
-and coverage read the module as written. While a listener is armed (a new
-scope: test, fixture, collector, process), the package's modules are also of
-a `ModuleType` subclass that notes every attribute lookup made on them
+and coverage read the module as written. The package's modules are also of
+a `ModuleType` subclass that notes, while a listener is armed (a new scope:
+test, fixture, collector, process), every attribute lookup made on them
 (``from ... import NAME``, ``module.NAME``, an import of a loaded module); the
-first note disarms the listener and the modules go back to plain modules, so
-a scope costs one note, and code that runs unobserved costs one attribute
-load and test per call. The compiled code is cached by source, path, Python
-and this file's text in ``cache`` (optional).
+first note disarms the listener, so a scope costs one note, and code that
+runs unobserved costs one attribute load and test per call. A module keeps
+that class: swapping a module's ``__class__`` at each scope while threads a
+test left behind run the package's code is not safe in CPython 3.11 (a
+segmentation fault in the swap). The compiled code is cached by source,
+path, Python and this file's text in ``cache`` (optional).
 
 Not marked: code generated at run time (a dataclass's ``__init__``), lambdas.
 A test reaches those only through a value it looked up or got from the
@@ -67,14 +69,13 @@ class Marks:
     """The object every marked function tests; `arm` a listener for a new
     scope, `ran` and `used` tell the armed ones."""
 
-    __slots__ = ("armed", "notes", "live", "modules", "package")
+    __slots__ = ("armed", "notes", "live", "package")
 
     def __init__(self, package: str) -> None:
         self.armed = False
         self.package = package
         self.notes: list[Note] = []
         self.live: list[int] = []  # per listener: 0 disarmed, else its scope's count
-        self.modules: list[ModuleType] = []  # the marked modules loaded
 
     def listen(self, note: Note) -> Callable[[], None]:
         """Add a listener, armed; returns the function that arms it again."""
@@ -85,10 +86,8 @@ class Marks:
         def arm() -> None:
             self.live[index] = self.live[index] % (1 << 30) + 1
             self.armed = True
-            self._watch(True)
 
         self.armed = True
-        self._watch(True)
         return arm
 
     def ran(self) -> None:
@@ -106,23 +105,15 @@ class Marks:
                 self.live[index] = 0
         if not any(self.live):
             self.armed = False
-            self._watch(False)
-
-    def _watch(self, on: bool) -> None:
-        kind = WatchedModule if on else ModuleType
-        for module in self.modules:
-            if type(module) in (ModuleType, WatchedModule):
-                module.__class__ = kind
 
     def add(self, module: ModuleType) -> None:
-        self.modules.append(module)
-        if self.armed:
+        if type(module) is ModuleType:
             module.__class__ = WatchedModule
 
 
 class WatchedModule(ModuleType):
-    """A module of the package while a listener is armed: its attribute
-    lookups are noted (its own code reads its globals directly, unseen)."""
+    """A module of the package: its attribute lookups are noted while a
+    listener is armed (its own code reads its globals directly, unseen)."""
 
     def __getattribute__(self, name: str) -> Any:
         marks = MARKS[0]
