@@ -33,7 +33,7 @@ import msgspec
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.forkserver import child_pytest
-from vllm_overlay.series.pin import MODULE_PACKAGE
+from vllm_overlay.gate.stack import inside_moriio
 
 # Never imported by the server: what the runs load from their own trees, and
 # what imports it.
@@ -68,10 +68,6 @@ class PoolDone(msgspec.Struct, tag=True, forbid_unknown_fields=True):
 
 class PoolError(OverlayError):
     """The server exited before a run ended."""
-
-
-def _moriio(name: str) -> bool:
-    return name == MODULE_PACKAGE or name.startswith(MODULE_PACKAGE + ".")
 
 
 def _third_party(name: str, module: object, root: Path) -> bool:
@@ -146,7 +142,7 @@ def preload_installed(names: Sequence[str]) -> int:
             done += 1
         except Exception:  # noqa: BLE001  (only a head start)
             continue
-        if any(_moriio(m) for m in sys.modules):
+        if any(inside_moriio(m) for m in sys.modules):
             raise PoolError(
                 f"importing {name} loaded vLLM's MoRIIO package, which each run "
                 "must load itself"

@@ -2,13 +2,13 @@
 
 `nox -s unit-base` runs the suite with the overlay in shards: pytest runs
 forked from one process that loaded vLLM once (all but its MoRIIO package,
-`vllm_overlay.gate.pytestpool`), one per core at a time, the heaviest
-first, the next one as a core frees up, so the cores end together whatever
-the recorded seconds missed (`plan`). Each shard writes its outcomes
-(`vllm_overlay.gate.outcomes`), its evidence of reading vLLM's installed
-MoRIIO package (`vllm_overlay.gate.touch`) and a JUnit XML with every
-test's duration; then the tests that evidence selects run on the pinned
-base, again in shards. Test files that import the MoRIIO package at
+`vllm_overlay.gate.pytestpool`), a few at a time (`vllm-overlay suite`: one
+more than the cores), the heaviest first, the next one as one ends, so the
+cores end together whatever the recorded seconds missed (`plan`). Each
+shard writes its outcomes (`vllm_overlay.gate.outcomes`), its evidence of
+reading vLLM's installed MoRIIO package (`vllm_overlay.gate.touch`) and a
+JUnit XML with every test's duration; then the tests that evidence selects
+run on the pinned base, again in shards. Test files that import the MoRIIO package at
 collection (`vllm_overlay.gate.imports`) never share a run with the others:
 in a process where the package is loaded every test counts as touching it.
 The test files that use a session fixture a conftest names in
@@ -34,6 +34,7 @@ from vllm_overlay.gate.imports import collection_imports, imports_package
 from vllm_overlay.gate.outcomes import Outcomes, load_outcomes
 from vllm_overlay.gate.pytestpool import PytestPool
 from vllm_overlay.gate.reports import TestOutcome
+from vllm_overlay.gate.stack import inside_moriio
 from vllm_overlay.series.pin import MODULE_PACKAGE
 from vllm_overlay.text import count
 
@@ -283,13 +284,8 @@ def preload_names(root: Path, files: Sequence[Path]) -> list[str]:
     """The vLLM modules ``files`` import at collection, but for the MoRIIO
     package: what the shards' server loads once."""
     names = {n for f in files for n in collection_imports(f, root)}
-    return sorted(
-        n
-        for n in names
-        if n.split(".", 1)[0] == "vllm"
-        and n != MODULE_PACKAGE
-        and not n.startswith(MODULE_PACKAGE + ".")
-    )
+    vllm = [n for n in names if n.split(".")[0] == "vllm"]
+    return sorted(n for n in vllm if not inside_moriio(n))
 
 
 def run_shards(
