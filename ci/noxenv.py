@@ -123,7 +123,8 @@ def old_wheel(session: nox.Session) -> Path:
 
 def _find_links(session: nox.Session, python: Path) -> tuple[str, ...]:
     """``--find-links`` for each local wheel directory pip's configuration
-    names (the CPU torch's): uv reads no pip configuration."""
+    names (the CPU torch's), as ``python``'s pip reads it: uv reads no pip
+    configuration."""
     out = session.run(
         str(python), "-m", "pip", "config", "list", silent=True, external=True
     )
@@ -191,9 +192,11 @@ def _build_cpu_env(session: nox.Session, location: Path, python: Path) -> None:
         f"({REQUIREMENTS[0].relative_to(ROOT)}) and the test tools "
         f"({REQUIREMENTS[1].relative_to(ROOT)})"
     )
-    session.run(sys.executable, "-m", "venv", str(location), external=True)
-    links = _find_links(session, python)
-    _uv(session, python, "--upgrade", "pip")
+    # No ensurepip: uv installs pip (pip check, the tests') in one step.
+    venv = (sys.executable, "-m", "venv", "--without-pip", str(location))
+    session.run(*venv, external=True)
+    links = _find_links(session, Path(sys.executable))
+    _uv(session, python, "pip")
     pinned = pinned_wheel(session, python)
     # Two uv processes side by side: the frozen requirements in one, torch
     # and vllm in the other. Both --no-deps, so neither resolves (and
