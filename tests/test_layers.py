@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "vllm_overlay.mypybase",
         "vllm_overlay.mypybasecache",
         "vllm_overlay.cpuplatform",
+        "vllm_overlay.warm",
     ),
     ("vllm_overlay.series",),
     ("vllm_overlay.checkout",),

@@ -28,6 +28,7 @@ from vllm_overlay.gate.shards import (
     plan,
     run_shards,
     targets,
+    warm_summary,
     weigh,
 )
 from vllm_overlay.gate.shards import test_files as listed
@@ -282,3 +283,18 @@ def test_the_unit_run_fails_on_a_failed_test_and_lists_the_slowest(
     assert said.rstrip().endswith("suite (overlay): 2 tests, 1 failed")
     assert not (tmp_path / "out" / "touches.json").exists()
     assert main([*argv, "--no-evidence"]) == 0
+
+
+def test_the_warm_children_are_one_line_with_why_the_others_started_cold() -> None:
+    log = (
+        "warm\tvllm_overlay.simulate.worker\nwarm\t-c\n"
+        "cold\tenvironment differs in VLLM_OVERLAY_SIMULATE_CORE_DIR\n"
+        "cold\targuments other than [-P] -m/-c: -u -c\n"
+        "cold\tenvironment differs in VLLM_OVERLAY_SIMULATE_CORE_DIR\n"
+    )
+    assert warm_summary(log) == (
+        "suite: 2 Python children forked warm, 3 started cold: environment "
+        "differs in VLLM_OVERLAY_SIMULATE_CORE_DIR (2); arguments other than "
+        "[-P] -m/-c: -u -c (1)"
+    )
+    assert warm_summary("warm\t-c\n") == "suite: 1 Python child forked warm"

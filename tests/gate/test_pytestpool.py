@@ -93,3 +93,30 @@ def test_a_name_that_loads_the_moriio_package_stops_the_server(
     ):
         pool.run(args, tmp_path / "run.log")
     assert f"importing {name} loaded vLLM's MoRIIO package" in capfd.readouterr().err
+
+
+WARM_CHECKS = """
+import subprocess, sys
+from vllm_overlay.warm import python_command
+
+
+def test_a_python_child_starts_with_vllm_loaded():
+    code = "import sys; print('vllm.envs' in sys.modules)"
+    cmd = [*python_command(), "-c", code]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.stdout == "True\\n", done.stderr
+"""
+
+
+def test_the_suites_runs_start_their_python_children_warm(tmp_path: Path) -> None:
+    """A run's child started through `vllm_overlay.warm` is forked from the
+    server's loaded vLLM (a fresh Python would not have it loaded), and the
+    log says so; the server's socket directory goes with the server."""
+    tests = tmp_path / "test_warm_checks.py"
+    tests.write_text(WARM_CHECKS)
+    log = tmp_path / "warm.log"
+    args = ["-p", "no:cacheprovider", "-q", str(tests)]
+    with PytestPool(ROOT, ["vllm.envs"], installed=True, warm_log=log) as pool:
+        code = pool.run(args, tmp_path / "run.log")
+    assert code == 0, (tmp_path / "run.log").read_text()
+    assert log.read_text() == "warm\t-c\n"

@@ -21,8 +21,11 @@ import gc
 import importlib
 import os
 import select
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -32,12 +35,19 @@ from types import TracebackType
 import msgspec
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.gate import warmserver
 from vllm_overlay.gate.forkserver import child_pytest
 from vllm_overlay.gate.stack import inside_moriio
+from vllm_overlay.warm import WARM_ENV
 
 # Never imported by the server: what the runs load from their own trees, and
 # what imports it.
 KEEP_OUT = ("vllm", "vllm_overlay", "tests", "conftest", "__main__", "__mp_main__")
+# The runs' environment: one thread per process (the runs and their children
+# share the cores), as the simulator's children have (simulate/procs.py), and
+# offline from the Hugging Face Hub, as tests/e2e/conftest.py has it: a child
+# started warm (vllm_overlay.warm) then loaded what a fresh one would.
+RUN_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 # Seconds between looks for a finished run while the server waits for input.
 POLL_S = 0.05
 
@@ -48,6 +58,9 @@ class PoolStart(msgspec.Struct, forbid_unknown_fields=True):
     # The runs read the installed vLLM: the server loads it too, but for its
     # MoRIIO package.
     installed: bool = False
+    # Installed only: the runs' Python children may start warm, forked from
+    # the loaded state (vllm_overlay.warm); one line per child in this log.
+    warm_log: str = ""
 
 
 class PoolJob(msgspec.Struct, forbid_unknown_fields=True):
@@ -175,7 +188,29 @@ def serve() -> None:
     # The preloaded objects out of the collector's sight: a run's full
     # collections no longer walk (and copy, page by page) torch and the rest.
     gc.freeze()
+    warm: tuple[int, str] | None = None
+    if start.installed and start.warm_log:
+        where = Path(tempfile.mkdtemp(prefix="vllm-overlay-warm-"))
+        warm = warmserver.start(where, start.warm_log)
+        os.environ[WARM_ENV] = warm[1]
     _send(PoolReady(modules, time.monotonic() - started))
+    try:
+        _serve_runs(root, pending)
+    finally:
+        if warm is not None:
+            _stop(*warm)
+
+
+def _stop(pid: int, path: str) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    shutil.rmtree(Path(path).parent, ignore_errors=True)
+
+
+def _serve_runs(root: Path, pending: bytes) -> None:
     running: dict[int, int] = {}  # pid -> run id
     ended = False
     while not ended or running:
@@ -203,9 +238,15 @@ class PytestPool:
     """The server, started by the first run; ``run`` from any thread."""
 
     def __init__(
-        self, root: Path, preload: Sequence[str], *, installed: bool = False
+        self,
+        root: Path,
+        preload: Sequence[str],
+        *,
+        installed: bool = False,
+        warm_log: Path | None = None,
     ) -> None:
         self.root, self.preload, self.installed = root, list(preload), installed
+        self.warm_log = "" if warm_log is None else str(warm_log)
         self.proc: subprocess.Popen[bytes] | None = None
         self.lock = threading.Lock()
         self.waiting: dict[int, tuple[threading.Event, list[int]]] = {}
@@ -215,12 +256,12 @@ class PytestPool:
         self.reader = threading.Thread(target=self._read, daemon=True)
 
     def _start(self) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {**os.environ, **RUN_ENV, "PYTHONDONTWRITEBYTECODE": "1"}
         cmd = [sys.executable, "-m", "vllm_overlay.gate.pytestpool"]
         self.proc = subprocess.Popen(
             cmd, cwd=self.root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
-        start = PoolStart(str(self.root), self.preload, self.installed)
+        start = PoolStart(str(self.root), self.preload, self.installed, self.warm_log)
         self._write(msgspec.json.encode(start))
         self.reader.start()
         return self.proc

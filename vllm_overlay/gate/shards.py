@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
@@ -42,6 +43,8 @@ OUTCOMES = "outcomes.json"
 TOUCHES = "touches.json"
 TIMES = "times.json"
 FILE_TIMES = "file-times.json"
+# The warm Python children of the runs, a line each (vllm_overlay.gate.warmserver).
+WARM_LOG = "warm.log"
 # pytest's exit status when it collected nothing: a shard whose files a
 # conftest leaves out; the run as a whole must run something.
 NO_TESTS = 5
@@ -351,14 +354,18 @@ def run_shards(
             problems.append(f"shard {i}: pytest exited {code}: {tail}")
 
     workers = max(1, min(jobs, len(runs)))
+    warm_log = out / WARM_LOG
+    warm_log.unlink(missing_ok=True)
     with (
-        PytestPool(root, names, installed=True) as pool,
+        PytestPool(root, names, installed=True, warm_log=warm_log) as pool,
         ThreadPoolExecutor(max_workers=workers) as threads,
     ):
         for done in [threads.submit(run, pool, i, args) for i, args in runs]:
             done.result()
     if problems:
         raise ShardError("; ".join(sorted(problems)))
+    if warm_log.is_file():
+        progress(warm_summary(warm_log.read_text()))
     outcomes: dict[str, TestOutcome] = {}
     times: dict[str, float] = {}
     for k in sorted(codes):
@@ -379,6 +386,18 @@ def run_shards(
         touches = merge([load_touches(out / f"touches-{k}.json") for k in codes])
         (out / TOUCHES).write_bytes(encode(touches))
     return outcomes, touches
+
+
+def warm_summary(log: str) -> str:
+    """One line for the warm children's log (`vllm_overlay.gate.warmserver`)."""
+    rows = [line.split("\t", 1) for line in log.splitlines() if "\t" in line]
+    warm = [what for kind, what in rows if kind == "warm"]
+    cold = Counter(what for kind, what in rows if kind == "cold")
+    said = f"suite: {count(len(warm), 'Python child', 'Python children')} forked warm"
+    if cold:
+        reasons = "; ".join(f"{why} ({n})" for why, n in cold.most_common(3))
+        said += f", {sum(cold.values())} started cold: {reasons}"
+    return said
 
 
 def load_times(path: Path) -> Times | None:

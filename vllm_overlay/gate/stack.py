@@ -21,12 +21,12 @@ from __future__ import annotations
 import ast
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import msgspec
 
+from vllm_overlay import warm
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.imports import collection_imports
 from vllm_overlay.series.patch_series import Series, SeriesPatch
@@ -162,8 +162,9 @@ def run_levels(
     plan_file.write_bytes(
         msgspec.json.encode(LevelPlan(str(root), names, jobs, levels))
     )
-    cmd = [sys.executable, "-m", "vllm_overlay.gate.forkserver", str(plan_file)]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    module = ["-m", "vllm_overlay.gate.forkserver", str(plan_file)]
+    cmd = [*warm.python_command(env), *module]
     with subprocess.Popen(
         cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,

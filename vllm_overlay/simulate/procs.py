@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_overlay import cpuplatform
+from vllm_overlay import cpuplatform, warm
 from vllm_overlay.checkout import Checkout
 from vllm_overlay.simulate.builds import BuildPair, load_pair
 from vllm_overlay.simulate.core import load_core_from_env
@@ -165,7 +165,7 @@ def start(
         [*map(str, path), str(REPO_ROOT), full.get("PYTHONPATH", "")]
     )
     return subprocess.Popen(
-        [sys.executable, "-P", "-m", module, *args],
+        [*warm.python_command(full), "-P", "-m", module, *args],
         stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -23,6 +23,7 @@ import pytest
 from vllm_overlay import cpuplatform
 from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.shm import remove_shm, shm_files
+from vllm_overlay.warm import WARM_ENV
 
 RUN = [
     "simulate-bytes",
@@ -85,6 +86,8 @@ def _running(proc: psutil.Process) -> bool:
 def run(tmp_path) -> Iterator[Run]:
     env = cpuplatform.cpu_environ()
     env.pop(PARENT_ENV, None)
+    # The tree a user's run has: its zygote a child of the top process.
+    env.pop(WARM_ENV, None)
     report = tmp_path / "simulate-bytes.json"
     top = subprocess.Popen(
         [sys.executable, "-m", "vllm_overlay.cli", *RUN, f"--report={report}"],
