@@ -27,6 +27,7 @@ from tests.patches.builders import (
     encode_request,
     predicted,
 )
+from vllm_overlay.warm import python_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +68,7 @@ def sweep_base(
     )
     proc = subprocess.run(
         [
-            sys.executable,
+            *python_command(env),  # warm in the suite: the package is not loaded
             "-c",
             code,
             str(moriio_dir),

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 
 from tests.repo import REPO
+from vllm_overlay.warm import python_command
 
 MARK = "mixed-result: "
 
@@ -99,7 +100,8 @@ class MixedPairs:
     def run(self, job: Job) -> dict[int, tuple[bool, str | None, bool]]:
         if self._proc is None:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.simulate.mixed", *self._args],
+                # Warm in the suite: the package is not loaded there.
+                [*python_command(), "-m", "tests.simulate.mixed", *self._args],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._err,
