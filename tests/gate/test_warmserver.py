@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from vllm_overlay.gate.warmserver import parse, shadowed
-from vllm_overlay.warm import PARENT_ENV, WARM_ENV, python_command
+from vllm_overlay.warm import PARENT_ENV, WARM_ENV, Cold, python_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -255,3 +257,22 @@ def test_a_module_of_the_same_place_is_no_shadow(tmp_path: Path) -> None:
     assert shadowed([str(tmp_path)], {"pkg": "/elsewhere/pkg/__init__.py"}) == (
         f"{tmp_path / 'pkg'} would shadow pkg"
     )
+
+
+def test_an_unreadable_request_is_answered_cold_in_one_line(served: Served) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(served.path)
+        socket.send_fds(conn, [b'{"args": 1}\n'], [0, 1, 2])
+        reply = conn.makefile("rb").readline()
+    assert msgspec.json.decode(reply, type=Cold).why.startswith("unreadable request: ")
+    assert served.lines() == [
+        "cold\tunreadable request: Expected `array`, got `int` - at `$.args`"
+    ]
+
+
+def test_without_a_server_the_child_is_python_itself(served: Served) -> None:
+    env = served.env(**{WARM_ENV: str(served.root / "no-such-socket")})
+    done = _run([*python_command(env), "-c", SHOW, str(served.root)], env, served.root)
+    assert (done.returncode, done.stdout.splitlines()[-1]) == (3, "fresh")
+    assert python_command({}) == [sys.executable]
+    assert served.lines() == []

@@ -258,7 +258,12 @@ def _helper(server: Server, conn: socket.socket, listener: socket.socket) -> Non
             if not more:
                 break
             data += more
-        request = msgspec.json.decode(data, type=WarmRequest)
+        try:
+            request = msgspec.json.decode(data, type=WarmRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            server.note(f"cold\tunreadable request: {e}")
+            _send(conn, Cold(f"unreadable request: {e}"))
+            os._exit(0)
         parsed, why = server.refusal(request)
         if parsed is None or why or len(fds) != 3:
             server.note(f"cold\t{why or 'three standard streams expected'}")
