@@ -200,8 +200,11 @@ def _run(server: Server, request: WarmRequest, parsed: Parsed) -> int:
     try:
         if parsed.module:
             sys.argv = [parsed.module, *parsed.rest]
-            # A fresh Python has not imported it as itself (runpy warns if so).
-            sys.modules.pop(parsed.module, None)
+            # A fresh Python has not imported the module itself (runpy warns
+            # if so); a package's runs as its __main__.
+            loaded = sys.modules.get(parsed.module)
+            if loaded is not None and not hasattr(loaded, "__path__"):
+                del sys.modules[parsed.module]
             runpy.run_module(parsed.module, run_name="__main__", alter_sys=True)
         else:
             sys.argv = ["-c", *parsed.rest]

@@ -55,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_overlay import cpuplatform
+from vllm_overlay import cpuplatform, warm
 from vllm_overlay.checkout import REPORT_DIR, Checkout
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.removable import (
@@ -396,7 +396,8 @@ def _run_ported(
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_text(text)
         env = cpuplatform.cpu_environ()
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        cmd = [*warm.python_command(env), "-m", "pytest", "-q"]
+        cmd += ["-p", "no:cacheprovider"]
         cmd += ["-p", "vllm_overlay.gate.level"]
         cmd += ["--moriio-dir", str(level / ctx.pin.module)]
         cmd += ["--rootdir", str(tree), *sorted(ported)]
