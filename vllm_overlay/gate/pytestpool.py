@@ -12,7 +12,9 @@ and loads vLLM itself. The suite's runs read the installed vLLM
 but its MoRIIO package, which each run loads (and the evidence of
 `vllm_overlay.gate.touch` sees loaded) itself. ``PytestPool`` starts the
 server and hands it runs from any thread, each run's output in a log file of
-its own.
+its own. With a ``warm_log``, the suite's server also forks a copy of its
+loaded state that serves the runs' Python children started through
+`vllm_overlay.warm` (`vllm_overlay.gate.warmserver`).
 """
 
 from __future__ import annotations
