@@ -116,6 +116,9 @@ def _line(conn: socket.socket) -> bytes:
 def main(argv: list[str]) -> None:
     """``-- ARGS``: run ARGS warm, or exec Python with them."""
     args = argv[1:] if argv[:1] == ["--"] else argv
+    if not args:
+        sys.stderr.write("usage: python -m vllm_overlay.warm -- PYTHON-ARGUMENTS\n")
+        sys.exit(2)
     path = os.environ.get(WARM_ENV, "")
     try:
         conn, first = _ask(path, args)

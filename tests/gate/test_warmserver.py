@@ -276,3 +276,12 @@ def test_without_a_server_the_child_is_python_itself(served: Served) -> None:
     assert (done.returncode, done.stdout.splitlines()[-1]) == (3, "fresh")
     assert python_command({}) == [sys.executable]
     assert served.lines() == []
+
+
+def test_no_arguments_is_a_usage_error() -> None:
+    done = subprocess.run(
+        [sys.executable, "-I", "-m", "vllm_overlay.warm", "--"],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "usage: python -m vllm_overlay.warm -- PYTHON-ARGUMENTS\n"
