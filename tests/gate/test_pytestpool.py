@@ -120,3 +120,30 @@ def test_the_suites_runs_start_their_python_children_warm(tmp_path: Path) -> Non
         code = pool.run(args, tmp_path / "run.log")
     assert code == 0, (tmp_path / "run.log").read_text()
     assert log.read_text() == "warm\t-c\n"
+
+
+TMP_CHECKS = """
+import os
+
+
+def test_writes_a_temporary_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with open(os.environ["WHERE_TMP_WAS"], "w") as out:
+        out.write(str(tmp_path))
+"""
+
+
+def test_a_runs_temporary_directories_go_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked run skips pytest's exit handlers, which free its numbered
+    directory for the next runs to remove: the run removes its own."""
+    tests = tmp_path / "test_tmp_checks.py"
+    tests.write_text(TMP_CHECKS)
+    monkeypatch.setenv("WHERE_TMP_WAS", str(tmp_path / "where"))
+    args = ["-p", "no:cacheprovider", "-q", str(tests)]
+    with PytestPool(ROOT, ["vllm.envs"], installed=True) as pool:
+        assert pool.run(args, tmp_path / "run.log") == 0
+    where = Path((tmp_path / "where").read_text())
+    assert where.name == "test_writes_a_temporary_file0"
+    assert not where.exists() and not where.parent.exists()

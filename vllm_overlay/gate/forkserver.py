@@ -13,7 +13,9 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,9 +54,16 @@ def preload(names: Sequence[str]) -> int:
 
 def child_pytest(root: Path, args: Sequence[str], log: str, name: str) -> None:
     """In a forked child: pytest in-process, its output in ``log``; never
-    returns (exit status 3 when pytest did not run)."""
+    returns (exit status 3 when pytest did not run). Its temporary
+    directories go with it: a forked run ends without pytest's exit
+    handlers, which would let the next runs remove them (its default
+    ``/tmp/pytest-of-USER/pytest-N`` stay, locked, for three days)."""
     code = 3
+    base = ""
     try:
+        if not any(a.startswith("--basetemp") for a in args):
+            base = tempfile.mkdtemp(prefix="pytest-run-")
+            args = [*args, f"--basetemp={base}"]
         os.chdir(root)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
@@ -70,6 +79,8 @@ def child_pytest(root: Path, args: Sequence[str], log: str, name: str) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if base:
+            shutil.rmtree(base, ignore_errors=True)
         os._exit(code)
 
 
