@@ -32,7 +32,7 @@ import msgspec
 
 WARM_ENV = "VLLM_OVERLAY_WARM_PYTHON"  # the server's socket
 # A child whose environment names its parent's pid here ends with its parent
-# (the byte simulator's, simulate/bytes/lifetime.py): started warm, this
+# (the byte simulator's zygote, simulate/bytes/lifetime.py): started warm, this
 # process takes the child's place under that parent (it is sent SIGTERM,
 # which it passes on, when the parent ends), and the child is told the
 # process that forked it.

@@ -21,9 +21,8 @@ import psutil
 import pytest
 
 from vllm_overlay import cpuplatform
-from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.shm import remove_shm, shm_files
-from vllm_overlay.warm import WARM_ENV
+from vllm_overlay.warm import PARENT_ENV, WARM_ENV
 
 RUN = [
     "simulate-bytes",

@@ -24,8 +24,8 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-PARENT_ENV = "VLLM_OVERLAY_PARENT_PID"
-"""Set in a child's environment to its parent's pid: the child ends with it."""
+from vllm_overlay.warm import PARENT_ENV  # a child ends with the parent it names
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _PR_SET_PDEATHSIG = 1
 

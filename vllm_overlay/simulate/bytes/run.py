@@ -22,7 +22,6 @@ import msgspec
 from vllm_overlay.simulate import procs
 from vllm_overlay.simulate.builds import BuildPair
 from vllm_overlay.simulate.bytes.dispatch import Dispatcher, variant_orders
-from vllm_overlay.simulate.bytes.lifetime import PARENT_ENV
 from vllm_overlay.simulate.bytes.ports import port_ranges
 from vllm_overlay.simulate.bytes.report import (
     MARK,
@@ -37,6 +36,7 @@ from vllm_overlay.simulate.eta import BYTES_CPU_PER_CASE
 from vllm_overlay.simulate.layouts import all_layouts
 from vllm_overlay.simulate.plan import parse_hits, parse_lengths, where_pairs
 from vllm_overlay.text import count
+from vllm_overlay.warm import PARENT_ENV
 
 STANDIN_DIR = Path(__file__).resolve().parent / "standin"
 
