@@ -26,6 +26,7 @@ from vllm_overlay.gate.shards import (
     Times,
     load_file_seconds,
     plan,
+    preload_names,
     run_shards,
     targets,
     warm_summary,
@@ -298,3 +299,21 @@ def test_the_warm_children_are_one_line_with_why_the_others_started_cold() -> No
         "[-P] -m/-c: -u -c (1)"
     )
     assert warm_summary("warm\t-c\n") == "suite: 1 Python child forked warm"
+
+
+def test_the_server_loads_the_third_party_modules_the_files_import(
+    tmp_path: Path,
+) -> None:
+    _write(tmp_path / "tests" / "conftest.py", "import hypothesis\nimport json\n")
+    test = _write(
+        tmp_path / "tests" / "test_x.py",
+        f"import msgspec\nfrom vllm.config import VllmConfig\nfrom {PKG} import x\n"
+        "from tests import helper\n",
+    )
+    _write(tmp_path / "tests" / "helper.py", "import tomli_w\n")
+    names = preload_names(tmp_path, [test])
+    # vLLM's modules first, the MoRIIO package left to the runs.
+    assert names[:2] == ["vllm.config", "vllm.config.VllmConfig"]
+    assert {"hypothesis", "msgspec", "tomli_w"} <= set(names[2:])
+    assert not any(n.startswith(PKG) for n in names)
+    assert "json" not in names and not any(n.startswith("tests") for n in names)

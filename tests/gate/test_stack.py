@@ -1,8 +1,11 @@
-"""A stack level's label names the patches it holds, in series order."""
+"""A stack level's label names the patches it holds, in series order; the
+level server loads what the levels' tests import, but the MoRIIO package."""
 
 from __future__ import annotations
 
-from vllm_overlay.gate.stack import level_label
+from pathlib import Path
+
+from vllm_overlay.gate.stack import level_label, preload_names
 from vllm_overlay.series.patch_series import Series
 
 
@@ -18,3 +21,17 @@ def test_a_level_label_names_a_patch_out_of_number_order_alone(
     assert level_label(series, 6) == "base + 0001..0004, 0036, 0005"
     assert level_label(series, len(numbers)).startswith("base + 0001..0004, 0036, 0005")
     assert level_label(series, len(numbers)).endswith(numbers[-1])
+
+
+def test_the_level_server_loads_the_third_party_modules_of_the_named_tests(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "conftest.py").write_text("import hypothesis\n")
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "from vllm.v1.request import Request\nimport numpy\n"
+    )
+    bases = {"moriio_connector.py": "import msgspec\nfrom vllm.config import X\n"}
+    names = preload_names(tmp_path, bases, ["tests/test_x.py::test_a"])
+    assert names[:2] == ["vllm.config", "vllm.v1.request"]
+    assert {"hypothesis", "numpy", "msgspec"} <= set(names)

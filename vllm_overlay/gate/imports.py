@@ -12,6 +12,7 @@ process where that package is loaded, every test counts as touching it
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterable, Iterator
 from functools import cache
 from pathlib import Path
@@ -134,3 +135,16 @@ def imports_package(test_file: Path, root: Path, package: str) -> bool:
         n == package or n.startswith(package + ".")
         for n in collection_imports(test_file, root)
     )
+
+
+def third_party(names: Iterable[str]) -> list[str]:
+    """Of ``names`` (as `collection_imports` gives them), those outside the
+    standard library, vLLM and the checkout: what a server that forks test
+    runs imports once for all of them (hypothesis takes a second a run)."""
+    kept: dict[str, None] = {}
+    for name in sorted(names):
+        top = name.split(".", 1)[0]
+        if top in sys.stdlib_module_names or top in ("vllm", "tests"):
+            continue
+        kept[name] = None
+    return list(kept)

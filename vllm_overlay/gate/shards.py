@@ -31,7 +31,7 @@ import msgspec
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.evidence import Touches, encode, load_touches, merge
-from vllm_overlay.gate.imports import collection_imports, imports_package
+from vllm_overlay.gate.imports import collection_imports, imports_package, third_party
 from vllm_overlay.gate.outcomes import Outcomes, load_outcomes
 from vllm_overlay.gate.pytestpool import PytestPool
 from vllm_overlay.gate.reports import TestOutcome
@@ -285,10 +285,10 @@ def junit_times(path: Path, root: Path) -> dict[str, float]:
 
 def preload_names(root: Path, files: Sequence[Path]) -> list[str]:
     """The vLLM modules ``files`` import at collection, but for the MoRIIO
-    package: what the shards' server loads once."""
+    package, then the third-party ones: what the shards' server loads once."""
     names = {n for f in files for n in collection_imports(f, root)}
     vllm = [n for n in names if n.split(".")[0] == "vllm"]
-    return sorted(n for n in vllm if not inside_moriio(n))
+    return sorted(n for n in vllm if not inside_moriio(n)) + third_party(names)
 
 
 def run_shards(

@@ -28,7 +28,7 @@ import msgspec
 
 from vllm_overlay import warm
 from vllm_overlay.errors import OverlayError
-from vllm_overlay.gate.imports import collection_imports
+from vllm_overlay.gate.imports import collection_imports, third_party
 from vllm_overlay.series.patch_series import Series, SeriesPatch
 from vllm_overlay.series.pin import MODULE_PACKAGE, Pin
 from vllm_overlay.tree.materialize import materialize
@@ -103,7 +103,8 @@ def preload_names(
     root: Path, bases: dict[str, str], entries: Iterable[str]
 ) -> list[str]:
     """The vLLM modules the levels' tests and the base MoRIIO files import at
-    module level, the MoRIIO package left out (each level loads its own)."""
+    module level, the MoRIIO package left out (each level loads its own),
+    then the third-party ones."""
     names: dict[str, None] = {}
     for text in bases.values():
         try:
@@ -119,7 +120,8 @@ def preload_names(
     for f in sorted(files):
         if f.is_file():
             names.update(dict.fromkeys(sorted(collection_imports(f, root))))
-    return [n for n in names if n.split(".")[0] == "vllm" and not inside_moriio(n)]
+    vllm = [n for n in names if n.split(".")[0] == "vllm" and not inside_moriio(n)]
+    return vllm + third_party(names)
 
 
 def run_levels(
