@@ -225,7 +225,7 @@ def lint_impl(session: nox.Session) -> None:
             touched, out = lint_rest(session, wheel)
     # mypy reads sources only: the environment's bytecode compiles beside it
     # (mypy's workers leave a core idle much of the time).
-    with in_thread(session, "compileall", lambda: compile_cpu_env(session)):
+    with in_thread(session, "bytecode", lambda: compile_cpu_env(session)):
         if touched:
             mypy_overlaid(session, wheel, out, touched)
     session.log(f"lint: ok ({count(len(touched), 'overlaid vLLM file')} checked)")

@@ -137,14 +137,22 @@ def imports_package(test_file: Path, root: Path, package: str) -> bool:
     )
 
 
-def third_party(names: Iterable[str]) -> list[str]:
+def third_party(names: Iterable[str], root: Path) -> list[str]:
     """Of ``names`` (as `collection_imports` gives them), those outside the
-    standard library, vLLM and the checkout: what a server that forks test
-    runs imports once for all of them (hypothesis takes a second a run)."""
+    standard library, vLLM and the checkout under ``root``: what a server
+    that forks test runs imports once for all of them (hypothesis takes a
+    second a run)."""
     kept: dict[str, None] = {}
     for name in sorted(names):
         top = name.split(".", 1)[0]
-        if top in sys.stdlib_module_names or top in ("vllm", "tests"):
+        if top in sys.stdlib_module_names or top == "vllm":
+            continue
+        if _local_file(top, root, root) is not None or _namespace(root / top):
             continue
         kept[name] = None
     return list(kept)
+
+
+def _namespace(directory: Path) -> bool:
+    """A directory of the checkout that imports as a namespace package."""
+    return directory.is_dir() and any(directory.glob("*.py"))

@@ -288,7 +288,7 @@ def preload_names(root: Path, files: Sequence[Path]) -> list[str]:
     package, then the third-party ones: what the shards' server loads once."""
     names = {n for f in files for n in collection_imports(f, root)}
     vllm = [n for n in names if n.split(".")[0] == "vllm"]
-    return sorted(n for n in vllm if not inside_moriio(n)) + third_party(names)
+    return sorted(n for n in vllm if not inside_moriio(n)) + third_party(names, root)
 
 
 def run_shards(

@@ -121,7 +121,7 @@ def preload_names(
         if f.is_file():
             names.update(dict.fromkeys(sorted(collection_imports(f, root))))
     vllm = [n for n in names if n.split(".")[0] == "vllm" and not inside_moriio(n)]
-    return vllm + third_party(names)
+    return vllm + third_party(names, root)
 
 
 def run_levels(
