@@ -22,6 +22,7 @@ from vllm_overlay.gate.evidence import (
 )
 from vllm_overlay.gate.outcomes import load_outcomes
 from vllm_overlay.gate.pytestpool import PytestPool
+from vllm_overlay.gate.ramtmp import run_tmpdir
 from vllm_overlay.gate.removable import (
     REMOVABLE_REPORT,
     Inputs,
@@ -385,9 +386,14 @@ def cmd_gate(app: App, args: argparse.Namespace) -> int:
     for line in prepare(dirs):
         app.say(f"gate: {line}")
     run_id = args.run or f"{os.getpid()}@{time.time():.0f}"
-    with tempfile.TemporaryDirectory(prefix=EXPORT_PREFIX) as out:
-        todo = steps(dirs, pytest_args, out)
-        done = run_steps(todo, env, run_step(dirs.root), app.say, dirs.phases, run_id)
+    with run_tmpdir() as (ram, why):
+        if ram is not None:
+            env["TMPDIR"] = str(ram)
+        app.say(f"gate: temporary files in {env.get('TMPDIR', '/tmp')} ({why})")
+        with tempfile.TemporaryDirectory(prefix=EXPORT_PREFIX, dir=ram) as out:
+            todo = steps(dirs, pytest_args, out)
+            run = run_step(dirs.root)
+            done = run_steps(todo, env, run, app.say, dirs.phases, run_id)
     if done.failed is not None:
         app.say(
             f"gate: FAILED at `{command_line(done.failed)}` (exit status "
