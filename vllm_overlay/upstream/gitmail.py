@@ -116,7 +116,8 @@ def _write(repo: Path, files: Mapping[str, str]) -> None:
 
 
 def _init_with_base(repo: Path, before: Mapping[str, str]) -> None:
-    _git(repo, "init", "-q", "-b", "main")
+    # No template: the sample hooks are a dozen files per throwaway repository.
+    _git(repo, "init", "-q", "--template=", "-b", "main")
     _write(repo, before)
     _git(repo, "add", "-A")
     base_env = _identity_env(Identity(*BASE_IDENTITY), BASE_DATE)
@@ -188,18 +189,22 @@ def am_series(
     before: Mapping[str, str], mails: list[str], paths: list[str]
 ) -> dict[str, str]:
     """Apply ``mails`` in order with ``git am --keep-non-patch`` onto
-    ``before``; return the texts of ``paths`` afterwards."""
+    ``before`` (one ``git am`` for all of them); return the texts of
+    ``paths`` afterwards. A mail that does not apply is named by its place."""
     with tempfile.TemporaryDirectory(prefix="vllm-overlay-am-series-") as tmp:
         repo = Path(tmp)
         _init_with_base(repo, before)
         env = _identity_env(Identity(*BASE_IDENTITY), BASE_DATE)
+        boxes = []
         for i, mail in enumerate(mails, 1):
             mbox = repo / ".git" / f"OVERLAY_MAIL_{i}"
             mbox.write_text(mail)
-            try:
-                _git(repo, "am", "-q", "--keep-non-patch", str(mbox), env=env)
-            except GitMailError as e:
-                raise GitMailError(f"mail {i} of {len(mails)}: {e}") from None
+            boxes.append(str(mbox))
+        try:
+            _git(repo, "am", "-q", "--keep-non-patch", *boxes, env=env)
+        except GitMailError as e:
+            applied = int(_git(repo, "rev-list", "--count", "HEAD")) - 1
+            raise GitMailError(f"mail {applied + 1} of {len(mails)}: {e}") from None
         files = {}
         for path in paths:
             with open(repo / path, newline="") as f:
