@@ -261,3 +261,33 @@ def test_an_mla_config_keeps_prefix_caching_on_a_cpu_without_amx(
     assert config.cache_config.enable_prefix_caching
     assert config.scheduler_config.enable_chunked_prefill
     assert config.cache_config.block_size == 64
+
+
+def test_a_config_built_here_leaves_the_environment_of_later_children(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """vLLM's check sets its executor workers' variables (LD_PRELOAD of its
+    tcmalloc and torch's libgomp, thread counts); none runs here, so the
+    process environment is as it was, but for the Mamba conv state layout
+    vLLM reads later in this process."""
+    from tests.patches.builders import (
+        TINY_DEEPSEEK_MTP_CONFIG,
+        make_vllm_config,
+        moriio_kv_transfer_config,
+        write_model_dir,
+    )
+
+    for name in (
+        "LOCAL_WORLD_SIZE",
+        "NUMEXPR_MAX_THREADS",
+        "VLLM_SSM_CONV_STATE_LAYOUT",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    before = dict(os.environ)
+    model_dir = write_model_dir(tmp_path, TINY_DEEPSEEK_MTP_CONFIG)
+    make_vllm_config(model_dir, moriio_kv_transfer_config("kv_consumer"))
+    after = dict(os.environ)
+    assert after.pop("VLLM_SSM_CONV_STATE_LAYOUT") == "SD"
+    assert after == before

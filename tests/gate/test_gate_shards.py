@@ -317,3 +317,26 @@ def test_the_server_loads_the_third_party_modules_the_files_import(
     assert {"hypothesis", "msgspec", "tomli_w"} <= set(names[2:])
     assert not any(n.startswith(PKG) for n in names)
     assert "json" not in names and not any(n.startswith("tests") for n in names)
+
+
+def test_a_shard_writing_outside_the_checkout_keeps_its_settings(
+    tmp_path: Path, importable: None
+) -> None:
+    """pytest finds its configuration above the arguments' common directory:
+    a shard's outputs in $TMPDIR would move it to /, the checkout's settings
+    (here: warnings are errors) left behind."""
+    root = tmp_path / "repo"
+    _write(
+        root / "pyproject.toml",
+        '[tool.pytest.ini_options]\nfilterwarnings = ["error"]\n',
+    )
+    _write(
+        root / "tests" / "test_w.py",
+        "import warnings\n\ndef test_it():\n    warnings.warn('settings')\n",
+    )
+    files = listed(root, ["tests"])
+    outcomes, _ = run_shards(
+        root, tmp_path / "elsewhere", [files], paths=["tests"],
+        progress=lambda _: None,
+    )  # fmt: skip
+    assert outcomes == {"tests/test_w.py::test_it": "failed"}

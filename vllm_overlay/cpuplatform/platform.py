@@ -12,12 +12,21 @@ kernels do not change the config with the machine: without AMX it turns
 prefix caching and chunked prefill off for every MLA model and forces
 their block size to 16, a config no GPU deployment runs. No model runs on
 this platform, so no kernel of those features is ever called.
+
+The check leaves the process environment as it found it but for
+``KEPT_ENV``: vLLM's check writes the variables its CPU executor's workers
+start with (``LD_PRELOAD`` of its tcmalloc and torch's libgomp, thread
+counts, the multiprocessing method), and no executor runs here; left set,
+they would reach every later child of the process (a test's, a simulated
+rank's), which would start with vLLM's allocator preloaded or not depending
+on whether some config was built before it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,6 +34,9 @@ from vllm.platforms.cpu import CpuPlatform
 
 # The torch.cpu probes vLLM's CPU config check reads, as a CPU that has them.
 CPU_FEATURES = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+# Set by vLLM's config check and read later in this process: when vLLM
+# first shapes a Mamba cache.
+KEPT_ENV = frozenset({"VLLM_SSM_CONV_STATE_LAYOUT"})
 
 
 @contextlib.contextmanager
@@ -39,6 +51,15 @@ def _cpu_features_present() -> Iterator[None]:
             setattr(torch.cpu, name, probe)
 
 
+def _restore_environ(before: Mapping[str, str]) -> None:
+    """``os.environ`` back to ``before``, but for ``KEPT_ENV``."""
+    for name in set(os.environ) - set(before) - KEPT_ENV:
+        del os.environ[name]
+    for name, value in before.items():
+        if name not in KEPT_ENV and os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 class OverlayCpuPlatform(CpuPlatform):  # type: ignore[misc]  # vLLM: untyped here
     """vLLM's CPU platform for the scheduler, the KV cache planner and the
     connector, on a CPU without Triton (``vllm_overlay.cpuplatform``)."""
@@ -50,12 +71,14 @@ class OverlayCpuPlatform(CpuPlatform):  # type: ignore[misc]  # vLLM: untyped he
         import vllm.triton_utils
 
         saved = vllm.triton_utils.HAS_TRITON
+        environ = dict(os.environ)
         vllm.triton_utils.HAS_TRITON = True
         try:
             with _cpu_features_present():
                 super().check_and_update_config(vllm_config)
         finally:
             vllm.triton_utils.HAS_TRITON = saved
+            _restore_environ(environ)
 
     @classmethod
     def uses_standalone_cpu_model_runner(cls) -> bool:

@@ -36,3 +36,12 @@ def names_a_test(args: Sequence[str]) -> bool:
     """Whether an argument is a test id (``FILE::TEST``): pytest runs it
     in one process, as given."""
     return any("::" in a and not a.startswith("-") for a in args)
+
+
+def rooted(root: Path) -> list[str]:
+    """pytest's ``--rootdir`` and, when ``root`` has one, its configuration
+    file: pytest looks for that file above the arguments' common directory,
+    which a run's output or tree outside the checkout (``$TMPDIR``) moves
+    to ``/``, and the run would go without the checkout's settings."""
+    config = root / "pyproject.toml"
+    return ["--rootdir", str(root), *(["-c", str(config)] if config.is_file() else [])]

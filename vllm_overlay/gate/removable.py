@@ -35,6 +35,7 @@ import msgspec
 
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.outcomes import load_outcomes
+from vllm_overlay.gate.pytestargs import rooted
 from vllm_overlay.gate.pytestpool import PytestPool
 from vllm_overlay.gate.reports import ReportError, TestOutcome, names
 from vllm_overlay.series.core_series import core_fix, core_key
@@ -183,7 +184,7 @@ def pytest_runner(
         outcomes = work / "outcomes.json"
         core = [p for p in files if p in pin.core_files]
         args = [
-            "--rootdir", str(root),
+            *rooted(root),
             "-p", "no:cacheprovider", "-q", "--no-header", "-rN", "--tb=no",
             "-p", "vllm_overlay.gate.outcomes", "--outcomes-json", str(outcomes),
             "-p", "vllm_overlay.gate.level",

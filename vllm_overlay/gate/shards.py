@@ -33,6 +33,7 @@ from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.evidence import Touches, encode, load_touches, merge
 from vllm_overlay.gate.imports import collection_imports, imports_package, third_party
 from vllm_overlay.gate.outcomes import Outcomes, load_outcomes
+from vllm_overlay.gate.pytestargs import rooted
 from vllm_overlay.gate.pytestpool import PytestPool
 from vllm_overlay.gate.reports import TestOutcome
 from vllm_overlay.gate.stack import inside_moriio
@@ -320,7 +321,7 @@ def run_shards(
             plugins += ["-p", "vllm_overlay.gate.touch", "--touch-json",
                         str(out / f"touches-{i}.json")]  # fmt: skip
         args = [
-            "--rootdir", str(root),
+            *rooted(root),
             "-p", "vllm_overlay.gate.outcomes",
             "--outcomes-json", str(out / f"outcomes-{i}.json"),
             f"--junitxml={out / f'junit-{i}.xml'}", "-o", "junit_family=xunit1",

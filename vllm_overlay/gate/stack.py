@@ -29,6 +29,7 @@ import msgspec
 from vllm_overlay import warm
 from vllm_overlay.errors import OverlayError
 from vllm_overlay.gate.imports import collection_imports, third_party
+from vllm_overlay.gate.pytestargs import rooted
 from vllm_overlay.series.patch_series import Series, SeriesPatch
 from vllm_overlay.series.pin import MODULE_PACKAGE, Pin
 from vllm_overlay.tree.materialize import materialize
@@ -147,7 +148,7 @@ def run_levels(
         outcomes = out / LEVEL_OUTCOMES.format(k=k)
         outcomes.unlink(missing_ok=True)
         args = [
-            "--rootdir", str(root), "-p", "no:cacheprovider",
+            *rooted(root), "-p", "no:cacheprovider",
             "-q", "--no-header", "-rN", "--tb=no",
             "-p", "vllm_overlay.gate.outcomes", "--outcomes-json", str(outcomes),
             "-p", "vllm_overlay.gate.level",
