@@ -1,13 +1,17 @@
 """Fixtures every test directory may use: the pin and the real base files.
 
-The base files are the pinned vLLM's, taken from the vLLM installed in the
-test environment (peeled back to the base when that install is overlaid), so
-tests run against the exact bytes the series is made for.
+The base files are the pinned vLLM's, taken from the pinned wheel when the
+run has it, else from the vLLM installed in the test environment (peeled back
+to the base when that install is overlaid), so tests run against the exact
+bytes the series is made for.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -54,8 +58,26 @@ def series() -> Series:
 
 @pytest.fixture(scope="session")
 def base_texts(pin: Pin) -> dict[str, str]:
+    """The pinned base files: from the pinned wheel when the run has it
+    ($VLLM_OVERLAY_WHEEL, each file checked against the pin), so that a test
+    using them reads nothing of the installed tree (the gate would count
+    that read and run the test on the base too); else recovered from the
+    installed tree."""
+    wheel = os.environ.get("VLLM_OVERLAY_WHEEL")
+    if wheel and Path(wheel).is_file():
+        return _pinned_files(Path(wheel), pin)
     target = detect_target(installed_vllm())
     return base_from_target(target, pin, load_series(REPO))
+
+
+def _pinned_files(wheel: Path, pin: Pin) -> dict[str, str]:
+    texts = {}
+    with zipfile.ZipFile(wheel) as zf:
+        for path, sha in pin.files.items():
+            data = zf.read(path)
+            assert hashlib.sha256(data).hexdigest() == sha, f"{wheel}!{path}"
+            texts[path] = data.decode()
+    return texts
 
 
 @pytest.fixture

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+from tests.repo import REPO
 from tests.workspace import ANCHOR, CONNECTOR, Workspace, replace_once
 from vllm_overlay.cli import main
 from vllm_overlay.series.patch_series import load_series
 from vllm_overlay.series.pin import load_pin
+from vllm_overlay.tree.materialize import base_from_target
 from vllm_overlay.tree.status import tree_status
-from vllm_overlay.tree.target import detect_target
+from vllm_overlay.tree.target import detect_target, installed_vllm
 
 
 def _state(ws: Workspace):
@@ -151,3 +153,13 @@ def test_materialize_upto_names_the_patches_and_one_series_id(
         "written\n"
     )
     assert not (tmp_path / "three").exists()
+
+
+def test_the_base_files_the_tests_use_are_the_installed_trees_base(
+    base_texts: dict[str, str],
+) -> None:
+    """tests/conftest.py takes them from the pinned wheel when the run has
+    it: the same bytes the installed tree, base or overlaid, gives back."""
+    pin = load_pin(REPO / "pin.toml")
+    target = detect_target(installed_vllm())
+    assert base_texts == base_from_target(target, pin, load_series(REPO))
