@@ -27,6 +27,7 @@ def test_the_names_are_torch_first_what_the_tests_import_and_vllms_cli() -> None
 @pytest.fixture
 def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A module nobody imported yet, in a process that writes no bytecode."""
+    (tmp_path / "tests").mkdir()
     (tmp_path / "fresh_mod_for_bytecode.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
@@ -58,6 +59,15 @@ def test_the_imported_files_get_their_bytecode_once_per_key(
     assert cached.is_file()
 
 
-def test_wrong_arguments_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_wrong_arguments_are_one_line_and_import_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert bytecode.main(["only-one"]) == 2
     assert "usage:" in capsys.readouterr().err
+    assert bytecode.main([str(tmp_path / "nowhere"), str(tmp_path / "s"), "k"]) == 2
+    assert capsys.readouterr().err == (
+        f"bytecode: {tmp_path / 'nowhere'}: no tests/ directory to read\n"
+    )
+    stamp = tmp_path / "missing" / "stamp"
+    assert bytecode.main([str(REPO), str(stamp), "k"]) == 2
+    assert capsys.readouterr().err == f"bytecode: {stamp.parent}: not a directory\n"

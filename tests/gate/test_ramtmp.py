@@ -45,10 +45,20 @@ def test_the_runs_directory_goes_with_it_whatever_happens(tmp_path: Path) -> Non
     ram = tmp_path / "ram"
     ram.mkdir()
     mounts = _mounts(tmp_path, f"tmpfs {ram} tmpfs rw 0 0")
-    with pytest.raises(RuntimeError), ramtmp.run_tmpdir([ram], mounts, 1) as (d, _):
+    with pytest.raises(RuntimeError), ramtmp.run_tmpdir({}, [ram], mounts, 1) as (d, _):
         assert d is not None and d.parent == ram and d.name.startswith(ramtmp.PREFIX)
         (d / "left").write_text("x")
         raise RuntimeError("a step failed")
     assert list(ram.iterdir()) == []
-    with ramtmp.run_tmpdir([tmp_path / "nowhere"], mounts, 1) as (none, why):
+    with ramtmp.run_tmpdir({}, [tmp_path / "nowhere"], mounts, 1) as (none, why):
         assert none is None and why.startswith("no tmpfs")
+
+
+def test_a_tmpdir_the_caller_set_is_kept(tmp_path: Path) -> None:
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    mounts = _mounts(tmp_path, f"tmpfs {ram} tmpfs rw 0 0")
+    chosen = {"TMPDIR": str(tmp_path / "scratch")}
+    with ramtmp.run_tmpdir(chosen, [ram], mounts, 1) as (none, why):
+        assert none is None and why == "$TMPDIR set by the caller"
+    assert list(ram.iterdir()) == []

@@ -77,6 +77,12 @@ def main(argv: Sequence[str]) -> int:
         print(usage, file=sys.stderr)
         return 2
     root, stamp, key = Path(argv[0]), Path(argv[1]), argv[2]
+    if not (root / "tests").is_dir():
+        print(f"bytecode: {root}: no tests/ directory to read", file=sys.stderr)
+        return 2
+    if not stamp.parent.is_dir():
+        print(f"bytecode: {stamp.parent}: not a directory", file=sys.stderr)
+        return 2
     names = module_names(root)
     text = stamp_text(key, names)
     try:
@@ -88,7 +94,11 @@ def main(argv: Sequence[str]) -> int:
         return 0
     t0 = time.monotonic()
     loaded, compiled = write(names)
-    stamp.write_text(text)
+    try:
+        stamp.write_text(text)
+    except OSError as e:
+        print(f"bytecode: cannot write {stamp}: {e.strerror}", file=sys.stderr)
+        return 1
     print(
         f"bytecode: {compiled} files compiled; {loaded} modules loaded from the "
         f"{len(names)} names the suite imports ({time.monotonic() - t0:.0f} s)"

@@ -386,7 +386,7 @@ def cmd_gate(app: App, args: argparse.Namespace) -> int:
     for line in prepare(dirs):
         app.say(f"gate: {line}")
     run_id = args.run or f"{os.getpid()}@{time.time():.0f}"
-    with run_tmpdir() as (ram, why):
+    with run_tmpdir(env) as (ram, why):
         if ram is not None:
             env["TMPDIR"] = str(ram)
         app.say(f"gate: temporary files in {env.get('TMPDIR', '/tmp')} ({why})")
