@@ -39,7 +39,9 @@ def test_a_run_keeps_its_phases_and_drops_an_older_runs(tmp_path: Path) -> None:
 def test_the_bench_prints_the_phases_and_the_slowest_tests(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name, seconds in [("lint", 20.0), ("overlay", 300.0), ("base", 90.0)]:
+    for name, seconds in [
+        ("lint", 20.0), ("overlay", 300.0), ("base", 90.0), ("levels", 100.0)
+    ]:  # fmt: skip
         record(tmp_path / PHASES_FILE, name, seconds, "run")
     seconds = {f"tests/t.py::test_{i}": float(i) for i in range(20)}
     (tmp_path / "suite-overlay").mkdir()
@@ -48,12 +50,28 @@ def test_the_bench_prints_the_phases_and_the_slowest_tests(
     )
     assert _bench().main(["--reports", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    phases = [line.split()[0] for line in out[1:4]]
-    assert phases == ["lint", "overlay", "base"]
-    assert "levels, revert-red, removable, export, bytes" in out[4]
+    phases = [line.split()[0] for line in out[1:5]]
+    assert phases == ["lint", "overlay", "base", "levels"]
+    assert "revert-red, removable, export, bytes" in out[5]
+    # The levels run beside the overlay run: not on the gate's path.
+    assert out[6].split() == [
+        "in",
+        "turn",
+        "410.0",
+        "s",
+        "(6",
+        "min",
+        "50.0",
+        "s;",
+        "levels",
+        "beside",
+        "the",
+        "overlay",
+        "run)",
+    ]
     slowest = [line.split()[-1] for line in out if "tests/t.py::" in line]
     assert slowest == [f"tests/t.py::test_{i}" for i in range(19, 4, -1)]
-    assert out[-1].startswith("suite: 3 phases, 6 min 50.0 s in all; 15 slowest")
+    assert out[-1].startswith("suite: 4 phases, 6 min 50.0 s in turn; 15 slowest")
 
 
 def test_the_bench_says_when_no_gate_ran(
