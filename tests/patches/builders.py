@@ -1173,12 +1173,13 @@ def build_scheduler(
 
 
 _SEED_STRIDE = 50_021
+_TAKES_ROW_MAP = "req_id_to_index" in inspect.signature(ModelRunnerOutput).parameters
 
 
 def model_runner_output(req_ids: list[str], **fields: Any) -> ModelRunnerOutput:
     """The runner's output for ``req_ids`` in row order; ``req_id_to_index``
     only where ``ModelRunnerOutput`` still takes it (vLLM 0.33.0 did)."""
-    if "req_id_to_index" in inspect.signature(ModelRunnerOutput).parameters:
+    if _TAKES_ROW_MAP:
         fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
     return ModelRunnerOutput(req_ids=req_ids, **fields)
 

@@ -27,6 +27,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+# vLLM 0.33.0's ModelRunnerOutput still took req_id_to_index.
+_TAKES_ROW_MAP = "req_id_to_index" in inspect.signature(ModelRunnerOutput).parameters
+
 EOS_TOKEN_ID = 50256
 
 
@@ -80,8 +83,7 @@ def create_model_runner_output(
             invalid_block_ids=invalid_block_ids or set(),
         )
     fields: dict[str, Any] = {}
-    # vLLM 0.33.0's ModelRunnerOutput still took req_id_to_index.
-    if "req_id_to_index" in inspect.signature(ModelRunnerOutput).parameters:
+    if _TAKES_ROW_MAP:
         fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
     return ModelRunnerOutput(
         req_ids=req_ids,

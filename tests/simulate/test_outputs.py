@@ -37,3 +37,30 @@ def test_the_index_is_given_only_to_a_class_that_takes_it(
     assert out.req_ids == ["b", "a"] and out.sampled_token_ids == [[7], []]
     if cls is WithIndex:
         assert out.req_id_to_index == {"b": 0, "a": 1}
+
+
+def test_the_class_is_inspected_once_not_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulator builds an output every scheduler step: the class's
+    signature is read once per class, not once per output."""
+    import inspect
+
+    import vllm.v1.outputs
+
+    @dataclass
+    class Counted:
+        req_ids: list[str]
+
+    seen: list[object] = []
+    real = inspect.signature
+
+    def counting(obj: object) -> inspect.Signature:
+        seen.append(obj)
+        return real(obj)
+
+    monkeypatch.setattr(vllm.v1.outputs, "ModelRunnerOutput", Counted)
+    monkeypatch.setattr(inspect, "signature", counting)
+    for _ in range(3):
+        model_runner_output(["a"])
+    assert seen == [Counted]

@@ -7,8 +7,15 @@ when the installed class takes it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
+
+
+@functools.cache
+def _takes_row_map(cls: type) -> bool:
+    # Once per class: the simulator builds an output every scheduler step.
+    return "req_id_to_index" in inspect.signature(cls).parameters
 
 
 def model_runner_output(req_ids: list[str], **fields: Any) -> Any:
@@ -16,6 +23,6 @@ def model_runner_output(req_ids: list[str], **fields: Any) -> Any:
     ``fields``, with ``req_id_to_index`` when the installed vLLM takes it."""
     from vllm.v1.outputs import ModelRunnerOutput
 
-    if "req_id_to_index" in inspect.signature(ModelRunnerOutput).parameters:
+    if _takes_row_map(ModelRunnerOutput):
         fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
     return ModelRunnerOutput(req_ids=req_ids, **fields)
