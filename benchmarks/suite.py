@@ -6,11 +6,11 @@ The phases (``.nox-reports/gate-phases.json``, written by `nox -s lint`
 and `vllm-overlay gate`): lint, the suite with the overlay, what can
 differ on the base, the stack levels, revert-red, the export and the byte
 sweep; "in turn" adds up those the gate runs one after the other (the
-stack levels run beside the overlay run, removable and the byte sweep
-beside the base run, off its path). The slowest tests: from the JUnit XML
-of the overlay and base runs (``.nox-reports/suite-*/times.json``), setup,
-call and teardown together, so a slow session fixture shows on the test
-that set it up. Without a record of a gate run it says so (exit status 0).
+stack levels, removable and the byte sweep run beside the overlay run, off
+its path). The slowest tests: from the JUnit XML of the overlay and base runs
+(``.nox-reports/suite-*/times.json``), setup, call and teardown together,
+so a slow session fixture shows on the test that set it up. Without a
+record of a gate run it says so (exit status 0).
 
 Usage: python benchmarks/suite.py [--top N] [--reports DIR]
 """
@@ -74,13 +74,13 @@ def main(argv: list[str]) -> int:
     missing = [n for n in ORDER if n not in phases]
     if missing:
         print(f"  not recorded (the run stopped or skipped them): {', '.join(missing)}")
-    # The phases run beside the overlay or base run are not on the gate's path.
+    # The phases run beside the overlay run are not on the gate's path.
     beside = {s.phase for s in steps(Dirs(ROOT), "", "") if s.beside and s.phase}
     total = sum(v for k, v in phases.items() if k not in beside)
     others = ", ".join(n for n in names if n in beside)
     print(
         f"  {'in turn':<11} {total:7.1f} s ({_minutes(total)}; "
-        f"{others} beside the runs)"
+        f"{others} beside the overlay run)"
     )
     runs: dict[str, Times] = {}
     for directory, label in RUNS.items():

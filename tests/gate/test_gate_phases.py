@@ -53,7 +53,7 @@ def test_the_bench_prints_the_phases_and_the_slowest_tests(
     phases = [line.split()[0] for line in out[1:5]]
     assert phases == ["lint", "overlay", "base", "levels"]
     assert "revert-red, removable, export, bytes" in out[5]
-    # The levels run beside a run: not on the gate's path.
+    # The levels run beside the overlay run: not on the gate's path.
     assert out[6].split() == [
         "in",
         "turn",
@@ -66,7 +66,8 @@ def test_the_bench_prints_the_phases_and_the_slowest_tests(
         "levels",
         "beside",
         "the",
-        "runs)",
+        "overlay",
+        "run)",
     ]
     slowest = [line.split()[-1] for line in out if "tests/t.py::" in line]
     assert slowest == [f"tests/t.py::test_{i}" for i in range(19, 4, -1)]

@@ -36,10 +36,10 @@ def test_the_steps_run_in_the_gates_order(tmp_path: Path) -> None:
     assert _commands(todo) == [
         "apply",
         "levels",
-        "suite",
-        "apply --revert",
         "removable",
         "simulate-bytes",
+        "suite",
+        "apply --revert",
         "suite",
         "apply",
         "revert-red",
@@ -47,9 +47,9 @@ def test_the_steps_run_in_the_gates_order(tmp_path: Path) -> None:
     ]
     assert [s.phase for s in todo if s.phase] == [
         "levels",
-        "overlay",
         "removable",
         "bytes",
+        "overlay",
         "base",
         "revert-red",
         "export",
@@ -58,10 +58,9 @@ def test_the_steps_run_in_the_gates_order(tmp_path: Path) -> None:
     assert [i for i, s in enumerate(todo) if s.always] == [7]
     base = todo[6]
     assert base.args[:3] == ("suite", "--variant", "base")
-    # Beside the runs: the steps of materialized trees; the levels beside
-    # the overlay run (revert-red reads them), removable and the byte sweep
-    # beside the base run. The export reads the reports of revert-red and
-    # removable: it comes last.
+    # Beside the overlay run: the steps of materialized trees, never the
+    # base run: they end before the base goes on. The export reads the
+    # reports of revert-red and removable: it comes last.
     assert [s.phase for s in todo if s.beside] == ["levels", "removable", "bytes"]
     assert [_commands([s])[0] for s in todo if s.joins] == [
         "apply --revert",
@@ -103,32 +102,29 @@ def test_a_failed_base_run_still_puts_the_overlay_back(tmp_path: Path) -> None:
     ran, run = _record({"suite --variant base": 3})
     done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r1")
     overlay = "suite --out " + str(dirs.overlay)
-    levels, *base_side = _beside(dirs)
-    assert ran[0] == "apply" and sorted(ran[1:3]) == sorted([levels, overlay])
-    main_thread = [name for name in ran[3:] if name not in base_side]
-    assert main_thread == ["apply --revert", "suite --variant base", "apply"]
+    assert ran[0] == "apply" and sorted(ran[1:5]) == sorted([*_beside(dirs), overlay])
+    assert ran[5:] == ["apply --revert", "suite --variant base", "apply"]
     assert done.failed is todo[6] and done.status == 3
     phases = json.loads((tmp_path / ".nox-reports" / PHASES_FILE).read_text())
     assert phases["run"] == "r1"
-    assert {"levels", "overlay", "base"} <= set(phases["phases"])
+    assert set(phases["phases"]) == {"levels", "removable", "bytes"} | {
+        "overlay",
+        "base",
+    }
 
 
-def test_the_tree_steps_run_beside_the_runs_and_end_before_revert_red(
+def test_the_tree_steps_run_beside_the_overlay_run_and_end_before_the_base(
     tmp_path: Path,
 ) -> None:
-    """The levels share the cores with the overlay run (it is still running
-    when they start) and end before `apply --revert` puts the base on;
-    removable and the byte sweep start once the base is on, share the
-    cores with the base run and end before revert-red."""
+    """Levels, removable, export and the byte sweep share the cores with the
+    overlay run (it is still running when they start) and have all ended
+    before `apply --revert` puts the base on."""
     dirs = Dirs(tmp_path)
     todo = steps(dirs, "", "OUT")
     overlay = "suite --out " + str(dirs.overlay)
-    base = "suite --variant base"
-    levels, *base_side = _beside(dirs)
-    started = {name: threading.Event() for name in [levels, *base_side, overlay, base]}
+    beside = _beside(dirs)
+    started = {name: threading.Event() for name in [*beside, overlay]}
     ended: set[str] = set()
-    reverted = threading.Event()
-    on_the_base: list[bool] = []
     buffered: list[bool] = []
     seen: dict[str, object] = {}
 
@@ -137,34 +133,22 @@ def test_the_tree_steps_run_beside_the_runs_and_end_before_revert_red(
         if name in started:
             started[name].set()
         if name == overlay:
-            # The overlay run is still going when the levels start.
-            seen["levels beside"] = started[levels].wait(10)
+            # The overlay run is still going when the last tree step starts.
+            seen["beside"] = started[beside[-1]].wait(10)
             seen["buffered"] = out
-        if name == base:
-            # So is the base run when the last tree step starts.
-            seen["base side"] = started[base_side[-1]].wait(10)
-        if name in base_side:
-            on_the_base.append(reverted.is_set())
-            started[base].wait(10)
-        if name in [levels, *base_side]:
+        if name in beside:
             buffered.append(out is not None)
-            if name == levels:
-                started[overlay].wait(10)
+            started[overlay].wait(10)
             ended.add(name)
         if name == "apply --revert":
             seen["ended before the base"] = set(ended)
-            reverted.set()
-        if name.startswith("revert-red"):
-            seen["ended before revert-red"] = set(ended)
         return 0
 
     done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r")
     assert done.failed is None and done.ran == len(todo)
-    assert seen["levels beside"] is True and seen["buffered"] is None
-    assert seen["base side"] is True and on_the_base == [True, True]
+    assert seen["beside"] is True and seen["buffered"] is None
     assert buffered == [True] * 3  # their output is printed whole
-    assert seen["ended before the base"] == {levels}
-    assert seen["ended before revert-red"] == {levels, *base_side}
+    assert seen["ended before the base"] == set(beside)
 
 
 def test_a_beside_steps_output_is_printed_whole_when_it_ends(
@@ -172,15 +156,17 @@ def test_a_beside_steps_output_is_printed_whole_when_it_ends(
 ) -> None:
     dirs = Dirs(tmp_path)
     todo = steps(dirs, "", "OUT")
+    overlay = "suite --out " + str(dirs.overlay)
     # The beside thread prints a step's block before it starts the next.
-    removable_printed = threading.Event()
+    levels_printed = threading.Event()
 
     def run(step: Step, env: dict[str, str], out: list[str] | None) -> int:
-        if step.args[:2] == ("suite", "--variant"):
-            removable_printed.wait(10)
-            print("base line")
-        if step.args[0] == "simulate-bytes":
-            removable_printed.set()
+        name = " ".join(step.args[:3])
+        if name == overlay:
+            levels_printed.wait(10)
+            print("overlay line")
+        if step.args[0] == "removable":
+            levels_printed.set()
         if out is not None:
             out.append(f"{step.args[0]} line 1\n{step.args[0]} line 2\n")
         return 0
@@ -189,9 +175,7 @@ def test_a_beside_steps_output_is_printed_whole_when_it_ends(
     lines = capsys.readouterr().out.splitlines()
     at = lines.index("running each patch's named tests on the stack levels in between")
     assert lines[at + 1 : at + 3] == ["levels line 1", "levels line 2"]
-    at = lines.index("proving each connector workaround removable with its core patch")
-    assert lines[at + 1 : at + 3] == ["removable line 1", "removable line 2"]
-    assert lines.index("removable line 2") < lines.index("base line")
+    assert lines.index("levels line 2") < lines.index("overlay line")
     at = lines.index("a small byte sweep with the overlay: its verdict gates too")
     assert lines[at + 1 : at + 3] == ["simulate-bytes line 1", "simulate-bytes line 2"]
     # The export's line once it passed, after revert-red.
@@ -225,7 +209,7 @@ def test_a_beside_step_that_cannot_start_fails_the_gate(
         return 0
 
     done = run_steps(todo, {}, run, lambda line: None, dirs.phases, "r")
-    assert done.failed is todo[4] and done.status == 1
+    assert done.failed is todo[2] and done.status == 1
     assert "removable --out" in capsys.readouterr().out
 
 
@@ -234,8 +218,7 @@ def test_an_interrupted_base_run_still_puts_the_overlay_back(tmp_path: Path) -> 
     ran, run = _record({}, interrupt="suite --variant base")
     with pytest.raises(KeyboardInterrupt):
         run_steps(steps(dirs, "", "OUT"), {}, run, lambda line: None, dirs.phases, "")
-    main_thread = [name for name in ran if name not in _beside(dirs)]
-    assert main_thread[-2:] == ["suite --variant base", "apply"]
+    assert ran[-2:] == ["suite --variant base", "apply"]
 
 
 def test_each_step_gets_the_environment_it_had_under_the_noxfile() -> None:
@@ -301,8 +284,6 @@ def test_plan_prints_the_steps_and_runs_nothing(
     out = capsys.readouterr().out
     assert "[base] vllm-overlay suite --variant base" in out
     assert "vllm-overlay apply (also after a failure)" in out
-    assert "--hypothesis-profile=gate (beside the next run)" in out
-    assert "vllm-overlay apply --revert (once the steps beside a run end)" in out
     assert "level 1: " in out
     assert "[removable] vllm-overlay removable --out " in out
     assert out.rstrip().endswith("gate --plan: 10 steps, nothing run")

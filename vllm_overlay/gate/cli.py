@@ -340,8 +340,6 @@ def _say_plan(app: App, dirs: Dirs, todo: list[Step]) -> None:
     for step in todo:
         what = f"[{step.phase}] " if step.phase else ""
         after = " (also after a failure)" if step.always else ""
-        after += " (beside the next run)" if step.beside else ""
-        after += " (once the steps beside a run end)" if step.joins else ""
         app.say(f"  {what}{command_line(step)}{after}")
     app.say(f"overlay: {count(len(files), 'test file')} under tests/")
     app.say(

@@ -6,17 +6,15 @@ read vLLM's installed MoRIIO package; then those tests, and a sample of the
 others whose outcomes must not change, on the pinned base; the per-patch
 revert-red table and its verdict; the whole export into a temporary
 directory (it reads the revert-red and removable reports). Beside the
-overlay run: each patch's named tests on the stack levels in between (they
-end before the base goes on). Beside the base run, one after the other:
-each connector workaround proven removable with the core patch its
-Remove-When names (`removable`: "NNNN removable with core patch cNNN:
-yes"); a small byte sweep with the overlay. They fill the cores the base
-run leaves idle while its server loads vLLM. The steps beside a run read
-materialized trees and the pinned wheel, never the installed MoRIIO
-package, so which build is installed while they run does not matter; they
-end before revert-red. The shared environment holds the base only while
-the base run lasts: the overlay goes back on even when that run fails or is
-interrupted.
+overlay run, one after the other: each patch's named tests on the stack
+levels in between; each connector workaround proven removable with the
+core patch its Remove-When names (`removable`: "NNNN removable with core
+patch cNNN: yes"); a small byte sweep with the overlay. They read
+materialized trees, not the installed package, and they end before the
+base goes on: the installed package holds the overlay all the time they
+run, as when they ran after the base run. The shared
+environment holds the base only while the base run lasts: the overlay goes
+back on even when that run fails or is interrupted.
 
 Each step is one `vllm-overlay` process in the checkout, as the noxfile ran
 them; `gate --plan` prints the same steps without running any.
@@ -81,7 +79,7 @@ class Step:
     # output (and its `say`) printed whole when it ends.
     beside: bool = False
     # Starts once every `beside` step before it has ended (and stops the
-    # gate if one failed); the `beside` steps after it start after it.
+    # gate if one failed).
     joins: bool = False
     done: str = ""  # printed after it when it succeeds
 
@@ -137,8 +135,9 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
     selection = str(dirs.overlay / "selection.json")
     return [
         Step(("apply",)),
-        # Beside a run: materialized trees and the pinned wheel, never the
-        # installed package, nor another step's report.
+        # Beside the overlay run: materialized trees and the pinned wheel,
+        # never the installed package, nor another step's report; they end
+        # before `apply --revert`.
         Step(
             ("levels", "--out", str(dirs.levels), f"--pytest-args={NO_SHRINK}"),
             say="running each patch's named tests on the stack levels in between",
@@ -146,14 +145,6 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
             wheels=(WHEEL_ENV,),
             beside=True,
         ),
-        Step(
-            ("suite", "--out", str(dirs.overlay), f"--pytest-args={SLOWEST}{more}")
-            + times,
-            say="running the suite with the overlay (which tests read vLLM's MoRIIO)",
-            phase="overlay",
-            wheels=TEST_WHEELS,
-        ),
-        Step(("apply", "--revert"), joins=True),
         Step(
             ("removable", "--out", str(dirs.removable)),
             say="proving each connector workaround removable with its core patch",
@@ -170,6 +161,14 @@ def steps(dirs: Dirs, pytest_args: str, export_out: str) -> list[Step]:
             parent=True,
             beside=True,
         ),
+        Step(
+            ("suite", "--out", str(dirs.overlay), f"--pytest-args={SLOWEST}{more}")
+            + times,
+            say="running the suite with the overlay (which tests read vLLM's MoRIIO)",
+            phase="overlay",
+            wheels=TEST_WHEELS,
+        ),
+        Step(("apply", "--revert"), joins=True),
         Step(
             ("suite", "--variant", "base", "--selection", selection)
             + ("--out", str(dirs.base), "--times", str(dirs.overlay / "times.json"))
@@ -349,23 +348,23 @@ def run_steps(
     run_id: str,
 ) -> Outcome:
     """Run ``todo`` in order, each phase timed; the `beside` steps in a
-    thread of their own, one after the other, while the others go on; a
-    `joins` step waits for those handed over before it (the ones after it
-    get a thread of their own). After a failure only the ``always`` steps
+    thread of their own, one after the other, while the others go on, up
+    to the first `joins` step. After a failure only the ``always`` steps
     (the overlay back on). An interrupt still runs them."""
     timing = _Timing(phases, run_id, threading.Lock())
     beside = _Beside(run, say, timing)
     codes: dict[int, int] = {}
+    joined = False
     at = 0
     try:
         for at, step in enumerate(todo):
-            if step.joins:
+            if step.joins and not joined:
                 codes.update(beside.join())
-                beside = _Beside(run, say, timing)
+                joined = True
             failed = any(codes.values()) or any(beside.codes.values())
             if failed and not step.always:
                 continue
-            if step.beside:
+            if step.beside and not joined:
                 beside.todo.put((at, step, step_env(step, env)))
                 continue
             with timing.lock:
@@ -378,7 +377,8 @@ def run_steps(
             with timing.lock:
                 for line in step.done.splitlines() if not codes[at] else []:
                     say(line)
-        codes.update(beside.join())
+        if not joined:
+            codes.update(beside.join())
     except KeyboardInterrupt:
         beside.stop.set()
         for after in [s for s in todo[at + 1 :] if s.always]:
