@@ -32,7 +32,6 @@ from ci.noxenv import (
     compile_cpu_env,
     cpu_python,
     lint_tools,
-    old_wheel,
     pinned,
     pinned_wheel,
 )
@@ -218,11 +217,8 @@ def cpu_env_beside(session: nox.Session) -> AbstractContextManager[None]:
 
 def lint_impl(session: nox.Session) -> None:
     # The wheel first: the environment's build installs it, materialize reads
-    # it. pip downloads it from nox's own environment (uv's has no pip). The
-    # older vLLM the test sessions need downloads beside it: a download
-    # leaves most of a core idle.
-    with in_thread(session, "old-wheel", lambda: old_wheel(session)):
-        wheel = pinned_wheel(session)
+    # it. pip downloads it from nox's own environment (uv's has no pip).
+    wheel = pinned_wheel(session)
     with cpu_env_beside(session):
         lint_tools(session)
         with beside(session, "mypy"):
