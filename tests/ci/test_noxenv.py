@@ -122,9 +122,6 @@ def test_the_bytecode_is_written_by_the_import_of_what_the_suite_imports(
     assert args[1:3] == ("-m", "vllm_overlay.gate.bytecode")
     assert args[3:] == (str(noxenv.ROOT), str(env / noxenv.BYTECODE_STAMP), "build 1")
     session.log.assert_called_once_with("bytecode: 3 files compiled; ...")
-    # Beside mypy in `nox -s lint`: at a lower priority.
-    noxenv.compile_cpu_env(session, nice=10)
-    assert session.run.call_args.args[3:5] == ("--nice", "10")
 
 
 def test_without_uv_the_build_stops_before_it_touches_the_environment(
