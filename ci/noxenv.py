@@ -215,19 +215,16 @@ def _build_cpu_env(session: nox.Session, location: Path, python: Path) -> None:
     _pip_check(session, python)
 
 
-def compile_cpu_env(session: nox.Session, nice: int = 0) -> None:
+def compile_cpu_env(session: nox.Session) -> None:
     """The bytecode of what the suite imports from `.nox/cpu-vllm`, once per
     build and set of imports (uv's installs write none): the tests run with
     PYTHONDONTWRITEBYTECODE, so without it every vLLM start would compile
     its sources again (`vllm_overlay.gate.bytecode`; the whole environment
-    would be 21,000 files, most of them never imported). ``nice``: its
-    priority lowered by that much (beside work that ends the session)."""
+    would be 21,000 files, most of them never imported)."""
     python = CPU_ENV / "bin" / "python"
     key = (CPU_ENV / CPU_ENV_STAMP).read_text()
     stamp = CPU_ENV / BYTECODE_STAMP
-    cmd = (str(python), "-m", "vllm_overlay.gate.bytecode")
-    cmd += ("--nice", str(nice)) if nice else ()
-    cmd += (str(ROOT), str(stamp), key)
+    cmd = (str(python), "-m", "vllm_overlay.gate.bytecode", str(ROOT), str(stamp), key)
     out = session.run(*cmd, silent=True, external=True, env=TEST_ENV)
     lines = [ln for ln in str(out or "").splitlines() if ln.startswith("bytecode:")]
     if lines:

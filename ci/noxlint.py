@@ -224,10 +224,8 @@ def lint_impl(session: nox.Session) -> None:
         with beside(session, "mypy"):
             touched, out = lint_rest(session, wheel)
     # mypy reads sources only: the environment's bytecode compiles beside it
-    # (mypy's workers leave a core idle much of the time), at a lower
-    # priority: mypy's slowest worker ends the session, and only unit-base
-    # reads the bytecode.
-    with in_thread(session, "bytecode", lambda: compile_cpu_env(session, nice=10)):
+    # (mypy's workers leave a core idle much of the time).
+    with in_thread(session, "bytecode", lambda: compile_cpu_env(session)):
         if touched:
             mypy_overlaid(session, wheel, out, touched)
     session.log(f"lint: ok ({count(len(touched), 'overlaid vLLM file')} checked)")

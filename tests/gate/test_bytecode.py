@@ -4,7 +4,6 @@ suite imports, once per build and set of imports."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
@@ -72,22 +71,3 @@ def test_wrong_arguments_are_one_line_and_import_nothing(
     stamp = tmp_path / "missing" / "stamp"
     assert bytecode.main([str(REPO), str(stamp), "k"]) == 2
     assert capsys.readouterr().err == f"bytecode: {stamp.parent}: not a directory\n"
-    for wrong in (["--nice"], ["--nice", "x", "r", "s", "k"], ["--nice", "-3"]):
-        assert bytecode.main(wrong) == 2
-        assert capsys.readouterr().err.startswith("bytecode: --nice takes a whole")
-
-
-def test_nice_lowers_the_priority_before_anything_else(tmp_path: Path) -> None:
-    """`nox -s lint` runs it beside mypy at a lower priority: the niceness
-    is raised first, even when the arguments after it are then refused."""
-    code = (
-        "import os, sys\n"
-        "from vllm_overlay.gate import bytecode\n"
-        "before = os.nice(0)\n"
-        f"code = bytecode.main(['--nice', '4', {str(tmp_path)!r}, 's', 'k'])\n"
-        "print(code, os.nice(0) - before)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO
-    )
-    assert done.stdout.split() == ["2", "4"], done.stderr

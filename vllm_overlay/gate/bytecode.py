@@ -1,6 +1,6 @@
 """Write the bytecode of what the suite's processes import.
 
-``python -m vllm_overlay.gate.bytecode [--nice N] ROOT STAMP KEY``: uv installs no
+``python -m vllm_overlay.gate.bytecode ROOT STAMP KEY``: uv installs no
 bytecode, and the suite runs with PYTHONDONTWRITEBYTECODE, so every process
 compiles the sources it imports that have none. Compiling the whole CPU
 environment costs a minute of CPU, most of it on packages no test imports
@@ -11,9 +11,7 @@ at collection, vLLM's and third-party, never vLLM's MoRIIO package, which
 get their bytecode. A module only a few processes import is compiled by them.
 
 STAMP records KEY (the environment's build) and the modules imported: a
-later call with the same ones does nothing. Prints one line. ``--nice N``
-lowers its priority by N first: `nox -s lint` runs it beside mypy, whose
-slowest worker is the session's end, and only the next session reads it.
+later call with the same ones does nothing. Prints one line.
 """
 
 from __future__ import annotations
@@ -73,19 +71,10 @@ def write(names: Sequence[str]) -> tuple[int, int]:
     return len(sys.modules), compiled_since(started)
 
 
-USAGE = "usage: python -m vllm_overlay.gate.bytecode [--nice N] ROOT STAMP KEY"
-
-
 def main(argv: Sequence[str]) -> int:
-    argv = list(argv)
-    if argv[:1] == ["--nice"]:
-        if len(argv) < 2 or not argv[1].isdigit():
-            print(f"bytecode: --nice takes a whole number; {USAGE}", file=sys.stderr)
-            return 2
-        os.nice(int(argv[1]))
-        argv = argv[2:]
     if len(argv) != 3:
-        print(USAGE, file=sys.stderr)
+        usage = "usage: python -m vllm_overlay.gate.bytecode ROOT STAMP KEY"
+        print(usage, file=sys.stderr)
         return 2
     root, stamp, key = Path(argv[0]), Path(argv[1]), argv[2]
     if not (root / "tests").is_dir():
