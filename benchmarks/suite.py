@@ -9,8 +9,10 @@ sweep; "in turn" adds up those the gate runs one after the other (the
 stack levels, removable and the byte sweep run beside the overlay run, off
 its path). The slowest tests: from the JUnit XML of the overlay and base runs
 (``.nox-reports/suite-*/times.json``), setup, call and teardown together,
-so a slow session fixture shows on the test that set it up. Without a
-record of a gate run it says so (exit status 0).
+so a slow session fixture shows on the test that set it up. The tests
+that used the most CPU, their own process's and that of the children they
+waited for (``cputime.json``): on two cores the gate's time is its CPU
+time. Without a record of a gate run it says so (exit status 0).
 
 Usage: python benchmarks/suite.py [--top N] [--reports DIR]
 """
@@ -26,9 +28,11 @@ import msgspec
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from vllm_overlay.gate.cputime import TestCpu, load_cputimes  # noqa: E402
 from vllm_overlay.gate.phases import PHASES_FILE  # noqa: E402
+from vllm_overlay.gate.reports import ReportError  # noqa: E402
 from vllm_overlay.gate.sequence import Dirs, steps  # noqa: E402
-from vllm_overlay.gate.shards import TIMES, Times, load_times  # noqa: E402
+from vllm_overlay.gate.shards import CPU_TIMES, TIMES, Times, load_times  # noqa: E402
 
 ORDER = (
     "lint",
@@ -104,11 +108,47 @@ def main(argv: list[str]) -> int:
         print(f"the {len(ranked)} slowest tests (setup + call + teardown):")
         for seconds, label, test in ranked:
             print(f"  {seconds:7.1f} s  {label:<7}  {test}")
+    costly = _cpu_hungriest(args.reports, args.top)
     print(
         f"suite: {len(names)} phases, {_minutes(total)} in turn; "
-        f"{len(ranked)} slowest tests listed"
+        f"{len(ranked)} slowest tests listed, {costly} by CPU"
     )
     return 0
+
+
+def _cpu_hungriest(reports: Path, top: int) -> int:
+    """Print each run's CPU seconds in its tests and the ``top`` tests that
+    used the most (their own process and the children they waited for: on
+    two cores the gate's time is CPU time); how many were listed."""
+    cpu: dict[str, dict[str, TestCpu]] = {}
+    for directory, label in RUNS.items():
+        try:
+            cpu[label] = load_cputimes(reports / directory / CPU_TIMES)
+        except ReportError:
+            continue
+        own = sum(t.own for t in cpu[label].values())
+        children = sum(t.children for t in cpu[label].values())
+        print(
+            f"{label} run: {own:.0f} CPU-s in its tests' own processes, "
+            f"{children:.0f} in the children they waited for"
+        )
+    ranked = sorted(
+        (
+            (t.own + t.children, t, label, test)
+            for label, tests in cpu.items()
+            for test, t in tests.items()
+        ),
+        key=lambda row: row[0],
+        reverse=True,
+    )[:top]
+    if ranked:
+        print(f"the {len(ranked)} tests using the most CPU (own + children):")
+        for total, t, label, test in ranked:
+            print(
+                f"  {total:7.1f} CPU-s ({t.own:.1f} + {t.children:.1f})  "
+                f"{label:<7}  {test}"
+            )
+    return len(ranked)
 
 
 if __name__ == "__main__":

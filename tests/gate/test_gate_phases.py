@@ -13,7 +13,7 @@ import pytest
 
 from tests.repo import REPO
 from vllm_overlay.gate.phases import PHASES_FILE, record, timed
-from vllm_overlay.gate.shards import TIMES, Times
+from vllm_overlay.gate.shards import CPU_TIMES, TIMES, Times
 
 
 def _bench() -> ModuleType:
@@ -79,3 +79,28 @@ def test_the_bench_says_when_no_gate_ran(
 ) -> None:
     assert _bench().main(["--reports", str(tmp_path)]) == 0
     assert "no gate run recorded" in capsys.readouterr().out
+
+
+def test_the_bench_prints_the_tests_using_the_most_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both runs' CPU per test, own and children together, most first."""
+    record(tmp_path / PHASES_FILE, "overlay", 300.0, "run")
+    cpu = {
+        "suite-overlay": {"tests/t.py::a": [1.0, 9.0], "tests/t.py::b": [4.0, 0.0]},
+        "suite-base": {"tests/t.py::a": [0.5, 6.0]},
+    }
+    for run, tests in cpu.items():
+        (tmp_path / run).mkdir()
+        (tmp_path / run / CPU_TIMES).write_text(json.dumps({"tests": tests}))
+    assert _bench().main(["--reports", str(tmp_path), "--top", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "overlay run: 5 CPU-s in its tests' own processes, 9 in the children" in (
+        "\n".join(out)
+    )
+    at = out.index("the 2 tests using the most CPU (own + children):")
+    assert [line.split() for line in out[at + 1 : at + 3]] == [
+        ["10.0", "CPU-s", "(1.0", "+", "9.0)", "overlay", "tests/t.py::a"],
+        ["6.5", "CPU-s", "(0.5", "+", "6.0)", "base", "tests/t.py::a"],
+    ]
+    assert out[-1].endswith("0 slowest tests listed, 2 by CPU")

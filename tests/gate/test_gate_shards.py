@@ -18,6 +18,7 @@ from tests.repo import REPO
 from vllm_overlay.cli import main
 from vllm_overlay.gate.pytestargs import names_a_test, split_paths
 from vllm_overlay.gate.shards import (
+    CPU_TIMES,
     FILE_TIMES,
     SHARDS_PER_CORE,
     START,
@@ -81,6 +82,9 @@ def test_a_shard_collects_what_the_conftests_leave_in(
     }
     recorded = json.loads((tmp_path / "out" / FILE_TIMES).read_text())["files"]
     assert sorted(recorded) == ["tests/area/test_kept.py", "tests/other/test_b.py"]
+    # Each test's CPU seconds, every shard's merged.
+    cpu = json.loads((tmp_path / "out" / CPU_TIMES).read_text())["tests"]
+    assert sorted(cpu) == sorted(outcomes)
 
 
 def test_targets_are_directories_unless_a_file_was_named(tmp_path: Path) -> None:

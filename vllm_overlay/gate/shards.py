@@ -30,6 +30,7 @@ from xml.etree import ElementTree
 import msgspec
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.gate.cputime import CpuTimes, load_cputimes
 from vllm_overlay.gate.evidence import Touches, encode, load_touches, merge
 from vllm_overlay.gate.imports import collection_imports, imports_package, third_party
 from vllm_overlay.gate.outcomes import Outcomes, load_outcomes
@@ -44,6 +45,8 @@ OUTCOMES = "outcomes.json"
 TOUCHES = "touches.json"
 TIMES = "times.json"
 FILE_TIMES = "file-times.json"
+# CPU seconds per test, its own and its waited-for children's (gate/cputime.py).
+CPU_TIMES = "cputime.json"
 # The warm Python children of the runs, a line each (vllm_overlay.gate.warmserver).
 WARM_LOG = "warm.log"
 # pytest's exit status when it collected nothing: a shard whose files a
@@ -324,6 +327,8 @@ def run_shards(
             *rooted(root),
             "-p", "vllm_overlay.gate.outcomes",
             "--outcomes-json", str(out / f"outcomes-{i}.json"),
+            "-p", "vllm_overlay.gate.cputime",
+            "--cputime-json", str(out / f"cputime-{i}.json"),
             f"--junitxml={out / f'junit-{i}.xml'}", "-o", "junit_family=xunit1",
             *plugins,
             *pytest_args,
@@ -369,14 +374,18 @@ def run_shards(
         progress(warm_summary(warm_log.read_text()))
     outcomes: dict[str, TestOutcome] = {}
     times: dict[str, float] = {}
+    cpu = CpuTimes({})
     for k in sorted(codes):
         outcomes.update(load_outcomes(out / f"outcomes-{k}.json"))
         times.update(junit_times(out / f"junit-{k}.xml", root))
+        if (out / f"cputime-{k}.json").is_file():
+            cpu.tests.update(load_cputimes(out / f"cputime-{k}.json"))
     if codes and not outcomes:
         raise ShardError(f"no test ran in {count(len(codes), 'shard')}")
     (out / OUTCOMES).write_bytes(msgspec.json.encode(Outcomes(outcomes)))
     wall = time.monotonic() - started
     (out / TIMES).write_bytes(msgspec.json.encode(Times(times, wall)))
+    (out / CPU_TIMES).write_bytes(msgspec.json.encode(cpu))
     per_file = dict(sorted(file_seconds(Times(times)).items()))
     rounded = {f: round(s, 1) for f, s in per_file.items()}
     (out / FILE_TIMES).write_bytes(
