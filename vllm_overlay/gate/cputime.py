@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from vllm_overlay.gate.reports import ReportError
+from vllm_overlay.gate.reports import load_struct
 
 if TYPE_CHECKING:  # the CLI imports this module without pytest installed
     import pytest
@@ -71,11 +71,4 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def load_cputimes(path: Path) -> dict[str, TestCpu]:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ReportError(f"{path}: cannot read the CPU times: {e.strerror}") from None
-    try:
-        return msgspec.json.decode(data, type=CpuTimes).tests
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ReportError(f"{path}: not a CPU times file ({e})") from None
+    return load_struct(path, CpuTimes, "CPU times", "a CPU times file").tests

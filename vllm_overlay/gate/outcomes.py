@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from vllm_overlay.gate.reports import ReportError, TestOutcome
+from vllm_overlay.gate.reports import TestOutcome, load_struct
 
 if TYPE_CHECKING:  # the CLI imports this module without pytest installed
     import pytest
@@ -55,11 +55,4 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def load_outcomes(path: Path) -> dict[str, TestOutcome]:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ReportError(f"{path}: cannot read the outcomes: {e.strerror}") from None
-    try:
-        return msgspec.json.decode(data, type=Outcomes).outcomes
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ReportError(f"{path}: not an outcomes file ({e})") from None
+    return load_struct(path, Outcomes, "outcomes", "an outcomes file").outcomes

@@ -11,7 +11,7 @@ to fill a PR's test results; it never invents one.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -25,6 +25,23 @@ Role = Literal["test", "guard"]
 
 class ReportError(OverlayError):
     """A report is missing, unreadable, or for another series."""
+
+
+_T = TypeVar("_T")
+
+
+def load_struct(path: Path, kind: type[_T], what: str, a_file: str) -> _T:
+    """``path`` decoded as ``kind``; one line naming ``what`` it should
+    hold (``a_file``: "an outcomes file") when it cannot be read or is not
+    one."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ReportError(f"{path}: cannot read the {what}: {e.strerror}") from None
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ReportError(f"{path}: not {a_file} ({e})") from None
 
 
 class RevertRedRow(msgspec.Struct, forbid_unknown_fields=True):
