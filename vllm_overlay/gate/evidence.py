@@ -10,6 +10,7 @@ from typing import TypeVar
 import msgspec
 
 from vllm_overlay.errors import OverlayError
+from vllm_overlay.gate.reports import load_struct
 
 _T = TypeVar("_T")
 
@@ -46,14 +47,7 @@ def encode(value: Touches | Selection) -> bytes:
 
 
 def _load(path: Path, kind: type[_T], what: str) -> _T:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise EvidenceError(f"{path}: cannot read the {what}: {e.strerror}") from None
-    try:
-        return msgspec.json.decode(data, type=kind)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise EvidenceError(f"{path}: not a {what} file ({e})") from None
+    return load_struct(path, kind, what, f"a {what} file", EvidenceError)
 
 
 def load_touches(path: Path) -> Touches:

@@ -30,18 +30,24 @@ class ReportError(OverlayError):
 _T = TypeVar("_T")
 
 
-def load_struct(path: Path, kind: type[_T], what: str, a_file: str) -> _T:
-    """``path`` decoded as ``kind``; one line naming ``what`` it should
-    hold (``a_file``: "an outcomes file") when it cannot be read or is not
-    one."""
+def load_struct(
+    path: Path,
+    kind: type[_T],
+    what: str,
+    a_file: str,
+    error: type[OverlayError] = ReportError,
+) -> _T:
+    """``path`` decoded as ``kind``; ``error``, one line naming ``what`` it
+    should hold (``a_file``: "an outcomes file"), when it cannot be read or
+    is not one."""
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise ReportError(f"{path}: cannot read the {what}: {e.strerror}") from None
+        raise error(f"{path}: cannot read the {what}: {e.strerror}") from None
     try:
         return msgspec.json.decode(data, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ReportError(f"{path}: not {a_file} ({e})") from None
+        raise error(f"{path}: not {a_file} ({e})") from None
 
 
 class RevertRedRow(msgspec.Struct, forbid_unknown_fields=True):
