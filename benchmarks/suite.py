@@ -28,7 +28,7 @@ import msgspec
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vllm_overlay.gate.cputime import TestCpu, load_cputimes  # noqa: E402
+from vllm_overlay.gate.cputime import CpuSeconds, load_cputimes  # noqa: E402
 from vllm_overlay.gate.phases import PHASES_FILE  # noqa: E402
 from vllm_overlay.gate.reports import ReportError  # noqa: E402
 from vllm_overlay.gate.sequence import Dirs, steps  # noqa: E402
@@ -120,11 +120,15 @@ def _cpu_hungriest(reports: Path, top: int) -> int:
     """Print each run's CPU seconds in its tests and the ``top`` tests that
     used the most (their own process and the children they waited for: on
     two cores the gate's time is CPU time); how many were listed."""
-    cpu: dict[str, dict[str, TestCpu]] = {}
+    cpu: dict[str, dict[str, CpuSeconds]] = {}
     for directory, label in RUNS.items():
+        path = reports / directory / CPU_TIMES
+        if not path.exists():  # a gate run older than the record
+            continue
         try:
-            cpu[label] = load_cputimes(reports / directory / CPU_TIMES)
-        except ReportError:
+            cpu[label] = load_cputimes(path)
+        except ReportError as e:
+            print(f"suite: {e}")
             continue
         own = sum(t.own for t in cpu[label].values())
         children = sum(t.children for t in cpu[label].values())

@@ -104,3 +104,16 @@ def test_the_bench_prints_the_tests_using_the_most_cpu(
         ["6.5", "CPU-s", "(0.5", "+", "6.0)", "base", "tests/t.py::a"],
     ]
     assert out[-1].endswith("0 slowest tests listed, 2 by CPU")
+
+
+def test_an_unreadable_cpu_record_is_one_line_and_the_rest_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record(tmp_path / PHASES_FILE, "overlay", 300.0, "run")
+    (tmp_path / "suite-overlay").mkdir()
+    (tmp_path / "suite-overlay" / CPU_TIMES).write_text("{not json")
+    assert _bench().main(["--reports", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    bad = [line for line in out if "not a CPU times file" in line]
+    assert len(bad) == 1 and bad[0].startswith(f"suite: {tmp_path}")
+    assert out[-1].endswith("0 slowest tests listed, 0 by CPU")

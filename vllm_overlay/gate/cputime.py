@@ -25,13 +25,13 @@ if TYPE_CHECKING:  # the CLI imports this module without pytest installed
 OPTION = "--cputime-json"
 
 
-class TestCpu(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class CpuSeconds(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     own: float  # CPU seconds of the test's process
     children: float  # of the child processes it waited for
 
 
 class CpuTimes(msgspec.Struct, forbid_unknown_fields=True):
-    tests: dict[str, TestCpu]
+    tests: dict[str, CpuSeconds]
 
 
 def _cpu(who: int) -> float:
@@ -46,7 +46,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 class _Recorder:
     def __init__(self, path: Path):
         self.path = path
-        self.tests: dict[str, TestCpu] = {}
+        self.tests: dict[str, CpuSeconds] = {}
         self.started: tuple[float, float] = (0.0, 0.0)
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:
@@ -54,7 +54,7 @@ class _Recorder:
 
     def pytest_runtest_logfinish(self, nodeid: str) -> None:
         own, children = self.started
-        self.tests[nodeid] = TestCpu(
+        self.tests[nodeid] = CpuSeconds(
             round(_cpu(resource.RUSAGE_SELF) - own, 3),
             round(_cpu(resource.RUSAGE_CHILDREN) - children, 3),
         )
@@ -70,5 +70,5 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_Recorder(Path(path)), "cputime-recorder")
 
 
-def load_cputimes(path: Path) -> dict[str, TestCpu]:
+def load_cputimes(path: Path) -> dict[str, CpuSeconds]:
     return load_struct(path, CpuTimes, "CPU times", "a CPU times file").tests
