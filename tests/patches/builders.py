@@ -1000,10 +1000,11 @@ def read_as_decode_rank(
 
 
 def fill_random(buffer: torch.Tensor, generator: torch.Generator) -> None:
-    """Every byte of ``buffer`` drawn at random from ``generator``."""
-    buffer.copy_(
-        torch.randint(0, 256, buffer.shape, generator=generator).to(torch.uint8)
-    )
+    """Every byte of ``buffer`` (uint8) drawn at random from ``generator``, in
+    place: the bytes ``torch.randint(0, 256, ...)`` would draw, without its
+    int64 copy."""
+    assert buffer.dtype == torch.uint8, buffer.dtype
+    buffer.random_(0, 256, generator=generator)
 
 
 def paired_sessions(local: Any, remote: Any) -> list[tuple[Region, Region]]:
