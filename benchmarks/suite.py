@@ -7,9 +7,12 @@ and `vllm-overlay gate`): lint, the suite with the overlay, what can
 differ on the base, the stack levels, revert-red, the export and the byte
 sweep; "in turn" adds up those the gate runs one after the other (the
 stack levels, removable and the byte sweep run beside the overlay run, off
-its path). The slowest tests: from the JUnit XML of the overlay and base runs
-(``.nox-reports/suite-*/times.json``), setup, call and teardown together,
-so a slow session fixture shows on the test that set it up. The tests
+its path). Beside each, the CPU seconds of its processes (and of the
+descendants they waited for); their sum over this machine's cores is a time
+no order of the phases beats. The slowest tests: from the JUnit XML of the
+overlay and base runs (``.nox-reports/suite-*/times.json``), setup, call and
+teardown together, so a slow session fixture shows on the test that set it
+up. The tests
 that used the most CPU, their own process's and that of the children they
 waited for (``cputime.json``): on two cores the gate's time is its CPU
 time. Without a record of a gate run it says so (exit status 0).
@@ -20,6 +23,7 @@ Usage: python benchmarks/suite.py [--top N] [--reports DIR]
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +54,7 @@ RUNS = {"suite-overlay": "overlay", "suite-base": "base"}
 class Phases(msgspec.Struct):
     phases: dict[str, float]
     run: str = ""
+    cpu: dict[str, float] = {}  # CPU-s of a phase's processes (a newer record)
 
 
 def _minutes(seconds: float) -> str:
@@ -63,18 +68,20 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     path = args.reports / PHASES_FILE
     try:
-        phases = msgspec.json.decode(path.read_bytes(), type=Phases).phases
+        record = msgspec.json.decode(path.read_bytes(), type=Phases)
     except FileNotFoundError:
         print(f"suite: {path}: no gate run recorded; run `nox -s lint unit-base`")
         return 0
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
         print(f"suite: {path}: unreadable ({e})")
         return 1
+    phases, cpu = record.phases, record.cpu
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     print(f"gate phases ({shown}):")
     names = [*(n for n in ORDER if n in phases), *sorted(set(phases) - set(ORDER))]
     for name in names:
-        print(f"  {name:<11} {phases[name]:7.1f} s")
+        used = f"  {cpu[name]:7.1f} CPU-s" if name in cpu else ""
+        print(f"  {name:<11} {phases[name]:7.1f} s{used}")
     missing = [n for n in ORDER if n not in phases]
     if missing:
         print(f"  not recorded (the run stopped or skipped them): {', '.join(missing)}")
@@ -86,6 +93,13 @@ def main(argv: list[str]) -> int:
         f"  {'in turn':<11} {total:7.1f} s ({_minutes(total)}; "
         f"{others} beside the overlay run)"
     )
+    if cpu:
+        # Time on the cores: no schedule ends sooner than their sum over them.
+        spent, cores = sum(cpu.values()), os.cpu_count() or 1
+        print(
+            f"  {'CPU':<11} {spent:7.1f} CPU-s in {len(cpu)} phases' processes: "
+            f"at least {_minutes(spent / cores)} on {cores} cores"
+        )
     runs: dict[str, Times] = {}
     for directory, label in RUNS.items():
         times = load_times(args.reports / directory / TIMES)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -117,3 +119,42 @@ def test_an_unreadable_cpu_record_is_one_line_and_the_rest_prints(
     bad = [line for line in out if "not a CPU times file" in line]
     assert len(bad) == 1 and bad[0].startswith(f"suite: {tmp_path}")
     assert out[-1].endswith("0 slowest tests listed, 0 by CPU")
+
+
+# 0.4 CPU seconds, whatever the machine's speed.
+BURN = "import time\nwhile time.process_time() < 0.4:\n    pass"
+
+
+def test_a_timed_phase_records_the_cpu_of_the_children_it_waited_for(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / PHASES_FILE
+    with timed(path, "lint", "run-1"):
+        subprocess.run([sys.executable, "-c", BURN], check=True)
+    cpu = json.loads(path.read_text())["cpu"]
+    assert 0.4 <= cpu["lint"] < 5, cpu
+    record(path, "base", 90.0, "run-2", 150.0)
+    assert json.loads(path.read_text())["cpu"] == {"base": 150.0}
+
+
+def test_the_bench_prints_each_phases_cpu_and_what_it_takes_on_the_cores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / PHASES_FILE
+    record(path, "lint", 80.0, "run", 110.0)
+    record(path, "overlay", 400.0, "run", 700.0)
+    record(path, "base", 150.0, "run")  # a phase without a CPU record
+    bench = _bench()
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    assert bench.main(["--reports", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split() for line in out[1:4]] == [
+        ["lint", "80.0", "s", "110.0", "CPU-s"],
+        ["overlay", "400.0", "s", "700.0", "CPU-s"],
+        ["base", "150.0", "s"],
+    ]
+    floor = [line for line in out if line.split()[0] == "CPU"]
+    assert floor == [
+        "  CPU           810.0 CPU-s in 2 phases' processes: at least 6 min 45.0 s "
+        "on 2 cores"
+    ]

@@ -21,6 +21,7 @@ from vllm_overlay.gate.sequence import (
     Run,
     Step,
     prepare,
+    run_step,
     run_steps,
     step_env,
     steps,
@@ -302,3 +303,40 @@ def test_gate_without_a_wheel_is_one_line_and_runs_nothing(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no pinned vLLM wheel" in err
     assert (repo / ".nox-reports" / "levels").is_dir()  # nothing removed
+
+
+# A stand-in for the CLI a step runs: its CPU is a child's, which it waits for.
+FAKE_CLI = """
+import subprocess
+import sys
+
+BURN = "import time\\nwhile time.process_time() < 0.4:\\n    pass"
+subprocess.run([sys.executable, "-c", BURN], check=True)
+print("fake step", *sys.argv[1:])
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_each_phase_records_the_cpu_of_its_steps_process_tree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step's CPU seconds are those of its process and the children it
+    waited for, apart from a step that runs beside it; a silent step's
+    output is printed when it fails."""
+    root = tmp_path / "checkout"
+    (root / "vllm_overlay").mkdir(parents=True)
+    (root / "vllm_overlay" / "__init__.py").write_text("")
+    (root / "vllm_overlay" / "cli.py").write_text(FAKE_CLI)
+    dirs = Dirs(tmp_path)
+    todo = [
+        Step(("0",), phase="levels", beside=True),
+        Step(("0",), phase="overlay"),
+        Step(("3",), phase="export", silent=True),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    done = run_steps(todo, env, run_step(root), lambda line: None, dirs.phases, "r")
+    assert done.failed is todo[2] and done.status == 3
+    cpu = json.loads(dirs.phases.read_text())["cpu"]
+    assert set(cpu) == {"levels", "overlay", "export"}
+    assert all(0.4 <= seconds < 5 for seconds in cpu.values()), cpu
+    assert "fake step 3" in capsys.readouterr().out

@@ -22,6 +22,7 @@ them; `gate --plan` prints the same steps without running any.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shlex
@@ -235,30 +236,49 @@ def command_line(step: Step, python: str = "vllm-overlay") -> str:
 # A step's exit status; with ``out`` given, its output goes there (stdout and
 # stderr in one), not to the gate's.
 Run = Callable[[Step, dict[str, str], list[str] | None], int]
+# The CPU seconds of the step this thread ran last, set by `run_step`: its
+# process's and those of the descendants it waited for. Its phase records them.
+_step_cpu = threading.local()
+
+
+def _reap(proc: subprocess.Popen[str]) -> int:
+    """Wait for ``proc``: its exit status; its CPU seconds into `_step_cpu`."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    _step_cpu.seconds = usage.ru_utime + usage.ru_stime
+    return proc.returncode
 
 
 def run_step(root: Path) -> Run:
-    """A step as a process of this Python in ``root``; its exit status."""
+    """A step as a process of this Python in ``root``; its exit status. A
+    silent step's output (stdout and stderr in one) is printed when it fails."""
 
     def run(step: Step, env: dict[str, str], out: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "vllm_overlay.cli", *step.args]
+        pipe = subprocess.PIPE if out is not None or step.silent else None
+        proc = subprocess.Popen(
+            cmd, cwd=root, env=env, text=True,
+            stdout=pipe, stderr=subprocess.STDOUT if pipe else None,
+        )  # fmt: skip
+        try:
+            text = proc.stdout.read() if proc.stdout is not None else ""
+            code = _reap(proc)
+        except BaseException:
+            # As subprocess.run: a moment to end on the same interrupt, then killed.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.25)
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            if proc.stdout is not None:
+                proc.stdout.close()
         if out is not None:
-            done = subprocess.run(
-                cmd, cwd=root, env=env, check=False, text=True,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-            if not step.silent or done.returncode:
-                out.append(done.stdout)
-            return done.returncode
-        if not step.silent:
-            return subprocess.run(cmd, cwd=root, env=env, check=False).returncode
-        done = subprocess.run(
-            cmd, cwd=root, env=env, check=False, capture_output=True, text=True
-        )
-        if done.returncode:
-            sys.stdout.write(done.stdout)
-            sys.stderr.write(done.stderr)
-        return done.returncode
+            if not step.silent or code:
+                out.append(text)
+        elif code and step.silent:
+            sys.stdout.write(text)
+        return code
 
     return run
 
@@ -331,12 +351,20 @@ class _Timed:
 
     def __enter__(self) -> None:
         self.started = time.monotonic()
+        _step_cpu.seconds = None
 
     def __exit__(self, *exc: object) -> None:
         if self.step.phase:
             seconds = time.monotonic() - self.started
+            cpu: float | None = getattr(_step_cpu, "seconds", None)
             with self.timing.lock:
-                record(self.timing.phases, self.step.phase, seconds, self.timing.run_id)
+                record(
+                    self.timing.phases,
+                    self.step.phase,
+                    seconds,
+                    self.timing.run_id,
+                    cpu,
+                )
 
 
 def run_steps(
